@@ -1,0 +1,66 @@
+"""The default corpus: the Python standard library's source, on every machine, no network.
+
+``stdlib_corpus(block_size)`` reads every ``*.py`` file under
+``sysconfig.get_paths()["stdlib"]`` (without ``site-packages``/``dist-packages``, so
+installed packages do not change it), sorted by relative path, joins them with the
+byte tokenizer's EOT (NUL), and caches the tokens in ``<cache>/corpus/`` (see
+:func:`~ftrain.data.fingerprint.cache_dir`: argument > ``FTRAIN_CACHE_DIR`` >
+``~/.cache/ftrain``). On CPython 3.11 that is about 1,800 files and 31 M byte tokens,
+tokenized in about a second on the first start and memory-mapped afterwards. The
+fingerprint differs between Python versions, since their stdlib sources differ.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+from ftrain.data.fingerprint import cache_dir
+from ftrain.data.sources import TextCorpusSource, register_source, resolve_text_files
+
+__all__ = ["cache_dir", "stdlib_corpus", "stdlib_files"]
+
+_EXCLUDE = ("site-packages", "dist-packages")
+
+
+def stdlib_root() -> Path:
+    """The standard library directory of the running interpreter."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """The ``*.py`` files of the standard library, sorted by relative path."""
+    return resolve_text_files(stdlib_root(), pattern="**/*.py", exclude=_EXCLUDE)
+
+
+@register_source("stdlib")
+def stdlib_corpus(
+    *,
+    block_size: int,
+    split: str = "train",
+    val_fraction: float = 0.05,
+    cache_dir: str | os.PathLike | None = None,
+) -> TextCorpusSource:
+    """The default corpus (see the module docstring) as a byte-level text source.
+
+    Args:
+        block_size: tokens per sample.
+        split: ``"train"`` or ``"val"`` (the last ``val_fraction`` of the tokens).
+        val_fraction: the share of tokens held out for ``val``.
+        cache_dir: override the cache directory.
+
+    Example:
+        >>> src = stdlib_corpus(block_size=256)  # doctest: +SKIP
+        >>> src.describe()["vocab_size"]  # doctest: +SKIP
+        256
+    """
+    return TextCorpusSource(
+        stdlib_root(),
+        block_size=block_size,
+        split=split,
+        pattern="**/*.py",
+        exclude=_EXCLUDE,
+        val_fraction=val_fraction,
+        cache_dir=cache_dir,
+    )

@@ -1,0 +1,213 @@
+"""Dataset fingerprints: what a checkpoint records about the data it was trained on.
+
+A fingerprint is a short string that changes whenever the *samples* a source
+yields could change: the token content, the tokenizer, the split and the block
+size. It is deliberately independent of the file's location, so a dataset that
+is moved or mounted elsewhere still resumes. Format::
+
+    <kind>:<tokenizer>:<split>:bs<block_size>:<digest>
+
+e.g. ``tokens:bytes-v1:train:bs256:3f9a0c1d2b4e5f60``. The digest (BLAKE2b-64)
+covers all those fields plus the content hash and the split's token range.
+
+Hashing a large file is costly, so :func:`file_digest` caches the full content
+hash per file in the cache directory, keyed by absolute path, size and
+``mtime_ns``. On a cache hit it re-hashes a few fixed 64 KiB probes (start,
+end and six evenly spaced blocks) and compares them with the cached probe
+digest: a cheap check (< 1 MiB read) that catches files rewritten with a
+restored mtime in the probed regions. A file edited in place outside the probes
+*and* given back its old mtime is the one case not caught; delete
+``<cache>/fingerprints`` (or touch the file) to force a full re-hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+__all__ = [
+    "DataFingerprintError",
+    "cache_dir",
+    "check_fingerprint",
+    "file_digest",
+    "make_fingerprint",
+]
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 8 << 20
+_PROBE = 64 << 10
+_N_MIDDLE_PROBES = 6
+_CACHE_VERSION = 1
+
+
+class DataFingerprintError(ValueError):
+    """The data a checkpoint was trained on differs from the data configured now."""
+
+
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """The directory for ftrain's caches (tokenized corpora, fingerprints).
+
+    Precedence: ``override`` > env ``FTRAIN_CACHE_DIR`` > ``$XDG_CACHE_HOME/ftrain``
+    > ``~/.cache/ftrain``. The directory is created if missing.
+
+    Example:
+        >>> cache_dir("/tmp/ftrain-cache").name
+        'ftrain-cache'
+    """
+    if override is not None:
+        path = Path(override)
+    elif os.environ.get("FTRAIN_CACHE_DIR"):
+        path = Path(os.environ["FTRAIN_CACHE_DIR"])
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        path = (Path(xdg) if xdg else Path.home() / ".cache") / "ftrain"
+    path = path.expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _full_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _probe_digest(path: Path, size: int) -> str:
+    offsets = {0, max(size - _PROBE, 0)}
+    offsets |= {size * (i + 1) // (_N_MIDDLE_PROBES + 1) for i in range(_N_MIDDLE_PROBES)}
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for off in sorted(offsets):
+            f.seek(off)
+            h.update(off.to_bytes(8, "little"))
+            h.update(f.read(_PROBE))
+    return h.hexdigest()
+
+
+def _entry_path(path: Path, cache: Path) -> Path:
+    name = hashlib.blake2b(str(path).encode(), digest_size=12).hexdigest()
+    return cache / "fingerprints" / f"{name}.json"
+
+
+def _write_json_atomic(target: Path, obj: dict) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, target)
+
+
+def file_digest(path: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> str:
+    """The content hash (BLAKE2b-128, hex) of a file, cached by path, size and mtime.
+
+    Args:
+        path: the file to hash.
+        cache: cache directory override (see :func:`cache_dir`).
+
+    Returns:
+        32 hex characters. Equal for equal content wherever the file lives.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.bin"; _ = p.write_bytes(b"abc")
+        >>> len(file_digest(p, cache=p.parent))
+        32
+    """
+    path = Path(path).resolve()
+    st = path.stat()
+    entry_file = _entry_path(path, cache_dir(cache))
+    try:
+        entry = json.loads(entry_file.read_text())
+    except (OSError, ValueError):
+        entry = None
+    key = {"v": _CACHE_VERSION, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if isinstance(entry, dict) and all(entry.get(k) == v for k, v in key.items()):
+        if entry.get("probe") == _probe_digest(path, st.st_size):
+            return str(entry["digest"])
+        log.warning("fingerprint cache: %s changed without a new mtime; re-hashing", path)
+    digest = _full_digest(path)
+    try:
+        _write_json_atomic(
+            entry_file, {**key, "digest": digest, "probe": _probe_digest(path, st.st_size)}
+        )
+    except OSError as e:  # a read-only cache only costs a re-hash next time
+        log.warning("fingerprint cache: could not write %s: %s", entry_file, e)
+    return digest
+
+
+def make_fingerprint(
+    *,
+    kind: str,
+    tokenizer: str,
+    split: str,
+    block_size: int,
+    content: str,
+    extra: dict | None = None,
+) -> str:
+    """Assemble a source fingerprint from its parts (see the module docstring).
+
+    Args:
+        kind: the source kind, e.g. ``"tokens"``.
+        tokenizer: the tokenizer id, e.g. ``"bytes-v1"`` (``"none"`` for raw tokens).
+        split: ``"train"``, ``"val"`` or another split name.
+        block_size: tokens per sample.
+        content: the content hash of the underlying tokens.
+        extra: any further facts that change the samples (token range, dtype).
+
+    Example:
+        >>> fp = make_fingerprint(kind="t", tokenizer="x", split="train", block_size=8, content="00")
+        >>> fp.startswith("t:x:train:bs8:")
+        True
+    """
+    payload = {"kind": kind, "tokenizer": tokenizer, "split": split, "block_size": block_size}
+    payload |= {"content": content, "extra": extra or {}}
+    digest = hashlib.blake2b(
+        json.dumps(payload, sort_keys=True).encode(), digest_size=8
+    ).hexdigest()
+    return f"{kind}:{tokenizer}:{split}:bs{block_size}:{digest}"
+
+
+def check_fingerprint(saved: str | None, current: str, allow_changed: bool = False) -> bool:
+    """Compare the fingerprint saved in a checkpoint with the current source's.
+
+    Args:
+        saved: the fingerprint from the checkpoint metadata (``None``: not recorded).
+        current: ``source.fingerprint`` of the data configured now.
+        allow_changed: accept a change (config ``data.allow_changed=true``).
+
+    Returns:
+        ``True`` when the data changed and the change was allowed (the caller records
+        it in the run's metrics/log), else ``False``.
+
+    Raises:
+        DataFingerprintError: the fingerprints differ and ``allow_changed`` is false.
+
+    Example:
+        >>> check_fingerprint("a", "a")
+        False
+    """
+    if saved is None or saved == current:
+        return False
+    if allow_changed:
+        log.warning(
+            "data changed since the checkpoint (saved %s, now %s); continuing because "
+            "data.allow_changed=true — the cursor keeps its epoch/position",
+            saved,
+            current,
+        )
+        return True
+    raise DataFingerprintError(
+        "the dataset differs from the one this checkpoint was trained on:\n"
+        f"  checkpoint fingerprint: {saved}\n"
+        f"  current fingerprint:    {current}\n"
+        "Point the data config back at the original data, or, to continue on the new data "
+        "from the saved cursor (epoch/position), pass data.allow_changed=true."
+    )

@@ -1,0 +1,264 @@
+"""The prefetching loader: batches from any cursor, read ahead in a background thread.
+
+The loader holds no position of its own. ``loader.iter_from(cursor)`` starts a
+stream at a cursor; each batch carries ``cursor`` = the cursor *after* it, which
+the trainer puts into the new state when the step that consumed the batch commits.
+A producer thread may run ``prefetch`` batches ahead, but what it has read ahead is
+simply discarded on restart: resuming from a checkpoint means calling
+``iter_from(state["data"])`` again, which joins the old thread and starts a new one.
+
+On CUDA the producer pins each batch's host memory and the consumer copies it with
+``non_blocking=True`` on the current stream. Cursor tensors always stay on the CPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import torch
+from tensordict import TensorDict
+
+from ftrain.data.sampler import cursor_values, init_cursor, sample
+from ftrain.data.sources import Source
+
+__all__ = ["Loader", "LoaderIterator", "val_batches"]
+
+_POLL_S = 0.1
+
+
+class _Stop:
+    """Sentinel passed through the queue when the producer ends (with an optional error)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class LoaderIterator(Iterator[TensorDict]):
+    """An endless stream of batches from one starting cursor. ``close()`` joins its thread."""
+
+    def __init__(self, loader: Loader, cursor: TensorDict) -> None:
+        self._loader = loader
+        self._cursor = init_cursor(*cursor_values(cursor))  # own copy; the caller's is untouched
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if loader.prefetch > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._produce, name="ftrain-data-prefetch", daemon=True
+            )
+            self._thread.start()
+
+    def _produce(self) -> None:
+        cursor = self._cursor
+        try:
+            while not self._stop.is_set():
+                batch = self._loader._read(cursor)
+                cursor = batch["cursor"]
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(batch, timeout=_POLL_S)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # surfaced to the consumer on its next() call
+            self._put_final(_Stop(e))
+
+    def _put_final(self, item: _Stop) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def __next__(self) -> TensorDict:
+        if self._closed:
+            raise RuntimeError(
+                "this data iterator is closed; start a new one with loader.iter_from(cursor)"
+            )
+        if self._thread is None:
+            batch = self._loader._read(self._cursor)
+        else:
+            while True:
+                try:
+                    batch = self._queue.get(timeout=_POLL_S)
+                    break
+                except queue.Empty:
+                    if not self._thread.is_alive() and self._queue.empty():
+                        raise RuntimeError(
+                            "the data prefetch thread died without a batch"
+                        ) from None
+            if isinstance(batch, _Stop):
+                self.close()
+                raise RuntimeError(
+                    "the data prefetch thread failed while reading a batch"
+                ) from batch.error
+        self._cursor = batch["cursor"]
+        return self._loader._to_device(batch)
+
+    def close(self) -> None:
+        """Stop the prefetch thread and wait for it; idempotent."""
+        self._closed = True
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> LoaderIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self._stop.set()
+
+
+class Loader:
+    """Batches of a source for one rank, in the order of the pure sampler.
+
+    Args:
+        source: any :class:`~ftrain.data.sources.Source`.
+        global_batch: samples per step over all ranks (divisible by ``world``).
+        rank: this process's rank.
+        world: the number of data-parallel ranks.
+        key: the run's base key (``state["rng"]``).
+        shuffle: permute each epoch.
+        drop_last: skip an epoch's partial last batch instead of wrapping (see sampler).
+        prefetch: batches to read ahead in a background thread (0: read synchronously).
+        device: where ``x`` and ``y`` are delivered; on CUDA via pinned memory and
+            non-blocking copies.
+
+    Example:
+        >>> from ftrain.data.sources import TensorSource
+        >>> from ftrain.rng import key
+        >>> loader = Loader(TensorSource(torch.arange(100), block_size=4), global_batch=2, key=key(0))
+        >>> with loader.iter_from(init_cursor()) as it:
+        ...     batch = next(it)
+        >>> batch["x"].shape, batch["cursor", "position"].item()
+        (torch.Size([2, 4]), 2)
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        global_batch: int,
+        key: torch.Tensor,
+        rank: int = 0,
+        world: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch=}")
+        self.source, self.global_batch, self.rank, self.world = source, global_batch, rank, world
+        self.key, self.shuffle, self.drop_last, self.prefetch = (
+            key.clone(),
+            shuffle,
+            drop_last,
+            prefetch,
+        )
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._active: LoaderIterator | None = None
+        # validate the arguments now rather than in the producer thread
+        sample(init_cursor(), self.key, **self._sample_kwargs())
+
+    def _sample_kwargs(self) -> dict:
+        return {
+            "rank": self.rank,
+            "world": self.world,
+            "global_batch": self.global_batch,
+            "num_samples": len(self.source),
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def _read(self, cursor: TensorDict) -> TensorDict:
+        indices, next_cursor = sample(cursor, self.key, **self._sample_kwargs())
+        xy = self.source.get(indices)
+        x, y = xy["x"], xy["y"]
+        if self._pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return TensorDict({"x": x, "y": y, "cursor": next_cursor}, batch_size=[])
+
+    def _to_device(self, batch: TensorDict) -> TensorDict:
+        if self.device.type == "cpu":
+            return batch
+        return TensorDict(
+            {
+                "x": batch["x"].to(self.device, non_blocking=True),
+                "y": batch["y"].to(self.device, non_blocking=True),
+                "cursor": batch["cursor"],
+            },
+            batch_size=[],
+        )
+
+    def iter_from(self, cursor: TensorDict | None = None) -> LoaderIterator:
+        """Start a batch stream at ``cursor`` (default: the start), closing the previous one.
+
+        Each batch is ``TensorDict(x, y, cursor)``: ``x``/``y`` int64
+        ``[global_batch // world, block_size]`` and ``cursor`` the cursor after this batch.
+        """
+        self.close()
+        self._active = LoaderIterator(self, init_cursor() if cursor is None else cursor)
+        return self._active
+
+    def __iter__(self) -> LoaderIterator:
+        return self.iter_from(None)
+
+    def close(self) -> None:
+        """Close the active stream (joins its prefetch thread)."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def val_batches(
+    source: Source,
+    n_batches: int,
+    global_batch: int,
+    rank: int = 0,
+    world: int = 1,
+    device: str | torch.device = "cpu",
+) -> Iterator[TensorDict]:
+    """The fixed evaluation batches of ``source``: the same every call, no RNG, no cursor.
+
+    Batch ``b`` holds the samples ``floor(j * N / (n_batches * global_batch))`` for
+    ``j`` in its slice, i.e. evenly spread over the split (wrapping when the split has
+    fewer than ``n_batches * global_batch`` samples); rank ``r`` keeps its contiguous
+    slice as in training.
+
+    Yields:
+        ``TensorDict(x, y)`` with ``[global_batch // world, block_size]`` int64 tensors.
+
+    Example:
+        >>> from ftrain.data.sources import TensorSource
+        >>> src = TensorSource(torch.arange(41), block_size=4)
+        >>> [b["x"][:, 0].tolist() for b in val_batches(src, 2, 2)]
+        [[0, 8], [20, 28]]
+    """
+    if global_batch < 1 or world < 1 or global_batch % world or not 0 <= rank < world:
+        raise ValueError(
+            f"need global_batch divisible by world and 0 <= rank < world, got {global_batch=} {rank=} {world=}"
+        )
+    n, total, local = len(source), n_batches * global_batch, global_batch // world
+    order = torch.arange(total) * n // total if total <= n else torch.arange(total) % n
+    dev = torch.device(device)
+    for b in range(n_batches):
+        start = b * global_batch + rank * local
+        xy = source.get(order[start : start + local])
+        yield TensorDict({"x": xy["x"].to(dev), "y": xy["y"].to(dev)}, batch_size=[])

@@ -1,0 +1,523 @@
+"""Data sources: random access to ``(x, y)`` token windows by global sample index.
+
+Every source has ``len(source)`` samples and ``source.get(indices)`` returns a
+``TensorDict(x, y)`` of int64 ``[len(indices), block_size]`` tensors. Sample ``i``
+is the window ``w = tokens[i * block_size : i * block_size + block_size + 1]``
+with ``x = w[:-1]`` and ``y = w[1:]``: windows are **non-overlapping** (stride =
+``block_size``, neighbours share one boundary token), so an epoch predicts every
+token of the split exactly once and ``len = (num_tokens - 1) // block_size``.
+
+Sources here:
+
+- :class:`TokenFileSource` — a flat token file (nanoGPT's ``train.bin``/``val.bin``),
+  memory-mapped; a directory holds one file per split, a single file is split by
+  token range (the last ``val_fraction`` of tokens is ``val``).
+- :class:`TextCorpusSource` — a directory/glob of text files tokenized once by the
+  byte-level tokenizer into a cached token file, then read like a token file.
+- :class:`TensorSource` — tokens already in memory (tests, custom data).
+
+Bring your own: subclass :class:`Source` (four members) and
+:func:`register_source` a factory so configs can name it in ``make_source``.
+"""
+
+from __future__ import annotations
+
+import abc
+import glob
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ftrain.data.fingerprint import _write_json_atomic, cache_dir, file_digest, make_fingerprint
+from ftrain.data.tokenizer import ByteTokenizer
+
+__all__ = [
+    "DataFormatError",
+    "DataPathError",
+    "Source",
+    "TensorSource",
+    "TextCorpusSource",
+    "TokenFileSource",
+    "make_source",
+    "register_source",
+    "source_names",
+]
+
+log = logging.getLogger(__name__)
+
+_SPLITS = ("train", "val")
+
+
+class DataPathError(FileNotFoundError):
+    """A configured data path does not exist or holds nothing usable."""
+
+
+class DataFormatError(ValueError):
+    """A data file exists but is corrupt, truncated or too small."""
+
+
+class Source(abc.ABC):
+    """A random-access dataset of token windows. Subclass to bring your own data.
+
+    Implement ``__len__``, ``get``, ``fingerprint`` and ``describe``; set ``block_size``.
+    """
+
+    block_size: int
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of samples."""
+
+    @abc.abstractmethod
+    def get(self, indices: torch.Tensor) -> TensorDict:
+        """``TensorDict(x=int64[n, block_size], y=int64[n, block_size], batch_size=[n])``."""
+
+    @property
+    @abc.abstractmethod
+    def fingerprint(self) -> str:
+        """A string that changes whenever the samples could change (see ``fingerprint.py``)."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """JSON-serialisable facts for checkpoint metadata and logs."""
+
+
+def _check_block_size(block_size: int) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size=}")
+    return block_size
+
+
+def _check_indices(indices: torch.Tensor | Sequence[int], n: int) -> np.ndarray:
+    idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise IndexError(
+            f"sample indices must lie in [0, {n}), got min={int(idx.min())} max={int(idx.max())}"
+        )
+    return idx.numpy()
+
+
+def _windows_to_td(w: np.ndarray | torch.Tensor) -> TensorDict:
+    w = torch.as_tensor(np.asarray(w, dtype=np.int64)) if isinstance(w, np.ndarray) else w.long()
+    x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    return TensorDict({"x": x, "y": y}, batch_size=[w.shape[0]])
+
+
+class TokenFileSource(Source):
+    """Non-overlapping ``block_size + 1`` windows over a flat, memory-mapped token file.
+
+    Args:
+        path: a directory holding ``<split>.bin`` (nanoGPT layout), or one token file
+            that is split by range: ``train`` = the first ``1 - val_fraction`` of its
+            tokens, ``val`` = the rest.
+        block_size: tokens per sample (the model's context length).
+        split: which split to read (``"train"`` or ``"val"``; any name in directory mode).
+        dtype: the file's token dtype (``"uint16"`` as nanoGPT writes, ``"uint32"``,
+            ``"uint8"``, ``"int32"``, ``"int64"``).
+        val_fraction: single-file mode only: the share of tokens held out as ``val``.
+        tokenizer: the tokenizer id recorded in the fingerprint (e.g. ``"gpt2"``).
+        vocab_size: optional, recorded in ``describe()``.
+
+    Raises:
+        DataPathError: the path or the split's file is missing.
+        DataFormatError: the file size is not a multiple of the dtype size, or the
+            split holds fewer than ``block_size + 1`` tokens.
+
+    Example:
+        >>> import tempfile, pathlib, numpy as np
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> np.arange(100, dtype=np.uint16).tofile(d / "train.bin")
+        >>> src = TokenFileSource(d, block_size=8)
+        >>> len(src), src.get(torch.tensor([1]))["x"][0, :3].tolist()
+        (12, [8, 9, 10])
+    """
+
+    kind = "tokens"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        block_size: int,
+        split: str = "train",
+        dtype: str = "uint16",
+        val_fraction: float = 0.1,
+        tokenizer: str = "raw",
+        vocab_size: int | None = None,
+        _content_digest: str | None = None,
+    ) -> None:
+        self.block_size = _check_block_size(block_size)
+        self.split, self.tokenizer, self.vocab_size = split, tokenizer, vocab_size
+        self.dtype = np.dtype(dtype)
+        root = Path(path).expanduser()
+        if not root.exists():
+            raise DataPathError(
+                f"token data path {str(root)!r} does not exist; point data.path at a "
+                "directory with train.bin/val.bin or at a single token file"
+            )
+        if root.is_dir():
+            self.file = root / f"{split}.bin"
+            if not self.file.is_file():
+                found = sorted(p.name for p in root.iterdir())[:10]
+                raise DataPathError(
+                    f"no {self.file.name!r} in token directory {str(root)!r} (found {found}); "
+                    f"write the {split!r} split there, or pass one token file to split by range"
+                )
+        else:
+            if split not in _SPLITS:
+                raise ValueError(f"a single token file has splits {_SPLITS}, got {split=}")
+            self.file = root
+        n_file = self._count_tokens()
+        self.lo, self.hi = 0, n_file
+        if not root.is_dir():
+            if not 0.0 <= val_fraction < 1.0:
+                raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction=}")
+            cut = n_file - int(n_file * val_fraction)
+            self.lo, self.hi = (0, cut) if split == "train" else (cut, n_file)
+        self.num_tokens = self.hi - self.lo
+        if self.num_tokens < block_size + 1:
+            raise DataFormatError(
+                f"split {split!r} of {str(self.file)!r} has {self.num_tokens} tokens, fewer "
+                f"than block_size + 1 = {block_size + 1} needed for one sample; lower "
+                "block_size, add data, or change val_fraction"
+            )
+        self._mm = np.memmap(self.file, dtype=self.dtype, mode="r")
+        self._content = _content_digest
+        self._fingerprint: str | None = None
+
+    def _count_tokens(self) -> int:
+        size = self.file.stat().st_size
+        if size == 0 or size % self.dtype.itemsize:
+            raise DataFormatError(
+                f"token file {str(self.file)!r} is empty or truncated: {size} bytes is not a "
+                f"positive multiple of {self.dtype.itemsize} ({self.dtype.name}); regenerate "
+                "the file, or set data.dtype to the dtype it was written with"
+            )
+        return size // self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return (self.num_tokens - 1) // self.block_size
+
+    def get(self, indices: torch.Tensor | Sequence[int]) -> TensorDict:
+        idx = _check_indices(indices, len(self))
+        starts = self.lo + idx * self.block_size
+        return _windows_to_td(self._mm[starts[:, None] + np.arange(self.block_size + 1)])
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            content = self._content or file_digest(self.file)
+            self._fingerprint = make_fingerprint(
+                kind=self.kind,
+                tokenizer=self.tokenizer,
+                split=self.split,
+                block_size=self.block_size,
+                content=content,
+                extra={"dtype": self.dtype.name, "range": [self.lo, self.hi]},
+            )
+        return self._fingerprint
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "path": str(self.file),
+            "split": self.split,
+            "block_size": self.block_size,
+            "num_samples": len(self),
+            "num_tokens": self.num_tokens,
+            "token_range": [self.lo, self.hi],
+            "dtype": self.dtype.name,
+            "tokenizer": self.tokenizer,
+            "vocab_size": self.vocab_size,
+            "windows": "non-overlapping, stride block_size",
+            "fingerprint": self.fingerprint,
+        }
+
+
+class TensorSource(Source):
+    """Samples from tokens already in memory.
+
+    Args:
+        tokens: a 1-d integer tensor (cut into non-overlapping ``block_size + 1``
+            windows like a token file) or a 2-d ``[n, block_size + 1]`` tensor whose
+            rows are the samples.
+        block_size: tokens per sample; inferred from a 2-d ``tokens`` when omitted.
+        split: the split name recorded in the fingerprint.
+
+    Example:
+        >>> src = TensorSource(torch.arange(17), block_size=4)
+        >>> len(src), src.get([0])["y"].tolist()
+        (4, [[1, 2, 3, 4]])
+    """
+
+    kind = "tensor"
+
+    def __init__(
+        self, tokens: torch.Tensor, *, block_size: int | None = None, split: str = "train"
+    ):
+        tokens = torch.as_tensor(tokens)
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dim() not in (1, 2):
+            raise ValueError(
+                f"tokens must be a 1-d or 2-d integer tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+            )
+        if tokens.dim() == 2:
+            block_size = tokens.shape[1] - 1 if block_size is None else block_size
+            if tokens.shape[1] != block_size + 1:
+                raise ValueError(
+                    f"2-d tokens need rows of block_size + 1 = {block_size + 1}, got {tuple(tokens.shape)}"
+                )
+        elif block_size is None:
+            raise ValueError("block_size is required for 1-d tokens")
+        self.block_size = _check_block_size(block_size)
+        self.tokens, self.split = tokens.detach().cpu().long().contiguous(), split
+        n = (tokens.shape[0] - 1) // block_size if tokens.dim() == 1 else tokens.shape[0]
+        if n < 1:
+            raise DataFormatError(
+                f"{tokens.shape[0]} tokens make no sample of block_size {block_size}"
+            )
+        self._n = n
+        self._offsets = torch.arange(block_size + 1)
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    def get(self, indices: torch.Tensor | Sequence[int]) -> TensorDict:
+        idx = torch.from_numpy(_check_indices(indices, self._n))
+        if self.tokens.dim() == 2:
+            return _windows_to_td(self.tokens[idx])
+        return _windows_to_td(self.tokens[idx[:, None] * self.block_size + self._offsets])
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            content = hashlib.blake2b(self.tokens.numpy().tobytes(), digest_size=16).hexdigest()
+            self._fingerprint = make_fingerprint(
+                kind=self.kind,
+                tokenizer="raw",
+                split=self.split,
+                block_size=self.block_size,
+                content=content,
+                extra={"shape": list(self.tokens.shape)},
+            )
+        return self._fingerprint
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "split": self.split,
+            "block_size": self.block_size,
+            "num_samples": self._n,
+            "shape": list(self.tokens.shape),
+            "fingerprint": self.fingerprint,
+        }
+
+
+# ---------------------------------------------------------------- text corpora
+
+
+def resolve_text_files(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    pattern: str = "**/*",
+    exclude: Sequence[str] = (),
+) -> list[Path]:
+    """The files of a text corpus, in a deterministic order.
+
+    Each entry of ``paths`` is a file, a directory (its files matching ``pattern``,
+    sorted by relative POSIX path) or a glob (its matches, sorted). Entries keep their
+    order. Files with a path component in ``exclude`` are skipped.
+
+    Raises:
+        DataPathError: an entry matches no file.
+    """
+    entries = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    skip = set(exclude) | {"__pycache__"}
+    out: list[Path] = []
+    for entry in entries:
+        p = Path(entry).expanduser()
+        if p.is_file():
+            found = [p]
+        elif p.is_dir():
+            found = sorted(
+                (
+                    f
+                    for f in p.glob(pattern)
+                    if f.is_file() and not skip & set(f.relative_to(p).parts)
+                ),
+                key=lambda f: f.relative_to(p).as_posix(),
+            )
+        else:
+            found = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+            found = [f for f in found if not skip & set(f.parts)]
+        if not found:
+            raise DataPathError(
+                f"text corpus entry {str(p)!r} matches no file (pattern {pattern!r}); point "
+                "data.paths at existing text files, a directory or a glob"
+            )
+        out.extend(found)
+    return out
+
+
+def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
+    """Write ``files`` as byte tokens joined by EOT into ``target`` (atomically)."""
+    tok = ByteTokenizer()
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    h, n, t0 = hashlib.blake2b(digest_size=16), 0, time.perf_counter()
+    with open(tmp, "wb") as out:
+        for i, f in enumerate(files):
+            data = (bytes([tok.eot]) if i else b"") + f.read_bytes()
+            out.write(data)
+            h.update(data)
+            n += len(data)
+    os.replace(tmp, target)
+    log.info(
+        "tokenized %d files (%d bytes) into %s in %.1fs",
+        len(files),
+        n,
+        target,
+        time.perf_counter() - t0,
+    )
+    return {"num_tokens": n, "digest": h.hexdigest()}
+
+
+def tokenize_corpus(
+    files: Sequence[Path], *, cache: str | os.PathLike | None = None
+) -> tuple[Path, dict[str, Any], bool]:
+    """Tokenize ``files`` once into the cache; later calls reuse the cached token file.
+
+    The cache entry is keyed by the tokenizer and each file's path, size and mtime, so
+    editing a file makes a new entry. A JSON sidecar written last marks it complete.
+
+    Returns:
+        ``(token_file, meta, tokenized_now)``; ``meta`` has ``num_tokens`` and ``digest``.
+    """
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = hashlib.blake2b(
+        json.dumps([ByteTokenizer.id, stats]).encode(), digest_size=12
+    ).hexdigest()
+    folder = cache_dir(cache) / "corpus"
+    folder.mkdir(parents=True, exist_ok=True)
+    token_file, meta_file = folder / f"{key}.u8", folder / f"{key}.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+        if token_file.stat().st_size == meta["num_tokens"]:
+            return token_file, meta, False
+        log.warning("corpus cache %s is incomplete or corrupt; tokenizing again", token_file)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    meta = {"tokenizer": ByteTokenizer.id, "files": len(files)} | _tokenize_files(files, token_file)
+    _write_json_atomic(meta_file, meta)
+    return token_file, meta, True
+
+
+class TextCorpusSource(TokenFileSource):
+    """Text files tokenized once by the byte-level tokenizer (vocab 256), then memory-mapped.
+
+    Args:
+        paths: a directory, a file, a glob, or a list of them (see ``resolve_text_files``).
+        block_size: tokens per sample.
+        split: ``"train"`` or ``"val"`` (the last ``val_fraction`` of the corpus's tokens).
+        pattern: files to take from a directory (default: all).
+        exclude: path components to skip (``__pycache__`` always is).
+        val_fraction: the share of tokens held out for ``val``.
+        cache_dir: where tokenized corpora are cached (see ``cache_dir``).
+
+    Attributes:
+        tokenized: whether this construction tokenized (``False``: the cache was reused).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "a.txt").write_text("hello " * 50)
+        >>> src = TextCorpusSource(d, block_size=16, cache_dir=d / "cache")
+        >>> ByteTokenizer().decode(src.get([0])["x"][0])
+        'hello hello hell'
+    """
+
+    kind = "text"
+
+    def __init__(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        block_size: int,
+        split: str = "train",
+        pattern: str = "**/*",
+        exclude: Sequence[str] = (),
+        val_fraction: float = 0.05,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> None:
+        self.files = resolve_text_files(paths, pattern=pattern, exclude=exclude)
+        token_file, meta, self.tokenized = tokenize_corpus(self.files, cache=cache_dir)
+        super().__init__(
+            token_file,
+            block_size=block_size,
+            split=split,
+            dtype="uint8",
+            val_fraction=val_fraction,
+            tokenizer=ByteTokenizer.id,
+            vocab_size=ByteTokenizer.vocab_size,
+            _content_digest=meta["digest"],
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return super().describe() | {"num_files": len(self.files), "eot": ByteTokenizer.eot}
+
+
+# ---------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, Callable[..., Source]] = {}
+
+
+def register_source(name: str, factory: Callable[..., Source] | None = None):
+    """Register a source factory under ``name`` (usable as a decorator).
+
+    Example:
+        >>> @register_source("ones")
+        ... def ones(*, block_size: int, split: str = "train") -> Source:
+        ...     return TensorSource(torch.ones(64, dtype=torch.long), block_size=block_size)
+        >>> len(make_source("ones", block_size=8))
+        7
+    """
+
+    def add(f: Callable[..., Source]) -> Callable[..., Source]:
+        if _REGISTRY.get(name, f) is not f:
+            raise ValueError(
+                f"a data source named {name!r} is already registered ({_REGISTRY[name]!r})"
+            )
+        _REGISTRY[name] = f
+        return f
+
+    return add if factory is None else add(factory)
+
+
+def make_source(name: str, /, **kwargs: Any) -> Source:
+    """Build the source registered as ``name`` with ``kwargs`` (e.g. from ``conf/data``).
+
+    Raises:
+        KeyError: no source of that name (the message lists the known ones).
+    """
+    if name not in _REGISTRY:
+        raise KeyError(
+            f"unknown data source {name!r}; known: {sorted(_REGISTRY)} (add one with register_source)"
+        )
+    return _REGISTRY[name](**kwargs)
+
+
+def source_names() -> list[str]:
+    """The names ``make_source`` accepts."""
+    return sorted(_REGISTRY)
+
+
+register_source("tokens", TokenFileSource)
+register_source("text", TextCorpusSource)
+register_source("tensor", TensorSource)

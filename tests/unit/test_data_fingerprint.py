@@ -1,0 +1,74 @@
+"""Fingerprints: what changes them, the cheap cache, and the resume check."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from ftrain.data import DataFingerprintError, TokenFileSource, check_fingerprint, file_digest
+from ftrain.data import fingerprint as fp_mod
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def tokens(path, values):
+    np.asarray(values, dtype=np.uint16).tofile(path)
+    return path
+
+
+def test_fingerprint_parts(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    tokens(a / "train.bin", range(200))
+    tokens(b / "train.bin", range(200))
+    fa = TokenFileSource(a, block_size=8).fingerprint
+    assert fa.startswith("tokens:raw:train:bs8:")
+    assert TokenFileSource(b, block_size=8).fingerprint == fa, "location must not matter"
+    assert TokenFileSource(a, block_size=9).fingerprint != fa
+    assert TokenFileSource(a, block_size=8, tokenizer="gpt2").fingerprint != fa
+    tokens(b / "train.bin", [*range(199), 7])
+    assert TokenFileSource(b, block_size=8).fingerprint != fa
+
+
+def test_file_digest_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
+    f = tokens(tmp_path / "t.bin", range(50_000))
+    calls = []
+    real = fp_mod._full_digest
+    monkeypatch.setattr(fp_mod, "_full_digest", lambda p: calls.append(p) or real(p))
+    d1 = file_digest(f)
+    d2 = file_digest(f)
+    assert d1 == d2 and len(calls) == 1, "a second start must not re-read the whole file"
+    # same size, restored mtime, changed bytes in a probed region: caught by the probe check
+    st = f.stat()
+    with open(f, "r+b") as fh:
+        fh.write(b"\xff\xff")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    d3 = file_digest(f)
+    assert d3 != d1 and len(calls) == 2
+    # a new mtime re-hashes
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert file_digest(f) == d3 and len(calls) == 3
+
+
+def test_check_fingerprint_mismatch_names_both_and_the_override():
+    assert check_fingerprint("x", "x", allow_changed=False) is False
+    assert check_fingerprint(None, "x") is False
+    with pytest.raises(DataFingerprintError) as e:
+        check_fingerprint(
+            "tokens:raw:train:bs8:aaaa", "tokens:raw:train:bs8:bbbb", allow_changed=False
+        )
+    msg = str(e.value)
+    assert "tokens:raw:train:bs8:aaaa" in msg and "tokens:raw:train:bs8:bbbb" in msg
+    assert "data.allow_changed=true" in msg
+
+
+def test_check_fingerprint_allowed_change_is_reported(caplog):
+    with caplog.at_level(logging.WARNING, logger="ftrain.data.fingerprint"):
+        assert check_fingerprint("old", "new", allow_changed=True) is True
+    assert "old" in caplog.text and "new" in caplog.text

@@ -1,0 +1,153 @@
+"""The prefetching loader: exact resume, restart, errors, validation batches."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ftrain.data import Loader, TensorSource, cursor_values, init_cursor, val_batches
+from ftrain.rng import key
+
+BLOCK = 4
+
+
+def source(n_samples=37):
+    # sample i's x starts with token i * BLOCK, so a batch's first column names its samples
+    return TensorSource(torch.arange(n_samples * BLOCK + 1), block_size=BLOCK)
+
+
+def ids(batch):
+    return (batch["x"][:, 0] // BLOCK).tolist()
+
+
+def make(src, **kw):
+    args = {"global_batch": 6, "key": key(7), "prefetch": 3} | kw
+    return Loader(src, **args)
+
+
+def test_batch_layout():
+    with make(source()) as loader:
+        batch = next(loader.iter_from(init_cursor()))
+    assert batch.batch_size == torch.Size([])
+    assert set(batch.keys()) == {"x", "y", "cursor"}
+    assert batch["x"].shape == batch["y"].shape == (6, BLOCK) and batch["x"].dtype == torch.int64
+    assert torch.equal(batch["x"][:, 1:], batch["y"][:, :-1])
+    assert cursor_values(batch["cursor"]) == (0, 6)
+
+
+def test_step_401_after_resume_reads_step_401s_batch():
+    """Train 460 steps, 'crash', restore the state of step 400: step 401 gets its batch again."""
+    src = source()
+    states, batches = {0: init_cursor()}, {}
+    with make(src) as loader:
+        it = loader.iter_from(states[0])
+        for step in range(1, 461):
+            batch = next(it)
+            batches[step] = batch
+            states[step] = batch["cursor"]  # the step commits: state["data"] = batch["cursor"]
+    # resume from the checkpoint of step 400, on 2 ranks with the same global batch
+    parts = []
+    for rank in range(2):
+        with make(src, rank=rank, world=2) as loader:
+            it = loader.iter_from(states[400].clone())
+            parts.append([next(it) for _ in range(60)])
+    for i, step in enumerate(range(401, 461)):
+        x = torch.cat([parts[0][i]["x"], parts[1][i]["x"]])
+        y = torch.cat([parts[0][i]["y"], parts[1][i]["y"]])
+        assert torch.equal(x, batches[step]["x"]) and torch.equal(y, batches[step]["y"]), step
+        assert cursor_values(parts[1][i]["cursor"]) == cursor_values(states[step])
+
+
+def test_prefetch_and_synchronous_give_the_same_stream():
+    src = source()
+    with make(src, prefetch=0) as a, make(src, prefetch=5) as b:
+        ia, ib = a.iter_from(init_cursor()), b.iter_from(init_cursor())
+        for _ in range(20):
+            assert ids(next(ia)) == ids(next(ib))
+
+
+def test_restart_from_a_cursor_discards_read_ahead_and_joins_the_thread():
+    src = source()
+    loader = make(src, prefetch=4)
+    it = loader.iter_from(init_cursor())
+    seen = [next(it) for _ in range(10)]
+    thread = it._thread
+    assert thread is not None and thread.is_alive()
+    it2 = loader.iter_from(seen[2]["cursor"])  # back to "step 3", like a restore
+    assert not thread.is_alive(), "restarting must join the old prefetch thread"
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
+    for expected in seen[3:]:
+        assert ids(next(it2)) == ids(expected)
+    loader.close()
+    loader.close()  # idempotent
+    assert not any(t.name == "ftrain-data-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_iterator_does_not_modify_the_given_cursor():
+    cursor = init_cursor(0, 6)
+    with make(source()) as loader:
+        it = loader.iter_from(cursor)
+        next(it), next(it)
+    assert cursor_values(cursor) == (0, 6)
+
+
+def test_epoch_rollover_through_the_loader():
+    src = source(10)
+    with make(src, global_batch=4, shuffle=False) as loader:
+        it = loader.iter_from(init_cursor())
+        got = [ids(next(it)) for _ in range(3)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+
+
+class Broken(TensorSource):
+    def get(self, indices):
+        if int(indices.max()) >= 20:
+            raise OSError("disk went away")
+        return super().get(indices)
+
+
+def test_reader_errors_surface_in_the_consumer():
+    src = Broken(torch.arange(40 * BLOCK + 1), block_size=BLOCK)
+    with make(src, shuffle=False, global_batch=5) as loader:
+        it = loader.iter_from(init_cursor())
+        assert len([next(it) for _ in range(4)]) == 4
+        with pytest.raises(RuntimeError, match="prefetch thread failed") as e:
+            next(it)
+        assert isinstance(e.value.__cause__, OSError)
+
+
+def test_loader_validates_arguments_up_front():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        make(source(), global_batch=6, world=4)
+    with pytest.raises(ValueError, match="prefetch"):
+        make(source(), prefetch=-1)
+
+
+def test_val_batches_are_fixed_and_leave_training_alone():
+    src = source(37)
+    torch.manual_seed(0)
+    rng_before = torch.get_rng_state()
+    first = [ids(b) for b in val_batches(src, 3, 4)]
+    second = [ids(b) for b in val_batches(src, 3, 4)]
+    assert first == second and torch.equal(rng_before, torch.get_rng_state())
+    flat = [i for b in first for i in b]
+    assert len(set(flat)) == 12 and max(flat) > 30, "spread over the split"
+    halves = [[ids(b) for b in val_batches(src, 3, 4, rank=r, world=2)] for r in range(2)]
+    assert [a + b for a, b in zip(*halves, strict=True)] == first
+    small = [ids(b) for b in val_batches(source(5), 2, 4)]
+    assert small == [[0, 1, 2, 3], [4, 0, 1, 2]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_arrive_on_device():
+    with make(source(), device="cuda") as loader:
+        batch = next(loader.iter_from(init_cursor()))
+    assert (
+        batch["x"].is_cuda
+        and batch["y"].is_cuda
+        and batch["cursor", "position"].device.type == "cpu"
+    )

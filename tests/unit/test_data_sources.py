@@ -1,0 +1,193 @@
+"""Sources: windows, splits, bad paths, the registry, the text corpus cache."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from ftrain.data import (
+    ByteTokenizer,
+    DataFormatError,
+    DataPathError,
+    Source,
+    TensorSource,
+    TextCorpusSource,
+    TokenFileSource,
+    make_source,
+    register_source,
+    source_names,
+    stdlib_files,
+)
+from ftrain.data import sources as sources_mod
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def write_tokens(path, n, dtype=np.uint16):
+    np.arange(n, dtype=dtype).tofile(path)
+    return path
+
+
+def test_token_file_windows_are_non_overlapping(tmp_path):
+    write_tokens(tmp_path / "train.bin", 101)
+    src = TokenFileSource(tmp_path, block_size=10)
+    assert len(src) == 10
+    td = src.get(torch.tensor([0, 3, 9]))
+    assert td["x"].dtype == td["y"].dtype == torch.int64
+    assert td["x"].shape == td["y"].shape == (3, 10)
+    assert td["x"][1].tolist() == list(range(30, 40))
+    assert td["y"][1].tolist() == list(range(31, 41))
+    assert td["y"][2, -1].item() == 100  # the last window ends on the last token
+
+
+def test_token_file_single_file_split_by_range(tmp_path):
+    f = write_tokens(tmp_path / "all.bin", 1000, np.uint32)
+    train = TokenFileSource(f, block_size=9, dtype="uint32", val_fraction=0.1)
+    val = TokenFileSource(f, block_size=9, split="val", dtype="uint32", val_fraction=0.1)
+    assert (train.lo, train.hi, val.lo, val.hi) == (0, 900, 900, 1000)
+    assert val.get([0])["x"][0, 0].item() == 900
+    assert int(train.get([len(train) - 1])["y"].max()) < 900
+    assert train.fingerprint != val.fingerprint
+
+
+def test_token_file_directory_splits(tmp_path):
+    write_tokens(tmp_path / "train.bin", 500)
+    write_tokens(tmp_path / "val.bin", 50)
+    assert len(TokenFileSource(tmp_path, block_size=7, split="val")) == 7
+    d = TokenFileSource(tmp_path, block_size=7).describe()
+    assert (
+        d["num_samples"] == 71 and d["dtype"] == "uint16" and d["fingerprint"].startswith("tokens:")
+    )
+
+
+def test_missing_path_names_it(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(DataPathError, match="nope.*does not exist"):
+        TokenFileSource(missing, block_size=4)
+
+
+def test_directory_without_split_file_says_what_is_there(tmp_path):
+    write_tokens(tmp_path / "train.bin", 100)
+    with pytest.raises(DataPathError, match=r"no 'val.bin'.*found \['train.bin'\]"):
+        TokenFileSource(tmp_path, block_size=4, split="val")
+
+
+def test_truncated_file_is_a_clear_error(tmp_path):
+    f = tmp_path / "train.bin"
+    f.write_bytes(b"\x00" * 101)  # odd byte count: not uint16 tokens
+    with pytest.raises(DataFormatError, match=r"train.bin.*truncated.*uint16"):
+        TokenFileSource(tmp_path, block_size=4)
+    f.write_bytes(b"")
+    with pytest.raises(DataFormatError, match="empty"):
+        TokenFileSource(tmp_path, block_size=4)
+
+
+def test_too_small_for_one_block(tmp_path):
+    write_tokens(tmp_path / "train.bin", 8)
+    with pytest.raises(DataFormatError, match="fewer than block_size"):
+        TokenFileSource(tmp_path, block_size=8)
+
+
+def test_out_of_range_indices(tmp_path):
+    src = TensorSource(torch.arange(20), block_size=4)
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        src.get([4])
+
+
+def test_tensor_source_1d_and_2d():
+    src = TensorSource(torch.arange(17), block_size=4)
+    assert len(src) == 4 and src.get([3])["x"].tolist() == [[12, 13, 14, 15]]
+    rows = torch.arange(15).reshape(3, 5)
+    src2 = TensorSource(rows)
+    assert src2.block_size == 4 and src2.get([2])["y"].tolist() == [[11, 12, 13, 14]]
+    assert TensorSource(torch.arange(17), block_size=4).fingerprint == src.fingerprint
+    assert TensorSource(torch.arange(1, 18), block_size=4).fingerprint != src.fingerprint
+    with pytest.raises(ValueError, match="integer"):
+        TensorSource(torch.rand(10), block_size=2)
+
+
+def test_registry_round_trip(tmp_path):
+    assert {"tokens", "text", "tensor", "stdlib"} <= set(source_names())
+    write_tokens(tmp_path / "train.bin", 100)
+    assert isinstance(make_source("tokens", path=tmp_path, block_size=9), TokenFileSource)
+
+    @register_source("test-zeros")
+    def zeros(*, block_size: int) -> Source:
+        return TensorSource(torch.zeros(50, dtype=torch.long), block_size=block_size)
+
+    assert len(make_source("test-zeros", block_size=7)) == 7
+    with pytest.raises(ValueError, match="already registered"):
+        register_source("test-zeros", lambda **kw: None)
+    with pytest.raises(KeyError, match="unknown data source 'nah'.*tokens"):
+        make_source("nah")
+
+
+def make_corpus(root):
+    (root / "sub").mkdir(parents=True)
+    (root / "b.txt").write_text("second file " * 20)
+    (root / "a.txt").write_text("first file " * 20)
+    (root / "sub" / "c.txt").write_text("nested " * 20)
+    return root
+
+
+def test_text_corpus_tokenizes_once_and_reuses_the_cache(tmp_path, monkeypatch):
+    root = make_corpus(tmp_path / "corpus")
+    calls = []
+    real = sources_mod._tokenize_files
+    monkeypatch.setattr(sources_mod, "_tokenize_files", lambda *a: calls.append(1) or real(*a))
+    first = TextCorpusSource(root, block_size=16)
+    assert first.tokenized and len(calls) == 1
+    second = TextCorpusSource(root, block_size=16)
+    assert not second.tokenized and len(calls) == 1, "second start must not re-tokenize"
+    assert second.fingerprint == first.fingerprint
+    assert torch.equal(second.get([0, 1])["x"], first.get([0, 1])["x"])
+    # files in sorted order, joined by EOT
+    text = ByteTokenizer().decode(first.get(list(range(len(first))))["x"].flatten())
+    assert text.startswith("first file") and "\x00second file" in text
+    # an edited file makes a new cache entry and a new fingerprint
+    (root / "a.txt").write_text("changed " * 20)
+    third = TextCorpusSource(root, block_size=16)
+    assert third.tokenized and len(calls) == 2 and third.fingerprint != first.fingerprint
+
+
+def test_text_corpus_repairs_a_corrupt_cache(tmp_path):
+    root = make_corpus(tmp_path / "corpus")
+    src = TextCorpusSource(root, block_size=16)
+    src.file.write_bytes(b"xx")  # truncated cache file
+    again = TextCorpusSource(root, block_size=16)
+    assert again.tokenized and again.fingerprint == src.fingerprint
+
+
+def test_text_corpus_glob_and_errors(tmp_path):
+    root = make_corpus(tmp_path / "corpus")
+    src = TextCorpusSource(str(root / "**" / "c.txt"), block_size=8)
+    assert len(src.files) == 1 and src.describe()["vocab_size"] == 256
+    with pytest.raises(DataPathError, match=r"matches no file"):
+        TextCorpusSource(tmp_path / "missing" / "*.txt", block_size=8)
+
+
+def test_cache_dir_argument_overrides_env(tmp_path):
+    root = make_corpus(tmp_path / "corpus")
+    src = TextCorpusSource(root, block_size=8, cache_dir=tmp_path / "mine")
+    assert (tmp_path / "mine") in src.file.parents
+
+
+def test_stdlib_file_list_is_sorted_and_excludes_packages():
+    files = stdlib_files()
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    root = os.path.commonpath(files)
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert rel == sorted(rel)
+    assert not any(p in ("site-packages", "__pycache__") for f in files for p in f.parts)
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    assert tok.encode("").numel() == 0
+    assert tok.decode(tok.encode("ünï\ncode")) == "ünï\ncode"
