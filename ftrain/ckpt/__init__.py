@@ -1,0 +1,37 @@
+"""Checkpoints: Zarr v3 step stores, an atomic commit protocol, policies and a manager.
+
+Public API (re-exported by ``ftrain``): :class:`CheckpointManager`, the save policies
+(:class:`EveryNSteps`, :class:`EveryNSeconds`), the keep policies (:class:`LatestN`,
+:class:`EveryKSteps`, :class:`BestN`, :class:`YoungerThan`, :class:`KeepAll`),
+:class:`AnyOf`, and the errors. Modules: ``format`` (chunk and metadata encoding),
+``store`` (write/read a tree), ``commit`` (the protocol), ``policies``, ``index``,
+``hostrng``, ``manager``; ``python -m ftrain.ckpt`` is the command-line tool.
+"""
+
+from ftrain.ckpt.format import CorruptCheckpointError
+from ftrain.ckpt.manager import CheckpointManager, CheckpointNotFoundError, CheckpointSaveError
+from ftrain.ckpt.policies import (
+    AnyOf,
+    BestN,
+    EveryKSteps,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepAll,
+    LatestN,
+    YoungerThan,
+)
+
+__all__ = [
+    "AnyOf",
+    "BestN",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CorruptCheckpointError",
+    "EveryKSteps",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepAll",
+    "LatestN",
+    "YoungerThan",
+]

@@ -1,0 +1,120 @@
+"""``python -m ftrain.ckpt list|show|verify|diff DIR [STEP...]``: inspect checkpoints.
+
+    python -m ftrain.ckpt list ckpt            # committed steps, bytes, metrics
+    python -m ftrain.ckpt show ckpt 400        # metadata and arrays of one step (default: newest)
+    python -m ftrain.ckpt verify ckpt [400]    # check every chunk's size and crc32c (default: all)
+    python -m ftrain.ckpt diff ckpt 300 400    # arrays that differ between two steps
+
+Exit status: 0 on success, 1 if verification finds a corrupt step or diff finds changes,
+2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt.format import CorruptCheckpointError, read_json
+from ftrain.ckpt.store import read_tree, verify_tree
+
+
+def _steps(root: Path) -> dict[int, Path]:
+    return protocol.committed_steps(
+        root, on_invalid=lambda p, why: print(f"not committed: {p}: {why}", file=sys.stderr)
+    )
+
+
+def _pick(root: Path, step: int | None) -> tuple[int, Path]:
+    steps = _steps(root)
+    if not steps:
+        raise SystemExit(f"no committed checkpoints in {root}")
+    step = max(steps) if step is None else step
+    if step not in steps:
+        raise SystemExit(f"step {step} is not committed in {root}; available: {list(steps)}")
+    return step, steps[step]
+
+
+def cmd_list(root: Path, _: list[int]) -> int:
+    print(f"{'step':>10}  {'bytes':>14}  metrics")
+    for step, path in _steps(root).items():
+        marker, _ = protocol.read_committed(path)
+        attrs = read_json(path / "zarr.json").get("attributes", {})
+        print(f"{step:>10}  {marker.get('bytes', 0):>14,}  {json.dumps(attrs.get('metrics', {}))}")
+    return 0
+
+
+def cmd_show(root: Path, args: list[int]) -> int:
+    step, path = _pick(root, args[0] if args else None)
+    marker, manifest = protocol.read_committed(path)
+    attrs = read_json(path / "zarr.json").get("attributes", {})
+    attrs.pop("host_rng", None)
+    print(f"{path}\nmarker: {json.dumps(marker)}\nattributes: {json.dumps(attrs, indent=1)}")
+    for key, a in manifest["arrays"].items():
+        print(f"  {key:<50} {a['dtype']:<10} {a['shape']} chunks {a['chunk_shape']}")
+    return 0
+
+
+def cmd_verify(root: Path, args: list[int]) -> int:
+    steps = _steps(root)
+    todo = {s: steps.get(s) for s in args} if args else steps
+    bad = 0
+    for step, path in todo.items():
+        try:
+            if path is None:
+                raise CorruptCheckpointError(f"step {step} is not committed")
+            _, manifest = protocol.read_committed(path)
+            print(f"ok   step {step}: {verify_tree(path, manifest):,} bytes verified")
+        except CorruptCheckpointError as e:
+            bad += 1
+            print(f"BAD  step {step}: {e}")
+    return 1 if bad else 0
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def cmd_diff(root: Path, args: list[int]) -> int:
+    if len(args) != 2:
+        raise SystemExit("diff needs two steps: python -m ftrain.ckpt diff DIR STEP_A STEP_B")
+    (sa, pa), (sb, pb) = _pick(root, args[0]), _pick(root, args[1])
+    a = read_tree(pa, protocol.read_committed(pa)[1]).flatten_keys("/")
+    b = read_tree(pb, protocol.read_committed(pb)[1]).flatten_keys("/")
+    changed = 0
+    for k in sorted(set(a.keys()) | set(b.keys())):
+        if k not in a or k not in b:
+            print(f"{'+' if k in b else '-'} {k}")
+        elif a[k].shape != b[k].shape or a[k].dtype != b[k].dtype:
+            print(f"~ {k}: {a[k].dtype}{tuple(a[k].shape)} -> {b[k].dtype}{tuple(b[k].shape)}")
+        elif not _bits(a[k]).equal(_bits(b[k])):
+            diff = (
+                (a[k].double() - b[k].double()).abs().max().item()
+                if a[k].is_floating_point()
+                else "-"
+            )
+            print(f"~ {k}: values differ (max abs diff {diff})")
+        else:
+            continue
+        changed += 1
+    print(f"{changed} of {len(set(a.keys()) | set(b.keys()))} arrays differ between {sa} and {sb}")
+    return 1 if changed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    p = argparse.ArgumentParser(prog="python -m ftrain.ckpt", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=["list", "show", "verify", "diff"])
+    p.add_argument("directory", type=Path)
+    p.add_argument("steps", type=int, nargs="*")
+    ns = p.parse_args(argv)
+    cmds = {"list": cmd_list, "show": cmd_show, "verify": cmd_verify, "diff": cmd_diff}
+    return cmds[ns.command](ns.directory, ns.steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The commit protocol: a step directory either is a complete checkpoint or is ignored.
+
+Protocol for one step (``root/step_00000400``), one writer per step:
+
+1. Create and ``flock`` a lock file ``root/.step_00000400.tmp-<pid>-<hex>.lock``, *then*
+   create the staging directory ``root/step_00000400.tmp-<pid>-<hex>/``. The writer holds
+   the lock until it has committed or aborted; the kernel drops it if the writer dies.
+2. Write every chunk and ``zarr.json`` into the staging directory, fsync every file, then
+   every directory (bottom-up). Any error aborts: the staging directory is removed.
+3. Write ``manifest.json`` (groups, arrays, shapes, dtypes, chunk shapes, per-chunk
+   crc32c, bytes) and fsync it.
+4. Write ``COMMITTED`` last: JSON with the step, the format version and the crc32c and
+   length of ``manifest.json`` (plus save timings). fsync it and the staging directory.
+5. ``rename(staging, root/step_00000400)`` (atomic on POSIX file systems; it fails if the
+   target exists, so a committed step is never overwritten), fsync ``root``, release
+   and unlink the lock.
+
+Reading: a directory counts as a checkpoint only if its name is ``step_<digits>`` and
+its ``COMMITTED`` marker parses and matches ``manifest.json`` (crc and length). Listing,
+restore and retention all use :func:`committed_steps`. Restore then verifies every chunk
+(size + crc32c) and falls back to an older step on any failure (see ``manager``).
+
+Deleting: ``rename(step, step.del-<hex>)`` (atomic: the step leaves the listing at once),
+then remove the tree.
+
+Sweeping (at start-up): a ``*.tmp-*`` directory whose lock file is missing or can be
+``flock``-ed is from a dead writer and is removed; one whose lock is held is in flight and
+is left alone. ``*.del-*`` directories and orphan lock files are removed too. The lock is
+created before the staging directory and unlinked after the rename, so a sweeper never
+sees a live staging directory without its lock.
+
+On stores without atomic rename (object stores), writing ``COMMITTED`` last *is* the
+commit; the same marker check applies (not implemented here: local/NFS paths only).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+
+from ftrain.ckpt.format import FORMAT_VERSION, CorruptCheckpointError, read_json, write_json
+from ftrain.ckpt.store import fsync_dir
+
+__all__ = [
+    "Staging",
+    "abort",
+    "begin",
+    "commit",
+    "committed_steps",
+    "delete_step",
+    "read_committed",
+    "step_dirname",
+    "sweep_stale",
+]
+
+MARKER = "COMMITTED"
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_TMP_RE = re.compile(r"^step_\d{8,}\.tmp-[0-9a-z-]+$")
+_DEL_RE = re.compile(r"^step_\d{8,}\.del-[0-9a-f]+$")
+
+# Fault-injection seam for tests: called with a phase name at each protocol step.
+fault_hook: Callable[[str], None] | None = None
+
+
+def _phase(name: str) -> None:
+    if fault_hook is not None:
+        fault_hook(name)
+
+
+def step_dirname(step: int) -> str:
+    """``400`` -> ``"step_00000400"``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step=}")
+    return f"step_{step:08d}"
+
+
+@dataclass
+class Staging:
+    """A staging directory owned by this process until commit or abort."""
+
+    root: Path
+    step: int
+    path: Path
+    lock_path: Path
+    lock_fd: int
+
+    def release(self) -> None:
+        if self.lock_fd >= 0:
+            self.lock_path.unlink(missing_ok=True)
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+
+def begin(root: Path, step: int) -> Staging:
+    """Create the lock and staging directory for ``step`` under ``root`` (made if missing).
+
+    Raises:
+        OSError: ``root`` cannot be created or written.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{step_dirname(step)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    lock_path = root / f".{name}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_nlink == 0:  # a sweeper unlinked it between open and flock
+            raise FileExistsError(f"lock {lock_path} was swept before it was taken; retry")
+        (root / name).mkdir()
+    except BaseException:
+        lock_path.unlink(missing_ok=True)
+        os.close(fd)
+        raise
+    return Staging(root, step, root / name, lock_path, fd)
+
+
+def commit(staging: Staging, manifest: dict, marker_extra: dict | None = None) -> Path:
+    """Steps 3-5 of the protocol; returns the committed directory.
+
+    Raises:
+        FileExistsError: the step is already committed (the staging is left to the caller).
+        OSError: from the file system.
+    """
+    _phase("data_written")
+    manifest = dict(manifest, step=staging.step)
+    write_json(staging.path / MANIFEST, manifest)
+    _phase("manifest_written")
+    raw = (staging.path / MANIFEST).read_bytes()
+    marker = dict(marker_extra or {})
+    marker |= {"format_version": FORMAT_VERSION, "step": staging.step}
+    marker |= {"manifest_crc32c": crc32c.crc32c(raw), "manifest_bytes": len(raw)}
+    write_json(staging.path / MARKER, marker)
+    fsync_dir(staging.path)
+    _phase("marker_written")
+    final = staging.root / step_dirname(staging.step)
+    if final.exists():
+        raise FileExistsError(f"{final} already exists; a committed step is never overwritten")
+    os.rename(staging.path, final)
+    fsync_dir(staging.root)
+    _phase("renamed")
+    staging.release()
+    return final
+
+
+def abort(staging: Staging) -> None:
+    """Remove a staging directory after a failed write (best effort) and drop its lock."""
+    shutil.rmtree(staging.path, ignore_errors=True)
+    staging.release()
+
+
+def read_committed(step_dir: Path) -> tuple[dict, dict]:
+    """The ``(marker, manifest)`` of a committed step, cross-checked.
+
+    Raises:
+        CorruptCheckpointError: no marker, unreadable JSON, or a marker/manifest mismatch.
+    """
+    marker = read_json(step_dir / MARKER)
+    try:
+        raw = (step_dir / MANIFEST).read_bytes()
+    except OSError as e:
+        raise CorruptCheckpointError(f"{step_dir / MANIFEST}: unreadable ({e})") from e
+    if marker.get("manifest_bytes") != len(raw) or marker.get("manifest_crc32c") != crc32c.crc32c(
+        raw
+    ):
+        raise CorruptCheckpointError(f"{step_dir}: {MARKER} does not match {MANIFEST}")
+    manifest = read_json(step_dir / MANIFEST)
+    m = _STEP_RE.match(step_dir.name)
+    if not m or marker.get("step") != int(m.group(1)) or manifest.get("step") != int(m.group(1)):
+        raise CorruptCheckpointError(f"{step_dir}: marker/manifest step does not match the name")
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{step_dir}: format version {marker.get('format_version')!r}, this ftrain reads {FORMAT_VERSION}"
+        )
+    return marker, manifest
+
+
+def committed_steps(
+    root: Path, *, on_invalid: Callable[[Path, str], None] | None = None
+) -> dict[int, Path]:
+    """Every step under ``root`` with a valid marker, ``{step: path}`` (missing root: ``{}``).
+
+    ``on_invalid(path, reason)`` is called for ``step_*`` directories that do not count.
+    """
+    out: dict[int, Path] = {}
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for e in entries:
+        m = _STEP_RE.match(e.name)
+        if not m or not e.is_dir():
+            continue
+        try:
+            read_committed(Path(e.path))
+        except CorruptCheckpointError as err:
+            if on_invalid is not None:
+                on_invalid(Path(e.path), str(err))
+            continue
+        out[int(m.group(1))] = Path(e.path)
+    return dict(sorted(out.items()))
+
+
+def delete_step(step_dir: Path) -> None:
+    """Atomically drop a step from the listing, then remove its files."""
+    trash = step_dir.with_name(f"{step_dir.name}.del-{secrets.token_hex(4)}")
+    os.rename(step_dir, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _lock_is_free(lock_path: Path) -> bool:
+    try:
+        fd = os.open(lock_path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _is_orphan_lock(name: str, names: list[str]) -> bool:
+    return name.startswith(".step_") and name.endswith(".lock") and name[1:-5] not in names
+
+
+def sweep_stale(root: Path) -> list[Path]:
+    """Remove staging directories of dead writers, half-deleted steps and orphan locks.
+
+    Returns:
+        The paths removed. In-flight staging directories (lock held) are never touched.
+    """
+    removed: list[Path] = []
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for name in names:
+        path = root / name
+        if _DEL_RE.match(name) or (_TMP_RE.match(name) and _lock_is_free(root / f".{name}.lock")):
+            shutil.rmtree(path, ignore_errors=True)
+            (root / f".{name}.lock").unlink(missing_ok=True)
+            removed.append(path)
+        elif _is_orphan_lock(name, names) and _lock_is_free(path):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

@@ -1,0 +1,498 @@
+"""``CheckpointManager``: when to save, where, in the background, what to keep, what to load.
+
+Async saves hold a *reference* to the (immutable) state: no staging copy is made for CPU
+tensors; tensors on other devices are copied to the host before ``save`` returns. At most
+one save is in flight: a second ``save`` blocks until the first has committed (it is never
+silently dropped, so a forced or final save always lands; the wait shows up in the
+recorded blocking time). A background failure is raised by the next ``save``,
+``restore``, ``wait`` or ``close`` as :class:`CheckpointSaveError`. The writer is a
+non-daemon thread, so a normal interpreter exit finishes the save in flight; a kill leaves
+only a staging directory, which is never mistaken for a checkpoint and is swept later.
+
+Example::
+
+    with CheckpointManager("ckpt", save_policy=EveryNSteps(100),
+                           keep_policy=AnyOf(LatestN(3), BestN("val_loss", 1))) as mgr:
+        for batch in data:
+            state, metrics = step(state, batch)
+            mgr.save(state, metrics={"loss": float(metrics["loss"])})
+    state = CheckpointManager("ckpt").restore(target=state)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import threading
+import time
+import warnings
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+import torch
+from tensordict import TensorDictBase
+
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt import hostrng
+from ftrain.ckpt.format import (
+    DEFAULT_CHUNK_BYTES,
+    FORMAT_VERSION,
+    CorruptCheckpointError,
+    read_json,
+)
+from ftrain.ckpt.index import INDEX, entry_for, load_or_rebuild, mark_best, write_index
+from ftrain.ckpt.policies import (
+    KeepAll,
+    KeepPolicy,
+    SaveContext,
+    SavePolicy,
+    StepInfo,
+    best_policies,
+)
+from ftrain.ckpt.store import DEFAULT_WORKERS, flatten, read_tree, write_tree
+
+__all__ = ["CheckpointManager", "CheckpointNotFoundError", "CheckpointSaveError"]
+
+log = logging.getLogger("ftrain.ckpt")
+_RESERVED_ATTRS = ("format_version", "step", "time", "metrics", "versions", "host_rng")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (in the background or in every location)."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No committed checkpoint (or none that verifies) matches the request."""
+
+
+def _json_scalar(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # "nan" / "inf": JSON has no non-finite numbers
+    return v
+
+
+def _versions() -> dict:
+    try:
+        ftrain_version = importlib_metadata.version("ftrain")
+    except importlib_metadata.PackageNotFoundError:
+        ftrain_version = "unknown"
+    return {
+        "ftrain": ftrain_version,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _to_host(state: TensorDictBase) -> TensorDictBase:
+    _, leaves = flatten(state)
+    if all(t.device.type == "cpu" for t in leaves.values()):
+        return state  # immutable: the writer just holds the reference
+    return state.to("cpu")
+
+
+class CheckpointManager:
+    """Saves, retains and restores checkpoints of a state TensorDict under ``directory``.
+
+    Args:
+        directory: the primary checkpoint directory (created on the first save).
+        save_policy: decides which offered steps are saved (``None``: every one).
+        keep_policy: which committed steps to keep (``None``: all). The newest committed
+            step is always kept; deletion only happens right after a newer commit.
+        async_save: write in a background thread (``save`` returns once the write started).
+        fallback_directory: where saves go when the primary location fails with an
+            ``OSError`` (ENOSPC, EIO, EACCES, EROFS, a vanished mount); restore uses both.
+        chunk_bytes: target chunk size (tuning; see ``docs/checkpointing.md``).
+        io_workers: I/O threads per save or restore.
+
+    Example:
+        >>> mgr = CheckpointManager(tmp_path, async_save=False)  # doctest: +SKIP
+        >>> mgr.save(state)
+        True
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        save_policy: SavePolicy | None = None,
+        keep_policy: KeepPolicy | None = None,
+        async_save: bool = True,
+        fallback_directory: str | Path | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        io_workers: int = DEFAULT_WORKERS,
+    ) -> None:
+        self.directory = Path(directory)
+        self.fallback_directory = Path(fallback_directory) if fallback_directory else None
+        self.save_policy = save_policy
+        self.keep_policy = keep_policy or KeepAll()
+        self.async_save = async_save
+        self.chunk_bytes = chunk_bytes
+        self.io_workers = io_workers
+        self._dirs = [self.directory] + (
+            [self.fallback_directory] if self.fallback_directory else []
+        )
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._last_step: int | None = None
+        self._last_time: float | None = None
+        for d in self._dirs:
+            for p in protocol.sweep_stale(d):
+                log.info("removed stale %s", p)
+        self._entries = self._load_index()
+
+    # ---- listing ---------------------------------------------------------------
+    def _locations(self) -> dict[int, list[Path]]:
+        """``{step: [paths...]}`` of committed steps, primary location first."""
+        out: dict[int, list[Path]] = {}
+        for d in self._dirs:
+            for s, p in protocol.committed_steps(d).items():
+                out.setdefault(s, []).append(p)
+        return dict(sorted(out.items()))
+
+    def all_steps(self) -> list[int]:
+        """Committed steps in both locations, ascending (marker-checked, not chunk-verified)."""
+        return list(self._locations())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int) -> dict:
+        """The root attributes of ``step`` plus ``"save"`` (bytes, timings) and ``"path"``.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed.
+        """
+        paths = self._locations().get(step)
+        if not paths:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed; available: {self.all_steps()}"
+            )
+        marker, _ = protocol.read_committed(paths[0])
+        attrs = read_json(paths[0] / "zarr.json").get("attributes", {})
+        save = {k: marker.get(k) for k in ("bytes", "blocking_seconds", "write_seconds")}
+        return attrs | {"save": save, "path": str(paths[0])}
+
+    # ---- saving ----------------------------------------------------------------
+    def save(
+        self,
+        state: TensorDictBase,
+        *,
+        metrics: dict | None = None,
+        metadata: dict | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Save ``state`` if the save policy (or ``force``) says so.
+
+        Args:
+            state: a nested TensorDict of tensors; ``state["step"]`` gives the step.
+            metrics: numbers (floats, ints or 0-d tensors) recorded with the step.
+            metadata: JSON-able facts merged into the root group's attributes.
+            force: save regardless of the policy.
+
+        Returns:
+            True if a save was started (async) or committed (sync); False if skipped by
+            policy or because the step is already committed.
+
+        Raises:
+            CheckpointSaveError: a previous background save failed, or (sync) this one
+                failed in every location.
+            ValueError: the state or metadata cannot be stored.
+        """
+        t0 = time.perf_counter()
+        self._check_usable()
+        step = self._read_step(state)
+        now = time.time()
+        ctx = SaveContext(step, now, self._last_step, self._last_time)
+        if not force and self.save_policy is not None and not self.save_policy.should_save(ctx):
+            return False
+        if step == self._last_step or step in self._locations():
+            log.info("[step=%d] already saved; skipping", step)
+            return False
+        self.wait()  # at most one save in flight
+        attrs = self._attributes(step, now, metrics, metadata)
+        snapshot = _to_host(state)
+        flatten(snapshot)  # raises ValueError now, not in the background
+        self._last_step, self._last_time = step, now
+        if not self.async_save:
+            self._write(snapshot, step, attrs, t0, time.perf_counter() - t0)
+            return True
+        blocking = time.perf_counter() - t0
+        self._thread = threading.Thread(
+            target=self._run_background,
+            args=(snapshot, step, attrs, t0, blocking),
+            name=f"ftrain-ckpt-{step}",
+        )
+        self._thread.start()
+        return True
+
+    def _read_step(self, state: TensorDictBase) -> int:
+        if not isinstance(state, TensorDictBase) or "step" not in state.keys():
+            raise ValueError("save() needs a TensorDict with a 0-d integer 'step' entry")
+        s = state["step"]
+        if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.is_floating_point():
+            raise ValueError(f"state['step'] must be a 0-d integer tensor, got {s!r}")
+        return int(s.item())
+
+    def _attributes(
+        self, step: int, now: float, metrics: dict | None, metadata: dict | None
+    ) -> dict:
+        attrs = dict(metadata or {})
+        clash = sorted(set(attrs) & set(_RESERVED_ATTRS))
+        if clash:
+            raise ValueError(
+                f"metadata keys {clash} are reserved by the checkpoint format; rename them"
+            )
+        attrs |= {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "time": now,
+            "metrics": {str(k): _json_scalar(v) for k, v in (metrics or {}).items()},
+            "versions": _versions(),
+            "host_rng": {"0": hostrng.capture()},
+        }
+        try:
+            import json
+
+            json.dumps(attrs, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"metadata/metrics must be JSON-serialisable: {e}") from e
+        return attrs
+
+    def _run_background(self, *args: object) -> None:
+        try:
+            self._write(*args)  # type: ignore[arg-type]
+        except BaseException as e:  # noqa: BLE001 - surfaced by the next call
+            self._error = e
+
+    def _write(
+        self, snapshot: TensorDictBase, step: int, attrs: dict, t0: float, blocking: float
+    ) -> None:
+        errors = []
+        for i, root in enumerate(self._dirs):
+            try:
+                final = self._write_to(root, snapshot, step, attrs, t0, blocking)
+                break
+            except OSError as e:
+                errors.append(f"{root}: {e}")
+                if i + 1 < len(self._dirs):
+                    msg = f"[step={step}] saving to {root} failed ({e}); saving to fallback {self._dirs[i + 1]}"
+                    log.warning(msg)
+                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        else:
+            raise CheckpointSaveError(
+                f"[step={step}] save failed in every location: " + "; ".join(errors)
+            )
+        self._after_commit(step, final, time.perf_counter() - t0)
+
+    def _write_to(
+        self,
+        root: Path,
+        snapshot: TensorDictBase,
+        step: int,
+        attrs: dict,
+        t0: float,
+        blocking: float,
+    ) -> Path:
+        stale = root / protocol.step_dirname(step)
+        if stale.exists():  # a step_ dir without a valid marker: not a checkpoint, move it away
+            protocol.delete_step(stale)
+        staging = protocol.begin(root, step)
+        try:
+            manifest = write_tree(
+                staging.path, snapshot, attrs, chunk_bytes=self.chunk_bytes, workers=self.io_workers
+            )
+            extra = {
+                "bytes": manifest["nbytes"],
+                "blocking_seconds": blocking,
+                "time": attrs["time"],
+            }
+            extra["write_seconds"] = time.perf_counter() - t0
+            return protocol.commit(staging, manifest, extra)
+        except BaseException:
+            protocol.abort(staging)
+            raise
+
+    # ---- retention and index ---------------------------------------------------
+    def _load_index(self) -> dict[int, dict]:
+        steps = {s: ps[0] for s, ps in self._locations().items()}
+        for d in self._dirs:
+            if (d / INDEX).exists():
+                return load_or_rebuild(d / INDEX, steps)
+        return load_or_rebuild(self.directory / INDEX, steps)
+
+    def _after_commit(self, step: int, final: Path, total: float) -> None:
+        with self._lock:
+            log.info("[step=%d] committed %s in %.2fs", step, final, total)
+            locations = self._locations()
+            entries = {s: e for s, e in self._entries.items() if s in locations}
+            for s, paths in locations.items():
+                if s not in entries or entries[s]["path"] != str(paths[0]):
+                    try:
+                        entries[s] = entry_for(s, paths[0])
+                    except CorruptCheckpointError:
+                        continue
+            entries[step] = entry_for(step, final, save_seconds=total)
+            infos = [StepInfo(s, e["time"], e.get("metrics") or {}) for s, e in entries.items()]
+            keep = self.keep_policy.keep(infos, time.time()) | {max(locations)}
+            for s in sorted(set(locations) - keep):
+                for p in locations[s]:
+                    protocol.delete_step(p)
+                    log.info("[step=%d] deleted by keep policy", s)
+                entries.pop(s, None)
+            mark_best(entries, best_policies(self.keep_policy))
+            self._entries = entries
+            self._store_index()
+
+    def _store_index(self) -> None:
+        for d in self._dirs:
+            try:
+                write_index(d / INDEX, self._entries)
+                return
+            except OSError as e:
+                log.warning("cannot write %s: %s", d / INDEX, e)
+
+    def index(self) -> list[dict]:
+        """The index entries (step, path, time, metrics, bytes, timings, best flags)."""
+        with self._lock:
+            self._entries = load_or_rebuild(
+                self._index_path(), {s: ps[0] for s, ps in self._locations().items()}
+            )
+            return [self._entries[s] for s in sorted(self._entries)]
+
+    def _index_path(self) -> Path:
+        return next((d / INDEX for d in self._dirs if (d / INDEX).exists()), self.directory / INDEX)
+
+    # ---- restoring -------------------------------------------------------------
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        target: TensorDictBase | None = None,
+        only: str | tuple[str, ...] | None = None,
+    ) -> TensorDictBase:
+        """Load the newest committed step that verifies (or exactly ``step``).
+
+        Args:
+            step: the step to load; ``None`` = newest valid, falling back past corrupt ones.
+            target: a template; the result must match its keys, shapes and dtypes (all
+                differences are reported in one error) and is moved to its devices.
+            only: key paths to load, e.g. ``("params",)`` or ``"opt/mu"``.
+
+        Returns:
+            A nested TensorDict (CPU tensors unless ``target`` says otherwise).
+
+        Raises:
+            CheckpointNotFoundError: nothing committed, or nothing that verifies.
+            ValueError: the checkpoint does not match ``target``, or ``only`` names no key.
+        """
+        self.wait()
+        only_t = (only,) if isinstance(only, str) else tuple(only) if only is not None else None
+        cands = [(s, p) for s, ps in reversed(self._locations().items()) for p in ps]
+        if step is not None:
+            cands = [(s, p) for s, p in cands if s == step]
+        if not cands:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint{'' if step is None else f' for step {step}'} in "
+                f"{[str(d) for d in self._dirs]}; available: {self.all_steps()}"
+            )
+        problems = []
+        for s, path in cands:
+            try:
+                _, manifest = protocol.read_committed(path)
+                _check_only(manifest, only_t)
+                td = read_tree(path, manifest, only=only_t, workers=self.io_workers)
+            except CorruptCheckpointError as e:
+                problems.append(f"{path}: {e}")
+                msg = f"[step={s}] checkpoint {path} is corrupt ({e}); trying an older one"
+                log.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                continue
+            log.info("[step=%d] restored from %s", s, path)
+            return td if target is None else _match_target(td, target, only_t)
+        raise CheckpointNotFoundError("no checkpoint verifies:\n  " + "\n  ".join(problems))
+
+    # ---- lifecycle -------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this CheckpointManager is closed; create a new one")
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointSaveError(f"a background checkpoint save failed: {err}") from err
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has committed; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then refuse further saves. Idempotent."""
+        if not self._closed:
+            try:
+                self.wait()
+            finally:
+                self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self.close()
+        except CheckpointSaveError:
+            if exc is None:
+                raise
+            log.exception("a checkpoint save failed while handling another exception")
+
+
+def _check_only(manifest: dict, only: tuple[str, ...] | None) -> None:
+    if only is None:
+        return
+    names = set(manifest["arrays"]) | set(manifest["groups"])
+    for p in only:
+        if not any(n == p or n.startswith(p + "/") for n in names):
+            top = sorted({n.split("/")[0] for n in names if n})
+            raise ValueError(f"only={p!r} matches nothing in the checkpoint; top-level keys: {top}")
+
+
+def _match_target(
+    td: TensorDictBase, target: TensorDictBase, only: tuple[str, ...] | None
+) -> TensorDictBase:
+    """Validate ``td`` against ``target`` (all differences at once) and move to its devices."""
+    groups_c, got = flatten(td)
+    groups_t, want = flatten(target)
+    if only is not None:
+        sel = lambda k: any(k == p or k.startswith(p + "/") for p in only)  # noqa: E731
+        want = {k: v for k, v in want.items() if sel(k)}
+        groups_t = [g for g in groups_t if sel(g) or not g]
+        groups_c = [g for g in groups_c if sel(g) or not g]
+    diffs = [f"missing in checkpoint: {k}" for k in sorted(set(want) - set(got))]
+    diffs += [f"not in target: {k}" for k in sorted(set(got) - set(want))]
+    diffs += [f"group missing in checkpoint: {g}" for g in sorted(set(groups_t) - set(groups_c))]
+    diffs += [f"group not in target: {g}" for g in sorted(set(groups_c) - set(groups_t))]
+    for k in sorted(set(got) & set(want)):
+        a, b = got[k], want[k]
+        if a.shape != b.shape:
+            diffs.append(f"shape of {k}: checkpoint {tuple(a.shape)}, target {tuple(b.shape)}")
+        if a.dtype != b.dtype:
+            diffs.append(f"dtype of {k}: checkpoint {a.dtype}, target {b.dtype}")
+    if diffs:
+        raise ValueError(
+            f"checkpoint does not match the target ({len(diffs)} differences):\n  "
+            + "\n  ".join(diffs)
+        )
+    for k, t in want.items():
+        if t.device != got[k].device:
+            td[tuple(k.split("/"))] = got[k].to(t.device)
+    return td

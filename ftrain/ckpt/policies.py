@@ -1,0 +1,198 @@
+"""Save and keep policies: tiny dataclasses with one method each, composed with ``AnyOf``.
+
+Save policies answer ``should_save(ctx) -> bool`` for a step offered to
+``CheckpointManager.save`` (``force=True`` bypasses them)::
+
+    AnyOf(EveryNSteps(100), EveryNSeconds(600))
+
+Keep policies answer ``keep(infos, now) -> set[int]``: the steps they want kept among
+the committed ones. A step survives if any policy keeps it; the manager always keeps the
+newest committed step and never touches an in-flight one::
+
+    AnyOf(LatestN(3), EveryKSteps(1000), BestN("val_loss", 2, mode="min"))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+__all__ = [
+    "AnyOf",
+    "BestN",
+    "EveryKSteps",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepAll",
+    "KeepPolicy",
+    "LatestN",
+    "SaveContext",
+    "SavePolicy",
+    "StepInfo",
+    "YoungerThan",
+]
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """What a save policy sees: the offered step and the last committed/accepted save."""
+
+    step: int
+    now: float
+    last_step: int | None
+    last_time: float | None
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What a keep policy sees about one committed step."""
+
+    step: int
+    time: float
+    metrics: dict = field(default_factory=dict)
+
+
+class SavePolicy(Protocol):
+    def should_save(self, ctx: SaveContext) -> bool: ...
+
+
+class KeepPolicy(Protocol):
+    def keep(self, infos: list[StepInfo], now: float) -> set[int]: ...
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {name}={value!r}")
+
+
+@dataclass(frozen=True)
+class EveryNSteps:
+    """Save when ``step % n == 0``. Example: ``EveryNSteps(100)``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive("n", self.n)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step % self.n == 0
+
+
+@dataclass(frozen=True)
+class EveryNSeconds:
+    """Save when ``seconds`` have passed since the last save (or none was made yet)."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _positive("seconds", self.seconds)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.last_time is None or ctx.now - ctx.last_time >= self.seconds
+
+
+@dataclass(frozen=True)
+class LatestN:
+    """Keep the ``n`` newest steps."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive("n", self.n)
+
+    def keep(self, infos: list[StepInfo], now: float) -> set[int]:
+        return {i.step for i in sorted(infos, key=lambda i: i.step)[-self.n :]}
+
+
+@dataclass(frozen=True)
+class EveryKSteps:
+    """Keep "key" checkpoints: steps divisible by ``k``."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        _positive("k", self.k)
+
+    def keep(self, infos: list[StepInfo], now: float) -> set[int]:
+        return {i.step for i in infos if i.step % self.k == 0}
+
+
+@dataclass(frozen=True)
+class BestN:
+    """Keep the ``n`` best steps by ``metrics[metric]`` (``mode`` "min" or "max").
+
+    Steps without the metric (or with a non-finite value) are not kept by this policy.
+    """
+
+    metric: str
+    n: int
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        _positive("n", self.n)
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got mode={self.mode!r}")
+
+    def ranked(self, infos: list[StepInfo]) -> list[int]:
+        """Steps with a finite value of the metric, best first (ties: newer first)."""
+        scored = []
+        for i in infos:
+            v = i.metrics.get(self.metric)
+            if isinstance(v, int | float) and math.isfinite(v):
+                scored.append((v if self.mode == "min" else -v, -i.step))
+        return [-s for _, s in sorted(scored)]
+
+    def keep(self, infos: list[StepInfo], now: float) -> set[int]:
+        return set(self.ranked(infos)[: self.n])
+
+
+@dataclass(frozen=True)
+class YoungerThan:
+    """Keep every step saved less than ``seconds`` ago."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _positive("seconds", self.seconds)
+
+    def keep(self, infos: list[StepInfo], now: float) -> set[int]:
+        return {i.step for i in infos if now - i.time < self.seconds}
+
+
+@dataclass(frozen=True)
+class KeepAll:
+    """Keep every step (the default)."""
+
+    def keep(self, infos: list[StepInfo], now: float) -> set[int]:
+        return {i.step for i in infos}
+
+
+class AnyOf:
+    """True / kept if any member policy says so. Works for save and keep policies."""
+
+    def __init__(self, *policies: SavePolicy | KeepPolicy) -> None:
+        if not policies:
+            raise ValueError("AnyOf needs at least one policy, got none")
+        self.policies = policies
+
+    def __repr__(self) -> str:
+        return f"AnyOf{self.policies!r}"
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return any(p.should_save(ctx) for p in self.policies)  # type: ignore[union-attr]
+
+    def keep(self, infos: list[StepInfo], now: float) -> set[int]:
+        kept: set[int] = set()
+        for p in self.policies:
+            kept |= p.keep(infos, now)  # type: ignore[union-attr]
+        return kept
+
+
+def best_policies(policy: object) -> list[BestN]:
+    """Every ``BestN`` inside a (possibly composed) keep policy (for the index's flags)."""
+    if isinstance(policy, BestN):
+        return [policy]
+    if isinstance(policy, AnyOf):
+        return [b for p in policy.policies for b in best_policies(p)]
+    return []

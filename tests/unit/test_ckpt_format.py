@@ -1,0 +1,168 @@
+"""Format round-trips: every dtype bit-exact, chunking, plain-zarr readability, no pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from tensordict import TensorDict
+
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt.format import ArraySpec, CorruptCheckpointError, array_zarr_json, plan_array
+from ftrain.ckpt.store import flatten, read_tree, write_tree
+
+DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
+    torch.float8_e5m2, torch.uint16, torch.uint32,
+]  # fmt: skip
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor of ``dtype`` filled with arbitrary bit patterns (NaN payloads included)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def roundtrip(tmp_path: Path, td: TensorDict, chunk_bytes: int = 1 << 20, only=None) -> TensorDict:
+    st_ = protocol.begin(tmp_path, int(td["step"]) if "step" in td.keys() else 0)
+    manifest = write_tree(st_.path, td, {"hello": 1}, chunk_bytes=chunk_bytes)
+    final = protocol.commit(st_, manifest)
+    _, manifest = protocol.read_committed(final)
+    return read_tree(final, manifest, only=only)
+
+
+def assert_same(a: TensorDict, b: TensorDict) -> None:
+    ga, la = flatten(a)
+    gb, lb = flatten(b)
+    assert sorted(ga) == sorted(gb) and sorted(la) == sorted(lb)
+    for k in la:
+        assert la[k].dtype == lb[k].dtype and la[k].shape == lb[k].shape, k
+        assert bits(la[k]) == bits(lb[k]), k
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (7,), (33, 5), (4, 3, 2)], ids=str)
+def test_every_dtype_roundtrips_bit_exact(tmp_path, dtype, shape):
+    td = TensorDict({"step": torch.tensor(1), "x": {"t": random_bits(shape, dtype)}}, [])
+    assert_same(roundtrip(tmp_path, td, chunk_bytes=16), td)
+
+
+def test_nested_empty_groups_and_non_contiguous(tmp_path):
+    base = torch.arange(24.0).reshape(4, 6)
+    td = TensorDict(
+        {"step": torch.tensor(3), "a": {"b": {}, "c": {"d": base.t()}}, "empty": {}}, []
+    )
+    out = roundtrip(tmp_path, td, chunk_bytes=32)
+    assert_same(out, td)
+    assert isinstance(out["a", "b"], TensorDict) and len(out["a", "b"].keys()) == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(0, 40),
+    cols=st.integers(1, 5),
+    chunk_bytes=st.integers(1, 400),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.bool]),
+)
+def test_chunking_roundtrip_property(tmp_path_factory, rows, cols, chunk_bytes, dtype):
+    t = random_bits((rows, cols), dtype, seed=rows * 7 + cols)
+    td = TensorDict({"step": torch.tensor(0), "t": t}, [])
+    assert_same(roundtrip(tmp_path_factory.mktemp("p"), td, chunk_bytes=chunk_bytes), td)
+
+
+def test_plan_limits_padding_to_fewer_rows_than_chunks():
+    spec = plan_array("w", torch.empty(50257, 768), chunk_bytes=16 << 20)
+    n, rows = spec.n_chunks, spec.chunk_shape[0]
+    assert n == 10 and rows * n - 50257 < n
+    assert spec.chunk_key(3) == "c/3/0" and plan_array("s", torch.tensor(1.0)).chunk_key(0) == "c"
+
+
+def test_array_json_is_valid_v3_and_bf16_is_raw_uint16():
+    doc = array_zarr_json(plan_array("w", torch.zeros(4, 2, dtype=torch.bfloat16)))
+    assert doc["data_type"] == "uint16" and doc["attributes"]["ftrain"]["dtype"] == "bfloat16"
+    assert doc["codecs"][-1] == {"name": "crc32c"}
+
+
+PLAIN_ZARR_READER = textwrap.dedent(
+    """
+    import json, sys, warnings
+    import numpy as np, zarr
+    warnings.simplefilter("ignore")
+    g = zarr.open_group(sys.argv[1], mode="r")
+    out = {}
+    for path, node in g.members(max_depth=None):
+        if isinstance(node, zarr.Array):
+            v = node[...]
+            out[path] = [str(v.dtype), list(v.shape), v.tobytes().hex()]
+    assert "ftrain" not in sys.modules and "torch" not in sys.modules
+    print(json.dumps({"attrs": dict(g.attrs), "arrays": out}))
+    """
+)
+
+
+def test_plain_zarr_reads_every_array_without_ftrain(tmp_path):
+    tensors = {f"t_{str(d)[6:]}": random_bits((5, 3), d, seed=i) for i, d in enumerate(DTYPES)}
+    tensors["scalar"] = torch.tensor(7, dtype=torch.int64)
+    tensors["big"] = random_bits((100, 3), torch.float32)
+    td = TensorDict({"step": torch.tensor(9), "p": tensors}, [])
+    roundtrip(tmp_path, td, chunk_bytes=64)
+    res = subprocess.run(
+        [sys.executable, "-c", PLAIN_ZARR_READER, str(tmp_path / "step_00000009")],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    got = json.loads(res.stdout)
+    assert got["attrs"]["hello"] == 1
+    _, leaves = flatten(td)
+    assert set(got["arrays"]) == set(leaves)
+    for k, t in leaves.items():
+        dtype, shape, hexbytes = got["arrays"][k]
+        assert shape == list(t.shape) and bytes.fromhex(hexbytes) == bits(t), k
+    assert got["arrays"]["p/t_bfloat16"][0] == "uint16"
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_crafted_store_cannot_execute_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    td = TensorDict({"step": torch.tensor(1), "w": torch.zeros(4, dtype=torch.uint8)}, [])
+    roundtrip(tmp_path, td)
+    step = tmp_path / "step_00000001"
+    payload = pickle.dumps(_Boom())
+    # a pickle as chunk bytes, as JSON metadata, and an object dtype in the manifest
+    (step / "w" / "c" / "0").write_bytes(payload)
+    (step / "zarr.json").write_bytes(payload)
+    man = json.loads((step / "manifest.json").read_text())
+    man["arrays"]["w"]["dtype"] = "object"
+    (step / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(CorruptCheckpointError):
+        protocol.read_committed(step)
+    with pytest.raises(CorruptCheckpointError):
+        ArraySpec.from_json("w", man["arrays"]["w"])
+    from ftrain.ckpt import CheckpointManager
+
+    with pytest.raises(FileNotFoundError):
+        CheckpointManager(tmp_path).restore()
+    assert not (tmp_path / "PWNED").exists()
+    src = "".join(p.read_text() for p in Path(protocol.__file__).parent.glob("*.py"))
+    assert "import pickle" not in src and "torch.load" not in src
