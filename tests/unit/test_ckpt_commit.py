@@ -1,0 +1,99 @@
+"""The commit protocol: only marked steps count, stale staging is swept, never a live one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt.format import CorruptCheckpointError
+from ftrain.ckpt.store import write_tree
+
+
+def _state(step: int) -> TensorDict:
+    return TensorDict({"step": torch.tensor(step), "w": torch.arange(10.0) + step}, [])
+
+
+def _save(root, step):
+    st = protocol.begin(root, step)
+    return protocol.commit(st, write_tree(st.path, _state(step), {}))
+
+
+def test_step_dirname_and_listing(tmp_path):
+    assert protocol.step_dirname(400) == "step_00000400"
+    with pytest.raises(ValueError, match="step=-1"):
+        protocol.step_dirname(-1)
+    _save(tmp_path, 1)
+    _save(tmp_path, 20)
+    (tmp_path / "step_00000030").mkdir()  # no marker
+    (tmp_path / "step_00000040.tmp-1-ab").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    bad = []
+    steps = protocol.committed_steps(tmp_path, on_invalid=lambda p, why: bad.append(p.name))
+    assert list(steps) == [1, 20] and bad == ["step_00000030"]
+    assert protocol.committed_steps(tmp_path / "missing") == {}
+
+
+@pytest.mark.parametrize(
+    "damage", ["marker_missing", "marker_garbage", "manifest_edited", "step_mismatch"]
+)
+def test_marker_must_match_manifest(tmp_path, damage):
+    final = _save(tmp_path, 5)
+    if damage == "marker_missing":
+        (final / "COMMITTED").unlink()
+    elif damage == "marker_garbage":
+        (final / "COMMITTED").write_text("{not json")
+    elif damage == "manifest_edited":
+        (final / "manifest.json").write_text((final / "manifest.json").read_text() + " ")
+    else:
+        os.rename(final, tmp_path / "step_00000006")
+        final = tmp_path / "step_00000006"
+    with pytest.raises(CorruptCheckpointError):
+        protocol.read_committed(final)
+    assert protocol.committed_steps(tmp_path) == {}
+
+
+def test_commit_never_overwrites(tmp_path):
+    _save(tmp_path, 3)
+    st = protocol.begin(tmp_path, 3)
+    with pytest.raises(FileExistsError):
+        protocol.commit(st, write_tree(st.path, _state(3), {}))
+    protocol.abort(st)
+    assert not st.path.exists() and not st.lock_path.exists()
+    assert json.loads((tmp_path / "step_00000003" / "COMMITTED").read_text())["step"] == 3
+
+
+def test_sweep_removes_dead_but_never_in_flight(tmp_path):
+    live = protocol.begin(tmp_path, 7)  # lock held by this process
+    dead = protocol.begin(tmp_path, 8)
+    os.close(dead.lock_fd)  # the writer "died": its lock is free
+    dead.lock_fd = -1
+    nolock = tmp_path / "step_00000009.tmp-1-aa"
+    nolock.mkdir()
+    orphan = tmp_path / ".step_00000010.tmp-2-bb.lock"
+    orphan.write_text("")
+    deleting = tmp_path / "step_00000011.del-ab12"
+    deleting.mkdir()
+    removed = {p.name for p in protocol.sweep_stale(tmp_path)}
+    assert removed == {dead.path.name, nolock.name, orphan.name, deleting.name}
+    assert live.path.exists() and live.lock_path.exists()
+    final = protocol.commit(live, write_tree(live.path, _state(7), {}))
+    assert final.name == "step_00000007" and not live.lock_path.exists()
+    assert protocol.sweep_stale(tmp_path) == []
+
+
+def test_delete_step_is_atomic_rename_then_remove(tmp_path):
+    final = _save(tmp_path, 2)
+    protocol.delete_step(final)
+    assert not final.exists() and os.listdir(tmp_path) == []
+
+
+def test_fault_hook_phases(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(protocol, "fault_hook", seen.append)
+    _save(tmp_path, 1)
+    assert seen == ["data_written", "manifest_written", "marker_written", "renamed"]

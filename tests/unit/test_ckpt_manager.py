@@ -1,0 +1,276 @@
+"""CheckpointManager: save/restore, policies, async errors, fallback, index, target checks."""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from ftrain.ckpt import (
+    AnyOf,
+    BestN,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    EveryNSteps,
+    LatestN,
+    hostrng,
+    manager,
+    store,
+)
+
+
+def make_state(step: int, n: int = 64) -> TensorDict:
+    g = torch.Generator().manual_seed(step)
+    return TensorDict(
+        {
+            "step": torch.tensor(step),
+            "params": {
+                "w": torch.randn(n, 8, generator=g),
+                "b": torch.randn(8, generator=g).bfloat16(),
+            },
+            "buffers": {},
+            "opt": {"mu": {"w": torch.randn(n, 8, generator=g)}, "count": torch.tensor(step)},
+            "amp": {"scale": torch.tensor(2.0**16, dtype=torch.float16)},
+            "data": {"position": torch.tensor(step * 32)},
+            "rng": torch.tensor([step, 7], dtype=torch.int64),
+        },
+        [],
+    )
+
+
+def same(a: TensorDict, b: TensorDict) -> bool:
+    fa, fb = a.flatten_keys("/"), b.flatten_keys("/")
+    return set(fa.keys()) == set(fb.keys()) and all(
+        fa[k].dtype == fb[k].dtype
+        and torch.equal(fa[k].view(-1).view(torch.uint8), fb[k].view(-1).view(torch.uint8))
+        for k in fa.keys()
+    )
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_restore_roundtrip_and_metadata(tmp_path, async_save):
+    with CheckpointManager(tmp_path, async_save=async_save, chunk_bytes=256) as m:
+        assert m.latest_step() is None
+        assert m.save(
+            make_state(10),
+            metrics={"loss": torch.tensor(1.5), "bad": float("nan")},
+            metadata={"config_hash": "abc"},
+        )
+        assert m.save(make_state(20))
+        assert not m.save(make_state(20))  # already saved
+        m.wait()
+        assert m.all_steps() == [10, 20] and m.latest_step() == 20
+        assert same(m.restore(), make_state(20)) and same(m.restore(10), make_state(10))
+        meta = m.metadata(10)
+    assert (
+        meta["config_hash"] == "abc"
+        and meta["step"] == 10
+        and meta["metrics"] == {"loss": 1.5, "bad": "nan"}
+    )
+    assert meta["format_version"] == 1 and "torch" in meta["versions"] and "0" in meta["host_rng"]
+    assert (
+        meta["save"]["bytes"] > 0
+        and meta["save"]["blocking_seconds"] <= meta["save"]["write_seconds"]
+    )
+    with pytest.raises(RuntimeError, match="closed"):
+        m.save(make_state(30))
+
+
+def test_save_policy_and_force(tmp_path):
+    m = CheckpointManager(tmp_path, save_policy=EveryNSteps(10), async_save=False)
+    assert [m.save(make_state(s)) for s in (5, 10, 15)] == [False, True, False]
+    assert m.save(make_state(17), force=True)
+    assert m.all_steps() == [10, 17]
+
+
+def test_retention_keeps_latest_and_best(tmp_path):
+    keep = AnyOf(LatestN(2), BestN("val", 1, mode="min"))
+    with CheckpointManager(tmp_path, keep_policy=keep, async_save=True) as m:
+        for s, val in [(1, 5.0), (2, 0.5), (3, 4.0), (4, 3.0), (5, 2.0)]:
+            m.save(make_state(s), metrics={"val": val})
+    assert m.all_steps() == [2, 4, 5]
+    idx = json.loads((tmp_path / "checkpoints.json").read_text())
+    assert [e["step"] for e in idx["entries"]] == [2, 4, 5]
+    assert idx["entries"][0]["best"] == {"val": True} and idx["entries"][2]["best"] == {}
+    assert all(e["save_seconds"] > 0 and e["bytes"] > 0 for e in idx["entries"])
+
+
+def test_index_is_rebuilt_when_missing_or_stale(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        m.save(make_state(1), metrics={"loss": 2.0})
+        m.save(make_state(2))
+    (tmp_path / "checkpoints.json").write_text("garbage")
+    assert [e["step"] for e in CheckpointManager(tmp_path).index()] == [1, 2]
+    (tmp_path / "checkpoints.json").unlink()
+    entries = CheckpointManager(tmp_path).index()
+    assert entries[0]["metrics"] == {"loss": 2.0} and entries[1]["save_seconds"] > 0
+
+
+def test_restore_only_and_target_validation(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        m.save(make_state(3))
+    part = m.restore(only=("params",))
+    assert set(part.keys()) == {"params"} and same(part["params"], make_state(3)["params"])
+    assert set(m.restore(only="opt/mu").keys()) == {"opt"}
+    with pytest.raises(ValueError, match="top-level keys"):
+        m.restore(only="nope")
+    target = make_state(0)
+    assert same(m.restore(target=target), make_state(3))
+    bad = make_state(0, n=5)
+    bad["params", "b"] = torch.zeros(8)
+    bad["extra"] = torch.zeros(1)
+    del bad["rng"]
+    with pytest.raises(ValueError) as e:
+        m.restore(target=bad)
+    msg = str(e.value)
+    for needle in [
+        "missing in checkpoint: extra",
+        "not in target: rng",
+        "shape of params/w",
+        "dtype of params/b",
+        "shape of opt/mu/w",
+    ]:
+        assert needle in msg
+    assert same(
+        m.restore(target=make_state(0), only=("params",))["params"], make_state(3)["params"]
+    )
+    with pytest.raises(CheckpointNotFoundError, match="step 99"):
+        m.restore(99)
+
+
+def test_async_error_surfaces_on_next_call_and_wait(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    m = CheckpointManager(tmp_path)
+    monkeypatch.setattr(manager, "write_tree", boom)
+    assert m.save(make_state(1))
+    with pytest.raises(CheckpointSaveError, match="disk on fire"):
+        m.wait()
+    m.wait()  # reported once
+    assert m.save(make_state(2))
+    with pytest.raises(CheckpointSaveError, match="disk on fire"):
+        m.save(make_state(3))
+    monkeypatch.undo()
+    assert m.save(make_state(4))
+    m.close()
+    assert m.all_steps() == [4] and not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_second_save_waits_for_the_first(tmp_path, monkeypatch):
+    gate, order = threading.Event(), []
+    real = manager.write_tree
+
+    def slow(tmp, state, *a, **k):
+        order.append(("start", int(state["step"])))
+        if int(state["step"]) == 1:
+            assert gate.wait(10)
+        out = real(tmp, state, *a, **k)
+        order.append(("end", int(state["step"])))
+        return out
+
+    monkeypatch.setattr(manager, "write_tree", slow)
+    m = CheckpointManager(tmp_path)
+    m.save(make_state(1))
+    threading.Timer(0.2, gate.set).start()
+    m.save(make_state(2))  # blocks until step 1 committed
+    m.close()
+    assert order == [("start", 1), ("end", 1), ("start", 2), ("end", 2)]
+
+
+@pytest.mark.parametrize("how", ["enospc", "not_a_directory"])
+def test_fallback_directory(tmp_path, monkeypatch, how):
+    primary, fallback = tmp_path / "primary", tmp_path / "fallback"
+    if how == "enospc":
+        real = store.write_chunk
+
+        def full(path, *a, **k):
+            if str(primary) in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(store, "write_chunk", full)
+    else:
+        (tmp_path / "file").write_text("x")
+        primary = tmp_path / "file" / "ckpt"  # mkdir fails with ENOTDIR even as root
+    m = CheckpointManager(primary, fallback_directory=fallback, async_save=False)
+    with pytest.warns(RuntimeWarning, match="fallback"):
+        assert m.save(make_state(5))
+    assert (fallback / "step_00000005" / "COMMITTED").exists()
+    assert not list(tmp_path.rglob("*.tmp-*"))
+    monkeypatch.undo()
+    assert m.all_steps() == [5] and same(m.restore(), make_state(5))
+
+
+def test_save_fails_everywhere_raises(tmp_path):
+    (tmp_path / "file").write_text("x")
+    m = CheckpointManager(tmp_path / "file" / "a", async_save=False)
+    with pytest.raises(CheckpointSaveError, match="every location"):
+        m.save(make_state(1))
+
+
+def test_bad_inputs_fail_in_the_caller(tmp_path):
+    m = CheckpointManager(tmp_path)
+    with pytest.raises(ValueError, match="'step'"):
+        m.save(TensorDict({"x": torch.zeros(1)}, []))
+    with pytest.raises(ValueError, match="reserved"):
+        m.save(make_state(1), metadata={"step": 3})
+    with pytest.raises(ValueError, match="JSON"):
+        m.save(make_state(1), metadata={"obj": object()})
+    with pytest.raises(ValueError, match="not a valid node name"):
+        m.save(TensorDict({"step": torch.tensor(1), "a/b": torch.zeros(1)}, []))
+    m.close()
+    assert m.all_steps() == []
+
+
+def test_hostrng_capture_restore_json_roundtrip():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    states = json.loads(json.dumps(hostrng.capture()))
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    hostrng.restore(states)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+    with pytest.raises(ValueError, match="host RNG"):
+        hostrng.restore({"torch_cpu": "!!"})
+
+
+def test_cli_list_show_verify_diff(tmp_path, capsys):
+    from ftrain.ckpt.__main__ import main
+
+    with CheckpointManager(tmp_path) as m:
+        m.save(make_state(1), metrics={"loss": 1.0})
+        m.save(make_state(2))
+
+    def cli(cmd, *steps):
+        rc = main([cmd, str(tmp_path), *map(str, steps)])
+        return rc, capsys.readouterr().out
+
+    rc, out = cli("list")
+    assert rc == 0 and '"loss": 1.0' in out
+    assert "params/w" in cli("show", 1)[1]
+    assert cli("verify")[0] == 0
+    rc, out = cli("diff", 1, 2)
+    assert rc == 1 and "params/w" in out
+    chunk = tmp_path / "step_00000002" / "params" / "w" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    rc, out = cli("verify")
+    assert rc == 1 and "BAD  step 2" in out and "crc32c mismatch" in out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert same(CheckpointManager(tmp_path).restore(), make_state(1))
+    out = subprocess.run(
+        [sys.executable, "-m", "ftrain.ckpt", "list", str(tmp_path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "step" in out.stdout

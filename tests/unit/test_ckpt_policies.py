@@ -1,0 +1,72 @@
+"""Save and keep policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrain.ckpt.policies import (
+    AnyOf,
+    BestN,
+    EveryKSteps,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepAll,
+    LatestN,
+    SaveContext,
+    StepInfo,
+    YoungerThan,
+    best_policies,
+)
+
+
+def ctx(step, now=100.0, last_step=None, last_time=None):
+    return SaveContext(step, now, last_step, last_time)
+
+
+def infos():
+    losses = {10: 3.0, 20: 1.0, 30: 2.0, 40: float("nan"), 50: 1.5}
+    return [
+        StepInfo(s, float(s), {"val_loss": v} if s != 30 else {"val_loss": v, "acc": 0.9})
+        for s, v in losses.items()
+    ]
+
+
+def test_save_policies():
+    assert EveryNSteps(100).should_save(ctx(200)) and not EveryNSteps(100).should_save(ctx(250))
+    p = EveryNSeconds(60)
+    assert (
+        p.should_save(ctx(1))
+        and not p.should_save(ctx(2, 100, 1, 50))
+        and p.should_save(ctx(3, 111, 2, 50))
+    )
+    both = AnyOf(EveryNSteps(100), EveryNSeconds(60))
+    assert both.should_save(ctx(7, 200, 5, 100)) and not both.should_save(ctx(7, 120, 5, 100))
+
+
+def test_keep_policies():
+    i = infos()
+    assert LatestN(2).keep(i, 0) == {40, 50}
+    assert EveryKSteps(20).keep(i, 0) == {20, 40}
+    assert BestN("val_loss", 2).keep(i, 0) == {20, 50}  # nan is never "best"
+    assert BestN("val_loss", 1, mode="max").keep(i, 0) == {10}
+    assert BestN("acc", 3).keep(i, 0) == {30}
+    assert YoungerThan(25).keep(i, 60) == {40, 50}
+    assert KeepAll().keep(i, 0) == {10, 20, 30, 40, 50}
+    composed = AnyOf(LatestN(1), EveryKSteps(30), BestN("val_loss", 1))
+    assert composed.keep(i, 0) == {50, 30, 20}
+    assert [b.metric for b in best_policies(AnyOf(LatestN(1), composed))] == ["val_loss"]
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: EveryNSteps(0), "n=0"),
+        (lambda: LatestN(-1), "n=-1"),
+        (lambda: EveryNSeconds(0), "seconds=0"),
+        (lambda: BestN("x", 1, mode="avg"), "mode='avg'"),
+        (lambda: AnyOf(), "at least one"),
+    ],
+)
+def test_bad_arguments_name_the_value(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
