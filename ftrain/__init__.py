@@ -1,6 +1,85 @@
-"""ftrain: a functional trainer on PyTorch with Zarr v3 checkpoints (public API re-exported here)."""
+"""ftrain: a functional trainer on PyTorch with consistent, resumable Zarr v3 checkpoints.
 
-from ftrain import rng
+The whole training state is one immutable TensorDict advanced by a pure step::
 
-__all__ = ["rng"]
+    import torch, ftrain
+
+    model = torch.nn.Linear(3, 1)
+    tx = ftrain.optim.adamw(1e-3, weight_decay=0.1)
+    state = ftrain.init_state(model, tx, seed=0)
+    step = ftrain.make_step(model, lambda m, b: (m(b["x"]) - b["y"]).pow(2).mean(), tx)
+    with ftrain.CheckpointManager("ckpts", save_policy=ftrain.ckpt.EveryNSteps(100)) as mgr:
+        for batch in batches:
+            state, metrics = step(state, batch)
+            mgr.save(state, metrics={"loss": metrics["loss"]})
+
+Modules: :mod:`ftrain.optim` (optax-style optimizers and schedules), :mod:`ftrain.rng`
+(the key chain), :mod:`ftrain.data` (sources, elastic cursor, loader), :mod:`ftrain.ckpt`
+(checkpoints), :mod:`ftrain.state` (tree helpers), :mod:`ftrain.nn` (keyed dropout).
+The command line: ``python -m ftrain +recipe=gpt2``; ``python -m ftrain.ckpt``.
+"""
+
+from ftrain import ckpt, data, nn, optim, rng, state
+from ftrain.ckpt import (
+    AnyOf,
+    BestN,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    EveryKSteps,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepAll,
+    LatestN,
+    YoungerThan,
+)
+from ftrain.data import Loader, init_cursor, val_batches
+from ftrain.loop import LoopResult, train_loop
+from ftrain.signals import StopFlag
+from ftrain.state import (
+    cast,
+    count_params,
+    first_difference,
+    init_state,
+    replace,
+    tree_equal,
+)
+from ftrain.step import evaluate, make_eval_step, make_step
+
+__all__ = [
+    "AnyOf",
+    "BestN",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CorruptCheckpointError",
+    "EveryKSteps",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepAll",
+    "LatestN",
+    "Loader",
+    "LoopResult",
+    "StopFlag",
+    "YoungerThan",
+    "cast",
+    "ckpt",
+    "count_params",
+    "data",
+    "evaluate",
+    "first_difference",
+    "init_cursor",
+    "init_state",
+    "make_eval_step",
+    "make_step",
+    "nn",
+    "optim",
+    "replace",
+    "rng",
+    "state",
+    "train_loop",
+    "tree_equal",
+    "val_batches",
+]
 __version__ = "0.1.0"

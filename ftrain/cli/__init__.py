@@ -1,0 +1,1 @@
+"""The command-line job: ``python -m ftrain [+recipe=NAME] [overrides]``."""

@@ -1,0 +1,164 @@
+"""Turn a resolved config into the run's parts: model, optimizer, data, checkpoint manager.
+
+Each builder reads one config section. Models and sources are looked up in small
+registries so a recipe can add its own (``register_model``; ``ftrain.data.register_source``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from ftrain import optim, rng
+from ftrain.ckpt import (
+    AnyOf,
+    BestN,
+    CheckpointManager,
+    EveryKSteps,
+    EveryNSeconds,
+    EveryNSteps,
+    LatestN,
+)
+from ftrain.data import Source, make_source
+
+__all__ = [
+    "build_manager",
+    "build_model",
+    "build_sources",
+    "build_tx",
+    "pick_device",
+    "register_model",
+]
+
+ModelBuilder = Callable[[DictConfig, torch.Generator], tuple[nn.Module, Callable]]
+_MODELS: dict[str, ModelBuilder] = {}
+
+
+def register_model(name: str):
+    """Register ``builder(model_cfg, generator) -> (module, loss_fn)`` under ``model.name``."""
+
+    def add(builder: ModelBuilder) -> ModelBuilder:
+        _MODELS[name] = builder
+        return builder
+
+    return add
+
+
+@register_model("gpt2")
+def _gpt2(model_cfg: DictConfig, generator: torch.Generator):
+    from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
+
+    fields = {
+        k: model_cfg[k]
+        for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
+    }
+    return GPT(GPTConfig(**fields), generator=generator), lm_loss
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` = CUDA when present, else CPU; otherwise the named device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(
+            f"trainer.device={name!r} is not a device; use auto, cpu, cuda or cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"trainer.device={name!r} but no CUDA device is available; use trainer.device=cpu"
+        )
+    return device
+
+
+def build_model(cfg: DictConfig) -> tuple[nn.Module, Callable]:
+    """The model (initialised from the run's init key, never global RNG) and its loss."""
+    if cfg.model.name not in _MODELS:
+        raise ValueError(f"model.name={cfg.model.name!r} is unknown; known: {sorted(_MODELS)}")
+    init_key = rng.fold_in(rng.key(cfg.trainer.seed), rng.STREAM_INIT)
+    return _MODELS[cfg.model.name](cfg.model, rng.generator(init_key))
+
+
+def build_schedule(cfg: DictConfig):
+    s, lr = cfg.schedule, cfg.optim.lr
+    if s.name == "constant":
+        return optim.schedule.constant(lr)
+    if s.name == "warmup_cosine":
+        decay = s.decay_steps if s.decay_steps is not None else cfg.trainer.max_steps
+        return optim.schedule.warmup_cosine(
+            lr, s.warmup_steps, max(decay, s.warmup_steps + 1), lr * s.end_factor
+        )
+    raise ValueError(f"schedule.name={s.name!r} is unknown; use warmup_cosine or constant")
+
+
+def build_tx(cfg: DictConfig):
+    """The optimizer as an ftrain.optim chain; decay only on >= 2-D weights (GPT-2 practice)."""
+    o, sched = cfg.optim, build_schedule(cfg)
+    if o.name == "adamw":
+        return optim.adamw(
+            sched,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            mask=optim.masks.ndim_at_least(2),
+        )
+    if o.name == "sgd":
+        return optim.sgd(
+            sched, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay
+        )
+    raise ValueError(f"optim.name={o.name!r} is unknown; use adamw or sgd")
+
+
+def _source_kwargs(d: DictConfig, split: str) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "block_size": d.block_size,
+        "split": split,
+        "val_fraction": d.val_fraction,
+    }
+    if d.name == "stdlib":
+        kw["cache_dir"] = d.cache_dir
+    elif d.name == "text":
+        kw |= {"paths": d.path, "cache_dir": d.cache_dir}
+    elif d.name == "tokens":
+        kw |= {"path": d.path, "dtype": d.dtype}
+    elif d.path is not None:
+        kw["path"] = d.path
+    return kw
+
+
+def build_sources(cfg: DictConfig) -> tuple[Source, Source]:
+    """The train and val splits of ``data.name``."""
+    d = cfg.data
+    return make_source(d.name, **_source_kwargs(d, "train")), make_source(
+        d.name, **_source_kwargs(d, "val")
+    )
+
+
+def build_manager(cfg: DictConfig) -> CheckpointManager:
+    """The checkpoint manager with the configured save and keep policies."""
+    c = cfg.checkpoint
+    save = [EveryNSteps(c.every_steps)] if c.every_steps else []
+    save += [EveryNSeconds(c.every_seconds)] if c.every_seconds else []
+    keep = [LatestN(c.keep_last)] if c.keep_last else []
+    keep += [EveryKSteps(c.keep_every)] if c.keep_every else []
+    keep += [BestN(c.best_metric, c.keep_best, mode="min")] if c.keep_best else []
+    return CheckpointManager(
+        c.dir,
+        save_policy=AnyOf(*save) if save else _Never(),
+        keep_policy=AnyOf(*keep) if keep else None,
+        async_save=c.async_save,
+        fallback_directory=c.fallback_dir,
+    )
+
+
+class _Never:
+    """Save policy when neither every_steps nor every_seconds is set: only forced saves."""
+
+    def should_save(self, ctx) -> bool:
+        return False

@@ -1,0 +1,160 @@
+"""``python -m ftrain [+recipe=NAME] [overrides]``: compose the config, start or resume, train.
+
+Kept short on purpose (the logic lives in library functions): build the parts, restore
+or init the state, run :func:`ftrain.loop.train_loop`, close the checkpoint manager
+(waiting for the last commit), and exit with a code from :mod:`ftrain.signals`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ftrain.cli.build import build_manager, build_model, build_sources, build_tx, pick_device
+from ftrain.cli.resume import ResumeError, checkpoint_metadata, move_aside, start_state
+from ftrain.cli.session import Session
+from ftrain.config import ConfigError, load_config
+from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader
+from ftrain.dist import World, agree_any, init_world, shutdown
+from ftrain.loop import train_loop
+from ftrain.signals import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, StopFlag
+from ftrain.state import init_state
+from ftrain.step import make_step
+
+__all__ = ["main"]
+
+USAGE = """usage: python -m ftrain [+recipe=NAME] [KEY=VALUE ...]
+       python -m ftrain --cfg [overrides]    print the composed config and exit
+
+Re-running the same command resumes from the newest committed checkpoint in run.dir.
+resume=none starts fresh; resume=STEP resumes exactly at STEP. See docs/configuration.md.
+Exit codes: 0 done, 1 error, 2 bad config, 3 stopped by a signal after saving, 130 forced."""
+
+_STARTUP_ERRORS = (
+    ConfigError,
+    ResumeError,
+    DataFingerprintError,
+    DataPathError,
+    DataFormatError,
+    ValueError,
+    KeyError,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return EXIT_OK
+    show_cfg = "--cfg" in argv
+    try:
+        cfg = load_config([a for a in argv if a != "--cfg"])
+    except ConfigError as err:
+        print(f"ftrain: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    if show_cfg:
+        print(OmegaConf.to_yaml(cfg))
+        return EXIT_OK
+    return train_from_config(cfg)
+
+
+def train_from_config(cfg: DictConfig) -> int:
+    """Run (or resume) the training job described by ``cfg``."""
+    try:
+        device = pick_device(cfg.trainer.device)
+        world = init_world(cfg.dist.backend, cfg.dist.timeout_s, device)
+    except ValueError as err:
+        print(f"ftrain: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        try:
+            parts = _setup(cfg, device, world)
+        except _STARTUP_ERRORS as err:
+            print(f"ftrain: cannot start: {err}", file=sys.stderr)
+            return EXIT_CONFIG
+        return _run(cfg, device, world, parts)
+    finally:
+        shutdown()
+
+
+def _setup(cfg: DictConfig, device, world: World) -> dict:
+    """Everything that can refuse to start: config-derived parts, data, resume decision."""
+    if cfg.resume == "none" and cfg.run.overwrite and world.is_coordinator:
+        moved = move_aside(Path(cfg.checkpoint.dir))
+        if moved:
+            print(f"run.overwrite=true: moved the old checkpoints to {moved}")
+    agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
+    model, loss_fn = build_model(cfg)
+    tx = build_tx(cfg)
+    train_src, val_src = build_sources(cfg)
+    fresh = init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
+    manager = build_manager(cfg)
+    try:
+        state, report, _ = start_state(cfg, manager, fresh, world, tx, train_src.fingerprint)
+    except BaseException:
+        manager.close()
+        raise
+    return {
+        "model": model,
+        "loss_fn": loss_fn,
+        "tx": tx,
+        "train": train_src,
+        "val": val_src,
+        "manager": manager,
+        "state": state,
+        "report": report,
+    }
+
+
+def _run(cfg: DictConfig, device, world: World, p: dict) -> int:
+    t = cfg.trainer
+    with Session(cfg, world, p["manager"]) as session:
+        session.resumed(p["report"])
+        session.metadata = checkpoint_metadata(
+            cfg, p["train"].fingerprint, p["train"].describe(), world
+        )
+        state = p["state"].to(device)
+        step = make_step(
+            p["model"],
+            p["loss_fn"],
+            p["tx"],
+            grad_accum=t.grad_accum,
+            precision=t.precision,
+            clip=cfg.optim.clip,
+            donate=t.donate,
+        )
+        loader = Loader(
+            p["train"],
+            global_batch=t.batch_size,
+            key=state["rng"].cpu(),
+            rank=world.rank,
+            world=world.size,
+            shuffle=cfg.data.shuffle,
+            drop_last=cfg.data.drop_last,
+            prefetch=cfg.data.prefetch,
+            device=device,
+        )
+        evaluate = (
+            session.evaluator(p["model"], p["loss_fn"], p["val"], device) if t.eval_every else None
+        )
+        session.start_progress(int(state["step"]))
+        with StopFlag() as stop, loader, loader.iter_from(state["data"].cpu()) as batches:
+            result = train_loop(
+                state,
+                step,
+                batches,
+                max_steps=t.max_steps,
+                save=session.save,
+                evaluate=evaluate,
+                eval_every=t.eval_every,
+                record=session.record,
+                log_every=t.log_every,
+                stop=stop,
+                agree=agree_any if world.active else None,
+                donate=t.donate,
+            )
+        session.finish(result)
+    return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK

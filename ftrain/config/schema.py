@@ -1,0 +1,131 @@
+"""Typed schemas for the Hydra config: every group's YAML is validated against these.
+
+A wrong type (``trainer.max_steps=abc``) or an unknown key (``trainer.max_step=10``) is
+rejected at composition time with the key named, before any training starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    dir: str = "runs/${run.name}"
+    overwrite: bool = False
+    allow_config_change: bool = False
+    plot: bool = True
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    block_size: int = 64
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 6e-4
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    momentum: float = 0.0
+    nesterov: bool = False
+    clip: float | None = 1.0
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "warmup_cosine"
+    warmup_steps: int = 10
+    decay_steps: int | None = None  # None: decay over trainer.max_steps
+    end_factor: float = 0.1  # final lr = end_factor * optim.lr
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"
+    path: str | None = None
+    block_size: int = "${model.block_size}"  # type: ignore[assignment]
+    val_fraction: float = 0.05
+    shuffle: bool = True
+    drop_last: bool = False
+    prefetch: int = 2
+    allow_changed: bool = False
+    cache_dir: str | None = None
+    dtype: str = "uint16"
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "${run.dir}/checkpoints"
+    every_steps: int | None = 100
+    every_seconds: float | None = None
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    keep_best: int | None = None
+    best_metric: str = "val_loss"
+    async_save: bool = True
+    fallback_dir: str | None = None
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    seed: int = 0
+    batch_size: int = 8
+    grad_accum: int = 1
+    precision: str = "fp32"
+    eval_every: int | None = 50
+    eval_batches: int = 4
+    log_every: int = 1
+    device: str = "auto"
+    donate: bool = False
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"
+    timeout_s: int = 600
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    resume: Any = "latest"  # "latest", "none", or a step number
+
+
+def register_configs() -> None:
+    """Register the schemas so YAML groups are validated (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="ftrain_schema", node=Config)
+    for group, node in [
+        ("model", ModelConfig),
+        ("optim", OptimConfig),
+        ("schedule", ScheduleConfig),
+        ("data", DataConfig),
+        ("checkpoint", CheckpointConfig),
+        ("trainer", TrainerConfig),
+        ("dist", DistConfig),
+    ]:
+        cs.store(group=group, name=f"{group}_schema", node=node)

@@ -1,0 +1,89 @@
+"""torch.distributed plumbing: process group from torchrun's environment, and agreements.
+
+Data parallelism itself lives in the step (gradients are all-reduced inside it); this
+module starts the process group and gives the loop the few collective decisions it needs:
+one restore step for every rank, one stop decision, averaged evaluation metrics.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["World", "agree_any", "all_mean", "broadcast_int", "init_world", "shutdown"]
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place: ``rank`` of ``size`` (``size == 1``: not distributed)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+def init_world(
+    backend: str = "auto", timeout_s: int = 600, device: torch.device | None = None
+) -> World:
+    """Join the process group described by torchrun's env vars (or run alone without them).
+
+    ``backend="auto"`` picks nccl for CUDA devices and gloo otherwise.
+    """
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    if not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return World(dist.get_rank(), dist.get_world_size())
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def agree_any(flag: bool) -> bool:
+    """True on every rank if it is true on any rank (a stop request on one stops all)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_int(value: int | None, src: int = 0) -> int | None:
+    """Rank ``src``'s value on every rank (``None`` travels as -1)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([-1 if value is None else value], dtype=torch.int64, device=_device())
+    dist.broadcast(t, src)
+    v = int(t.item())
+    return None if v == -1 else v
+
+
+def all_mean(values: dict[str, float]) -> dict[str, float]:
+    """Average each value over ranks (for evaluation metrics)."""
+    if not (dist.is_available() and dist.is_initialized()) or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist(), strict=True))

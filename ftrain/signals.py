@@ -1,0 +1,90 @@
+"""Stop requests from signals, honoured at the next step boundary.
+
+SIGTERM, SIGINT and SIGUSR1 set a flag; the loop finishes the step it is in, saves a
+committed checkpoint, and exits with :data:`EXIT_PREEMPTED`. A *second* SIGINT exits at
+once with :data:`EXIT_FORCED`: nothing is corrupted by that, because a checkpoint only
+counts once its commit marker is renamed into place (an interrupted save leaves a
+``*.tmp-*`` directory that the next start sweeps away).
+
+Exit codes of ``python -m ftrain``:
+
+====  =====================================================================
+0     finished ``trainer.max_steps``
+1     an error (after an emergency save of the last completed step)
+2     bad config or command line (nothing was trained)
+3     stopped by SIGTERM/SIGINT/SIGUSR1 after a committed save: re-run to resume
+130   second SIGINT: immediate exit (the newest *committed* step is intact)
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+__all__ = ["EXIT_CONFIG", "EXIT_ERROR", "EXIT_FORCED", "EXIT_OK", "EXIT_PREEMPTED", "StopFlag"]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+EXIT_PREEMPTED = 3
+EXIT_FORCED = 130
+
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class StopFlag:
+    """Set by a handled signal (or by code); read by the loop at each step boundary.
+
+    Example:
+        >>> flag = StopFlag()
+        >>> flag.request("test")
+        >>> flag.reason
+        'test'
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def request(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.requested:
+            sys.stderr.write(
+                "second SIGINT: exiting now; the newest committed checkpoint is intact\n"
+            )
+            sys.stderr.flush()
+            os._exit(EXIT_FORCED)
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"{name} received: finishing this step, saving, then exiting\n")
+        sys.stderr.flush()
+        self.request(name)
+
+    def install(self) -> StopFlag:
+        """Install handlers (main thread only; elsewhere a no-op) and return self."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in _HANDLED:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> StopFlag:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()

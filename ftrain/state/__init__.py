@@ -1,0 +1,31 @@
+"""The immutable training state and pytree helpers."""
+
+from ftrain.state.init import STATE_KEYS, check_usable, init_amp, init_state, mark_donated
+from ftrain.state.tree import (
+    cast,
+    count_params,
+    first_difference,
+    flatten,
+    map_leaves,
+    path_str,
+    replace,
+    tree_equal,
+    unflatten,
+)
+
+__all__ = [
+    "STATE_KEYS",
+    "cast",
+    "check_usable",
+    "count_params",
+    "first_difference",
+    "flatten",
+    "init_amp",
+    "init_state",
+    "map_leaves",
+    "mark_donated",
+    "path_str",
+    "replace",
+    "tree_equal",
+    "unflatten",
+]

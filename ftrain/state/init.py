@@ -1,0 +1,131 @@
+"""The training state: one immutable TensorDict holding everything a resume needs.
+
+Top-level keys (fixed; the state is locked against adding or removing keys):
+
+- ``step``: int64 scalar, completed optimizer steps ("step 400" = 400 steps done).
+- ``params``: the model parameters, nested like the module (``h.0.attn.c_attn.weight``).
+- ``buffers``: the module's persistent buffers (empty for most transformers).
+- ``opt``: the optimizer state from ``tx.init(params)``; the LR schedule reads its count.
+- ``amp``: dynamic loss-scale state (``scale``, ``growth_tracker``, ``skipped``).
+- ``data``: the data cursor (``epoch``, ``position``) of the *next* batch.
+- ``rng``: the base key of the run's key chain.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from ftrain import rng
+from ftrain.state.tree import unflatten
+
+__all__ = ["STATE_KEYS", "check_usable", "init_amp", "init_state", "mark_donated"]
+
+STATE_KEYS = ("step", "params", "buffers", "opt", "amp", "data", "rng")
+
+# Default dynamic loss scale for fp16, as torch.amp.GradScaler(init_scale=2**16).
+DEFAULT_LOSS_SCALE = 2.0**16
+
+
+def _detached_tree(named: list[tuple[str, torch.Tensor]]) -> TensorDict:
+    # Clone so the state owns its memory: training the state never touches the module.
+    keys = [tuple(name.split(".")) for name, _ in named]
+    return unflatten(keys, [t.detach().clone() for _, t in named])
+
+
+def init_amp(precision: str = "fp32", *, init_scale: float = DEFAULT_LOSS_SCALE) -> TensorDict:
+    """Loss-scale state. Present for every precision so checkpoints share one layout;
+    only ``fp16`` steps read and change it (``scale`` stays 1.0 otherwise)."""
+    scale = init_scale if precision == "fp16" else 1.0
+    return TensorDict(
+        scale=torch.tensor(scale, dtype=torch.float32),
+        growth_tracker=torch.tensor(0, dtype=torch.int32),
+        skipped=torch.tensor(0, dtype=torch.int64),
+        batch_size=[],
+    )
+
+
+def _default_cursor() -> TensorDict:
+    zero = torch.zeros((), dtype=torch.int64)
+    return TensorDict(epoch=zero, position=zero.clone(), batch_size=[])
+
+
+def init_state(
+    model: nn.Module,
+    tx,
+    *,
+    seed: int,
+    data: TensorDictBase | None = None,
+    precision: str = "fp32",
+) -> TensorDict:
+    """Build the initial training state for ``model`` and optimizer ``tx``.
+
+    Args:
+        model: the module whose parameters (and persistent buffers) seed the state. It is
+            not modified; the state holds copies.
+        tx: an ``ftrain.optim.GradientTransformation``; ``tx.init(params)`` makes ``opt``.
+        seed: the run's seed; the base key of the RNG chain is ``ftrain.rng.key(seed)``.
+        data: the initial data cursor (default: epoch 0, position 0).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16 starts the loss scale at 2**16).
+
+    Returns:
+        A locked TensorDict with keys ``step, params, buffers, opt, amp, data, rng``.
+
+    Example:
+        >>> import ftrain
+        >>> state = ftrain.init_state(torch.nn.Linear(2, 1), ftrain.optim.sgd(0.1), seed=0)
+        >>> sorted(state.keys())
+        ['amp', 'buffers', 'data', 'opt', 'params', 'rng', 'step']
+    """
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    params = _detached_tree(list(model.named_parameters()))
+    persistent = [(n, b) for n, b in model.named_buffers() if _is_persistent(model, n)]
+    state = TensorDict(
+        step=torch.zeros((), dtype=torch.int64),
+        params=params,
+        buffers=_detached_tree(persistent),
+        opt=tx.init(params),
+        amp=init_amp(precision),
+        data=data if data is not None else _default_cursor(),
+        rng=rng.key(seed),
+        batch_size=[],
+    )
+    return state.lock_()
+
+
+def _is_persistent(model: nn.Module, name: str) -> bool:
+    owner_path, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    return leaf not in owner._non_persistent_buffers_set
+
+
+# TensorDicts are unhashable, so donated states are tracked by id, dropped when collected.
+_DONATED: dict[int, weakref.ref] = {}
+
+
+def mark_donated(state: TensorDictBase) -> None:
+    """Record that ``state``'s buffers were reused in place; using it again is an error."""
+    sid = id(state)
+    _DONATED[sid] = weakref.ref(state, lambda _ref: _DONATED.pop(sid, None))
+
+
+def _is_donated(state: TensorDictBase) -> bool:
+    ref = _DONATED.get(id(state))
+    return ref is not None and ref() is state
+
+
+def check_usable(state: TensorDictBase, what: str = "step") -> None:
+    """Raise if ``state`` was donated to a ``donate=True`` step (its tensors now hold later values)."""
+    if not isinstance(state, TensorDictBase):
+        raise TypeError(
+            f"{what} expects a TensorDict state from ftrain.init_state, got {type(state).__name__}"
+        )
+    if _is_donated(state):
+        raise RuntimeError(
+            f"this state was donated to a donate=True step and its tensors were updated in place; "
+            f"{what} needs the state that step returned (or make the step with donate=False)"
+        )

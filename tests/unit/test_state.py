@@ -1,0 +1,94 @@
+import pytest
+import torch
+from tensordict import TensorDict
+
+import ftrain
+from ftrain.state import (
+    STATE_KEYS,
+    cast,
+    count_params,
+    first_difference,
+    flatten,
+    init_state,
+    replace,
+    tree_equal,
+    unflatten,
+)
+
+
+class WithBuffers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.norm = torch.nn.BatchNorm1d(2)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+def test_init_state_layout():
+    model = WithBuffers()
+    state = init_state(model, ftrain.optim.sgd(0.1), seed=0)
+    assert tuple(sorted(state.keys())) == tuple(sorted(STATE_KEYS))
+    assert state["step"].dtype == torch.int64 and state["step"].dim() == 0
+    assert set(state["params"].keys(True, True)) == {
+        ("lin", "weight"),
+        ("lin", "bias"),
+        ("norm", "weight"),
+        ("norm", "bias"),
+    }
+    # Persistent buffers only: the non-persistent scratch buffer is not state.
+    assert ("norm", "running_mean") in state["buffers"].keys(True, True)
+    assert "scratch" not in state["buffers"].keys()
+    assert set(state["data"].keys()) == {"epoch", "position"}
+    assert torch.equal(state["rng"], ftrain.rng.key(0))
+
+
+def test_state_owns_copies_and_is_locked():
+    model = torch.nn.Linear(2, 2)
+    state = init_state(model, ftrain.optim.sgd(0.1), seed=0)
+    assert state["params"]["weight"].data_ptr() != model.weight.data_ptr()
+    assert not state["params"]["weight"].requires_grad
+    with pytest.raises(RuntimeError):
+        state["extra"] = torch.zeros(())
+
+
+def test_bad_precision():
+    with pytest.raises(ValueError, match="fp8"):
+        init_state(torch.nn.Linear(1, 1), ftrain.optim.sgd(0.1), seed=0, precision="fp8")
+
+
+def test_fp16_starts_with_gradscaler_scale():
+    state = init_state(torch.nn.Linear(1, 1), ftrain.optim.sgd(0.1), seed=0, precision="fp16")
+    assert float(state["amp"]["scale"]) == 65536.0
+
+
+def test_flatten_unflatten_roundtrip():
+    t = TensorDict(a=torch.zeros(1), b={"c": torch.ones(2), "d": {"e": torch.arange(3)}})
+    keys, leaves = flatten(t)
+    assert keys == [("a",), ("b", "c"), ("b", "d", "e")]
+    assert tree_equal(unflatten(keys, leaves), t)
+    with pytest.raises(ValueError, match="2 keys but 1 leaves"):
+        unflatten(keys[:2], leaves[:1])
+
+
+def test_first_difference_reports_keys_shapes_and_bits():
+    a = TensorDict(x=torch.tensor([0.0, 1.0]), y=torch.zeros(2))
+    assert first_difference(a, a.clone()) is None
+    assert "only in second ['z']" in first_difference(a, a.clone().set("z", torch.zeros(1)))
+    assert "(2,)" in first_difference(a, a.clone().set("x", torch.zeros(3)))
+    neg = a.clone().set("y", torch.tensor([0.0, -0.0]))
+    assert first_difference(a, neg) == "y: values differ at flat index 1 (0.0 vs -0.0)"
+    nan = TensorDict(x=torch.tensor(float("nan")))
+    assert tree_equal(nan, nan.clone())
+
+
+def test_replace_cast_count():
+    state = init_state(torch.nn.Linear(3, 2), ftrain.optim.sgd(0.1), seed=0)
+    new = replace(state, step=torch.tensor(9))
+    assert int(new["step"]) == 9 and int(state["step"]) == 0 and new.is_locked
+    assert new["params"]["weight"] is state["params"]["weight"]
+    with pytest.raises(KeyError, match="nope"):
+        replace(state, nope=torch.zeros(()))
+    half = cast(state["params"], torch.bfloat16)
+    assert half["weight"].dtype == torch.bfloat16
+    assert cast(state, torch.float16)["step"].dtype == torch.int64
+    assert count_params(state["params"]) == 8

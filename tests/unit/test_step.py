@@ -1,0 +1,206 @@
+import pytest
+import torch
+from tensordict import TensorDict
+
+import ftrain
+from ftrain.nn import Dropout
+from ftrain.state import first_difference, init_state, tree_equal
+from ftrain.step import evaluate, make_eval_step, make_step
+
+
+def _model(seed=0, p=0.0):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Tanh(), Dropout(p), torch.nn.Linear(16, 2)
+    )
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * 0.3)
+    return m
+
+
+def _mse(m, b):
+    return ((m(b["x"]) - b["y"]) ** 2).mean()
+
+
+def _batch(i, n=8):
+    g = torch.Generator().manual_seed(100 + i)
+    return TensorDict(x=torch.randn(n, 4, generator=g), y=torch.randn(n, 2, generator=g))
+
+
+def _tx():
+    return ftrain.optim.adamw(ftrain.optim.schedule.warmup_cosine(1e-2, 3, 20), weight_decay=0.1)
+
+
+def test_step_is_pure_over_several_steps():
+    model = _model(p=0.2)
+    tx = _tx()
+    step = make_step(model, _mse, tx, clip=1.0)
+    state = init_state(model, tx, seed=0)
+    for i in range(4):
+        snapshot = state.clone()
+        new, _ = step(state, _batch(i))
+        assert tree_equal(state, snapshot), first_difference(state, snapshot)
+        state = new
+    assert int(state["step"]) == 4
+
+
+def test_module_parameters_are_never_changed():
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tx = _tx()
+    state = init_state(model, tx, seed=0)
+    make_step(model, _mse, tx)(state, _batch(0))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_recomputing_a_step_with_dropout_is_identical_and_keys_matter():
+    model = _model(p=0.5)
+    tx = _tx()
+    step = make_step(model, _mse, tx)
+    state = init_state(model, tx, seed=0)
+    a, ma = step(state, _batch(0))
+    b, mb = step(state, _batch(0))
+    assert tree_equal(a, b) and float(ma["loss"]) == float(mb["loss"])
+    other = init_state(model, tx, seed=1)
+    c, mc = step(other, _batch(0))
+    assert float(mc["loss"]) != float(ma["loss"]), "a different base key must change dropout"
+
+
+def test_step_does_not_touch_global_rng():
+    model = _model(p=0.5)
+    tx = _tx()
+    state = init_state(model, tx, seed=0)
+    before = torch.get_rng_state()
+    make_step(model, _mse, tx)(state, _batch(0))
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_grad_accum_equals_one_step_on_the_whole_batch():
+    model = _model()
+    tx = ftrain.optim.sgd(0.1, momentum=0.9)
+    state = init_state(model, tx, seed=0)
+    whole, mw = make_step(model, _mse, tx)(state, _batch(0, n=8))
+    accum, ma = make_step(model, _mse, tx, grad_accum=4)(state, _batch(0, n=8))
+    torch.testing.assert_close(accum["params"], whole["params"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ma["loss"], mw["loss"])
+    assert int(ma["samples"]) == 8
+
+
+def test_grad_accum_rejects_indivisible_batch():
+    model = _model()
+    tx = _tx()
+    state = init_state(model, tx, seed=0)
+    with pytest.raises(ValueError, match="grad_accum=3"):
+        make_step(model, _mse, tx, grad_accum=3)(state, _batch(0, n=8))
+
+
+def test_matches_imperative_torch_loop_with_clipping():
+    model = _model()
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    tx = ftrain.optim.sgd(0.05, momentum=0.9)
+    state = init_state(model, tx, seed=0)
+    step = make_step(model, _mse, tx, clip=0.5)
+    for i in range(10):
+        state, metrics = step(state, _batch(i))
+        opt.zero_grad(set_to_none=True)
+        _mse(ref, _batch(i)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        torch.testing.assert_close(metrics["grad_norm"], norm)
+        opt.step()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(
+            state["params"][tuple(name.split("."))], p.detach(), rtol=1e-6, atol=1e-7
+        )
+
+
+def test_cursor_in_batch_becomes_state_data():
+    model = _model()
+    tx = _tx()
+    state = init_state(model, tx, seed=0)
+    cursor = TensorDict(epoch=torch.tensor(0), position=torch.tensor(8))
+    new, _ = make_step(model, _mse, tx)(state, _batch(0).set("cursor", cursor))
+    assert int(new["data"]["position"]) == 8 and int(state["data"]["position"]) == 0
+
+
+def test_donate_matches_pure_and_poisons_input():
+    model = _model()
+    tx = _tx()
+    pure_state = init_state(model, tx, seed=0)
+    donated_state = pure_state.clone()
+    pure, donated = make_step(model, _mse, tx), make_step(model, _mse, tx, donate=True)
+    for i in range(3):
+        pure_state, _ = pure(pure_state, _batch(i))
+        old = donated_state
+        donated_state, _ = donated(donated_state, _batch(i))
+    assert tree_equal(pure_state, donated_state)
+    with pytest.raises(RuntimeError, match="donated"):
+        donated(old, _batch(0))
+
+
+def test_metrics_are_tensors_with_lr_of_this_update():
+    model = _model()
+    sched = ftrain.optim.schedule.warmup_cosine(1e-2, 3, 20)
+    tx = ftrain.optim.adamw(sched)
+    state = init_state(model, tx, seed=0)
+    step = make_step(model, _mse, tx)
+    lrs = []
+    for i in range(4):
+        state, m = step(state, _batch(i))
+        assert set(m.keys()) >= {"loss", "grad_norm", "lr", "samples", "tokens"}
+        lrs.append(float(m["lr"]))
+    assert lrs == pytest.approx([float(sched(i)) for i in range(4)])
+
+
+def test_fp16_loss_scaling_matches_gradscaler_and_skips_nonfinite():
+    model = _model()
+    tx = ftrain.optim.sgd(0.1)
+    state = init_state(model, tx, seed=0, precision="fp16")
+    state = ftrain.state.replace(
+        state, amp=state["amp"].clone().set("scale", torch.tensor(2.0**24))
+    )  # fp16 overflows: 2**24 * loss > 65504 forces a skip, as in GradScaler
+    step = make_step(model, _mse, tx, precision="fp16")
+    new, _ = step(state, _batch(0))
+    assert int(new["amp"]["skipped"]) == 1 and float(new["amp"]["scale"]) == 2.0**23
+    assert tree_equal(new["params"], state["params"]) and int(new["step"]) == 1
+
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    for _ in range(1):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _mse(ref, _batch(0))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.get_scale() == float(new["amp"]["scale"])
+
+
+def test_eval_does_not_disturb_state():
+    model = _model(p=0.5)
+    tx = _tx()
+    state = init_state(model, tx, seed=0)
+    snapshot = state.clone()
+    ev = make_eval_step(model, _mse)
+    out = evaluate(ev, state, [_batch(0), _batch(1)])
+    assert tree_equal(state, snapshot)
+    expected = (float(_mse(model.eval(), _batch(0))) + float(_mse(model, _batch(1)))) / 2
+    assert out["loss"] == pytest.approx(expected, rel=1e-6)
+    assert out["samples"] == 16
+
+
+def test_bad_arguments():
+    model = _model()
+    tx = _tx()
+    with pytest.raises(ValueError, match="grad_accum=0"):
+        make_step(model, _mse, tx, grad_accum=0)
+    with pytest.raises(ValueError, match="fp8"):
+        make_step(model, _mse, tx, precision="fp8")
+    with pytest.raises(ValueError, match="clip=-1"):
+        make_step(model, _mse, tx, clip=-1)
+    state = init_state(model, tx, seed=0)
+    with pytest.raises(TypeError, match="scalar tensor"):
+        make_step(model, lambda m, b: m(b["x"]), tx)(state, _batch(0))
