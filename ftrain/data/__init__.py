@@ -5,7 +5,8 @@ See ``docs/data.md``. The pieces:
 - sources (``sources.py``): random access to ``(x, y)`` windows by global sample index;
 - the pure sampler (``sampler.py``): ``(cursor, key, rank, world) -> (indices, next cursor)``;
 - the prefetching :class:`Loader` (``loader.py``) and fixed validation batches;
-- fingerprints (``fingerprint.py``) and the default stdlib corpus (``corpus.py``).
+- text corpora tokenized once and cached (``text.py``), the default stdlib corpus
+  (``corpus.py``) and fingerprints (``fingerprint.py``).
 """
 
 from ftrain.data.corpus import stdlib_corpus, stdlib_files
@@ -23,13 +24,13 @@ from ftrain.data.sources import (
     DataPathError,
     Source,
     TensorSource,
-    TextCorpusSource,
     TokenFileSource,
     make_source,
     register_source,
-    resolve_text_files,
+    source_from_config,
     source_names,
 )
+from ftrain.data.text import TextCorpusSource, resolve_text_files, tokenize_corpus
 from ftrain.data.tokenizer import ByteTokenizer
 
 __all__ = [
@@ -55,7 +56,9 @@ __all__ = [
     "register_source",
     "resolve_text_files",
     "sample",
+    "source_from_config",
     "source_names",
+    "tokenize_corpus",
     "stdlib_corpus",
     "stdlib_files",
     "val_batches",

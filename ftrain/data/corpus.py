@@ -17,7 +17,8 @@ import sysconfig
 from pathlib import Path
 
 from ftrain.data.fingerprint import cache_dir
-from ftrain.data.sources import TextCorpusSource, register_source, resolve_text_files
+from ftrain.data.sources import register_source
+from ftrain.data.text import TextCorpusSource, resolve_text_files
 
 __all__ = ["cache_dir", "stdlib_corpus", "stdlib_files"]
 
@@ -41,6 +42,7 @@ def stdlib_corpus(
     split: str = "train",
     val_fraction: float = 0.05,
     cache_dir: str | os.PathLike | None = None,
+    path: None = None,
 ) -> TextCorpusSource:
     """The default corpus (see the module docstring) as a byte-level text source.
 
@@ -49,12 +51,21 @@ def stdlib_corpus(
         split: ``"train"`` or ``"val"`` (the last ``val_fraction`` of the tokens).
         val_fraction: the share of tokens held out for ``val``.
         cache_dir: override the cache directory.
+        path: must stay ``None`` (the stdlib is found, not configured).
+
+    Raises:
+        ValueError: a ``path`` was given (use the ``text`` or ``tokens`` source for that).
 
     Example:
         >>> src = stdlib_corpus(block_size=256)  # doctest: +SKIP
         >>> src.describe()["vocab_size"]  # doctest: +SKIP
         256
     """
+    if path is not None:
+        raise ValueError(
+            f"the stdlib corpus reads the Python standard library, not {path=}; for your own "
+            "files use data=text data.path=DIR_OR_GLOB (or data=tokens for token files)"
+        )
     return TextCorpusSource(
         stdlib_root(),
         block_size=block_size,

@@ -12,8 +12,8 @@ Sources here:
 - :class:`TokenFileSource` — a flat token file (nanoGPT's ``train.bin``/``val.bin``),
   memory-mapped; a directory holds one file per split, a single file is split by
   token range (the last ``val_fraction`` of tokens is ``val``).
-- :class:`TextCorpusSource` — a directory/glob of text files tokenized once by the
-  byte-level tokenizer into a cached token file, then read like a token file.
+- :class:`~ftrain.data.text.TextCorpusSource` (``text.py``) — a directory/glob of text
+  files tokenized once by the byte-level tokenizer into a cached token file.
 - :class:`TensorSource` — tokens already in memory (tests, custom data).
 
 Bring your own: subclass :class:`Source` (four members) and
@@ -23,13 +23,11 @@ Bring your own: subclass :class:`Source` (four members) and
 from __future__ import annotations
 
 import abc
-import glob
 import hashlib
-import json
+import inspect
 import logging
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +35,17 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ftrain.data.fingerprint import _write_json_atomic, cache_dir, file_digest, make_fingerprint
-from ftrain.data.tokenizer import ByteTokenizer
+from ftrain.data.fingerprint import file_digest, make_fingerprint
 
 __all__ = [
     "DataFormatError",
     "DataPathError",
     "Source",
     "TensorSource",
-    "TextCorpusSource",
     "TokenFileSource",
     "make_source",
     "register_source",
+    "source_from_config",
     "source_names",
 ]
 
@@ -322,157 +319,6 @@ class TensorSource(Source):
         }
 
 
-# ---------------------------------------------------------------- text corpora
-
-
-def resolve_text_files(
-    paths: str | os.PathLike | Sequence[str | os.PathLike],
-    *,
-    pattern: str = "**/*",
-    exclude: Sequence[str] = (),
-) -> list[Path]:
-    """The files of a text corpus, in a deterministic order.
-
-    Each entry of ``paths`` is a file, a directory (its files matching ``pattern``,
-    sorted by relative POSIX path) or a glob (its matches, sorted). Entries keep their
-    order. Files with a path component in ``exclude`` are skipped.
-
-    Raises:
-        DataPathError: an entry matches no file.
-    """
-    entries = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
-    skip = set(exclude) | {"__pycache__"}
-    out: list[Path] = []
-    for entry in entries:
-        p = Path(entry).expanduser()
-        if p.is_file():
-            found = [p]
-        elif p.is_dir():
-            found = sorted(
-                (
-                    f
-                    for f in p.glob(pattern)
-                    if f.is_file() and not skip & set(f.relative_to(p).parts)
-                ),
-                key=lambda f: f.relative_to(p).as_posix(),
-            )
-        else:
-            found = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
-            found = [f for f in found if not skip & set(f.parts)]
-        if not found:
-            raise DataPathError(
-                f"text corpus entry {str(p)!r} matches no file (pattern {pattern!r}); point "
-                "data.paths at existing text files, a directory or a glob"
-            )
-        out.extend(found)
-    return out
-
-
-def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
-    """Write ``files`` as byte tokens joined by EOT into ``target`` (atomically)."""
-    tok = ByteTokenizer()
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    h, n, t0 = hashlib.blake2b(digest_size=16), 0, time.perf_counter()
-    with open(tmp, "wb") as out:
-        for i, f in enumerate(files):
-            data = (bytes([tok.eot]) if i else b"") + f.read_bytes()
-            out.write(data)
-            h.update(data)
-            n += len(data)
-    os.replace(tmp, target)
-    log.info(
-        "tokenized %d files (%d bytes) into %s in %.1fs",
-        len(files),
-        n,
-        target,
-        time.perf_counter() - t0,
-    )
-    return {"num_tokens": n, "digest": h.hexdigest()}
-
-
-def tokenize_corpus(
-    files: Sequence[Path], *, cache: str | os.PathLike | None = None
-) -> tuple[Path, dict[str, Any], bool]:
-    """Tokenize ``files`` once into the cache; later calls reuse the cached token file.
-
-    The cache entry is keyed by the tokenizer and each file's path, size and mtime, so
-    editing a file makes a new entry. A JSON sidecar written last marks it complete.
-
-    Returns:
-        ``(token_file, meta, tokenized_now)``; ``meta`` has ``num_tokens`` and ``digest``.
-    """
-    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key = hashlib.blake2b(
-        json.dumps([ByteTokenizer.id, stats]).encode(), digest_size=12
-    ).hexdigest()
-    folder = cache_dir(cache) / "corpus"
-    folder.mkdir(parents=True, exist_ok=True)
-    token_file, meta_file = folder / f"{key}.u8", folder / f"{key}.json"
-    try:
-        meta = json.loads(meta_file.read_text())
-        if token_file.stat().st_size == meta["num_tokens"]:
-            return token_file, meta, False
-        log.warning("corpus cache %s is incomplete or corrupt; tokenizing again", token_file)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    meta = {"tokenizer": ByteTokenizer.id, "files": len(files)} | _tokenize_files(files, token_file)
-    _write_json_atomic(meta_file, meta)
-    return token_file, meta, True
-
-
-class TextCorpusSource(TokenFileSource):
-    """Text files tokenized once by the byte-level tokenizer (vocab 256), then memory-mapped.
-
-    Args:
-        paths: a directory, a file, a glob, or a list of them (see ``resolve_text_files``).
-        block_size: tokens per sample.
-        split: ``"train"`` or ``"val"`` (the last ``val_fraction`` of the corpus's tokens).
-        pattern: files to take from a directory (default: all).
-        exclude: path components to skip (``__pycache__`` always is).
-        val_fraction: the share of tokens held out for ``val``.
-        cache_dir: where tokenized corpora are cached (see ``cache_dir``).
-
-    Attributes:
-        tokenized: whether this construction tokenized (``False``: the cache was reused).
-
-    Example:
-        >>> import tempfile, pathlib
-        >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "a.txt").write_text("hello " * 50)
-        >>> src = TextCorpusSource(d, block_size=16, cache_dir=d / "cache")
-        >>> ByteTokenizer().decode(src.get([0])["x"][0])
-        'hello hello hell'
-    """
-
-    kind = "text"
-
-    def __init__(
-        self,
-        paths: str | os.PathLike | Sequence[str | os.PathLike],
-        *,
-        block_size: int,
-        split: str = "train",
-        pattern: str = "**/*",
-        exclude: Sequence[str] = (),
-        val_fraction: float = 0.05,
-        cache_dir: str | os.PathLike | None = None,
-    ) -> None:
-        self.files = resolve_text_files(paths, pattern=pattern, exclude=exclude)
-        token_file, meta, self.tokenized = tokenize_corpus(self.files, cache=cache_dir)
-        super().__init__(
-            token_file,
-            block_size=block_size,
-            split=split,
-            dtype="uint8",
-            val_fraction=val_fraction,
-            tokenizer=ByteTokenizer.id,
-            vocab_size=ByteTokenizer.vocab_size,
-            _content_digest=meta["digest"],
-        )
-
-    def describe(self) -> dict[str, Any]:
-        return super().describe() | {"num_files": len(self.files), "eot": ByteTokenizer.eot}
-
-
 # ---------------------------------------------------------------- registry
 
 _REGISTRY: dict[str, Callable[..., Source]] = {}
@@ -513,11 +359,43 @@ def make_source(name: str, /, **kwargs: Any) -> Source:
     return _REGISTRY[name](**kwargs)
 
 
+_LOADER_KEYS = frozenset({"name", "shuffle", "drop_last", "prefetch", "allow_changed"})
+
+
+def source_from_config(cfg: Mapping[str, Any], *, split: str = "train") -> Source:
+    """Build the ``split`` source described by a ``data`` config (``conf/data/*.yaml``).
+
+    ``cfg["name"]`` picks the registered factory; the keys it accepts are passed on
+    (``path``/``cache_dir`` only when set); loader and resume keys (``shuffle``,
+    ``drop_last``, ``prefetch``, ``allow_changed``) are not source arguments.
+
+    Example:
+        >>> src = source_from_config({"name": "tensor", "tokens": torch.arange(9), "block_size": 4})
+        >>> len(src)
+        2
+    """
+    name = cfg.get("name")
+    if name not in _REGISTRY:
+        return make_source(str(name))  # raises the listing error
+    factory = _REGISTRY[name]
+    params = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {
+        k: v
+        for k, v in dict(cfg).items()
+        if k not in _LOADER_KEYS
+        and (takes_any or k in params)
+        and not (k in ("path", "cache_dir") and v is None)
+    }
+    if takes_any or "split" in params:
+        kwargs["split"] = split
+    return factory(**kwargs)
+
+
 def source_names() -> list[str]:
     """The names ``make_source`` accepts."""
     return sorted(_REGISTRY)
 
 
 register_source("tokens", TokenFileSource)
-register_source("text", TextCorpusSource)
 register_source("tensor", TensorSource)

@@ -41,7 +41,7 @@ def run(cursor, steps, *, world, global_batch, num_samples, drop_last=False, shu
 worlds = st.sampled_from([1, 2, 4])
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     num_samples=st.integers(1, 60),
     per_rank=st.integers(1, 6),
@@ -67,7 +67,7 @@ def test_interrupted_resume_equals_uninterrupted_across_world_sizes(
     assert first + rest == full  # sample by sample, in order
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     num_samples=st.integers(1, 50),
     batch_a=st.integers(1, 9),

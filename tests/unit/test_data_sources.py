@@ -18,10 +18,12 @@ from ftrain.data import (
     TokenFileSource,
     make_source,
     register_source,
+    source_from_config,
     source_names,
+    stdlib_corpus,
     stdlib_files,
 )
-from ftrain.data import sources as sources_mod
+from ftrain.data import text as text_mod
 
 
 @pytest.fixture(autouse=True)
@@ -139,8 +141,8 @@ def make_corpus(root):
 def test_text_corpus_tokenizes_once_and_reuses_the_cache(tmp_path, monkeypatch):
     root = make_corpus(tmp_path / "corpus")
     calls = []
-    real = sources_mod._tokenize_files
-    monkeypatch.setattr(sources_mod, "_tokenize_files", lambda *a: calls.append(1) or real(*a))
+    real = text_mod._tokenize_files
+    monkeypatch.setattr(text_mod, "_tokenize_files", lambda *a: calls.append(1) or real(*a))
     first = TextCorpusSource(root, block_size=16)
     assert first.tokenized and len(calls) == 1
     second = TextCorpusSource(root, block_size=16)
@@ -191,3 +193,37 @@ def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
     assert tok.encode("").numel() == 0
     assert tok.decode(tok.encode("ünï\ncode")) == "ünï\ncode"
+
+
+CONFIG = {  # the union schema of conf/data/*.yaml
+    "val_fraction": 0.1,
+    "shuffle": True,
+    "drop_last": False,
+    "prefetch": 2,
+    "allow_changed": False,
+    "cache_dir": None,
+    "dtype": "uint16",
+}
+
+
+def test_source_from_config(tmp_path):
+    write_tokens(tmp_path / "all.bin", 1000)
+    cfg = CONFIG | {"name": "tokens", "path": str(tmp_path / "all.bin"), "block_size": 9}
+    val = source_from_config(cfg, split="val")
+    assert isinstance(val, TokenFileSource) and val.split == "val" and val.num_tokens == 100
+    root = make_corpus(tmp_path / "corpus")
+    text = source_from_config(CONFIG | {"name": "text", "path": str(root), "block_size": 8})
+    assert isinstance(text, TextCorpusSource) and text.split == "train"
+    with pytest.raises(ValueError, match="data=text"):
+        source_from_config(CONFIG | {"name": "stdlib", "path": str(root), "block_size": 8})
+    with pytest.raises(KeyError, match="unknown data source"):
+        source_from_config({"name": "nope"})
+
+
+def test_stdlib_corpus_builds_once(tmp_path):
+    cfg = CONFIG | {"name": "stdlib", "path": None, "block_size": 256}
+    src = source_from_config(cfg, split="val")
+    assert src.tokenized and len(src) > 100 and src.describe()["tokenizer"] == "bytes-v1"
+    again = stdlib_corpus(block_size=256)
+    assert not again.tokenized and again.file == src.file
+    assert again.fingerprint.startswith("text:bytes-v1:train:bs256:")
