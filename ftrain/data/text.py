@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,7 @@ class TextCorpusSource(TokenFileSource):
 
     def __init__(
         self,
-        path: str | os.PathLike | Sequence[str | os.PathLike],
+        path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         *,
         block_size: int,
         split: str = "train",
@@ -158,7 +159,17 @@ class TextCorpusSource(TokenFileSource):
         exclude: Sequence[str] = (),
         val_fraction: float = 0.05,
         cache_dir: str | os.PathLike | None = None,
+        paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     ) -> None:
+        if paths is not None:  # the first spelling of this argument, kept for callers of it
+            warnings.warn(
+                "TextCorpusSource(paths=...) is now path=...", DeprecationWarning, stacklevel=2
+            )
+            path = paths if path is None else path
+        if path is None:
+            raise TypeError(
+                "TextCorpusSource needs path= (a directory, file, glob or a list of them)"
+            )
         self.files = resolve_text_files(path, pattern=pattern, exclude=exclude)
         token_file, meta, self.tokenized = tokenize_corpus(self.files, cache=cache_dir)
         super().__init__(

@@ -174,6 +174,15 @@ def test_text_corpus_glob_and_errors(tmp_path):
         TextCorpusSource(tmp_path / "missing" / "*.txt", block_size=8)
 
 
+def test_text_corpus_old_paths_keyword_still_works(tmp_path):
+    root = make_corpus(tmp_path / "corpus")
+    with pytest.warns(DeprecationWarning, match="path="):
+        src = TextCorpusSource(paths=str(root), block_size=8)
+    assert len(src.files) == 3
+    with pytest.raises(TypeError, match="needs path="):
+        TextCorpusSource(block_size=8)
+
+
 def test_cache_dir_argument_overrides_env(tmp_path):
     root = make_corpus(tmp_path / "corpus")
     src = TextCorpusSource(root, block_size=8, cache_dir=tmp_path / "mine")
