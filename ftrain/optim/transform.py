@@ -1,0 +1,449 @@
+"""Gradient transformations (optax ``transform.py`` style), written on flat leaf lists.
+
+Each factory closes over its settings; its state holds only what changes. Every ``update``
+is a :class:`~ftrain.optim.base.FlatUpdate` whose flat function uses ``torch._foreach_*``
+kernels: out-of-place ones when pure, in-place ``_`` ones when ``donate=True``. Both modes
+run the same arithmetic in the same order, so they give bit-identical numbers.
+
+Counts (``count``: int64, 0-d) are created **on the CPU**, like the ``step`` of a
+non-capturable ``torch.optim`` optimizer: bias corrections and schedules are evaluated on the
+host and enter the foreach kernels as Python floats, which costs no device synchronisation,
+launches no tiny kernels, and rounds exactly like ``torch.optim``'s Python-double scalars.
+If a state is moved to an accelerator, the same code keeps working with device scalars
+(no host sync either; the scalar is cast to the leaves' dtype to keep the fused path).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tensordict import TensorDictBase
+
+from ftrain.optim import masks as _masks
+from ftrain.optim.base import (
+    GradientTransformation,
+    Path,
+    check_keys,
+    empty_state,
+    flatten,
+    make_transform,
+    new_td,
+    unflatten,
+)
+from ftrain.optim.schedule import Schedule
+
+__all__ = [
+    "add_decayed_weights",
+    "clip_by_global_norm",
+    "global_norm",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "trace",
+]
+
+Leaves = list[torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _number(
+    fn: str, name: str, value: float, *, low: float | None = None, high: float | None = None
+) -> float:
+    """Validate a hyper-parameter: finite, ``low <= value < high``; the error names it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{fn} requires a finite number for {name}, got {name}={value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{fn} requires {name} >= {low}, got {name}={value!r}")
+    if high is not None and value >= high:
+        raise ValueError(f"{fn} requires {name} < {high}, got {name}={value!r}")
+    return float(value)
+
+
+def _zero_count() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _zeros_like_tree(params: TensorDictBase) -> TensorDictBase:
+    keys, leaves = flatten(params)
+    zeros = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
+    return unflatten(keys, zeros, device=params.device)
+
+
+def _state_leaves(state: TensorDictBase, name: str, keys: list[Path], what: str) -> Leaves:
+    skeys, leaves = flatten(state[name])
+    check_keys(keys, skeys, what)
+    return leaves
+
+
+def _scalar(value: torch.Tensor, leaves: Leaves) -> float | torch.Tensor:
+    """A 0-d tensor as a foreach scalar: a Python float when it lives on the CPU (no device
+    sync; rounds like torch.optim), else a device tensor in the leaves' dtype (fused path)."""
+    if value.device.type == "cpu":
+        return value.item()
+    if leaves and leaves[0].dtype in (torch.float32, torch.float64):
+        return value.to(leaves[0].dtype)
+    return value
+
+
+def _next_count(count: torch.Tensor, donate: bool) -> torch.Tensor:
+    return count.add_(1) if donate else count + 1
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Rescale updates by Adam's bias-corrected moments (``torch.optim.Adam(W)`` numerics).
+
+    With ``t = count + 1``: ``mu = lerp(mu, g, 1 - b1)``, ``nu = b2 * nu + (1 - b2) * g**2``,
+    ``update = (mu / (sqrt(nu) / sqrt(1 - b2**t) + eps)) / (1 - b1**t)``.
+
+    State: ``count`` (int64, 0-d, CPU), ``mu`` and ``nu`` (TensorDicts shaped like params).
+
+    Args:
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the denominator, >= 0.
+
+    Returns:
+        A :class:`GradientTransformation` named ``scale_by_adam``.
+
+    Raises:
+        ValueError: if a hyper-parameter is out of range.
+
+    Example:
+        >>> tx = chain(scale_by_adam(b2=0.95), scale_by_learning_rate(3e-4))
+    """
+    b1 = _number("scale_by_adam", "b1", b1, low=0.0, high=1.0)
+    b2 = _number("scale_by_adam", "b2", b2, low=0.0, high=1.0)
+    eps = _number("scale_by_adam", "eps", eps, low=0.0)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        mu = _zeros_like_tree(params)
+        return new_td({"count": _zero_count(), "mu": mu, "nu": mu.clone()})
+
+    def flat(keys, g, state, params, donate):
+        mu = _state_leaves(state, "mu", keys, "scale_by_adam state 'mu'")
+        nu = _state_leaves(state, "nu", keys, "scale_by_adam state 'nu'")
+        count = _next_count(state["count"], donate)
+        if not g:
+            return g, (state if donate else new_td({"count": count, "mu": {}, "nu": {}}))
+        if donate:
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+        else:
+            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+            nu = torch._foreach_mul(nu, b2)
+        torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
+        t = count.to(torch.float64)
+        bc1 = _scalar(1.0 - b1**t, g)
+        bc2_sqrt = _scalar(torch.sqrt(1.0 - b2**t), g)
+        denom = torch._foreach_sqrt(nu)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, eps)
+        if donate:
+            torch._foreach_copy_(g, mu)  # g is consumed: reuse its memory for the update
+            torch._foreach_div_(g, denom)
+            out = g
+        else:
+            out = torch._foreach_div(mu, denom)
+        del denom
+        torch._foreach_div_(out, bc1)
+        if donate:
+            return out, state
+        dev = state["mu"].device
+        return out, new_td(
+            {
+                "count": count,
+                "mu": unflatten(keys, mu, device=dev),
+                "nu": unflatten(keys, nu, device=dev),
+            }
+        )
+
+    return make_transform("scale_by_adam", init, flat)
+
+
+def add_decayed_weights(
+    weight_decay: float = 0.0, mask: _masks.Mask | None = None
+) -> GradientTransformation:
+    """Add ``weight_decay * param`` to the updates of the leaves ``mask`` selects.
+
+    Before ``scale_by_adam`` this is L2 regularisation (``torch.optim.SGD``'s weight decay);
+    after it and before ``scale_by_learning_rate`` it is AdamW's decoupled decay.
+
+    Args:
+        weight_decay: the decay coefficient, >= 0.
+        mask: which leaves decay: a predicate ``(path, tensor) -> bool`` (see
+            :mod:`ftrain.optim.masks`), a TensorDict of bools, or ``None`` for all leaves.
+            Resolved once per parameter structure and cached.
+
+    Returns:
+        A stateless :class:`GradientTransformation` named ``add_decayed_weights``; its
+        ``update`` requires ``params``.
+
+    Raises:
+        ValueError: for a negative or non-finite ``weight_decay``; at update time if
+            ``params`` is missing.
+
+    Example:
+        >>> tx = add_decayed_weights(0.1, mask=masks.ndim_at_least(2))
+    """
+    wd = _number("add_decayed_weights", "weight_decay", weight_decay, low=0.0)
+    predicate = _masks.to_predicate(mask)
+    cache: dict[tuple[Path, ...], list[int] | None] = {}
+
+    def selected(keys: list[Path], params: Leaves) -> list[int] | None:
+        """Indices to decay, or None for all of them."""
+        if predicate is None:
+            return None
+        key = tuple(keys)
+        if key not in cache:
+            idx = _masks.resolve(predicate, keys, params)
+            cache.clear()  # one structure at a time: keeps the cache bounded
+            cache[key] = None if len(idx) == len(keys) else idx
+        return cache[key]
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return empty_state()
+
+    def flat(keys, u, state, params, donate):
+        if params is None:
+            raise ValueError(
+                "add_decayed_weights needs the parameters: call update(updates, state, params)"
+            )
+        new_state = state if donate else empty_state()
+        idx = selected(keys, params)
+        if wd == 0.0 or not u or idx == []:
+            return u, new_state
+        if idx is None:
+            if donate:
+                torch._foreach_add_(u, params, alpha=wd)
+                return u, new_state
+            return torch._foreach_add(u, params, alpha=wd), new_state
+        sub_u = [u[i] for i in idx]
+        sub_p = [params[i] for i in idx]
+        if donate:
+            torch._foreach_add_(sub_u, sub_p, alpha=wd)
+            return u, new_state
+        out = list(u)
+        for i, v in zip(idx, torch._foreach_add(sub_u, sub_p, alpha=wd), strict=True):
+            out[i] = v
+        return out, new_state
+
+    return make_transform("add_decayed_weights", init, flat)
+
+
+def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransformation:
+    """Multiply updates by ``-learning_rate`` (descent), with a schedule of the step count.
+
+    The rate of an update is ``schedule(count)`` *before* the count advances, so the first
+    update uses ``schedule(0)`` (like ``LambdaLR``). ``lr(state)`` returns that rate for the
+    next update as a 0-d float64 tensor.
+
+    State: ``count`` (int64, 0-d, CPU): updates applied so far.
+
+    Args:
+        learning_rate: a non-negative float or a schedule ``count -> value``
+            (see :mod:`ftrain.optim.schedule`).
+
+    Returns:
+        A :class:`GradientTransformation` named ``scale_by_learning_rate`` with ``lr``.
+
+    Raises:
+        ValueError: for a negative or non-finite float rate.
+        TypeError: if ``learning_rate`` is neither a number nor callable.
+
+    Example:
+        >>> tx = scale_by_learning_rate(schedule.warmup_cosine(6e-4, 100, 5000))
+    """
+    if callable(learning_rate):
+        schedule, const = learning_rate, None
+    elif isinstance(learning_rate, int | float) and not isinstance(learning_rate, bool):
+        schedule = None
+        const = _number("scale_by_learning_rate", "learning_rate", learning_rate, low=0.0)
+    else:
+        raise TypeError(
+            f"learning_rate must be a float or a schedule count -> value, got {learning_rate!r}"
+        )
+
+    def rate(count: torch.Tensor) -> torch.Tensor:
+        if schedule is None:
+            return torch.full((), const, dtype=torch.float64, device=count.device)
+        value = schedule(count)
+        return torch.as_tensor(value, dtype=torch.float64, device=count.device)
+
+    def lr(state: TensorDictBase) -> torch.Tensor:
+        return rate(state["count"])
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return new_td({"count": _zero_count()})
+
+    def flat(keys, u, state, params, donate):
+        count = state["count"]
+        factor = -const if schedule is None else _scalar(-rate(count), u)
+        if donate:
+            if u:
+                torch._foreach_mul_(u, factor)
+            count.add_(1)
+            return u, state
+        return (torch._foreach_mul(u, factor) if u else u), new_td({"count": count + 1})
+
+    return make_transform("scale_by_learning_rate", init, flat, lr)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply updates by a constant ``factor``.
+
+    Args:
+        factor: a finite number.
+
+    Returns:
+        A stateless :class:`GradientTransformation` named ``scale``.
+
+    Raises:
+        ValueError: if ``factor`` is not finite.
+
+    Example:
+        >>> tx = chain(scale_by_adam(), scale(-1e-3))  # plain Adam with a fixed rate
+    """
+    factor = _number("scale", "factor", factor)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return empty_state()
+
+    def flat(keys, u, state, params, donate):
+        if donate:
+            if u:
+                torch._foreach_mul_(u, factor)
+            return u, state
+        return (torch._foreach_mul(u, factor) if u else u), empty_state()
+
+    return make_transform("scale", init, flat)
+
+
+def _global_norm(leaves: Leaves) -> torch.Tensor:
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(leaves, 2)
+    if any(n.dtype != norms[0].dtype or n.device != norms[0].device for n in norms):
+        norms = [n.to(device=norms[0].device, dtype=torch.float32) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms), 2)
+
+
+def global_norm(tree: TensorDictBase) -> torch.Tensor:
+    """The L2 norm of all leaves of a tree taken together (as ``clip_grad_norm_`` computes it).
+
+    No host synchronisation: the result stays on the leaves' device.
+
+    Args:
+        tree: a nested TensorDict (e.g. gradients).
+
+    Returns:
+        A 0-d tensor (the leaves' dtype; float32 for mixed dtypes or an empty tree).
+
+    Raises:
+        TypeError: if ``tree`` is not a TensorDict.
+
+    Example:
+        >>> global_norm(TensorDict({"a": torch.full((4,), 0.5), "b": {"c": torch.ones(3)}}))
+        tensor(2.)
+    """
+    return _global_norm(flatten(tree)[1])
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale updates so that their global L2 norm is at most ``max_norm``.
+
+    ``torch.nn.utils.clip_grad_norm_`` semantics: ``coef = min(max_norm / (norm + 1e-6), 1)``
+    multiplies every leaf (always, with no host sync; a non-finite norm yields non-finite
+    updates, as in torch).
+
+    Args:
+        max_norm: the maximum global norm, > 0.
+
+    Returns:
+        A stateless :class:`GradientTransformation` named ``clip_by_global_norm``.
+
+    Raises:
+        ValueError: if ``max_norm`` is not a positive finite number.
+
+    Example:
+        >>> tx = chain(clip_by_global_norm(1.0), adamw(6e-4))
+    """
+    max_norm = _number("clip_by_global_norm", "max_norm", max_norm)
+    if max_norm <= 0:
+        raise ValueError(f"clip_by_global_norm requires a positive max_norm, got {max_norm=}")
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return empty_state()
+
+    def flat(keys, u, state, params, donate):
+        new_state = state if donate else empty_state()
+        if not u:
+            return u, new_state
+        coef = torch.clamp(max_norm / (_global_norm(u) + 1e-6), max=1.0)
+        if donate:
+            torch._foreach_mul_(u, coef)
+            return u, new_state
+        return torch._foreach_mul(u, coef), new_state
+
+    return make_transform("clip_by_global_norm", init, flat)
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum, exactly as ``torch.optim.SGD`` (dampening 0) computes it.
+
+    ``trace = decay * trace + g`` (the zero-initialised buffer makes the first step's buffer
+    ``g``, torch's first-step rule); the update is ``trace``, or ``g + decay * trace`` with
+    Nesterov momentum.
+
+    State: ``trace`` (a TensorDict shaped like params).
+
+    Args:
+        decay: the momentum coefficient, >= 0.
+        nesterov: use Nesterov momentum (requires ``decay > 0``).
+
+    Returns:
+        A :class:`GradientTransformation` named ``trace``.
+
+    Raises:
+        ValueError: for a negative or non-finite ``decay``, or ``nesterov`` with zero decay.
+
+    Example:
+        >>> tx = chain(trace(0.9, nesterov=True), scale_by_learning_rate(0.1))
+    """
+    decay = _number("trace", "decay", decay, low=0.0)
+    if nesterov and decay == 0.0:
+        raise ValueError(f"trace with nesterov=True requires a positive decay, got {decay=}")
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return new_td({"trace": _zeros_like_tree(params)})
+
+    def flat(keys, g, state, params, donate):
+        buf = _state_leaves(state, "trace", keys, "trace state 'trace'")
+        if not g:
+            return g, state if donate else new_td({"trace": {}})
+        if donate:
+            torch._foreach_mul_(buf, decay)
+        else:
+            buf = torch._foreach_mul(buf, decay)
+        torch._foreach_add_(buf, g)
+        if nesterov:
+            if donate:
+                torch._foreach_add_(g, buf, alpha=decay)
+                out = g
+            else:
+                out = torch._foreach_add(g, buf, alpha=decay)
+        elif donate:
+            torch._foreach_copy_(g, buf)  # the update must not alias the donated buffer
+            out = g
+        else:
+            out = buf  # pure: sharing storage with the new state is safe
+        if donate:
+            return out, state
+        return out, new_td({"trace": unflatten(keys, buf, device=state["trace"].device)})
+
+    return make_transform("trace", init, flat)
