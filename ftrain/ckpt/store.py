@@ -1,7 +1,10 @@
 """Write a whole TensorDict into a step directory, and read (part of) it back.
 
-The writer fans chunk writes out over threads (``os.writev`` and ``fsync`` release the
-GIL, so files are written and flushed concurrently: fsync overlaps with the next write).
+The writer fans chunk writes out over threads (``os.writev`` releases the GIL). Durability:
+on Linux one ``syncfs`` of the staging directory's file system after all files are written
+(a GPT-2 state has ~2,000 files and directories; fsync-ing each one costs more than the
+data); elsewhere every file is fsync'd in its worker (overlapping with other writes) and
+every directory bottom-up.
 The reader verifies the manifest against every array's ``zarr.json`` and every chunk's
 size and crc32c while reading straight into freshly allocated tensors.
 
@@ -14,7 +17,10 @@ exercised today.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -149,19 +155,23 @@ def write_tree(
             ]
     jobs.sort(key=lambda j: -len(j[4]) if j[0] == "chunk" else 0)
 
+    per_file = durable and not _HAVE_SYNCFS
+
     def do(job: tuple) -> tuple | None:
         if job[0] == "json":
-            write_json(job[1], job[2], durable=durable)
+            write_json(job[1], job[2], durable=per_file)
             return None
         _, key, i, path, payload, pad = job
-        return key, i, write_chunk(path, payload, pad, durable=durable)
+        return key, i, write_chunk(path, payload, pad, durable=per_file)
 
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     for r in run_parallel(do, jobs, workers):
         if r is not None:
             crcs[r[0]][r[1]] = r[2]
-    if durable:
+    if per_file:
         run_parallel(fsync_dir, reversed(dirs), workers)
+    elif durable:
+        syncfs(tmp)
     arrays = {}
     for k, s in specs.items():
         arrays[k] = s.to_json() | {"crc32c": [crcs[k].get(i) for i in range(s.n_chunks)]}
@@ -177,6 +187,30 @@ def merge_manifests(parts: list[dict]) -> dict:
             mine = merged["arrays"][k]["crc32c"]
             mine[:] = [a if a is not None else b for a, b in zip(mine, v["crc32c"], strict=True)]
     return merged
+
+
+def _load_syncfs():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.syncfs if sys.platform.startswith("linux") else None
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNCFS = _load_syncfs()
+_HAVE_SYNCFS = _SYNCFS is not None
+
+
+def syncfs(path: Path) -> None:
+    """Flush the whole file system holding ``path`` (Linux ``syncfs``; reports writeback
+    errors since Linux 5.8). One call replaces thousands of per-file fsyncs."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        if _SYNCFS(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(path))
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:

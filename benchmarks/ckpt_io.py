@@ -1,0 +1,269 @@
+"""Checkpoint I/O: ftrain vs raw writes, O_DIRECT, torch.save, safetensors and DCP.
+
+Saves and restores a GPT-2 small (124M) + AdamW state (params, mu, nu: ~1.5 GB fp32)
+with every method, side by side. Saves are durable (every file and directory fsync'd);
+loads are cold in the guest (each file's pages dropped with posix_fadvise(DONTNEED)
+after the fsync). Medians of ``--reps`` runs, ratios against torch.save / safetensors /
+O_DIRECT. Results go to docs/benchmarks.md ("Checkpoint I/O").
+
+    .venv/bin/python benchmarks/ckpt_io.py --dir /tmp/ckpt_bench --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from ftrain.ckpt import CheckpointManager
+
+
+def gpt2_adamw_state(
+    n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024
+) -> TensorDict:
+    shapes = {"wte": (vocab, d), "wpe": (ctx, d), "ln_f/weight": (d,), "ln_f/bias": (d,)}
+    for i in range(n_layer):
+        for name, shape in {
+            "ln_1/weight": (d,), "ln_1/bias": (d,), "attn/c_attn/weight": (d, 3 * d),
+            "attn/c_attn/bias": (3 * d,), "attn/c_proj/weight": (d, d), "attn/c_proj/bias": (d,),
+            "ln_2/weight": (d,), "ln_2/bias": (d,), "mlp/c_fc/weight": (d, 4 * d),
+            "mlp/c_fc/bias": (4 * d,), "mlp/c_proj/weight": (4 * d, d), "mlp/c_proj/bias": (d,),
+        }.items():  # fmt: skip
+            shapes[f"h/{i}/{name}"] = shape
+    g = torch.Generator().manual_seed(0)
+
+    def tree() -> TensorDict:
+        td = TensorDict({}, [])
+        for k, s in shapes.items():
+            td[tuple(k.split("/"))] = torch.randn(s, generator=g)
+        return td
+
+    return TensorDict(
+        {"step": torch.tensor(1000), "params": tree(), "buffers": {},
+         "opt": {"mu": tree(), "nu": tree(), "count": torch.tensor(1000)},
+         "amp": {}, "data": {"position": torch.tensor(0)}, "rng": torch.tensor([0, 1])},
+        [],
+    )  # fmt: skip
+
+
+def flat(td: TensorDict) -> dict[str, torch.Tensor]:
+    return {k: v.contiguous() for k, v in td.flatten_keys(".").items()}
+
+
+def fsync_tree(path: Path, drop: bool = True) -> None:
+    """fsync every file and directory under ``path``; drop the file pages (cold loads)."""
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            os.fsync(fd)
+            if drop:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def drop_cache(path: Path) -> None:
+    fsync_tree(path, drop=True)
+
+
+# ---- peers ---------------------------------------------------------------------------
+def raw_save(tensors, path: Path) -> None:
+    path.mkdir()
+    for k, t in tensors.items():
+        with open(path / k, "wb") as f:
+            f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+    fsync_tree(path, drop=False)
+
+
+def raw_load(tensors, path: Path) -> dict:
+    out = {}
+    for k, t in tensors.items():
+        o = torch.empty_like(t)
+        with open(path / k, "rb", buffering=0) as f:
+            f.readinto(memoryview(o.view(-1).view(torch.uint8).numpy()))
+        out[k] = o
+    return out
+
+
+BLOCK = 16 << 20
+
+
+def odirect_save(tensors, path: Path) -> None:
+    path.mkdir()
+    buf = mmap.mmap(-1, BLOCK)
+    fd = os.open(path / "all.bin", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    fill = 0
+    for t in tensors.values():
+        src = memoryview(t.view(-1).view(torch.uint8).numpy())
+        while len(src):
+            n = min(len(src), BLOCK - fill)
+            buf[fill : fill + n] = src[:n]
+            fill, src = fill + n, src[n:]
+            if fill == BLOCK:
+                os.write(fd, buf)
+                fill = 0
+    if fill:
+        os.write(fd, memoryview(buf)[: (fill + 4095) // 4096 * 4096])
+    os.fsync(fd)
+    os.close(fd)
+    fsync_tree(path, drop=False)
+
+
+def odirect_load(tensors, path: Path) -> dict:
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    size = (total + 4095) // 4096 * 4096
+    buf = mmap.mmap(-1, size)
+    fd = os.open(path / "all.bin", os.O_RDONLY | os.O_DIRECT)
+    mv, got = memoryview(buf), 0
+    while got < size:
+        got += os.readv(fd, [mv[got : min(size, got + BLOCK)]])
+    os.close(fd)
+    out, off = {}, 0
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        out[k] = whole[off : off + n].view(t.dtype).view(t.shape)
+        off += n
+    return out
+
+
+def torch_save(tensors, path: Path) -> None:
+    path.mkdir()
+    torch.save(tensors, path / "ckpt.pt")
+    fsync_tree(path, drop=False)
+
+
+def torch_load(tensors, path: Path) -> dict:
+    return torch.load(path / "ckpt.pt", weights_only=True)
+
+
+def st_save(tensors, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file(tensors, str(path / "ckpt.safetensors"))
+    fsync_tree(path, drop=False)
+
+
+def st_load(tensors, path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "ckpt.safetensors"))
+
+
+def dcp_save(tensors, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        dict(tensors),
+        storage_writer=dcp.FileSystemWriter(str(path), thread_count=2, sync_files=True),
+    )
+    fsync_tree(path, drop=False)
+
+
+def dcp_load(tensors, path: Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    out = {k: torch.empty_like(t) for k, t in tensors.items()}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(path)))
+    return out
+
+
+# ---- ftrain --------------------------------------------------------------------------
+def ftrain_methods(state: TensorDict, async_save: bool):
+    stats: dict = {}
+
+    def save(_, path: Path) -> None:
+        m = CheckpointManager(path, async_save=async_save)
+        t0 = time.perf_counter()
+        m.save(state)
+        stats["blocking"] = time.perf_counter() - t0
+        m.close()
+
+    def load(_, path: Path) -> TensorDict:
+        return CheckpointManager(path).restore()
+
+    return save, load, stats
+
+
+def bench(name, save, load, tensors, root: Path, reps: int, stats=None) -> dict:
+    res: dict = {"save": [], "load": [], "blocking": []}
+    for _ in range(reps):
+        path = root / "".join(c if c.isalnum() else "_" for c in name)
+        shutil.rmtree(path, ignore_errors=True)
+        t0 = time.perf_counter()
+        save(tensors, path)
+        res["save"].append(time.perf_counter() - t0)
+        if stats is not None:
+            res["blocking"].append(stats["blocking"])
+        drop_cache(path)
+        t0 = time.perf_counter()
+        out = load(tensors, path)
+        res["load"].append(time.perf_counter() - t0)
+        del out
+        shutil.rmtree(path, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in res.items() if v}
+    print(f"{name:<28} save {med['save']:6.2f} s  load {med['load']:6.2f} s"
+          + (f"  blocking {med['blocking'] * 1e3:7.2f} ms" if "blocking" in med else ""), flush=True)  # fmt: skip
+    return med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/ckpt_bench"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=12, help="fewer for a quick smoke run")
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    state = gpt2_adamw_state(n_layer=args.layers)
+    tensors = flat(state)
+    gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
+    print(f"state: {len(tensors)} tensors, {gb:.2f} GB; reps={args.reps}", flush=True)
+    fs_save, fs_load, fs_stats = ftrain_methods(state, async_save=False)
+    fa_save, fa_load, fa_stats = ftrain_methods(state, async_save=True)
+    methods = {
+        "raw O_DIRECT (ceiling)": (odirect_save, odirect_load, None),
+        "raw file/tensor + fsync": (raw_save, raw_load, None),
+        "torch.save / load": (torch_save, torch_load, None),
+        "safetensors": (st_save, st_load, None),
+        "DCP FileSystemWriter": (dcp_save, dcp_load, None),
+        "ftrain sync": (fs_save, fs_load, fs_stats),
+        "ftrain async": (fa_save, fa_load, fa_stats),
+    }
+    results = {}
+    for name, (s, lo, stt) in methods.items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        results[name] = bench(name, s, lo, tensors, args.dir, args.reps, stt)
+    print(
+        "\n| method | save s | load s | save / torch.save | save / O_DIRECT | load / safetensors | load / O_DIRECT |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    ref = {
+        k: results.get(n)
+        for k, n in [
+            ("ts", "torch.save / load"),
+            ("st", "safetensors"),
+            ("od", "raw O_DIRECT (ceiling)"),
+        ]
+    }
+    for name, r in results.items():
+        cells = [f"{r['save']:.2f}", f"{r['load']:.2f}"]
+        for key, field in [("ts", "save"), ("od", "save"), ("st", "load"), ("od", "load")]:
+            cells.append(f"{r[field] / ref[key][field]:.2f}×" if ref[key] else "-")
+        extra = f" (blocking {r['blocking'] * 1e3:.1f} ms)" if "blocking" in r else ""
+        print(f"| {name}{extra} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
