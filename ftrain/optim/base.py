@@ -95,16 +95,21 @@ def path_str(path: Path) -> str:
 
 
 def _walk(td: TensorDictBase, prefix: Path, keys: list[Path], leaves: list[torch.Tensor]) -> None:
-    for k, v in sorted(td.items(), key=_first):
-        if isinstance(v, TensorDictBase):
+    # This runs several times per update, so it avoids TensorDict's generic iteration: a
+    # plain TensorDict keeps its entries in a dict, and exact type checks come before the
+    # (slow) isinstance check against the TensorDictBase ABC.
+    entries = getattr(td, "_tensordict", None) if type(td) is TensorDict else None
+    if not isinstance(entries, dict):
+        entries = dict(td.items())
+    for k in sorted(entries):
+        v = entries[k]
+        if type(v) is TensorDict or (
+            not isinstance(v, torch.Tensor) and isinstance(v, TensorDictBase)
+        ):
             _walk(v, (*prefix, k), keys, leaves)
         else:
             keys.append((*prefix, k))
             leaves.append(v)
-
-
-def _first(kv: tuple[str, Any]) -> str:
-    return kv[0]
 
 
 def flatten(tree: TensorDictBase) -> tuple[list[Path], list[torch.Tensor]]:

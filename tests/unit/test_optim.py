@@ -245,22 +245,15 @@ def test_sgd_schedule_matches_lambda_lr(dtype):
 
 def make_params() -> TensorDict:
     g = torch.Generator().manual_seed(2)
+
+    def block():
+        return {
+            "attn": {"weight": torch.randn(6, 4, generator=g), "bias": torch.randn(6, generator=g)}
+        }
+
     return TensorDict(
         {
-            "h": {
-                "0": {
-                    "attn": {
-                        "weight": torch.randn(6, 4, generator=g),
-                        "bias": torch.randn(6, generator=g),
-                    }
-                },
-                "1": {
-                    "attn": {
-                        "weight": torch.randn(6, 4, generator=g),
-                        "bias": torch.randn(6, generator=g),
-                    }
-                },
-            },
+            "h": {"0": block(), "1": block()},
             "wte": {"weight": torch.randn(10, 4, generator=g)},
             "ln_f": {"weight": torch.ones(4), "bias": torch.zeros(4)},
             "scalar": torch.tensor(0.5),
@@ -331,10 +324,6 @@ def leaves_of(td: TensorDict) -> list[torch.Tensor]:
     return optim.flatten(td)[1]
 
 
-def clone_tree(td: TensorDict) -> TensorDict:
-    return td.clone()
-
-
 def assert_trees_equal(a: TensorDict, b: TensorDict, what: str) -> None:
     ka, la = optim.flatten(a)
     kb, lb = optim.flatten(b)
@@ -362,7 +351,7 @@ def test_transform_contract(name):
     assert all(isinstance(t, torch.Tensor) for t in leaves_of(state))
     for step in range(3):
         grads = make_grads(step)
-        snapshot = [clone_tree(t) for t in (grads, state, params)]
+        snapshot = [t.clone() for t in (grads, state, params)]
 
         updates, new_state = tx.update(grads, state, params)
 
@@ -375,7 +364,7 @@ def test_transform_contract(name):
         assert_same_structure(new_state, state)
 
         # donate: same numbers, params untouched, the donated objects are returned updated
-        d_grads, d_state = clone_tree(grads), clone_tree(state)
+        d_grads, d_state = grads.clone(), state.clone()
         d_updates, d_new_state = tx.update(d_grads, d_state, params, donate=True)
         assert_trees_equal(d_updates, updates, f"{name} donate updates")
         assert_trees_equal(d_new_state, new_state, f"{name} donate state")
