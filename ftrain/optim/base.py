@@ -268,8 +268,11 @@ def make_transform(
         The transform; its ``update`` is a :class:`FlatUpdate`.
 
     Example:
-        >>> def flat(keys, u, state, p, donate):
-        ...     return (torch._foreach_neg_(u) or u) if donate else torch._foreach_neg(u), state
+        >>> def flat(keys, u, state, params, donate):
+        ...     if donate:
+        ...         torch._foreach_neg_(u)
+        ...         return u, state  # donate: the same list, updated in place
+        ...     return torch._foreach_neg(u), TensorDict()
         >>> negate = make_transform("negate", lambda params: TensorDict(), flat)
     """
     return GradientTransformation(init, FlatUpdate(name, flat), lr)
