@@ -5,8 +5,9 @@ Protocol for one step (``root/step_00000400``), one writer per step:
 1. Create and ``flock`` a lock file ``root/.step_00000400.tmp-<pid>-<hex>.lock``, *then*
    create the staging directory ``root/step_00000400.tmp-<pid>-<hex>/``. The writer holds
    the lock until it has committed or aborted; the kernel drops it if the writer dies.
-2. Write every chunk and ``zarr.json`` into the staging directory, fsync every file, then
-   every directory (bottom-up). Any error aborts: the staging directory is removed.
+2. Write every chunk and ``zarr.json`` into the staging directory and make them durable
+   (one ``syncfs`` on Linux; elsewhere fsync every file, then every directory bottom-up).
+   Any error aborts: the staging directory is removed.
 3. Write ``manifest.json`` (groups, arrays, shapes, dtypes, chunk shapes, per-chunk
    crc32c, bytes) and fsync it.
 4. Write ``COMMITTED`` last: JSON with the step, the format version and the crc32c and

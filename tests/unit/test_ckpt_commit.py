@@ -97,3 +97,11 @@ def test_fault_hook_phases(tmp_path, monkeypatch):
     monkeypatch.setattr(protocol, "fault_hook", seen.append)
     _save(tmp_path, 1)
     assert seen == ["data_written", "manifest_written", "marker_written", "renamed"]
+
+
+def test_per_file_fsync_path_without_syncfs(tmp_path, monkeypatch):
+    from ftrain.ckpt import store
+
+    monkeypatch.setattr(store, "_HAVE_SYNCFS", False)
+    final = _save(tmp_path, 4)
+    assert list(protocol.committed_steps(tmp_path)) == [4] and final.exists()
