@@ -56,11 +56,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = list(read_records(run_dir))
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), height_ratios=(3, 1))
     for i, seg in enumerate(segments(records)):
-        ax_loss.plot(*_series(seg, "step", "loss"), lw=1, label=f"loss (segment {i + 1})")
-        ax_lr.plot(*_series(seg, "step", "lr"), lw=1)
+        color = f"C{i % 10}"  # one colour per segment, shared by its loss, val loss and lr
+        ax_loss.plot(
+            *_series(seg, "step", "loss"), lw=1, color=color, label=f"loss (segment {i + 1})"
+        )
+        ax_lr.plot(*_series(seg, "step", "lr"), lw=1, color=color)
         xs, ys = _series(seg, "eval", "val_loss")
         if xs:
-            ax_loss.plot(xs, ys, "o-", ms=3, label=f"val loss (segment {i + 1})")
+            ax_loss.plot(xs, ys, "o--", ms=3, color=color, label=f"val loss (segment {i + 1})")
     for r in records:
         if r.get("kind") == "save":
             for ax in (ax_loss, ax_lr):

@@ -7,10 +7,9 @@ registries so a recipe can add its own (``register_model``; ``ftrain.data.regist
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ftrain import optim, rng
@@ -23,7 +22,8 @@ from ftrain.ckpt import (
     EveryNSteps,
     LatestN,
 )
-from ftrain.data import Source, make_source
+from ftrain.data import Source
+from ftrain.data.sources import source_from_config
 
 __all__ = [
     "build_manager",
@@ -115,29 +115,10 @@ def build_tx(cfg: DictConfig):
     raise ValueError(f"optim.name={o.name!r} is unknown; use adamw or sgd")
 
 
-def _source_kwargs(d: DictConfig, split: str) -> dict[str, Any]:
-    kw: dict[str, Any] = {
-        "block_size": d.block_size,
-        "split": split,
-        "val_fraction": d.val_fraction,
-    }
-    if d.name == "stdlib":
-        kw["cache_dir"] = d.cache_dir
-    elif d.name == "text":
-        kw |= {"paths": d.path, "cache_dir": d.cache_dir}
-    elif d.name == "tokens":
-        kw |= {"path": d.path, "dtype": d.dtype}
-    elif d.path is not None:
-        kw["path"] = d.path
-    return kw
-
-
 def build_sources(cfg: DictConfig) -> tuple[Source, Source]:
-    """The train and val splits of ``data.name``."""
-    d = cfg.data
-    return make_source(d.name, **_source_kwargs(d, "train")), make_source(
-        d.name, **_source_kwargs(d, "val")
-    )
+    """The train and val splits of ``data.name`` (any registered source)."""
+    d = OmegaConf.to_container(cfg.data, resolve=True)
+    return source_from_config(d, split="train"), source_from_config(d, split="val")
 
 
 def build_manager(cfg: DictConfig) -> CheckpointManager:

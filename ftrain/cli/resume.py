@@ -129,12 +129,19 @@ def _pick_step(cfg: DictConfig, manager: CheckpointManager) -> int | None:
 
 
 def _restore_agreed(cfg, manager, fresh, world: World):
-    """Coordinator picks and restores; the step is broadcast; the other ranks restore it."""
+    """Coordinator picks and restores; the step is broadcast; the other ranks restore it.
+
+    The config check runs on the candidate's metadata *before* restoring, so a changed
+    model shape is reported as a config diff rather than as a shape mismatch.
+    """
     state, chosen = None, None
     if world.is_coordinator:
         try:
             chosen = _pick_step(cfg, manager)
             if chosen is not None:
+                _check_compat(
+                    cfg, manager.metadata(manager.latest_step() if chosen == _LATEST else chosen)
+                )
                 state = manager.restore(None if chosen == _LATEST else chosen, target=fresh)
                 chosen = int(state["step"])
         except BaseException:

@@ -27,10 +27,14 @@ donated updates, and anything sharing storage with them must not be used afterwa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from tensordict import TensorDict, TensorDictBase
+
+# One pytree implementation for the whole library (sorted, insertion-order independent).
+from ftrain.state.tree import Key as Path
+from ftrain.state.tree import flatten, new_td, path_str, unflatten
 
 __all__ = [
     "FlatUpdate",
@@ -43,7 +47,6 @@ __all__ = [
     "unflatten",
 ]
 
-Path = tuple[str, ...]
 """A leaf's position in a nested TensorDict, e.g. ``("h", "0", "attn", "c_attn", "weight")``."""
 
 LrFn = Callable[[TensorDictBase], torch.Tensor]
@@ -87,102 +90,6 @@ class FlatFn(Protocol):
 
 
 # ----------------------------------------------------------------------------- tree helpers
-
-
-def path_str(path: Path) -> str:
-    """Join a path tuple with dots: ``("h", "0", "weight") -> "h.0.weight"``."""
-    return ".".join(path)
-
-
-def _walk(td: TensorDictBase, prefix: Path, keys: list[Path], leaves: list[torch.Tensor]) -> None:
-    # This runs several times per update, so it avoids TensorDict's generic iteration: a
-    # plain TensorDict keeps its entries in a dict, and exact type checks come before the
-    # (slow) isinstance check against the TensorDictBase ABC.
-    entries = getattr(td, "_tensordict", None) if type(td) is TensorDict else None
-    if not isinstance(entries, dict):
-        entries = dict(td.items())
-    for k in sorted(entries):
-        v = entries[k]
-        if type(v) is TensorDict or (
-            not isinstance(v, torch.Tensor) and isinstance(v, TensorDictBase)
-        ):
-            _walk(v, (*prefix, k), keys, leaves)
-        else:
-            keys.append((*prefix, k))
-            leaves.append(v)
-
-
-def flatten(tree: TensorDictBase) -> tuple[list[Path], list[torch.Tensor]]:
-    """Flatten a nested TensorDict into (paths, leaves), sorted by path.
-
-    Args:
-        tree: a nested TensorDict (``batch_size=[]``); empty sub-TensorDicts contribute nothing.
-
-    Returns:
-        ``(keys, leaves)``: lists of path tuples and the tensors at those paths, in
-        lexicographic path order (the order does not depend on insertion order).
-
-    Raises:
-        TypeError: if ``tree`` is not a TensorDict.
-
-    Example:
-        >>> keys, leaves = flatten(TensorDict({"b": torch.ones(1), "a": {"x": torch.zeros(1)}}))
-        >>> keys
-        [('a', 'x'), ('b',)]
-    """
-    if not isinstance(tree, TensorDictBase):
-        raise TypeError(
-            f"ftrain.optim works on tensordict.TensorDict pytrees, got {type(tree).__name__}; "
-            "wrap a dict with TensorDict(d, batch_size=[]) or use TensorDict.from_module(model)"
-        )
-    keys: list[Path] = []
-    leaves: list[torch.Tensor] = []
-    _walk(tree, (), keys, leaves)
-    return keys, leaves
-
-
-def _nest(keys: Sequence[Path], leaves: Sequence[torch.Tensor]) -> dict[str, Any]:
-    root: dict[str, Any] = {}
-    for path, leaf in zip(keys, leaves, strict=True):
-        node = root
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = leaf
-    return root
-
-
-def new_td(source: dict[str, Any], device: torch.device | str | None = None) -> TensorDict:
-    """Build a ``batch_size=[]`` TensorDict from a (nested) dict without re-validating leaves."""
-    return TensorDict._new_unsafe(source, batch_size=torch.Size(()), device=device)
-
-
-def unflatten(
-    keys: Sequence[Path],
-    leaves: Sequence[torch.Tensor],
-    *,
-    device: torch.device | str | None = None,
-) -> TensorDict:
-    """Inverse of :func:`flatten`: build a nested TensorDict from paths and leaves.
-
-    Args:
-        keys: path tuples, as returned by :func:`flatten`.
-        leaves: one tensor per path.
-        device: the TensorDict's ``device`` attribute (``None``: mixed / unspecified).
-
-    Returns:
-        A new nested TensorDict with ``batch_size=[]``.
-
-    Raises:
-        ValueError: if ``keys`` and ``leaves`` differ in length.
-
-    Example:
-        >>> td = unflatten([("a", "x"), ("b",)], [torch.zeros(1), torch.ones(1)])
-        >>> td["a", "x"]
-        tensor([0.])
-    """
-    if len(keys) != len(leaves):
-        raise ValueError(f"unflatten needs one leaf per key, got {len(keys)=} and {len(leaves)=}")
-    return new_td(_nest(keys, leaves), device)
 
 
 def check_keys(expected: list[Path], got: list[Path], what: str) -> None:

@@ -1,22 +1,28 @@
 """Pytree helpers over nested TensorDicts: flatten, rebuild, compare, replace, cast, count.
 
 A *tree* here is a nested ``TensorDict`` with ``batch_size=[]`` whose leaves are tensors.
-Leaf order is the TensorDict's insertion order, which is stable for trees built the same
-way; :func:`flatten` returns the keys so a tree can be rebuilt from new leaves cheaply.
+:func:`flatten` lists leaves in *sorted path order*, never insertion order: a restored
+checkpoint (keys in storage order) and a live state (keys in module order) must feed the
+same leaves, in the same order, to order-sensitive reductions such as the global grad norm,
+or a resumed run drifts from the uninterrupted one by rounding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 __all__ = [
+    "Key",
     "cast",
     "count_params",
     "first_difference",
     "flatten",
+    "map_leaves",
+    "new_td",
     "path_str",
     "replace",
     "tree_equal",
@@ -24,6 +30,7 @@ __all__ = [
 ]
 
 Key = tuple[str, ...]
+Path = Key
 
 
 def path_str(key: str | Key) -> str:
@@ -31,23 +38,95 @@ def path_str(key: str | Key) -> str:
     return key if isinstance(key, str) else ".".join(key)
 
 
-def flatten(tree: TensorDictBase) -> tuple[list[Key], list[torch.Tensor]]:
-    """Leaf keys (as tuples) and leaves of ``tree``, in a stable order.
+def _walk(td: TensorDictBase, prefix: Path, keys: list[Path], leaves: list[torch.Tensor]) -> None:
+    # This runs several times per update, so it avoids TensorDict's generic iteration: a
+    # plain TensorDict keeps its entries in a dict, and exact type checks come before the
+    # (slow) isinstance check against the TensorDictBase ABC.
+    entries = getattr(td, "_tensordict", None) if type(td) is TensorDict else None
+    if not isinstance(entries, dict):
+        entries = dict(td.items())
+    for k in sorted(entries):
+        v = entries[k]
+        if type(v) is TensorDict or (
+            not isinstance(v, torch.Tensor) and isinstance(v, TensorDictBase)
+        ):
+            _walk(v, (*prefix, k), keys, leaves)
+        else:
+            keys.append((*prefix, k))
+            leaves.append(v)
+
+
+def flatten(tree: TensorDictBase) -> tuple[list[Path], list[torch.Tensor]]:
+    """Flatten a nested TensorDict into (paths, leaves), sorted by path.
+
+    Args:
+        tree: a nested TensorDict (``batch_size=[]``); empty sub-TensorDicts contribute nothing.
+
+    Returns:
+        ``(keys, leaves)``: lists of path tuples and the tensors at those paths, in
+        lexicographic path order (the order does not depend on insertion order).
+
+    Raises:
+        TypeError: if ``tree`` is not a TensorDict.
 
     Example:
-        >>> keys, leaves = flatten(TensorDict(a=torch.zeros(1), b={"c": torch.ones(2)}))
+        >>> keys, leaves = flatten(TensorDict({"b": torch.ones(1), "a": {"x": torch.zeros(1)}}))
         >>> keys
-        [('a',), ('b', 'c')]
+        [('a', 'x'), ('b',)]
     """
-    keys = [k if isinstance(k, tuple) else (k,) for k in tree.keys(True, True)]
-    return keys, [tree.get(k) for k in keys]
+    if not isinstance(tree, TensorDictBase):
+        raise TypeError(
+            f"ftrain.optim works on tensordict.TensorDict pytrees, got {type(tree).__name__}; "
+            "wrap a dict with TensorDict(d, batch_size=[]) or use TensorDict.from_module(model)"
+        )
+    keys: list[Path] = []
+    leaves: list[torch.Tensor] = []
+    _walk(tree, (), keys, leaves)
+    return keys, leaves
 
 
-def unflatten(keys: Sequence[Key], leaves: Sequence[torch.Tensor]) -> TensorDict:
-    """Rebuild a tree from :func:`flatten`'s keys and (new) leaves, without copying."""
+def _nest(keys: Sequence[Path], leaves: Sequence[torch.Tensor]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for path, leaf in zip(keys, leaves, strict=True):
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = leaf
+    return root
+
+
+def new_td(source: dict[str, Any], device: torch.device | str | None = None) -> TensorDict:
+    """Build a ``batch_size=[]`` TensorDict from a (nested) dict without re-validating leaves."""
+    return TensorDict._new_unsafe(source, batch_size=torch.Size(()), device=device)
+
+
+def unflatten(
+    keys: Sequence[Path],
+    leaves: Sequence[torch.Tensor],
+    *,
+    device: torch.device | str | None = None,
+) -> TensorDict:
+    """Inverse of :func:`flatten`: build a nested TensorDict from paths and leaves.
+
+    Args:
+        keys: path tuples, as returned by :func:`flatten`.
+        leaves: one tensor per path.
+        device: the TensorDict's ``device`` attribute (``None``: mixed / unspecified).
+
+    Returns:
+        A new nested TensorDict with ``batch_size=[]``.
+
+    Raises:
+        ValueError: if ``keys`` and ``leaves`` differ in length.
+
+    Example:
+        >>> td = unflatten([("a", "x"), ("b",)], [torch.zeros(1), torch.ones(1)])
+        >>> td["a", "x"]
+        tensor([0.])
+    """
     if len(keys) != len(leaves):
-        raise ValueError(f"unflatten got {len(keys)} keys but {len(leaves)} leaves")
-    return TensorDict(dict(zip(keys, leaves, strict=True)), batch_size=[])
+        raise ValueError(f"unflatten needs one leaf per key, got {len(keys)=} and {len(leaves)=}")
+    return new_td(_nest(keys, leaves), device)
 
 
 def replace(tree: TensorDictBase, **subtrees: TensorDictBase | torch.Tensor) -> TensorDict:

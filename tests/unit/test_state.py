@@ -66,8 +66,14 @@ def test_flatten_unflatten_roundtrip():
     keys, leaves = flatten(t)
     assert keys == [("a",), ("b", "c"), ("b", "d", "e")]
     assert tree_equal(unflatten(keys, leaves), t)
-    with pytest.raises(ValueError, match="2 keys but 1 leaves"):
+    with pytest.raises(ValueError, match="one leaf per key"):
         unflatten(keys[:2], leaves[:1])
+
+
+def test_flatten_order_does_not_depend_on_insertion_order():
+    a = TensorDict(z=torch.zeros(1), a={"y": torch.ones(1), "b": torch.ones(1)})
+    b = TensorDict(a={"b": torch.ones(1), "y": torch.ones(1)}, z=torch.zeros(1))
+    assert flatten(a)[0] == flatten(b)[0] == [("a", "b"), ("a", "y"), ("z",)]
 
 
 def test_first_difference_reports_keys_shapes_and_bits():

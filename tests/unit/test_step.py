@@ -204,3 +204,23 @@ def test_bad_arguments():
     state = init_state(model, tx, seed=0)
     with pytest.raises(TypeError, match="scalar tensor"):
         make_step(model, lambda m, b: m(b["x"]), tx)(state, _batch(0))
+
+
+def test_key_order_of_the_state_does_not_change_the_result():
+    # Regression: a restored checkpoint lists keys in storage order, a live state in module
+    # order; summing per-leaf grad norms in insertion order made a resumed run drift by ulps.
+    model = _model()
+    tx = _tx()
+    state = init_state(model, tx, seed=0)
+    keys, leaves = ftrain.state.flatten(state["params"])
+    reordered = TensorDict(
+        {k: v for k, v in reversed(list(zip(keys, leaves, strict=True)))}, batch_size=[]
+    )
+    assert [k for k in reordered.keys(True, True)] != keys
+    step = make_step(model, _mse, tx, clip=0.5)
+    a, b = state, ftrain.state.replace(state, params=reordered)
+    for i in range(5):
+        a, ma = step(a, _batch(i))
+        b, mb = step(b, _batch(i))
+        assert float(ma["grad_norm"]) == float(mb["grad_norm"])
+    assert tree_equal(a, b)

@@ -1,0 +1,136 @@
+"""The real CLI on gpt2_tiny: checkpoints, resume, signals, bit-identical resume, refusals."""
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ftrain.ckpt import CheckpointManager
+from ftrain.state import first_difference
+
+from .conftest import records
+
+
+def _committed(run_dir):
+    return CheckpointManager(Path(run_dir) / "checkpoints", async_save=False).all_steps()
+
+
+def _final_state(run_dir, step):
+    return CheckpointManager(Path(run_dir) / "checkpoints", async_save=False).restore(step)
+
+
+def _wait_for_step(run_dir, proc, at_least, timeout=120):
+    beat = Path(run_dir) / "heartbeat.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early:\n{proc.stdout.read()}")
+        try:
+            if json.loads(beat.read_text())["step"] >= at_least:
+                return
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.01)
+    raise AssertionError("timed out waiting for the heartbeat")
+
+
+def test_fresh_run_commits_configured_steps_then_resumes(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)
+    assert _committed(run) == [3, 6]
+    assert [r["step"] for r in records(run, "step")] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "time"} <= set(records(run, "step")[0])
+    beat = json.loads((run / "heartbeat.json").read_text())
+    assert beat["step"] == 6 and "pid" in beat
+
+    out = cli(run, "trainer.max_steps=9", "checkpoint.every_steps=3", check=0)
+    resume = records(run, "resume")[-1]
+    assert resume["from_step"] == 6 and resume["reason"] == "resume=latest"
+    assert "resumed from step 6" in out.stdout
+    assert _committed(run)[-1] == 9
+
+
+def test_resume_at_explicit_step_and_missing_step(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=5", check=0)
+    out = cli(run, "trainer.max_steps=6", "resume=4", "checkpoint.every_steps=2", check=0)
+    resume = records(run, "resume")[-1]
+    assert resume["from_step"] == 4
+    assert resume["redo"] == [5, 6], "steps 5..6 ran before and are redone"
+    assert "steps 5..6 ran before" in out.stdout
+    bad = cli(run, "resume=5", check=2)
+    assert "step 5 is not committed; available steps: [2, 4, 6]" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_resume_none_refuses_existing_run_unless_overwrite(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
+    refused = cli(run, "trainer.max_steps=2", "resume=none", check=2)
+    assert "run.overwrite=true" in refused.stderr
+    cli(run, "trainer.max_steps=2", "resume=none", "run.overwrite=true", check=0)
+    assert list(run.glob("checkpoints.overwritten-*")), (
+        "old checkpoints are moved aside, never deleted"
+    )
+
+
+def test_incompatible_config_is_refused_with_diff_and_override(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
+    refused = cli(run, "trainer.max_steps=4", "optim.lr=0.1", "model.n_layer=2", check=2)
+    assert "optim.lr: 0.0006 -> 0.1" in refused.stderr
+    assert "model.n_layer: 4 -> 2" in refused.stderr or "shape" in refused.stderr
+    assert "run.allow_config_change=true" in refused.stderr
+    cli(run, "trainer.max_steps=4", "optim.lr=0.1", "run.allow_config_change=true", check=0)
+
+
+def test_bad_override_is_a_clear_error(cli, tmp_path):
+    out = cli(tmp_path / "run", "trainer.max_step=3", check=2)
+    assert "trainer.max_step" in out.stderr and "Traceback" not in out.stderr
+    out = cli(tmp_path / "run", "trainer.max_steps=abc", check=2)
+    assert "could not be converted to Integer" in out.stderr
+
+
+def test_interrupted_and_resumed_run_is_bit_identical(cli, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    cli(whole, "trainer.max_steps=10", "checkpoint.every_steps=5", check=0)
+    cli(split, "trainer.max_steps=5", "checkpoint.every_steps=5", check=0)
+    cli(split, "trainer.max_steps=10", "checkpoint.every_steps=5", check=0)
+    a, b = _final_state(whole, 10), _final_state(split, 10)
+    assert first_difference(a, b) is None
+    losses_a = {r["step"]: r["loss"] for r in records(whole, "step")}
+    losses_b = {r["step"]: r["loss"] for r in records(split, "step")}
+    assert losses_a == losses_b
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted(cli, popen_cli, tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    cli(whole, "trainer.max_steps=12", "checkpoint.every_steps=4", check=0)
+    proc = popen_cli(
+        killed, "trainer.max_steps=400", "checkpoint.every_steps=4", "checkpoint.async_save=false"
+    )
+    _wait_for_step(killed, proc, 6)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _committed(killed) and max(_committed(killed)) < 12
+    cli(killed, "trainer.max_steps=12", "checkpoint.every_steps=4", check=0)
+    assert first_difference(_final_state(whole, 12), _final_state(killed, 12)) is None
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_step_reached_and_resume_continues(cli, popen_cli, tmp_path):
+    run = tmp_path / "run"
+    proc = popen_cli(run, "trainer.max_steps=400", "checkpoint.every_steps=1000")
+    _wait_for_step(run, proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    reached = records(run, "stop")[-1]["step"]
+    assert _committed(run) == [reached]
+    assert "SIGTERM received" in out
+    cli(run, f"trainer.max_steps={reached + 2}", check=0)
+    assert records(run, "resume")[-1]["from_step"] == reached
+    assert _committed(run)[-1] == reached + 2
