@@ -68,12 +68,14 @@ class ResumeReport:
     redo: tuple[int, int] | None = None
     fingerprints: dict = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
+    restore_s: float | None = None
+    checkpoint_bytes: int | None = None
 
     def lines(self) -> list[str]:
         if not self.resumed:
             return [f"starting fresh ({self.reason})"]
         out = [
-            f"resumed from step {self.step} ({self.reason})",
+            f"resumed from step {self.step} ({self.reason}) in {self.restore_s or 0:.2f}s",
             f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} position={self.position}",
             f"checkpoint config hash={self.fingerprints.get('config_hash')} data={self.fingerprints.get('data')}",
         ]
@@ -195,7 +197,9 @@ def start_state(
     """Restore (or not) per ``cfg.resume``; returns ``(state, report, metadata_of_checkpoint)``."""
     from ftrain.data import check_fingerprint
 
+    t0 = time.perf_counter()
     state = _restore_agreed(cfg, manager, fresh, world)
+    restore_s = time.perf_counter() - t0
     if state is None:
         return (
             fresh,
@@ -222,6 +226,8 @@ def start_state(
         redo=_redo_range(Path(cfg.run.dir), step),
         fingerprints={"config_hash": meta.get("config_hash"), "data": meta.get("data_fingerprint")},
         changes=changes,
+        restore_s=restore_s,
+        checkpoint_bytes=(meta.get("save") or {}).get("bytes"),
     )
     return state, report, meta
 

@@ -80,6 +80,8 @@ class Session:
             "fingerprints": report.fingerprints,
             "changes": report.changes,
             "rank_positions": self._rank_positions(report.position),
+            "restore_s": report.restore_s,
+            "checkpoint_bytes": report.checkpoint_bytes,
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)
 
