@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from ftrain.ckpt import CheckpointManager
 from ftrain.data import val_batches
-from ftrain.dist import World, all_mean
+from ftrain.dist import World, agree_any, all_mean
 from ftrain.loop import LoopResult
 from ftrain.metrics import Heartbeat, MetricsWriter, Progress
 from ftrain.step import evaluate, make_eval_step
@@ -96,6 +96,8 @@ class Session:
             self.heartbeat.beat(step)
             return
         if kind == "step":
+            if self.world.active:  # log the global mean loss, not this rank's share
+                fields |= all_mean({"loss": fields["loss"]})
             self.writer.write("step", **fields)
             if self.progress is not None:
                 self.progress.step(step, {k: fields[k] for k in _SHOWN if k in fields})
@@ -144,6 +146,7 @@ class Session:
     def finish(self, result: LoopResult) -> None:
         step = int(result.state["step"])
         self.manager.wait()  # the final save counts only once committed
+        agree_any(False)  # a barrier: no rank reports the end before the coordinator committed
         kind = "stop" if result.status == "stopped" else "end"
         self.record(kind, step=step, reason=result.reason, committed=self.manager.latest_step())
         if self.cfg.run.plot and self.world.is_coordinator:
