@@ -1,9 +1,11 @@
 """``python -m ftrain.ckpt list|show|verify|diff DIR [STEP...]``: inspect checkpoints.
+``python -m ftrain.ckpt advise RUN_DIR [--mtbf 6h]``: advise a checkpoint interval.
 
     python -m ftrain.ckpt list ckpt            # committed steps, bytes, metrics
     python -m ftrain.ckpt show ckpt 400        # metadata and arrays of one step (default: newest)
     python -m ftrain.ckpt verify ckpt [400]    # check every chunk's size and crc32c (default: all)
     python -m ftrain.ckpt diff ckpt 300 400    # arrays that differ between two steps
+    python -m ftrain.ckpt advise runs/x --mtbf 6h  # Young/Daly interval from the run's costs
 
 Exit status: 0 on success, 1 if verification finds a corrupt step or diff finds changes,
 2 on a usage error.
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CorruptCheckpointError, read_json
 from ftrain.ckpt.store import read_tree, verify_tree
@@ -105,13 +108,34 @@ def cmd_diff(root: Path, args: list[int]) -> int:
     return 1 if changed else 0
 
 
+def cmd_advise(run_dir: Path, mtbf_s: float | None) -> int:
+    try:
+        advice = advisor.advise(advisor.measure(run_dir), mtbf_s)
+    except advisor.AdvisorError as e:
+        raise SystemExit(f"cannot advise: {e}") from None
+    print(advice_report.render(advice))
+    return 0
+
+
+def _duration(text: str) -> float:
+    try:
+        return advisor.parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m ftrain.ckpt", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["list", "show", "verify", "diff"])
+    p.add_argument("command", choices=["list", "show", "verify", "diff", "advise"])
     p.add_argument("directory", type=Path)
     p.add_argument("steps", type=int, nargs="*")
+    p.add_argument("--mtbf", type=_duration, help="advise: mean time between failures (6h)")
     ns = p.parse_args(argv)
+    if ns.command == "advise":
+        if ns.steps:
+            p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
+        return cmd_advise(ns.directory, ns.mtbf)
     cmds = {"list": cmd_list, "show": cmd_show, "verify": cmd_verify, "diff": cmd_diff}
     return cmds[ns.command](ns.directory, ns.steps)
 
