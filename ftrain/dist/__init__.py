@@ -46,8 +46,26 @@ def init_world(
     if not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        rank, timeout = int(os.environ["RANK"]), datetime.timedelta(seconds=timeout_s)
+        store = _attempt_store(rank, size, timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return World(dist.get_rank(), dist.get_world_size())
+
+
+def _attempt_store(rank: int, size: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, namespaced by restart attempt.
+
+    After ``torchrun --max-restarts`` restarts the workers, the agent's store can still hold
+    the previous attempt's gloo addresses; a restarted rank that reads one connects to a dead
+    peer ("Connection refused"). A per-attempt prefix makes every attempt rendezvous afresh.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        host, port, size, is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ftrain/attempt_{attempt}", store)
 
 
 def shutdown() -> None:

@@ -1,0 +1,54 @@
+from pathlib import Path
+
+import pytest
+
+from ftrain.cli.build import build_model, build_tx
+from ftrain.cli.resume import compat_diff
+from ftrain.config import ConfigError, load_config, to_plain
+
+CONF = Path(__file__).resolve().parents[2] / "ftrain" / "conf"
+GROUPS = ["model", "optim", "schedule", "data", "checkpoint", "trainer", "dist"]
+
+
+def _options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_composes(group, option):
+    extra = ["data.path=/tmp"] if (group, option) in (("data", "text"), ("data", "tokens")) else []
+    cfg = load_config([f"{group}={option}", *extra])
+    assert cfg[group] is not None
+
+
+def test_recipe_overlay_and_builders():
+    cfg = load_config(["+recipe=gpt2", "model.n_layer=1", "model.block_size=16"])
+    assert cfg.run.dir == "runs/gpt2" and cfg.checkpoint.dir == "runs/gpt2/checkpoints"
+    model, loss = build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) > 1_000_000
+    tx = build_tx(cfg)
+    assert tx.lr is not None
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("trainer.max_step=3", "trainer.max_step"),
+        ("trainer.max_steps=abc", "could not be converted to Integer"),
+        ("model=nope", "Could not find 'model/nope'"),
+        ("resume=sometimes", "resume must be"),
+        ("trainer.precision=fp8", "fp32, bf16 or fp16"),
+        ("trainer.grad_accum=3", "divisible"),
+    ],
+)
+def test_bad_config_is_one_clear_error(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config([override])
+
+
+def test_compat_diff_separates_safe_and_unsafe_changes():
+    a = to_plain(load_config([]))
+    b = to_plain(load_config(["trainer.max_steps=999", "optim.lr=0.1", "checkpoint.every_steps=7"]))
+    bad, safe = compat_diff(a, b)
+    assert bad == ["optim.lr: 0.0006 -> 0.1"]
+    assert "trainer.max_steps: 200 -> 999" in safe and "checkpoint.every_steps: 100 -> 7" in safe

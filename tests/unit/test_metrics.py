@@ -1,0 +1,53 @@
+import io
+import json
+
+from ftrain.metrics import Heartbeat, MetricsWriter, Progress, format_duration, read_records
+from ftrain.plot import plot_run, segments
+
+
+def test_writer_appends_and_reader_skips_a_torn_last_line(tmp_path):
+    w = MetricsWriter(tmp_path)
+    w.write("step", step=1, loss=2.5, lr=float("nan"))
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "step", "step": 2, "lo')  # a kill mid-write
+    recs = list(read_records(tmp_path))
+    assert len(recs) == 1 and recs[0]["loss"] == 2.5 and recs[0]["lr"] == "nan"
+
+
+def test_heartbeat_is_replaced_atomically(tmp_path):
+    hb = Heartbeat(tmp_path)
+    hb.beat(7)
+    info = json.loads((tmp_path / "heartbeat.json").read_text())
+    assert info["step"] == 7 and info["pid"] > 0 and not list(tmp_path.glob("*.tmp"))
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_on_tty_and_lines_otherwise():
+    tty, plain = FakeTTY(), io.StringIO()
+    Progress(10, stream=tty).step(5, {"loss": 1.0})
+    Progress(10, rank=1, world=2, stream=plain).step(5, {"loss": 1.0})
+    assert tty.getvalue().startswith("\rstep 5/10 [############............] loss=1.0000")
+    assert plain.getvalue().startswith("[rank=1][step=5] loss=1.0000")
+    assert format_duration(3725) == "1h02m" and format_duration(75) == "1m15s"
+
+
+def test_plot_marks_segments(tmp_path):
+    w = MetricsWriter(tmp_path)
+    w.write("start", step=0)
+    for s in range(1, 6):
+        w.write("step", step=s, loss=5.0 - s * 0.1, lr=1e-3)
+    w.write("save", step=4)
+    w.write("resume", step=4)
+    for s in range(5, 8):
+        w.write("step", step=s, loss=5.0 - s * 0.1, lr=1e-3)
+    w.write("eval", step=6, val_loss=4.5)
+    w.close()
+    segs = segments(list(read_records(tmp_path)))
+    assert [len(s) for s in segs] == [5, 4]
+    path = plot_run(tmp_path)
+    assert path.exists() and path.stat().st_size > 1000
