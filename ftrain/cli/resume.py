@@ -45,6 +45,7 @@ SAFE_PREFIXES = (
     "run.",
     "resume",
     "data.prefetch",
+    "data.path",  # where the data lives may change; the fingerprint checks what it is
     "data.cache_dir",
     "data.allow_changed",
     "schedule.decay_steps",

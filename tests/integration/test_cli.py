@@ -86,6 +86,24 @@ def test_incompatible_config_is_refused_with_diff_and_override(cli, tmp_path):
     cli(run, "trainer.max_steps=4", "optim.lr=0.1", "run.allow_config_change=true", check=0)
 
 
+def test_changed_data_is_refused_unless_allowed_and_then_recorded(cli, tmp_path):
+    import sysconfig
+
+    run = tmp_path / "run"
+    other = str(Path(sysconfig.get_paths()["stdlib"]) / "urllib")
+    cli(run, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
+    refused = cli(run, "trainer.max_steps=4", f"data.path={other}", check=2)
+    assert "data.allow_changed=true" in refused.stderr and "Traceback" not in refused.stderr
+    cli(run, "trainer.max_steps=4", f"data.path={other}", "data.allow_changed=true", check=0)
+    changes = records(run, "resume")[-1]["changes"]
+    assert any("data fingerprint" in c for c in changes)
+
+
+def test_missing_data_path_is_a_clear_error(cli, tmp_path):
+    out = cli(tmp_path / "run", "data.path=/nonexistent/corpus", check=2)
+    assert "/nonexistent/corpus" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_bad_override_is_a_clear_error(cli, tmp_path):
     out = cli(tmp_path / "run", "trainer.max_step=3", check=2)
     assert "trainer.max_step" in out.stderr and "Traceback" not in out.stderr
