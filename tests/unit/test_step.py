@@ -224,3 +224,84 @@ def test_key_order_of_the_state_does_not_change_the_result():
         b, mb = step(b, _batch(i))
         assert float(ma["grad_norm"]) == float(mb["grad_norm"])
     assert tree_equal(a, b)
+
+
+def test_states_share_no_tensordict_nodes_so_locking_does_not_accumulate():
+    # Locking a node that an earlier state already locked appends to its lock-parent list:
+    # shared nodes made every step's lock_() (and memory) grow with the steps run.
+    model = _model()
+    tx = _tx()
+    for donate in (False, True):
+        state = init_state(model, tx, seed=0)
+        step = make_step(model, _mse, tx, donate=donate)
+        for i in range(5):
+            old = state
+            state, _ = step(state, _batch(i))
+            for key in ("amp", "data", "buffers", "opt", "params"):
+                assert state[key] is not old[key], (donate, key)
+        assert state.is_locked and state["amp"].is_locked
+        assert len(state["amp"]._lock_parents_weakrefs) <= 1
+
+
+class _TiedAlias(torch.nn.Module):
+    """nanoGPT-style tie: one Parameter registered under two names."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(5, 3, generator=g))
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def _ce(m, b):
+    return torch.nn.functional.cross_entropy(m(b["x"]), b["y"])
+
+
+def test_tied_alias_is_one_leaf_trained_like_the_imperative_loop():
+    model, ref = _TiedAlias(), _TiedAlias()
+    tx = ftrain.optim.sgd(0.1)
+    state = init_state(model, tx, seed=0)
+    assert list(state["params"].keys(include_nested=True, leaves_only=True)) == [("emb", "weight")]
+    step = make_step(model, _ce, tx)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batch = TensorDict(x=torch.tensor([0, 1, 2, 3]), y=torch.tensor([1, 2, 3, 4]))
+    for _ in range(3):
+        state, _ = step(state, batch)
+        opt.zero_grad()
+        _ce(ref, batch).backward()
+        opt.step()
+    torch.testing.assert_close(state["params"]["emb", "weight"], ref.emb.weight.detach())
+    assert model.head.weight is model.emb.weight  # the module is left as it was
+
+
+def test_train_mode_for_the_step_then_modes_restored():
+    model = _model(p=0.5)
+    model.eval()
+    tx = _tx()
+    step = make_step(model, _mse, tx)
+    state = init_state(model, tx, seed=0)
+    new, _ = step(state, _batch(0))
+    assert not any(m.training for m in model.modules())
+    model.train()
+    again, _ = step(state, _batch(0))
+    assert all(m.training for m in model.modules())
+    assert tree_equal(new, again)  # dropout ran in both: the step forces train mode
+
+
+def test_a_submodule_replaced_between_steps_is_bound_again():
+    model = _model()
+    tx = ftrain.optim.sgd(0.1)
+    state = init_state(model, tx, seed=0)
+    step = make_step(model, _mse, tx)
+    state, _ = step(state, _batch(0))
+    model[3] = torch.nn.Linear(16, 2)  # same names, new module object
+    new, _ = step(state, _batch(1))
+    assert not torch.equal(new["params"]["3", "weight"], state["params"]["3", "weight"])
+    fresh, _ = make_step(_model(), _mse, tx)(state, _batch(1))
+    assert tree_equal(new, fresh)
