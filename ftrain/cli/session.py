@@ -160,6 +160,6 @@ class Session:
             self._say(0, f"plot written to {path}")
         except ImportError:
             print(
-                "ftrain: matplotlib is not installed; skipping the plot (pip install 'ftrain[plot]')",
+                "ftrain: matplotlib is not installed; skipping the plot (pip install matplotlib)",
                 file=sys.stderr,
             )
