@@ -20,7 +20,7 @@ from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Lo
 from ftrain.dist import World, agree_any, init_world, shutdown
 from ftrain.loop import train_loop
 from ftrain.signals import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, StopFlag
-from ftrain.state import init_state
+from ftrain.state import init_state, place
 from ftrain.step import make_step
 
 __all__ = ["main"]
@@ -116,7 +116,7 @@ def _run(cfg: DictConfig, device, world: World, p: dict) -> int:
         session.metadata = checkpoint_metadata(
             cfg, p["train"].fingerprint, p["train"].describe(), world
         )
-        state = p["state"].to(device)
+        state = place(p["state"], device)
         step = make_step(
             p["model"],
             p["loss_fn"],

@@ -1,6 +1,6 @@
 """The immutable training state and pytree helpers."""
 
-from ftrain.state.init import STATE_KEYS, check_usable, init_amp, init_state, mark_donated
+from ftrain.state.init import STATE_KEYS, check_usable, init_amp, init_state, mark_donated, place
 from ftrain.state.tree import (
     cast,
     count_params,
@@ -25,6 +25,7 @@ __all__ = [
     "map_leaves",
     "mark_donated",
     "path_str",
+    "place",
     "replace",
     "tree_equal",
     "unflatten",

@@ -22,7 +22,7 @@ from torch import nn
 from ftrain import rng
 from ftrain.state.tree import unflatten
 
-__all__ = ["STATE_KEYS", "check_usable", "init_amp", "init_state", "mark_donated"]
+__all__ = ["STATE_KEYS", "check_usable", "init_amp", "init_state", "mark_donated", "place"]
 
 STATE_KEYS = ("step", "params", "buffers", "opt", "amp", "data", "rng")
 
@@ -129,3 +129,22 @@ def check_usable(state: TensorDictBase, what: str = "step") -> None:
             f"this state was donated to a donate=True step and its tensors were updated in place; "
             f"{what} needs the state that step returned (or make the step with donate=False)"
         )
+
+
+def place(state: TensorDictBase, device: str | torch.device) -> TensorDict:
+    """Move the state's floating-point leaves to ``device``; keep integer bookkeeping on the host.
+
+    ``step``, the key chain, the data cursor and optimizer counts are small integers the step
+    reads on the host (to derive keys and learning rates); keeping them on the CPU means a
+    CUDA step never waits on a device-to-host copy for them.
+
+    Example:
+        >>> import ftrain
+        >>> s = ftrain.init_state(torch.nn.Linear(2, 1), ftrain.optim.sgd(0.1), seed=0)
+        >>> place(s, "cpu")["step"].device.type
+        'cpu'
+    """
+    device = torch.device(device)
+    # apply (not flatten/unflatten) keeps empty sub-trees such as buffers={} in place
+    moved = state.apply(lambda t: t.to(device) if t.is_floating_point() else t)
+    return moved.lock_()

@@ -98,3 +98,14 @@ def test_replace_cast_count():
     assert half["weight"].dtype == torch.bfloat16
     assert cast(state, torch.float16)["step"].dtype == torch.int64
     assert count_params(state["params"]) == 8
+
+
+def test_place_moves_floats_keeps_integer_bookkeeping_and_layout():
+    from ftrain.state import place
+
+    state = init_state(torch.nn.Linear(2, 1), ftrain.optim.adamw(1e-3), seed=0)
+    placed = place(state, "meta")  # any device will do; meta needs no memory
+    assert placed["params"]["weight"].device.type == "meta"
+    assert placed["step"].device.type == "cpu" and placed["rng"].device.type == "cpu"
+    assert placed["opt"]["scale_by_adam"]["count"].device.type == "cpu"
+    assert "add_decayed_weights" in placed["opt"].keys() and placed.is_locked
