@@ -45,7 +45,12 @@ def run_dir(tmp_path_factory, cache_dir):
     env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
     base = [sys.executable, "-m", "ftrain", f"run.dir={run}", *TINY, "checkpoint.every_steps=4"]
     proc = subprocess.Popen(
-        [*base, "trainer.max_steps=400"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+        # sync saves: by the time step 6 is seen, step 4 is committed, so the kill is a
+        # failure that a resume must follow (an async save could still be in flight)
+        [*base, "trainer.max_steps=400", "checkpoint.async_save=false"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     _wait_for_step(run, proc, 6)
     proc.send_signal(signal.SIGKILL)
