@@ -33,7 +33,7 @@ from torch.func import functional_call
 from ftrain import rng
 from ftrain.nn import use_generator
 from ftrain.optim.base import FlatUpdate
-from ftrain.state.init import check_usable, mark_donated
+from ftrain.state.init import check_usable, is_pinned, mark_donated
 from ftrain.state.tree import Key, flatten, new_td, unflatten
 
 __all__ = ["Step", "evaluate", "make_eval_step", "make_step"]
@@ -331,7 +331,9 @@ def make_step(
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scale).
         clip: clip gradients to this global norm before the optimizer (``None``: no clipping).
         donate: update params and optimizer buffers in place (memory parity with torch.optim);
-            the input state is then unusable and passing it again raises.
+            the input state is then unusable and passing it again raises. A state pinned by
+            an in-flight async checkpoint save (:func:`ftrain.state.pin`) is updated out of
+            place instead, so the save never sees a later step's values.
         dp: all-reduce gradients over ``torch.distributed`` ranks (default: when initialised
             with more than one rank).
 
@@ -374,10 +376,13 @@ def make_step(
         if clip is not None:
             _clip_(grads, grad_norm, clip)
         lr = tx.lr(state["opt"]) if tx.lr is not None else torch.tensor(math.nan)
+        # A state an in-flight async save still reads must not be overwritten: update it
+        # out of place this once (a checkpoint never mixes two steps).
+        in_place = donate and not is_pinned(state)
         if found_inf is not None and bool(found_inf):  # skipped, as GradScaler skips step()
             new_params, opt = state["params"], state["opt"]
         else:
-            new_params, opt = _apply(state, tx, pkeys, params, grads, donate)
+            new_params, opt = _apply(state, tx, pkeys, params, grads, in_place)
         new_state = _new_state(
             step=state["step"] + 1,
             params=new_params,
@@ -387,7 +392,7 @@ def make_step(
             data=cursor if cursor is not None else state["data"],
             rng=state["rng"],
         )
-        if donate:
+        if in_place:
             mark_donated(state)
         return new_state, _metrics(loss, grad_norm, lr, micro, aux)
 

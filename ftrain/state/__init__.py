@@ -1,6 +1,16 @@
 """The immutable training state and pytree helpers."""
 
-from ftrain.state.init import STATE_KEYS, check_usable, init_amp, init_state, mark_donated, place
+from ftrain.state.init import (
+    STATE_KEYS,
+    check_usable,
+    init_amp,
+    init_state,
+    is_pinned,
+    mark_donated,
+    pin,
+    place,
+    unpin,
+)
 from ftrain.state.tree import (
     cast,
     count_params,
@@ -22,11 +32,14 @@ __all__ = [
     "flatten",
     "init_amp",
     "init_state",
+    "is_pinned",
     "map_leaves",
     "mark_donated",
     "path_str",
+    "pin",
     "place",
     "replace",
     "tree_equal",
     "unflatten",
+    "unpin",
 ]

@@ -22,7 +22,17 @@ from torch import nn
 from ftrain import rng
 from ftrain.state.tree import unflatten
 
-__all__ = ["STATE_KEYS", "check_usable", "init_amp", "init_state", "mark_donated", "place"]
+__all__ = [
+    "STATE_KEYS",
+    "check_usable",
+    "init_amp",
+    "init_state",
+    "is_pinned",
+    "mark_donated",
+    "pin",
+    "place",
+    "unpin",
+]
 
 STATE_KEYS = ("step", "params", "buffers", "opt", "amp", "data", "rng")
 
@@ -115,6 +125,39 @@ def mark_donated(state: TensorDictBase) -> None:
 
 def _is_donated(state: TensorDictBase) -> bool:
     ref = _DONATED.get(id(state))
+    return ref is not None and ref() is state
+
+
+# States that a reader (an in-flight async checkpoint save) still needs as they are.
+_PINNED: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def pin(state: TensorDictBase) -> None:
+    """Mark ``state`` as read by someone else (e.g. an async save) until :func:`unpin`.
+
+    A ``donate=True`` step will not update a pinned state in place; pins nest.
+    """
+    sid = id(state)
+    ref, count = _PINNED.get(sid, (None, 0))
+    if ref is None or ref() is not state:
+        ref, count = weakref.ref(state, lambda _r: _PINNED.pop(sid, None)), 0
+    _PINNED[sid] = (ref, count + 1)
+
+
+def unpin(state: TensorDictBase) -> None:
+    """Release one :func:`pin` of ``state``."""
+    ref, count = _PINNED.get(id(state), (None, 0))
+    if ref is None or ref() is not state:
+        return
+    if count <= 1:
+        _PINNED.pop(id(state), None)
+    else:
+        _PINNED[id(state)] = (ref, count - 1)
+
+
+def is_pinned(state: TensorDictBase) -> bool:
+    """True while some :func:`pin` of ``state`` is unreleased."""
+    ref, _ = _PINNED.get(id(state), (None, 0))
     return ref is not None and ref() is state
 
 

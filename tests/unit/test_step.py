@@ -305,3 +305,20 @@ def test_a_submodule_replaced_between_steps_is_bound_again():
     assert not torch.equal(new["params"]["3", "weight"], state["params"]["3", "weight"])
     fresh, _ = make_step(_model(), _mse, tx)(state, _batch(1))
     assert tree_equal(new, fresh)
+
+
+def test_donate_never_overwrites_a_state_pinned_by_a_reader():
+    from ftrain.state import pin, unpin
+
+    model = _model()
+    tx = _tx()
+    state = init_state(model, tx, seed=0)
+    step = make_step(model, _mse, tx, donate=True)
+    pin(state)  # e.g. an async checkpoint save still reading it
+    snapshot = state.clone()
+    new, _ = step(state, _batch(0))
+    assert tree_equal(state, snapshot), "a pinned state must stay as it was"
+    unpin(state)
+    step(state, _batch(1))  # not donated, so still usable; now it is updated in place
+    with pytest.raises(RuntimeError, match="donated"):
+        step(state, _batch(2))
