@@ -322,3 +322,32 @@ def test_donate_never_overwrites_a_state_pinned_by_a_reader():
     step(state, _batch(1))  # not donated, so still usable; now it is updated in place
     with pytest.raises(RuntimeError, match="donated"):
         step(state, _batch(2))
+
+
+def test_fp16_sequence_matches_gradscaler_with_a_skipped_overflow_step():
+    model, ref = _model(), _model()
+    tx = ftrain.optim.sgd(0.05, momentum=0.9)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    state = init_state(model, tx, seed=0, precision="fp16")
+    state = ftrain.state.replace(
+        state, amp=state["amp"].clone().set("scale", torch.tensor(2.0**10))
+    )
+    step = make_step(model, _mse, tx, precision="fp16")
+    for i in range(6):
+        batch = _batch(i)
+        if i == 3:  # activations overflow fp16: both must skip this update
+            batch = batch.clone().set("x", batch["x"] * 1e5)
+        state, _ = step(state, batch)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _mse(ref, batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert float(state["amp"]["scale"]) == scaler.get_scale(), i
+    assert int(state["amp"]["skipped"]) == 1
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(
+            state["params"][tuple(name.split("."))], p.detach(), rtol=1e-5, atol=1e-6
+        )
