@@ -3,10 +3,14 @@
 Saves and restores a GPT-2 small (124M) + AdamW state (params, mu, nu: ~1.5 GB fp32)
 with every method, side by side. Saves are durable (every file and directory fsync'd);
 loads are cold in the guest (each file's pages dropped with posix_fadvise(DONTNEED)
-after the fsync). Medians of ``--reps`` runs, ratios against torch.save / safetensors /
-O_DIRECT. Results go to docs/benchmarks.md ("Checkpoint I/O").
+after the fsync). Repetitions are interleaved (one round = every method once), medians
+of ``--reps`` rounds, ratios against torch.save / safetensors / O_DIRECT. ``--codecs``
+adds compressed ftrain rows, ``--bf16`` stores every float tensor as bfloat16. Results
+go to docs/benchmarks.md ("Checkpoint I/O").
 
     .venv/bin/python benchmarks/ckpt_io.py --dir /tmp/ckpt_bench --reps 3
+    .venv/bin/python benchmarks/ckpt_io.py --only torch.save safetensors "ftrain sync" \
+        --codecs zstd blosc-lz4 --reps 3 [--bf16]
 """
 
 from __future__ import annotations
@@ -179,11 +183,11 @@ def dcp_load(tensors, path: Path) -> dict:
 
 
 # ---- ftrain --------------------------------------------------------------------------
-def ftrain_methods(state: TensorDict, async_save: bool):
+def ftrain_methods(state: TensorDict, async_save: bool, compression: str | None = None):
     stats: dict = {}
 
     def save(_, path: Path) -> None:
-        m = CheckpointManager(path, async_save=async_save)
+        m = CheckpointManager(path, async_save=async_save, compression=compression)
         t0 = time.perf_counter()
         m.save(state)
         stats["blocking"] = time.perf_counter() - t0
@@ -195,26 +199,31 @@ def ftrain_methods(state: TensorDict, async_save: bool):
     return save, load, stats
 
 
-def bench(name, save, load, tensors, root: Path, reps: int, stats=None) -> dict:
-    res: dict = {"save": [], "load": [], "blocking": []}
-    for _ in range(reps):
-        path = root / "".join(c if c.isalnum() else "_" for c in name)
-        shutil.rmtree(path, ignore_errors=True)
-        t0 = time.perf_counter()
-        save(tensors, path)
-        res["save"].append(time.perf_counter() - t0)
-        if stats is not None:
-            res["blocking"].append(stats["blocking"])
-        drop_cache(path)
-        t0 = time.perf_counter()
-        out = load(tensors, path)
-        res["load"].append(time.perf_counter() - t0)
-        del out
-        shutil.rmtree(path, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in res.items() if v}
-    print(f"{name:<28} save {med['save']:6.2f} s  load {med['load']:6.2f} s"
-          + (f"  blocking {med['blocking'] * 1e3:7.2f} ms" if "blocking" in med else ""), flush=True)  # fmt: skip
-    return med
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def bench_once(name, save, load, tensors, root: Path, res: dict, stats=None) -> None:
+    """One save + cold load of one method, appended to ``res``."""
+    path = root / "".join(c if c.isalnum() else "_" for c in name)
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    save(tensors, path)
+    res["save"].append(time.perf_counter() - t0)
+    if stats is not None:
+        res["blocking"].append(stats["blocking"])
+    res["bytes"].append(disk_bytes(path))
+    drop_cache(path)
+    t0 = time.perf_counter()
+    out = load(tensors, path)
+    res["load"].append(time.perf_counter() - t0)
+    del out
+    shutil.rmtree(path, ignore_errors=True)
+    print(f"  {name:<28} save {res['save'][-1]:6.2f} s  load {res['load'][-1]:6.2f} s", flush=True)
+
+
+def medians(res: dict) -> dict:
+    return {k: statistics.median(v) for k, v in res.items() if v}
 
 
 def main() -> None:
@@ -223,9 +232,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=12, help="fewer for a quick smoke run")
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--codecs", nargs="*", default=[], help="extra ftrain rows, e.g. zstd")
+    ap.add_argument("--bf16", action="store_true", help="store every float tensor as bf16")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     state = gpt2_adamw_state(n_layer=args.layers)
+    if args.bf16:
+        state = state.apply(lambda t: t.bfloat16() if t.is_floating_point() else t)
     tensors = flat(state)
     gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
     print(f"state: {len(tensors)} tensors, {gb:.2f} GB; reps={args.reps}", flush=True)
@@ -240,15 +253,20 @@ def main() -> None:
         "ftrain sync": (fs_save, fs_load, fs_stats),
         "ftrain async": (fa_save, fa_load, fa_stats),
     }
-    results = {}
-    for name, (s, lo, stt) in methods.items():
-        if args.only and not any(o in name for o in args.only):
-            continue
-        results[name] = bench(name, s, lo, tensors, args.dir, args.reps, stt)
+    for codec in args.codecs:
+        methods[f"ftrain sync {codec}"] = ftrain_methods(state, False, codec)
+    methods = {n: m for n, m in methods.items() if not args.only or any(o in n for o in args.only)}
+    raw: dict = {n: {"save": [], "load": [], "blocking": [], "bytes": []} for n in methods}
+    for rep in range(args.reps):  # interleaved: every method once per round
+        print(f"round {rep + 1}/{args.reps}", flush=True)
+        for name, (s, lo, stt) in methods.items():
+            bench_once(name, s, lo, tensors, args.dir, raw[name], stt)
+    results = {n: medians(r) for n, r in raw.items()}
     print(
-        "\n| method | save s | load s | save / torch.save | save / O_DIRECT | load / safetensors | load / O_DIRECT |"
+        "\n| method | save s | load s | size GB | save / torch.save | save / O_DIRECT"
+        " | load / safetensors | load / O_DIRECT |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     ref = {
         k: results.get(n)
         for k, n in [
@@ -258,7 +276,7 @@ def main() -> None:
         ]
     }
     for name, r in results.items():
-        cells = [f"{r['save']:.2f}", f"{r['load']:.2f}"]
+        cells = [f"{r['save']:.2f}", f"{r['load']:.2f}", f"{r['bytes'] / 1e9:.3f}"]
         for key, field in [("ts", "save"), ("od", "save"), ("st", "load"), ("od", "load")]:
             cells.append(f"{r[field] / ref[key][field]:.2f}×" if ref[key] else "-")
         extra = f" (blocking {r['blocking'] * 1e3:.1f} ms)" if "blocking" in r else ""

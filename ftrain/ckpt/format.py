@@ -12,7 +12,10 @@ Layout of ``step_00000400/`` (see ``docs/checkpoint-format.md``)::
 Every array uses the codec chain ``bytes(little) -> crc32c``, so each chunk file is the
 raw little-endian payload followed by its 4-byte crc32c: any Zarr v3 reader verifies
 it, and we write it with ``os.writev`` straight from the tensor's memory (no copy) and
-read it back with ``readinto`` straight into the result tensor.
+read it back with ``readinto`` straight into the result tensor. With optional compression
+(:mod:`ftrain.ckpt.codecs`) the chain is ``bytes -> zstd|blosc -> crc32c``: the file is the
+compressed chunk plus the crc32c of the compressed bytes, and the manifest records the
+codec and every chunk's stored size.
 
 Dtypes with a numpy equivalent keep their name. Dtypes without one (``bfloat16`` and the
 float8 family) are stored as their raw bits in the unsigned integer of the same width
@@ -36,6 +39,9 @@ from pathlib import Path
 import crc32c
 import torch
 
+from ftrain.ckpt._direct import direct_supported, write_direct
+from ftrain.ckpt.codecs import Codec, parse_compression
+
 __all__ = [
     "FORMAT_VERSION",
     "ArraySpec",
@@ -43,6 +49,7 @@ __all__ = [
     "array_zarr_json",
     "group_zarr_json",
     "plan_array",
+    "read_chunk",
     "read_chunks_into",
     "tensor_bytes",
     "write_chunk",
@@ -50,6 +57,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 DEFAULT_CHUNK_BYTES = 32 << 20
+DIRECT_MIN_BYTES = 256 << 10  # smaller chunks go through the page cache (one syncfs)
 _NATIVE = {
     torch.bool: "bool",
     torch.int8: "int8",
@@ -101,9 +109,10 @@ def zarr_dtype(dtype: torch.dtype) -> str:
 class ArraySpec:
     """Where and how one tensor is stored.
 
-    ``chunk_nbytes`` is the payload size of one full chunk (without the 4-byte crc); a
-    chunk file is always ``chunk_nbytes + 4`` bytes long. ``crc32c`` holds one checksum
-    per chunk once written (empty in a plan).
+    ``chunk_nbytes`` is the payload size of one full chunk (without the 4-byte crc); an
+    uncompressed chunk file is always ``chunk_nbytes + 4`` bytes long, a compressed one
+    ``stored[i] + 4``. ``crc32c`` holds one checksum per chunk once written (empty in a
+    plan); ``compression`` is the canonical codec spec (``"zstd:1"``) or ``None``.
     """
 
     key: str
@@ -111,6 +120,13 @@ class ArraySpec:
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     crc32c: tuple[int, ...] = field(default=())
+    compression: str | None = None
+    stored: tuple[int, ...] = field(default=())
+    separator: str = "/"
+
+    @property
+    def codec(self) -> Codec | None:
+        return parse_compression(self.compression)
 
     @property
     def itemsize(self) -> int:
@@ -131,8 +147,10 @@ class ArraySpec:
         return 1 if not self.shape else math.ceil(self.shape[0] / self.chunk_shape[0])
 
     def chunk_key(self, i: int) -> str:
-        """``"c/3/0/0"`` for chunk 3 of a 3-d array; ``"c"`` for a 0-d array."""
-        return "/".join(["c", str(i)] + ["0"] * (len(self.shape) - 1)) if self.shape else "c"
+        """``"c.3.0.0"`` for chunk 3 of a 3-d array (``"c/3/0/0"`` with separator ``/``,
+        as written before ``"."`` saved a directory level); ``"c"`` for a 0-d array."""
+        parts = ["c", str(i)] + ["0"] * (len(self.shape) - 1)
+        return self.separator.join(parts) if self.shape else "c"
 
     def chunk_span(self, i: int) -> tuple[int, int]:
         """Byte range ``[start, stop)`` of chunk ``i``'s real payload in the flat tensor."""
@@ -143,12 +161,17 @@ class ArraySpec:
         return start, min(start + self.chunk_nbytes, self.nbytes)
 
     def to_json(self) -> dict:
-        return {
+        doc = {
             "dtype": self.dtype,
             "shape": list(self.shape),
             "chunk_shape": list(self.chunk_shape),
             "crc32c": list(self.crc32c),
         }
+        if self.compression is not None:
+            doc |= {"compression": self.compression, "stored_nbytes": list(self.stored)}
+        if self.separator != "/":
+            doc["chunk_key_separator"] = self.separator
+        return doc
 
     @classmethod
     def from_json(cls, key: str, d: dict) -> ArraySpec:
@@ -159,17 +182,31 @@ class ArraySpec:
                 tuple(int(x) for x in d["shape"]),
                 tuple(int(x) for x in d["chunk_shape"]),
                 tuple(int(x) for x in d["crc32c"]),
+                d.get("compression"),
+                tuple(int(x) for x in d.get("stored_nbytes", ())),
+                d.get("chunk_key_separator", "/"),
             )
+            spec.codec  # noqa: B018 - raises ValueError for an unknown codec
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"bad manifest entry for {key!r}: {e!r}") from e
         parse_dtype(spec.dtype)
-        if len(spec.crc32c) != spec.n_chunks or len(spec.chunk_shape) != len(spec.shape):
+        n = spec.n_chunks
+        stored_ok = len(spec.stored) == (n if spec.compression else 0)
+        if len(spec.crc32c) != n or len(spec.chunk_shape) != len(spec.shape) or not stored_ok:
             raise CorruptCheckpointError(f"inconsistent manifest entry for {key!r}: {d}")
+        if spec.separator not in ("/", "."):
+            raise CorruptCheckpointError(f"bad chunk key separator for {key!r}: {spec.separator!r}")
         return spec
 
 
-def plan_array(key: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ArraySpec:
-    """Choose the chunk shape for ``tensor`` (see the module docstring).
+def plan_array(
+    key: str,
+    tensor: torch.Tensor,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    compression: str | None = None,
+) -> ArraySpec:
+    """Choose the chunk shape for ``tensor`` (see the module docstring); ``compression``
+    is a canonical codec spec or ``None``.
 
     Example:
         >>> plan_array("w", torch.zeros(10, 4), chunk_bytes=64).chunk_shape
@@ -178,14 +215,15 @@ def plan_array(key: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_
     shape = tuple(tensor.shape)
     name = dtype_name(tensor.dtype)
     zarr_dtype(tensor.dtype)  # raises early for dtypes we cannot store
+    kw = {"compression": compression, "separator": "."}
     if not shape:
-        return ArraySpec(key, name, shape, ())
+        return ArraySpec(key, name, shape, (), **kw)
     if tensor.numel() == 0:
-        return ArraySpec(key, name, shape, tuple(max(1, d) for d in shape))
+        return ArraySpec(key, name, shape, tuple(max(1, d) for d in shape), **kw)
     nbytes = tensor.numel() * tensor.element_size()
     n = max(1, min(shape[0], math.ceil(nbytes / chunk_bytes)))
     rows = math.ceil(shape[0] / n)
-    return ArraySpec(key, name, shape, (rows, *shape[1:]))
+    return ArraySpec(key, name, shape, (rows, *shape[1:]), **kw)
 
 
 def _fill_value(zdtype: str) -> bool | int | float | list[float]:
@@ -201,6 +239,7 @@ def array_zarr_json(spec: ArraySpec) -> dict:
     dtype = parse_dtype(spec.dtype)
     zdtype = zarr_dtype(dtype)
     attrs: dict = {"ftrain": {"dtype": spec.dtype}}
+    codec = spec.codec
     if dtype not in _NATIVE:
         attrs["ftrain"]["encoding"] = f"raw bits of {spec.dtype} stored as {zdtype}"
     return {
@@ -209,9 +248,13 @@ def array_zarr_json(spec: ArraySpec) -> dict:
         "shape": list(spec.shape),
         "data_type": zdtype,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": spec.separator}},
         "fill_value": _fill_value(zdtype),
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        "codecs": [
+            {"name": "bytes", "configuration": {"endian": "little"}},
+            *([codec.zarr_codec(spec.itemsize)] if codec else []),
+            {"name": "crc32c"},
+        ],
         "attributes": attrs,
         "storage_transformers": [],
     }
@@ -239,74 +282,152 @@ def _write_all(fd: int, parts: list) -> None:
             views[0] = views[0][n:]
 
 
-def write_chunk(path: Path, payload: memoryview, pad: int, *, durable: bool = True) -> int:
-    """Write one chunk file: payload, ``pad`` zero bytes, crc32c; return the crc.
+def _encode(payload: memoryview, pad: int, codec: Codec | None, itemsize: int) -> list:
+    """The parts of a chunk file before the crc: raw payload + padding, or compressed."""
+    if codec is None:
+        return [payload, bytes(pad)] if pad else [payload]
+    full = bytes(payload) + bytes(pad) if pad else payload
+    return [codec.encode(full, itemsize)]
+
+
+def write_chunk(
+    path: Path,
+    payload: memoryview,
+    pad: int,
+    *,
+    durable: bool = True,
+    codec: Codec | None = None,
+    itemsize: int = 1,
+    direct: bool = False,
+) -> tuple[int, int]:
+    """Write one chunk file: payload and ``pad`` zero bytes (compressed if ``codec``), crc32c.
 
     Args:
         path: the chunk file (must not exist; created with ``O_EXCL``).
         payload: the real bytes of the chunk.
         pad: zero bytes that fill the edge chunk up to the full chunk size.
         durable: fsync the file before returning.
+        codec: compress the full-size chunk with this codec.
+        itemsize: element size (blosc shuffles by it).
+        direct: write through :func:`ftrain.ckpt._direct.write_direct` (O_DIRECT) where the
+            file system allows it; the file is the same either way.
 
     Returns:
-        The crc32c of payload + padding, as stored in the trailer.
+        ``(crc, stored)``: the crc32c in the trailer (of the bytes before it) and the
+        number of bytes before it.
 
     Raises:
         OSError: from the file system (ENOSPC, EIO, EACCES, ...).
     """
-    zeros = bytes(pad)
-    crc = crc32c.crc32c(zeros, value=crc32c.crc32c(payload)) if pad else crc32c.crc32c(payload)
+    parts = _encode(payload, pad, codec, itemsize)
+    size = sum(len(p) for p in parts)
+    if direct and size >= DIRECT_MIN_BYTES and direct_supported(path.parent):
+        crc = write_direct(path, parts, durable=durable)
+        if crc is not None:
+            return crc, size
+    crc = 0
+    for part in parts:
+        crc = crc32c.crc32c(part, value=crc)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        _write_all(fd, [payload, zeros, crc.to_bytes(4, "little")])
+        _write_all(fd, [*parts, crc.to_bytes(4, "little")])
         if durable:
             os.fsync(fd)
     finally:
         os.close(fd)
-    return crc
+    return crc, size
 
 
-def read_chunk_into(path: Path, dest: memoryview, pad: int, expected_crc: int) -> None:
-    """Read one chunk file into ``dest`` and verify its size and crc32c.
-
-    Raises:
-        CorruptCheckpointError: missing, truncated or oversized file, or a crc mismatch.
-    """
+def _open_sized(path: Path, want: int) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{path}: chunk file is missing") from e
+    size = os.fstat(fd).st_size
+    if size != want:
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
+    return fd
+
+
+def _read_exact(fd: int, path: Path, dest: memoryview) -> None:
+    got = 0
+    while got < len(dest):
+        n = os.readv(fd, [dest[got:]])
+        if n == 0:
+            raise CorruptCheckpointError(f"{path}: chunk truncated while reading")
+        got += n
+
+
+def _check_crc(path: Path, crc: int, stored: int, expected: int) -> None:
+    if crc != stored or crc != expected:
+        raise CorruptCheckpointError(
+            f"{path}: crc32c mismatch (computed {crc:#010x}, stored {stored:#010x}, "
+            f"manifest {expected:#010x})"
+        )
+
+
+def read_chunk_into(path: Path, dest: memoryview, pad: int, expected_crc: int) -> None:
+    """Read one uncompressed chunk file into ``dest`` and verify its size and crc32c.
+
+    Raises:
+        CorruptCheckpointError: missing, truncated or oversized file, or a crc mismatch.
+    """
+    fd = _open_sized(path, len(dest) + pad + 4)
     try:
-        size = os.fstat(fd).st_size
-        want = len(dest) + pad + 4
-        if size != want:
-            raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
-        got = 0
-        while got < len(dest):
-            n = os.readv(fd, [dest[got:]])
-            if n == 0:
-                raise CorruptCheckpointError(f"{path}: chunk truncated while reading")
-            got += n
+        _read_exact(fd, path, dest)
         tail = os.pread(fd, pad + 4, len(dest))
     finally:
         os.close(fd)
     crc = crc32c.crc32c(tail[:-4], value=crc32c.crc32c(dest)) if pad else crc32c.crc32c(dest)
     stored = int.from_bytes(tail[-4:], "little") if len(tail) == pad + 4 else -1
-    if crc != stored or crc != expected_crc:
-        raise CorruptCheckpointError(
-            f"{path}: crc32c mismatch (computed {crc:#010x}, stored {stored:#010x}, "
-            f"manifest {expected_crc:#010x})"
-        )
+    _check_crc(path, crc, stored, expected_crc)
+
+
+def read_compressed_into(
+    path: Path, dest: memoryview, pad: int, expected_crc: int, stored: int, spec: ArraySpec
+) -> None:
+    """Read one compressed chunk (``stored`` bytes + crc), verify it, decode into ``dest``.
+
+    Raises:
+        CorruptCheckpointError: missing or wrongly sized file, a crc mismatch, or a frame
+            that does not decode to the full chunk.
+    """
+    fd = _open_sized(path, stored + 4)
+    buf = bytearray(stored + 4)
+    try:
+        _read_exact(fd, path, memoryview(buf))
+    finally:
+        os.close(fd)
+    body = memoryview(buf)[:stored]
+    _check_crc(path, crc32c.crc32c(body), int.from_bytes(buf[stored:], "little"), expected_crc)
+    full = dest if not pad else memoryview(bytearray(len(dest) + pad))
+    try:
+        spec.codec.decode_into(body, full, spec.itemsize)  # type: ignore[union-attr]
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: {e}") from e
+    if pad:
+        dest[:] = full[: len(dest)]
+
+
+def read_chunk(job: tuple) -> None:
+    """Run one job from :func:`read_chunks_into`."""
+    path, dest, pad, crc, stored, spec = job
+    if spec.compression is None:
+        read_chunk_into(path, dest, pad, crc)
+    else:
+        read_compressed_into(path, dest, pad, crc, stored, spec)
 
 
 def read_chunks_into(root: Path, spec: ArraySpec, dest: memoryview) -> list[tuple]:
-    """The read jobs ``(path, dest_slice, pad, crc)`` that fill ``dest`` with ``spec``."""
+    """The jobs for :func:`read_chunk` that fill ``dest`` with ``spec``."""
     jobs = []
     for i in range(spec.n_chunks):
         start, stop = spec.chunk_span(i)
         pad = spec.chunk_nbytes - (stop - start)
         path = root.joinpath(*spec.key.split("/"), *spec.chunk_key(i).split("/"))
-        jobs.append((path, dest[start:stop], pad, spec.crc32c[i]))
+        stored = spec.stored[i] if spec.compression else None
+        jobs.append((path, dest[start:stop], pad, spec.crc32c[i], stored, spec))
     return jobs
 
 

@@ -35,6 +35,7 @@ from tensordict import TensorDictBase
 
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt import hostrng
+from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.format import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -106,6 +107,9 @@ class CheckpointManager:
             ``OSError`` (ENOSPC, EIO, EACCES, EROFS, a vanished mount); restore uses both.
         chunk_bytes: target chunk size (tuning; see ``docs/checkpointing.md``).
         io_workers: I/O threads per save or restore.
+        compression: ``None`` (raw chunks, the default), ``"zstd"``, ``"zstd:LEVEL"``,
+            ``"blosc-lz4"``, ``"blosc-zstd"`` (optionally ``:LEVEL``); see
+            :mod:`ftrain.ckpt.codecs`. Restore reads compressed and raw steps alike.
 
     Example:
         >>> mgr = CheckpointManager(tmp_path, async_save=False)  # doctest: +SKIP
@@ -123,7 +127,10 @@ class CheckpointManager:
         fallback_directory: str | Path | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io_workers: int = DEFAULT_WORKERS,
+        compression: str | None = None,
     ) -> None:
+        codec = parse_compression(compression)  # ValueError for an unknown codec, now
+        self.compression = codec.spec if codec else None
         self.directory = Path(directory)
         self.fallback_directory = Path(fallback_directory) if fallback_directory else None
         self.save_policy = save_policy
@@ -306,7 +313,12 @@ class CheckpointManager:
         staging = protocol.begin(root, step)
         try:
             manifest = write_tree(
-                staging.path, snapshot, attrs, chunk_bytes=self.chunk_bytes, workers=self.io_workers
+                staging.path,
+                snapshot,
+                attrs,
+                chunk_bytes=self.chunk_bytes,
+                workers=self.io_workers,
+                compression=self.compression,
             )
             extra = {
                 "bytes": manifest["nbytes"],

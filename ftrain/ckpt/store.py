@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain.ckpt._threads import run_parallel
+from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.format import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -36,7 +37,7 @@ from ftrain.ckpt.format import (
     group_zarr_json,
     parse_dtype,
     plan_array,
-    read_chunk_into,
+    read_chunk,
     read_chunks_into,
     read_json,
     tensor_bytes,
@@ -91,7 +92,9 @@ def _chunk_jobs(tmp: Path, spec: ArraySpec, data: memoryview, rank: int, world: 
     return jobs
 
 
-def _make_dirs(tmp: Path, groups: list[str], specs: list[ArraySpec]) -> list[Path]:
+def _make_dirs(tmp: Path, groups: list[str], specs: list[ArraySpec], workers: int) -> list[Path]:
+    """Create every group, array and chunk directory (one level at a time, in parallel:
+    creating a directory costs ~0.2 ms on ext4 in this VM and parallelises)."""
     made = [tmp]
     for rel in groups[1:] + [s.key for s in specs]:
         made.append(tmp.joinpath(*rel.split("/")))
@@ -103,8 +106,11 @@ def _make_dirs(tmp: Path, groups: list[str], specs: list[ArraySpec]) -> list[Pat
                 if tuple(parts[:j]) not in seen:
                     seen.add(tuple(parts[:j]))
                     made.append(tmp.joinpath(*s.key.split("/"), *parts[:j]))
+    levels: dict[int, list[Path]] = {}
     for d in made[1:]:
-        d.mkdir(exist_ok=True)
+        levels.setdefault(len(d.parts), []).append(d)
+    for depth in sorted(levels):
+        run_parallel(lambda d: d.mkdir(exist_ok=True), levels[depth], workers)
     return made
 
 
@@ -118,6 +124,8 @@ def write_tree(
     durable: bool = True,
     rank: int = 0,
     world: int = 1,
+    compression: str | None = None,
+    direct: bool = True,
 ) -> dict:
     """Write ``state`` (CPU tensors) into the existing directory ``tmp``.
 
@@ -129,16 +137,21 @@ def write_tree(
         workers: I/O threads.
         durable: fsync every file and directory written.
         rank, world: which chunks this process writes (see the module docstring).
+        compression: a codec spec (:func:`ftrain.ckpt.codecs.parse_compression`) or None.
+        direct: write large raw chunks with O_DIRECT where supported (see ``_direct``).
 
     Returns:
-        This rank's manifest: ``{"format_version", "groups", "arrays", "nbytes"}``.
+        This rank's manifest: ``{"format_version", "groups", "arrays", "nbytes",
+        "compression"}`` (``nbytes``: bytes on disk written by this rank).
 
     Raises:
         OSError: from the file system; ValueError for a state the format cannot hold.
     """
+    codec = parse_compression(compression)
+    spec_str = codec.spec if codec else None
     groups, leaves = flatten(state)
-    specs = {k: plan_array(k, t, chunk_bytes) for k, t in leaves.items()}
-    dirs = _make_dirs(tmp, groups, list(specs.values()))
+    specs = {k: plan_array(k, t, chunk_bytes, spec_str) for k, t in leaves.items()}
+    dirs = _make_dirs(tmp, groups, list(specs.values()), workers)
     jobs: list = []
     if rank == 0:
         for g in groups:
@@ -162,12 +175,18 @@ def write_tree(
             write_json(job[1], job[2], durable=per_file)
             return None
         _, key, i, path, payload, pad = job
-        return key, i, write_chunk(path, payload, pad, durable=per_file)
+        size = specs[key].itemsize
+        crc, stored = write_chunk(
+            path, payload, pad, durable=per_file, codec=codec, itemsize=size, direct=direct
+        )
+        return key, i, crc, stored
 
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
+    stored: dict[str, dict[int, int]] = {k: {} for k in specs}
     for r in run_parallel(do, jobs, workers):
         if r is not None:
             crcs[r[0]][r[1]] = r[2]
+            stored[r[0]][r[1]] = r[3]
     if per_file:
         run_parallel(fsync_dir, reversed(dirs), workers)
     elif durable:
@@ -175,17 +194,29 @@ def write_tree(
     arrays = {}
     for k, s in specs.items():
         arrays[k] = s.to_json() | {"crc32c": [crcs[k].get(i) for i in range(s.n_chunks)]}
-    nbytes = sum(s.n_chunks * (s.chunk_nbytes + 4) for s in specs.values())
-    return {"format_version": FORMAT_VERSION, "groups": groups, "arrays": arrays, "nbytes": nbytes}
+        if codec:
+            arrays[k]["stored_nbytes"] = [stored[k].get(i) for i in range(s.n_chunks)]
+    nbytes = sum(n + 4 for per in stored.values() for n in per.values())
+    return {
+        "format_version": FORMAT_VERSION,
+        "groups": groups,
+        "arrays": arrays,
+        "nbytes": nbytes,
+        "compression": spec_str,
+    }
 
 
 def merge_manifests(parts: list[dict]) -> dict:
     """Merge per-rank manifests (each holds crc values for its own chunks only)."""
     merged = parts[0] | {"arrays": {k: dict(v) for k, v in parts[0]["arrays"].items()}}
+    merged["nbytes"] = sum(p["nbytes"] for p in parts)
     for part in parts[1:]:
         for k, v in part["arrays"].items():
-            mine = merged["arrays"][k]["crc32c"]
-            mine[:] = [a if a is not None else b for a, b in zip(mine, v["crc32c"], strict=True)]
+            for field in ("crc32c", "stored_nbytes"):
+                if field not in v:
+                    continue
+                mine = merged["arrays"][k][field] = list(merged["arrays"][k][field])
+                mine[:] = [a if a is not None else b for a, b in zip(mine, v[field], strict=True)]
     return merged
 
 
@@ -274,7 +305,7 @@ def read_tree(
         if s.n_chunks:
             jobs += read_chunks_into(root, s, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         out[tuple(k.split("/"))] = t
-    run_parallel(lambda j: read_chunk_into(*j), jobs, workers)
+    run_parallel(read_chunk, jobs, workers)
     return out
 
 
@@ -289,8 +320,6 @@ def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -
     for s in specs.values():
         if s.n_chunks:
             run_parallel(
-                lambda j: read_chunk_into(*j),
-                read_chunks_into(root, s, memoryview(bytearray(s.nbytes))),
-                workers,
+                read_chunk, read_chunks_into(root, s, memoryview(bytearray(s.nbytes))), workers
             )
     return sum(s.nbytes for s in specs.values())

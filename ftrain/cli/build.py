@@ -135,6 +135,7 @@ def build_manager(cfg: DictConfig) -> CheckpointManager:
         keep_policy=AnyOf(*keep) if keep else None,
         async_save=c.async_save,
         fallback_directory=c.fallback_dir,
+        compression=c.compression,
     )
 
 

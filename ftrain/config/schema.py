@@ -80,6 +80,7 @@ class CheckpointConfig:
     best_metric: str = "val_loss"
     async_save: bool = True
     fallback_dir: str | None = None
+    compression: str | None = None
 
 
 @dataclass

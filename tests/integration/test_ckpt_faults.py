@@ -176,7 +176,7 @@ def test_sigkill_at_each_protocol_phase(tmp_path, zygote, phase):
 
 
 def _damage(step_dir, how: str) -> None:
-    chunk = step_dir / "params" / "w" / "c" / "1" / "0"
+    chunk = step_dir / "params" / "w" / "c.1.0"
     if how == "flip":
         data = bytearray(chunk.read_bytes())
         data[len(data) // 2] ^= 0x01

@@ -92,7 +92,7 @@ def test_plan_limits_padding_to_fewer_rows_than_chunks():
     spec = plan_array("w", torch.empty(50257, 768), chunk_bytes=16 << 20)
     n, rows = spec.n_chunks, spec.chunk_shape[0]
     assert n == 10 and rows * n - 50257 < n
-    assert spec.chunk_key(3) == "c/3/0" and plan_array("s", torch.tensor(1.0)).chunk_key(0) == "c"
+    assert spec.chunk_key(3) == "c.3.0" and plan_array("s", torch.tensor(1.0)).chunk_key(0) == "c"
 
 
 def test_array_json_is_valid_v3_and_bf16_is_raw_uint16():
@@ -150,7 +150,7 @@ def test_crafted_store_cannot_execute_code(tmp_path, monkeypatch):
     step = tmp_path / "step_00000001"
     payload = pickle.dumps(_Boom())
     # a pickle as chunk bytes, as JSON metadata, and an object dtype in the manifest
-    (step / "w" / "c" / "0").write_bytes(payload)
+    (step / "w" / "c.0").write_bytes(payload)
     (step / "zarr.json").write_bytes(payload)
     man = json.loads((step / "manifest.json").read_text())
     man["arrays"]["w"]["dtype"] = "object"
@@ -166,3 +166,42 @@ def test_crafted_store_cannot_execute_code(tmp_path, monkeypatch):
     assert not (tmp_path / "PWNED").exists()
     src = "".join(p.read_text() for p in Path(protocol.__file__).parent.glob("*.py"))
     assert "import pickle" not in src and "torch.load" not in src
+
+
+def test_reads_stores_with_slash_chunk_keys(tmp_path, monkeypatch):
+    """Stores written before the ``.`` separator (``c/0/0`` in subdirectories) still load."""
+    import dataclasses
+
+    from ftrain.ckpt import store
+
+    real = store.plan_array
+    monkeypatch.setattr(
+        store, "plan_array", lambda *a: dataclasses.replace(real(*a), separator="/")
+    )
+    td = TensorDict({"step": torch.tensor(2), "w": random_bits((40, 3), torch.float32)}, [])
+    out = roundtrip(tmp_path, td, chunk_bytes=64)
+    assert (tmp_path / "step_00000002" / "w" / "c" / "1" / "0").is_file()
+    assert_same(out, td)
+
+
+def test_large_chunks_go_through_o_direct_or_its_fallback(tmp_path, monkeypatch):
+    """Chunks >= 256 KiB use O_DIRECT; EINVAL (tmpfs) falls back to buffered, same bytes."""
+    import errno
+
+    from ftrain.ckpt import _direct
+
+    monkeypatch.setattr(_direct, "_refused", set())
+    td = TensorDict({"step": torch.tensor(4), "w": random_bits((1001, 777), torch.float32)}, [])
+    assert_same(roundtrip(tmp_path / "a", td, chunk_bytes=3 << 20), td)
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(_direct.os, "open", no_direct)
+    assert_same(roundtrip(tmp_path / "b", td, chunk_bytes=3 << 20), td)
+    assert _direct._refused
+    a, b = (sorted((tmp_path / d / "step_00000004" / "w").glob("c.*")) for d in "ab")
+    assert [f.read_bytes() for f in a] == [f.read_bytes() for f in b]
