@@ -52,6 +52,7 @@ from ftrain.ckpt.policies import (
     best_policies,
 )
 from ftrain.ckpt.store import DEFAULT_WORKERS, flatten, read_tree, write_tree
+from ftrain.state.init import check_usable, pin, unpin
 
 __all__ = ["CheckpointManager", "CheckpointNotFoundError", "CheckpointSaveError"]
 
@@ -215,6 +216,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._check_usable()
         step = self._read_step(state)
+        check_usable(state, "save")  # a donated state's tensors already hold a later step
         now = time.time()
         ctx = SaveContext(step, now, self._last_step, self._last_time)
         if not force and self.save_policy is not None and not self.save_policy.should_save(ctx):
@@ -231,9 +233,12 @@ class CheckpointManager:
             self._write(snapshot, step, attrs, t0, time.perf_counter() - t0)
             return True
         blocking = time.perf_counter() - t0
+        # The writer reads the caller's tensors (no copy): pin the state so a donate=True
+        # step does not overwrite them before the commit.
+        pin(state)
         self._thread = threading.Thread(
             target=self._run_background,
-            args=(snapshot, step, attrs, t0, blocking),
+            args=(state, snapshot, step, attrs, t0, blocking),
             name=f"ftrain-ckpt-{step}",
         )
         self._thread.start()
@@ -272,11 +277,13 @@ class CheckpointManager:
             raise ValueError(f"metadata/metrics must be JSON-serialisable: {e}") from e
         return attrs
 
-    def _run_background(self, *args: object) -> None:
+    def _run_background(self, state: TensorDictBase, *args: object) -> None:
         try:
             self._write(*args)  # type: ignore[arg-type]
         except BaseException as e:  # noqa: BLE001 - surfaced by the next call
             self._error = e
+        finally:
+            unpin(state)
 
     def _write(
         self, snapshot: TensorDictBase, step: int, attrs: dict, t0: float, blocking: float
