@@ -123,7 +123,8 @@ def train_loop(
     save = save or (lambda *a, **k: False)
     it = iter(batches)
     meter = _Meter()
-    last: dict[str, float] = {}
+    last: dict[str, float] = {}  # the newest *logged* metrics (host floats)
+    current: dict = {}  # metrics of the step `state` is at: what a save records with it
     in_step = False
     try:
         while int(state["step"]) < max_steps:
@@ -131,13 +132,14 @@ def train_loop(
                 reason = (
                     stop.reason if stop is not None else None
                 ) or "stop requested by another rank"
-                save(state, last, force=True, reason=reason)
+                save(state, current, force=True, reason=reason)
                 return LoopResult(state, "stopped", reason, last)
             batch = next(it)
             in_step = True
             state, metrics = step(state, batch)
             in_step = False
             n = int(state["step"])
+            current = dict(metrics.items())  # tensors: read only if a save happens
             meter.add(metrics["tokens"])
             if n % log_every == 0 or n == max_steps:
                 last = _host(metrics)
@@ -147,13 +149,14 @@ def train_loop(
                 ev = evaluate(state)
                 record("eval", step=n, **ev)
                 last.update(ev)
-            save(state, last, force=False, reason="policy")
+                current.update(ev)
+            save(state, current, force=False, reason="policy")
             record("heartbeat", step=n)
     except BaseException as err:
         if not (donate and in_step):
-            _emergency_save(save, state, last, err, record)
+            _emergency_save(save, state, current, err, record)
         raise
-    save(state, last, force=True, reason="final")
+    save(state, current, force=True, reason="final")
     return LoopResult(state, "finished", None, last)
 
 

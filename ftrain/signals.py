@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from types import FrameType
 
@@ -60,15 +59,12 @@ class StopFlag:
         return self._event.is_set()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # os.write, not sys.stderr: a handler may interrupt a buffered write to stderr
         if signum == signal.SIGINT and self.requested:
-            sys.stderr.write(
-                "second SIGINT: exiting now; the newest committed checkpoint is intact\n"
-            )
-            sys.stderr.flush()
+            os.write(2, b"second SIGINT: exiting now; the newest committed checkpoint is intact\n")
             os._exit(EXIT_FORCED)
         name = signal.Signals(signum).name
-        sys.stderr.write(f"{name} received: finishing this step, saving, then exiting\n")
-        sys.stderr.flush()
+        os.write(2, f"{name} received: finishing this step, saving, then exiting\n".encode())
         self.request(name)
 
     def install(self) -> StopFlag:

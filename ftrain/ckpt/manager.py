@@ -148,6 +148,8 @@ class CheckpointManager:
         self._closed = False
         self._last_step: int | None = None
         self._last_time: float | None = None
+        # the last *committed* (step, time): a failed save rolls the policy clock back to it
+        self._committed_last: tuple[int | None, float | None] = (None, None)
         for d in self._dirs:
             for p in protocol.sweep_stale(d):
                 log.info("removed stale %s", p)
@@ -300,6 +302,8 @@ class CheckpointManager:
                     log.warning(msg)
                     warnings.warn(msg, RuntimeWarning, stacklevel=2)
         else:
+            # not saved: the step may be offered again (e.g. by an emergency save)
+            self._last_step, self._last_time = self._committed_last
             raise CheckpointSaveError(
                 f"[step={step}] save failed in every location: " + "; ".join(errors)
             )
@@ -347,6 +351,7 @@ class CheckpointManager:
         return load_or_rebuild(self.directory / INDEX, steps)
 
     def _after_commit(self, step: int, final: Path, total: float) -> None:
+        self._committed_last = (step, self._last_time if self._last_step == step else time.time())
         with self._lock:
             log.info("[step=%d] committed %s in %.2fs", step, final, total)
             locations = self._locations()

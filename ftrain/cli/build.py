@@ -22,6 +22,7 @@ from ftrain.ckpt import (
     EveryNSteps,
     LatestN,
 )
+from ftrain.config import ConfigError
 from ftrain.data import Source
 from ftrain.data.sources import source_from_config
 
@@ -60,45 +61,79 @@ def _gpt2(model_cfg: DictConfig, generator: torch.Generator):
 
 
 def pick_device(name: str) -> torch.device:
-    """``auto`` = CUDA when present, else CPU; otherwise the named device."""
+    """``auto`` = CUDA when present, else CPU; otherwise the named device.
+
+    Raises:
+        ConfigError: not a device name, or CUDA asked for where there is none.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(
+        raise ConfigError(
             f"trainer.device={name!r} is not a device; use auto, cpu, cuda or cuda:N"
         ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise ConfigError(
             f"trainer.device={name!r} but no CUDA device is available; use trainer.device=cpu"
         )
     return device
 
 
 def build_model(cfg: DictConfig) -> tuple[nn.Module, Callable]:
-    """The model (initialised from the run's init key, never global RNG) and its loss."""
+    """The model (initialised from the run's init key, never global RNG) and its loss.
+
+    Raises:
+        ConfigError: unknown ``model.name`` or a shape the model rejects.
+    """
     if cfg.model.name not in _MODELS:
-        raise ValueError(f"model.name={cfg.model.name!r} is unknown; known: {sorted(_MODELS)}")
+        raise ConfigError(f"model.name={cfg.model.name!r} is unknown; known: {sorted(_MODELS)}")
     init_key = rng.fold_in(rng.key(cfg.trainer.seed), rng.STREAM_INIT)
-    return _MODELS[cfg.model.name](cfg.model, rng.generator(init_key))
+    try:
+        return _MODELS[cfg.model.name](cfg.model, rng.generator(init_key))
+    except ValueError as err:  # the model's own validation of its shape
+        raise ConfigError(f"model config rejected: {err}") from None
 
 
-def build_schedule(cfg: DictConfig):
+def schedule_horizon(cfg: DictConfig, saved: int | None = None) -> int:
+    """Steps the LR schedule decays over: ``schedule.decay_steps`` if set, else the horizon a
+    checkpoint of this run recorded, else ``trainer.max_steps``.
+
+    Taking the recorded horizon keeps a run's LR curve fixed when a resume only extends
+    ``trainer.max_steps``, so the continued run matches one that never stopped.
+    """
+    if cfg.schedule.decay_steps is not None:
+        return int(cfg.schedule.decay_steps)
+    return int(saved) if saved is not None else int(cfg.trainer.max_steps)
+
+
+def build_schedule(cfg: DictConfig, horizon: int):
+    """The LR schedule of ``cfg.schedule`` over ``horizon`` steps (see :func:`schedule_horizon`).
+
+    Raises:
+        ConfigError: unknown ``schedule.name``.
+    """
     s, lr = cfg.schedule, cfg.optim.lr
     if s.name == "constant":
         return optim.schedule.constant(lr)
     if s.name == "warmup_cosine":
-        decay = s.decay_steps if s.decay_steps is not None else cfg.trainer.max_steps
         return optim.schedule.warmup_cosine(
-            lr, s.warmup_steps, max(decay, s.warmup_steps + 1), lr * s.end_factor
+            lr, s.warmup_steps, max(horizon, s.warmup_steps + 1), lr * s.end_factor
         )
-    raise ValueError(f"schedule.name={s.name!r} is unknown; use warmup_cosine or constant")
+    raise ConfigError(f"schedule.name={s.name!r} is unknown; use warmup_cosine or constant")
 
 
-def build_tx(cfg: DictConfig):
-    """The optimizer as an ftrain.optim chain; decay only on >= 2-D weights (GPT-2 practice)."""
-    o, sched = cfg.optim, build_schedule(cfg)
+def build_tx(cfg: DictConfig, horizon: int | None = None):
+    """The optimizer as an ftrain.optim chain; decay only on >= 2-D weights (GPT-2 practice).
+
+    Raises:
+        ConfigError: unknown ``optim.name``.
+    """
+    o, sched = (
+        cfg.optim,
+        build_schedule(cfg, horizon if horizon is not None else schedule_horizon(cfg)),
+    )
     if o.name == "adamw":
         return optim.adamw(
             sched,
@@ -112,13 +147,20 @@ def build_tx(cfg: DictConfig):
         return optim.sgd(
             sched, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay
         )
-    raise ValueError(f"optim.name={o.name!r} is unknown; use adamw or sgd")
+    raise ConfigError(f"optim.name={o.name!r} is unknown; use adamw or sgd")
 
 
 def build_sources(cfg: DictConfig) -> tuple[Source, Source]:
-    """The train and val splits of ``data.name`` (any registered source)."""
+    """The train and val splits of ``data.name`` (any registered source).
+
+    Raises:
+        ConfigError: unknown ``data.name``; DataPathError / DataFormatError: bad data.
+    """
     d = OmegaConf.to_container(cfg.data, resolve=True)
-    return source_from_config(d, split="train"), source_from_config(d, split="val")
+    try:
+        return source_from_config(d, split="train"), source_from_config(d, split="val")
+    except KeyError as err:  # unknown source name: the message lists the known ones
+        raise ConfigError(str(err.args[0]) if err.args else str(err)) from None
 
 
 def build_manager(cfg: DictConfig) -> CheckpointManager:

@@ -16,12 +16,13 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
 
-from ftrain.ckpt import CheckpointManager
+from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_int
 from ftrain.metrics import read_records
 
 __all__ = [
+    "saved_horizon",
     "ResumeError",
     "ResumeReport",
     "checkpoint_metadata",
@@ -71,6 +72,7 @@ class ResumeReport:
     changes: list[str] = field(default_factory=list)
     restore_s: float | None = None
     checkpoint_bytes: int | None = None
+    horizon: int | None = None
 
     def lines(self) -> list[str]:
         if not self.resumed:
@@ -80,6 +82,10 @@ class ResumeReport:
             f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} position={self.position}",
             f"checkpoint config hash={self.fingerprints.get('config_hash')} data={self.fingerprints.get('data')}",
         ]
+        if self.horizon is not None:
+            out.append(
+                f"lr schedule decays over {self.horizon} steps (as recorded; set schedule.decay_steps to change it)"
+            )
         if self.redo:
             out.append(
                 f"steps {self.redo[0]}..{self.redo[1]} ran before but were not committed: they will be redone"
@@ -142,24 +148,68 @@ def _restore_agreed(cfg, manager, fresh, world: World):
         try:
             chosen = _pick_step(cfg, manager)
             if chosen is not None:
-                _check_compat(
-                    cfg, manager.metadata(manager.latest_step() if chosen == _LATEST else chosen)
-                )
-                state = manager.restore(None if chosen == _LATEST else chosen, target=fresh)
+                meta = _candidate_metadata(manager, chosen)
+                if meta is not None:
+                    _check_compat(cfg, meta)
+                state = _restore(manager, None if chosen == _LATEST else chosen, fresh)
                 chosen = int(state["step"])
         except BaseException:
             broadcast_int(_FAILED)
             raise
     chosen = broadcast_int(chosen)
     if chosen == _FAILED:
-        raise ResumeError("the coordinator (rank 0) refused to resume; see its message")
+        raise ResumeError(
+            "the coordinator (rank 0) refused to resume; its message says why and what to change"
+        )
     if state is None and chosen is not None:
-        state = manager.restore(chosen, target=fresh)
+        state = _restore(manager, chosen, fresh)
     if state is not None and int(state["step"]) != chosen:
         raise ResumeError(
             f"rank {world.rank} restored step {int(state['step'])} but the coordinator chose {chosen}"
         )
     return state
+
+
+def _candidate_metadata(manager: CheckpointManager, chosen: int) -> dict | None:
+    """The metadata of the step about to be restored, or None if it is unreadable (then the
+    restore below reports it and falls back to an older step, which is checked after)."""
+    try:
+        return manager.metadata(manager.latest_step() if chosen == _LATEST else chosen)
+    except (CorruptCheckpointError, OSError, ValueError):
+        return None
+
+
+def _restore(manager: CheckpointManager, step: int | None, fresh: TensorDictBase) -> TensorDictBase:
+    try:
+        return manager.restore(step, target=fresh)
+    except ValueError as err:  # the checkpoint does not fit the configured model/optimizer
+        raise ResumeError(
+            f"{err}\n  the checkpoint was written for a different model or optimizer; resume with its config "
+            "or start a new run (another run.name, or resume=none run.overwrite=true)"
+        ) from None
+
+
+def _restore_host_rng(meta: dict, world: World) -> None:
+    """Put back the global Python/NumPy/torch RNG states recorded for this rank, for user code
+    that draws from them (ftrain itself only uses the key chain)."""
+    from ftrain.ckpt import hostrng
+
+    states = (meta.get("host_rng") or {}).get(str(world.rank))
+    if states:
+        hostrng.restore(states)
+
+
+def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
+    """The LR-schedule horizon recorded by the checkpoint a resume would start from."""
+    if cfg.resume == "none":
+        return None
+    step = manager.latest_step() if cfg.resume == "latest" else int(cfg.resume)
+    if step is None:
+        return None
+    try:
+        return manager.metadata(step).get("schedule_horizon")
+    except (CorruptCheckpointError, CheckpointNotFoundError, OSError, ValueError):
+        return None
 
 
 def _redo_range(run_dir: Path, step: int) -> tuple[int, int] | None:
@@ -211,6 +261,7 @@ def start_state(
         )
     step = int(state["step"])
     meta = manager.metadata(step)
+    _restore_host_rng(meta, world)
     changes = _check_compat(cfg, meta)
     check_fingerprint(meta.get("data_fingerprint"), data_fp, bool(cfg.data.allow_changed))
     if meta.get("data_fingerprint") not in (None, data_fp):
@@ -228,6 +279,7 @@ def start_state(
         fingerprints={"config_hash": meta.get("config_hash"), "data": meta.get("data_fingerprint")},
         changes=changes,
         restore_s=restore_s,
+        horizon=meta.get("schedule_horizon"),
         checkpoint_bytes=(meta.get("save") or {}).get("bytes"),
     )
     return state, report, meta
@@ -242,10 +294,13 @@ def move_aside(directory: Path) -> Path | None:
     return target
 
 
-def checkpoint_metadata(cfg: DictConfig, data_fp: str, data_desc: dict, world: World) -> dict:
+def checkpoint_metadata(
+    cfg: DictConfig, data_fp: str, data_desc: dict, world: World, horizon: int
+) -> dict:
     """The JSON facts stored with every checkpoint of this run."""
     plain = to_plain(cfg)
     return {
+        "schedule_horizon": horizon,
         "config": plain,
         "config_hash": config_hash(
             {k: v for k, v in plain.items() if k in ("model", "optim", "schedule", "data")}

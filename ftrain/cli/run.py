@@ -12,12 +12,26 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ftrain.cli.build import build_manager, build_model, build_sources, build_tx, pick_device
-from ftrain.cli.resume import ResumeError, checkpoint_metadata, move_aside, start_state
+from ftrain.ckpt import CheckpointNotFoundError
+from ftrain.cli.build import (
+    build_manager,
+    build_model,
+    build_sources,
+    build_tx,
+    pick_device,
+    schedule_horizon,
+)
+from ftrain.cli.resume import (
+    ResumeError,
+    checkpoint_metadata,
+    move_aside,
+    saved_horizon,
+    start_state,
+)
 from ftrain.cli.session import Session
 from ftrain.config import ConfigError, load_config
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader
-from ftrain.dist import World, agree_any, init_world, shutdown
+from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import train_loop
 from ftrain.signals import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, StopFlag
 from ftrain.state import init_state, place
@@ -32,14 +46,15 @@ Re-running the same command resumes from the newest committed checkpoint in run.
 resume=none starts fresh; resume=STEP resumes exactly at STEP. See docs/configuration.md.
 Exit codes: 0 done, 1 error, 2 bad config, 3 stopped by a signal after saving, 130 forced."""
 
+# Errors that mean "this run cannot start as configured": reported in one paragraph, exit 2.
+# Anything else during setup is a bug and keeps its traceback.
 _STARTUP_ERRORS = (
     ConfigError,
     ResumeError,
     DataFingerprintError,
     DataPathError,
     DataFormatError,
-    ValueError,
-    KeyError,
+    CheckpointNotFoundError,
 )
 
 
@@ -64,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 def train_from_config(cfg: DictConfig) -> int:
     """Run (or resume) the training job described by ``cfg``."""
     try:
-        device = pick_device(cfg.trainer.device)
+        device = local_device(pick_device(cfg.trainer.device))
         world = init_world(cfg.dist.backend, cfg.dist.timeout_s, device)
-    except ValueError as err:
+    except ConfigError as err:
         print(f"ftrain: {err}", file=sys.stderr)
         return EXIT_CONFIG
     try:
@@ -88,10 +103,11 @@ def _setup(cfg: DictConfig, device, world: World) -> dict:
             print(f"run.overwrite=true: moved the old checkpoints to {moved}")
     agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
     model, loss_fn = build_model(cfg)
-    tx = build_tx(cfg)
     train_src, val_src = build_sources(cfg)
-    fresh = init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
     manager = build_manager(cfg)
+    horizon = schedule_horizon(cfg, saved_horizon(cfg, manager))
+    tx = build_tx(cfg, horizon)
+    fresh = init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
     try:
         state, report, _ = start_state(cfg, manager, fresh, world, tx, train_src.fingerprint)
     except BaseException:
@@ -106,15 +122,18 @@ def _setup(cfg: DictConfig, device, world: World) -> dict:
         "manager": manager,
         "state": state,
         "report": report,
+        "horizon": horizon,
     }
 
 
 def _run(cfg: DictConfig, device, world: World, p: dict) -> int:
     t = cfg.trainer
-    with Session(cfg, world, p["manager"]) as session:
+    # The stop flag is outermost: a signal while the final save commits is still honoured
+    # (the save completes, then the process exits) instead of killing the commit.
+    with StopFlag() as stop, Session(cfg, world, p["manager"]) as session:
         session.resumed(p["report"])
         session.metadata = checkpoint_metadata(
-            cfg, p["train"].fingerprint, p["train"].describe(), world
+            cfg, p["train"].fingerprint, p["train"].describe(), world, p["horizon"]
         )
         state = place(p["state"], device)
         step = make_step(
@@ -141,7 +160,7 @@ def _run(cfg: DictConfig, device, world: World, p: dict) -> int:
             session.evaluator(p["model"], p["loss_fn"], p["val"], device) if t.eval_every else None
         )
         session.start_progress(int(state["step"]))
-        with StopFlag() as stop, loader, loader.iter_from(state["data"].cpu()) as batches:
+        with loader, loader.iter_from(state["data"].cpu()) as batches:
             result = train_loop(
                 state,
                 step,

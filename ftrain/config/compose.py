@@ -27,9 +27,16 @@ class ConfigError(ValueError):
     """The command-line overrides or YAML files do not make a valid config."""
 
 
-def _device_pick(cpu_value, gpu_value):
-    """``${ftrain_device:CPU,GPU}``: pick a default by whether a CUDA device is present."""
-    return gpu_value if torch.cuda.is_available() else cpu_value
+def _device_pick(cpu_value, gpu_value, *, _root_):
+    """``${ftrain_device:CPU,GPU}``: pick by the device the run will use.
+
+    ``trainer.device`` decides when it names one (``cpu``, ``cuda``, ``cuda:N``); with
+    ``auto`` it is whether a CUDA device is present.
+    """
+    wanted = str(_root_.trainer.device) if "trainer" in _root_ else "auto"
+    if wanted == "auto":
+        return gpu_value if torch.cuda.is_available() else cpu_value
+    return gpu_value if wanted.startswith("cuda") else cpu_value
 
 
 def _register_resolvers() -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "agree_any", "all_mean", "broadcast_int", "init_world", "shutdown"]
+__all__ = ["World", "agree_any", "all_mean", "broadcast_int", "init_world", "local_device", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,28 @@ def _attempt_store(rank: int, size: int, timeout: datetime.timedelta) -> dist.St
     return dist.PrefixStore(f"ftrain/attempt_{attempt}", store)
 
 
+def local_device(device: torch.device) -> torch.device:
+    """Under torchrun each rank gets its own GPU (``cuda:LOCAL_RANK``) and makes it current.
+
+    ``trainer.device=cuda`` (or ``auto`` on a GPU host) would otherwise put every rank on
+    GPU 0, which NCCL refuses.
+    """
+    if device.type != "cuda" or device.index is not None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device
+    local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(local)
+    return local
+
+
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def _device() -> torch.device:
-    return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def agree_any(flag: bool) -> bool:

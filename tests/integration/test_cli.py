@@ -123,6 +123,18 @@ def test_interrupted_and_resumed_run_is_bit_identical(cli, tmp_path):
     assert losses_a == losses_b
 
 
+def test_extending_max_steps_keeps_the_recorded_lr_schedule(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(
+        run, "trainer.max_steps=6", "schedule.decay_steps=null", "checkpoint.every_steps=6", check=0
+    )
+    out = cli(run, "trainer.max_steps=9", "schedule.decay_steps=null", check=0)
+    assert "lr schedule decays over 6 steps" in out.stdout
+    lrs = {r["step"]: r["lr"] for r in records(run, "step")}
+    end = 6e-4 * 0.1  # the schedule had ended at step 6: it stays at its final value
+    assert lrs[7] == pytest.approx(end) and lrs[9] == pytest.approx(end)
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(cli, popen_cli, tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"

@@ -104,6 +104,7 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_pat
     )
     beat = run / "heartbeat.rank1.json"
     deadline = time.time() + 180
+    info = {"step": -1}
     while time.time() < deadline:
         try:
             info = json.loads(beat.read_text())
@@ -113,6 +114,7 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_pat
             pass
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.02)
+    assert info["step"] >= 6, f"rank 1 never reached step 6 (last heartbeat {info})"
     os.kill(info["pid"], signal.SIGKILL)
     rc, out = _finish(proc)
     assert rc == 0, out

@@ -1,4 +1,4 @@
-"""Async saves and donate=True steps together never produce a checkpoint that mixes steps."""
+"""Checkpoints inside a run: async saves vs donated steps, failed saves retried, host RNG restored."""
 
 import threading
 
@@ -51,3 +51,38 @@ def test_saving_a_donated_state_is_refused(tmp_path):
         pytest.raises(RuntimeError, match="donated"),
     ):
         mgr.save(state, force=True)
+
+
+def test_a_failed_save_can_be_retried_for_the_same_step(tmp_path, monkeypatch):
+    state, step, batch = _setup()
+    mgr = ftrain.CheckpointManager(tmp_path, async_save=False)
+    real = mgr._write_to
+
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mgr, "_write_to", failing)
+    with pytest.raises(ftrain.CheckpointSaveError):
+        mgr.save(state, force=True)
+    monkeypatch.setattr(mgr, "_write_to", real)
+    assert mgr.save(state, force=True), "the emergency/final save of the same step must retry"
+    assert mgr.all_steps() == [0]
+    mgr.close()
+
+
+def test_resume_puts_back_the_host_rng_states_for_user_code(tmp_path):
+    import random
+
+    from ftrain.cli.resume import _restore_host_rng
+    from ftrain.dist import World
+
+    state, _, _ = _setup()
+    torch.manual_seed(123)
+    random.seed(7)
+    with ftrain.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(state, force=True)
+        expected = (torch.rand(3), random.random())
+        torch.manual_seed(999)
+        random.seed(1)
+        _restore_host_rng(mgr.metadata(0), World(0, 1))
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
