@@ -430,6 +430,7 @@ class CheckpointManager:
         for s, path in cands:
             try:
                 _, manifest = protocol.read_committed(path)
+                read_json(path / "zarr.json")  # the step's metadata must be readable too
                 _check_only(manifest, only_t)
                 td = read_tree(path, manifest, only=only_t, workers=self.io_workers)
             except CorruptCheckpointError as e:

@@ -164,3 +164,12 @@ def test_sigterm_saves_at_the_step_reached_and_resume_continues(cli, popen_cli, 
     cli(run, f"trainer.max_steps={reached + 2}", check=0)
     assert records(run, "resume")[-1]["from_step"] == reached
     assert _committed(run)[-1] == reached + 2
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)
+    (run / "checkpoints" / "step_00000006" / "zarr.json").write_text("{not json")
+    out = cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)
+    assert records(run, "resume")[-1]["from_step"] == 3
+    assert "step_00000006" in out.stderr + out.stdout
