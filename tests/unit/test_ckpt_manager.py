@@ -182,8 +182,12 @@ def test_second_save_waits_for_the_first(tmp_path, monkeypatch):
     monkeypatch.setattr(manager, "write_tree", slow)
     m = CheckpointManager(tmp_path)
     m.save(make_state(1))
-    threading.Timer(0.2, gate.set).start()
-    m.save(make_state(2))  # blocks until step 1 committed
+    second = threading.Thread(target=m.save, args=(make_state(2),))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second save must block while the first is in flight"
+    gate.set()
+    second.join(10)
     m.close()
     assert order == [("start", 1), ("end", 1), ("start", 2), ("end", 2)]
 
