@@ -20,6 +20,7 @@ against ``imperative`` (max abs difference ≤ 1e-5).
 
     .venv/bin/python benchmarks/step_overhead.py                 # both models, ~8 min
     .venv/bin/python benchmarks/step_overhead.py --models tiny --reps 3
+    .venv/bin/python benchmarks/step_overhead.py --paired --reps 1  # time only, 1 process
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ SHAPES = {  # model -> (batch, seq, warmup steps, timed steps)
     "tiny": (8, 64, 5, 40),
     "small": (1, 128, 2, 8),
 }
+PAIRED_STEPS = {"tiny": 200, "small": 12}  # timed steps per variant with --paired
 VARIANTS = ("imperative", "pure", "pure+module", "donate", "compile")
 LR, CLIP, WD = 1e-3, 1.0, 0.01
 
@@ -154,6 +156,42 @@ def worker(args) -> None:
     )
 
 
+def paired(args) -> None:
+    """All variants in one process, their steps interleaved round-robin (time only).
+
+    Noise from other jobs then hits every variant alike, so per-step ratios are far steadier
+    than across processes; peak RSS is meaningless here (the models share one process).
+    """
+    from ftrain.recipes.gpt2 import GPT
+
+    torch.set_num_threads(args.threads)
+    warmup, steps = SHAPES[args.model][2], PAIRED_STEPS[args.model]
+    batches = _batches(args.model, warmup + steps)
+    names = [v for v in args.variants.split(",") if v not in ("pure+module", "compile")]
+    runners = {}
+    for v in names:
+        model = GPT(_config(args.model), generator=torch.Generator().manual_seed(0))
+        runners[v] = (
+            _imperative(model, batches)[0] if v == "imperative" else _ftrain(model, batches, v)[0]
+        )
+    times: dict[str, list[float]] = {v: [] for v in names}
+    for i, batch in enumerate(batches):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for v in order:
+            t0 = time.perf_counter()
+            float(runners[v](batch).detach())
+            if i >= warmup:
+                times[v].append(time.perf_counter() - t0)
+    base = statistics.median(times["imperative"])
+    print(f"\n### GPT-2 {args.model}, one process, steps interleaved ({steps} timed each)\n")
+    print("| variant | ms/step | time × | paired ratio (median of per-step ratios) |")
+    print("|---|---:|---:|---:|")
+    for v in names:
+        med = statistics.median(times[v])
+        pair = statistics.median(a / b for a, b in zip(times[v], times["imperative"], strict=True))
+        print(f"| {v} | {med * 1e3:,.1f} | {med / base:.3f}× | {pair:.3f}× |")
+
+
 def _run_worker(variant: str, model: str, threads: int, params_out: str | None) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--model", model]
     cmd += ["--threads", str(threads)]
@@ -241,8 +279,13 @@ if __name__ == "__main__":
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--params-out", help=argparse.SUPPRESS)
+    p.add_argument("--paired", action="store_true", help="one process, interleaved steps")
     a = p.parse_args()
-    if a.worker:
+    if a.paired:
+        for m in a.models.split(","):
+            a.model = m
+            paired(a)
+    elif a.worker:
         a.variant = a.worker
         worker(a)
     else:
