@@ -62,3 +62,32 @@ def run_parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list
     if errors:
         raise errors[0]
     return results
+
+
+def run_pools(pools: list[tuple[Callable[[T], R], Iterable[T], int]]) -> list[list[R]]:
+    """Run several :func:`run_parallel` fan-outs at the same time (each with its own
+    threads and queue); results per pool.
+
+    Raises:
+        The first exception of the first pool that failed (all pools are waited for).
+    """
+    out: list = [None] * len(pools)
+    errors: list = [None] * len(pools)
+
+    def one(k: int) -> None:
+        fn, items, workers = pools[k]
+        try:
+            out[k] = run_parallel(fn, items, workers)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors[k] = e
+
+    threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(1, len(pools))]
+    for t in threads:
+        t.start()
+    one(0)
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return out
