@@ -173,3 +173,31 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(cli,
     out = cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)
     assert records(run, "resume")[-1]["from_step"] == 3
     assert "step_00000006" in out.stderr + out.stdout
+
+
+@pytest.mark.slow
+def test_second_sigint_exits_at_once_and_leaves_only_valid_checkpoints(cli, popen_cli, tmp_path):
+    run = tmp_path / "run"
+    # a long eval after every step keeps the run busy between the two signals
+    proc = popen_cli(
+        run,
+        "trainer.max_steps=400",
+        "checkpoint.every_steps=2",
+        "trainer.eval_every=1",
+        "trainer.eval_batches=100",
+    )
+    _wait_for_step(run, proc, 3)
+    proc.send_signal(signal.SIGINT)
+    seen = []
+    for line in proc.stdout:  # the first SIGINT is acknowledged before the second is sent
+        seen.append(line)
+        if "SIGINT received" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "second SIGINT" in out
+    committed = _committed(run)
+    for step in committed:  # everything that counts as committed verifies
+        _final_state(run, step)
+    cli(run, f"trainer.max_steps={(committed or [0])[-1] + 1}", check=0)
