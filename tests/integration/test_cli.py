@@ -201,3 +201,56 @@ def test_second_sigint_exits_at_once_and_leaves_only_valid_checkpoints(cli, pope
     for step in committed:  # everything that counts as committed verifies
         _final_state(run, step)
     cli(run, f"trainer.max_steps={(committed or [0])[-1] + 1}", check=0)
+
+
+FAILING_RUN = """
+import sys
+from ftrain.cli.build import _gpt2, register_model
+from ftrain.cli.run import main
+
+calls = {"n": 0}
+
+@register_model("gpt2_failing")
+def build(cfg, generator):
+    model, loss = _gpt2(cfg, generator)
+
+    def failing_loss(m, batch):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("simulated failure in step 5")
+        return loss(m, batch)
+
+    return model, failing_loss
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_exception_in_the_loop_makes_an_emergency_save_then_exits_1(cache_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import TINY
+
+    run = tmp_path / "run"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir)
+    args = [
+        f"run.dir={run}",
+        *TINY,
+        "model.name=gpt2_failing",
+        "trainer.eval_every=null",
+        "checkpoint.every_steps=100",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING_RUN, *args, "trainer.max_steps=10"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "simulated failure in step 5" in proc.stderr
+    event = records(run, "emergency_save")[-1]
+    assert event["saved"] is True and event["step"] == 4
+    assert _committed(run) == [4], "the last completed step, committed"
