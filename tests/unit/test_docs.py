@@ -39,3 +39,15 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_links_exist():
     for link in re.findall(r"\]\((docs/[^)]+)\)", (ROOT / "README.md").read_text()):
         assert (ROOT / link).exists(), link
+
+
+def test_data_md_evaluation_example_runs(tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "data.md").read_text(), re.S)
+    example = next(b for b in blocks if "ftrain.evaluate(" in b)
+    script = tmp_path / "eval.py"
+    script.write_text(example)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.strip()) > 0
