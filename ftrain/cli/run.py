@@ -8,11 +8,15 @@ or init the state, run :func:`ftrain.loop.train_loop`, close the checkpoint mana
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDictBase
+from torch import nn
 
-from ftrain.ckpt import CheckpointNotFoundError
+from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError
 from ftrain.cli.build import (
     build_manager,
     build_model,
@@ -23,6 +27,7 @@ from ftrain.cli.build import (
 )
 from ftrain.cli.resume import (
     ResumeError,
+    ResumeReport,
     checkpoint_metadata,
     move_aside,
     saved_horizon,
@@ -30,7 +35,7 @@ from ftrain.cli.resume import (
 )
 from ftrain.cli.session import Session
 from ftrain.config import ConfigError, load_config
-from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader
+from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import train_loop
 from ftrain.signals import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, StopFlag
@@ -95,7 +100,22 @@ def train_from_config(cfg: DictConfig) -> int:
         shutdown()
 
 
-def _setup(cfg: DictConfig, device, world: World) -> dict:
+@dataclass
+class _Parts:
+    """What setup built for the run: the model as a function, optimizer, data, checkpoints."""
+
+    model: nn.Module
+    loss_fn: Callable
+    tx: object
+    train: Source
+    val: Source
+    manager: CheckpointManager
+    state: TensorDictBase
+    report: ResumeReport
+    horizon: int
+
+
+def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     """Everything that can refuse to start: config-derived parts, data, resume decision."""
     if cfg.resume == "none" and cfg.run.overwrite and world.is_coordinator:
         moved = move_aside(Path(cfg.checkpoint.dir))
@@ -113,40 +133,30 @@ def _setup(cfg: DictConfig, device, world: World) -> dict:
     except BaseException:
         manager.close()
         raise
-    return {
-        "model": model,
-        "loss_fn": loss_fn,
-        "tx": tx,
-        "train": train_src,
-        "val": val_src,
-        "manager": manager,
-        "state": state,
-        "report": report,
-        "horizon": horizon,
-    }
+    return _Parts(model, loss_fn, tx, train_src, val_src, manager, state, report, horizon)
 
 
-def _run(cfg: DictConfig, device, world: World, p: dict) -> int:
+def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
     t = cfg.trainer
     # The stop flag is outermost: a signal while the final save commits is still honoured
     # (the save completes, then the process exits) instead of killing the commit.
-    with StopFlag() as stop, Session(cfg, world, p["manager"]) as session:
-        session.resumed(p["report"])
+    with StopFlag() as stop, Session(cfg, world, p.manager) as session:
+        session.resumed(p.report)
         session.metadata = checkpoint_metadata(
-            cfg, p["train"].fingerprint, p["train"].describe(), world, p["horizon"]
+            cfg, p.train.fingerprint, p.train.describe(), world, p.horizon
         )
-        state = place(p["state"], device)
+        state = place(p.state, device)
         step = make_step(
-            p["model"],
-            p["loss_fn"],
-            p["tx"],
+            p.model,
+            p.loss_fn,
+            p.tx,
             grad_accum=t.grad_accum,
             precision=t.precision,
             clip=cfg.optim.clip,
             donate=t.donate,
         )
         loader = Loader(
-            p["train"],
+            p.train,
             global_batch=t.batch_size,
             key=state["rng"].cpu(),
             rank=world.rank,
@@ -156,9 +166,7 @@ def _run(cfg: DictConfig, device, world: World, p: dict) -> int:
             prefetch=cfg.data.prefetch,
             device=device,
         )
-        evaluate = (
-            session.evaluator(p["model"], p["loss_fn"], p["val"], device) if t.eval_every else None
-        )
+        evaluate = session.evaluator(p.model, p.loss_fn, p.val, device) if t.eval_every else None
         session.start_progress(int(state["step"]))
         with loader, loader.iter_from(state["data"].cpu()) as batches:
             result = train_loop(
