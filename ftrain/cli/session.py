@@ -33,9 +33,8 @@ class Session:
         self.run_dir = Path(cfg.run.dir)
         lead = world.is_coordinator
         self.writer = MetricsWriter(self.run_dir, enabled=lead)
-        self.heartbeat = Heartbeat(self.run_dir, enabled=True)
-        self.heartbeat.path = self.run_dir / (
-            "heartbeat.json" if lead else f"heartbeat.rank{world.rank}.json"
+        self.heartbeat = Heartbeat(
+            self.run_dir, name="heartbeat.json" if lead else f"heartbeat.rank{world.rank}.json"
         )
         self.progress: Progress | None = None
         self.metadata: dict = {}

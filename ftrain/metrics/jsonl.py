@@ -65,8 +65,10 @@ def read_records(run_dir: str | os.PathLike) -> Iterator[dict]:
 class Heartbeat:
     """``RUN_DIR/heartbeat.json``, rewritten atomically every step for external supervisors."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True) -> None:
-        self.path = Path(run_dir) / "heartbeat.json"
+    def __init__(
+        self, run_dir: str | os.PathLike, *, name: str = "heartbeat.json", enabled: bool = True
+    ) -> None:
+        self.path = Path(run_dir) / name
         self.enabled = enabled
 
     def beat(self, step: int, **extra) -> None:
