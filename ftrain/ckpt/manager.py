@@ -107,7 +107,8 @@ class CheckpointManager:
         fallback_directory: where saves go when the primary location fails with an
             ``OSError`` (ENOSPC, EIO, EACCES, EROFS, a vanished mount); restore uses both.
         chunk_bytes: target chunk size (tuning; see ``docs/checkpointing.md``).
-        io_workers: I/O threads per save or restore.
+        io_workers: I/O threads per save or restore for the large chunks (half as many
+            more handle ``zarr.json`` documents and small chunks alongside them).
         compression: ``None`` (raw chunks, the default), ``"zstd"``, ``"zstd:LEVEL"``,
             ``"blosc-lz4"``, ``"blosc-zstd"`` (optionally ``:LEVEL``); see
             :mod:`ftrain.ckpt.codecs`. Restore reads compressed and raw steps alike.
