@@ -64,8 +64,9 @@ class StopFlag:
             os.write(2, b"second SIGINT: exiting now; the newest committed checkpoint is intact\n")
             os._exit(EXIT_FORCED)
         name = signal.Signals(signum).name
-        os.write(2, f"{name} received: finishing this step, saving, then exiting\n".encode())
+        # flag first: a second signal can run its handler in the middle of this one
         self.request(name)
+        os.write(2, f"{name} received: finishing this step, saving, then exiting\n".encode())
 
     def install(self) -> StopFlag:
         """Install handlers (main thread only; elsewhere a no-op) and return self."""
