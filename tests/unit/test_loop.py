@@ -21,9 +21,11 @@ def _batches():
 class Saves:
     def __init__(self):
         self.calls = []
+        self.metrics = {}
 
     def __call__(self, state, metrics, *, force, reason):
         self.calls.append((int(state["step"]), force, reason))
+        self.metrics[int(state["step"])] = {k: float(v) for k, v in metrics.items()}
         return force
 
 
@@ -98,26 +100,21 @@ def test_stop_flag_signal_handler(monkeypatch):
 
 def test_saves_record_the_metrics_of_the_saved_step_and_eval_does_not_change_training():
     state, step = _setup()
-    seen = []
-
-    def save(s, metrics, *, force, reason):
-        seen.append((int(s["step"]), {k: float(v) for k, v in metrics.items()}))
-        return True
-
+    saves = Saves()
     evals = iter(range(100))
     with_eval = train_loop(
         state,
         step,
         _batches(),
         max_steps=4,
-        save=save,
+        save=saves,
         log_every=3,
         evaluate=lambda s: {"val_loss": float(next(evals))},
         eval_every=2,
     )
     without = train_loop(state, step, _batches(), max_steps=4)
     assert ftrain.tree_equal(with_eval.state, without.state)
-    by_step = dict(seen)
+    by_step = saves.metrics
     assert by_step[2]["val_loss"] == 0.0 and by_step[4]["val_loss"] == 1.0
     assert "val_loss" not in by_step[3], "no stale eval numbers on a step that was not evaluated"
     assert "loss" in by_step[1], "metrics of the step itself, even when it was not logged"
