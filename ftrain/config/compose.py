@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
+from dataclasses import fields
+from importlib import resources
 
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from ftrain.config.schema import register_configs
+from ftrain.config.schema import GROUP_SCHEMAS, register_configs
 
 __all__ = ["ConfigError", "config_hash", "load_config", "to_plain"]
 
@@ -66,36 +70,93 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="ftrain.conf", version_base="1.3"):
-            cfg = compose(config_name="config", overrides=list(overrides))
+            cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        choices = dict(cfg.hydra.runtime.choices)
+        with open_dict(cfg):
+            del cfg["hydra"]  # Hydra's own settings are not part of the run's config
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
+    _check_choices(choices)
+    _check_keys(cfg)
     _check_values(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
 
 def _explain(err: Exception, overrides) -> str:
-    msg = str(err).strip()
+    # the typed schemas live in each group's namespace (so YAML can extend them) but are
+    # not choices: leave them out of Hydra's "Available options" lists
+    msg = re.sub(r"\n\t\w+_schema(?=\n|$)", "", str(err).strip())
     cause = err.__cause__ or err.__context__
     if cause is not None and str(cause).strip() not in msg:
         msg += "\n  " + str(cause).strip().replace("\n", "\n  ")
     hint = (
         "check the key against `python -m ftrain --cfg` (keys: run, model, optim, schedule, data, "
-        "checkpoint, trainer, dist, resume); add a new key with +key=value only if a recipe expects it"
+        "checkpoint, trainer, dist, resume); +key=value adds a key only outside those groups, "
+        "for a recipe that reads it"
     )
     return f"invalid config from overrides {list(overrides)}:\n  {msg}\n  fix: {hint}"
 
 
+def _group_options(group: str) -> list[str]:
+    """The YAML options of a group in ftrain's own config package."""
+    folder = resources.files("ftrain.conf") / group
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _check_choices(choices: dict) -> None:
+    """Refuse a schema picked as a group option: it has no values (``model=model_schema``)."""
+    for group, option in choices.items():
+        if isinstance(option, str) and option.endswith("_schema") and "/" not in group:
+            raise ConfigError(
+                f"{group}={option} is the typed schema of the {group} group, not an option; "
+                f"pick one of: {', '.join(f'{group}={o}' for o in _group_options(group))}"
+            )
+
+
+def _check_keys(cfg: DictConfig) -> None:
+    """Refuse keys a group's schema does not have, also when added with ``+key=value``.
+
+    Hydra lets ``+trainer.max_step=10`` into a typed node; we do not: a typo must not be
+    accepted silently. A group option that does not extend its schema (a user's own model
+    YAML without ``model_schema`` in its defaults) may carry any keys.
+    """
+    for group, schema in GROUP_SCHEMAS.items():
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is not schema:
+            continue
+        known = {f.name for f in fields(schema)}
+        unknown = sorted(k for k in node.keys() if k not in known)
+        if unknown:
+            names = ", ".join(f"{group}.{k}" for k in unknown)
+            raise ConfigError(
+                f"unknown key(s) {names}: the {group} group has {sorted(known)}; "
+                "fix the spelling (a + does not make a new key valid)"
+            )
+
+
+def _bad(key: str, value, rule: str, fix: str = "") -> ConfigError:
+    return ConfigError(f"{key}={value!r} is invalid: {rule}" + (f"; {fix}" if fix else ""))
+
+
 def _check_values(cfg: DictConfig) -> None:
+    """Values the schema's types allow but a run cannot use: one message naming key and fix."""
     resume = cfg.resume
     if not (resume in ("latest", "none") or (isinstance(resume, int) and resume >= 0)):
         raise ConfigError(
             f"resume must be 'latest', 'none' or a step number >= 0, got resume={resume!r}"
         )
-    t = cfg.trainer
+    _check_trainer(cfg.trainer)
+    _check_checkpoint(cfg.checkpoint)
+    _check_optim(cfg.optim)
+    _check_schedule(cfg.schedule)
+    _check_data(cfg.data)
+
+
+def _check_trainer(t: DictConfig) -> None:
     if t.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"trainer.precision must be fp32, bf16 or fp16, got {t.precision!r}")
     for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
@@ -105,6 +166,87 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.batch_size={t.batch_size} must be divisible by trainer.grad_accum={t.grad_accum}"
         )
+
+
+def _check_checkpoint(c: DictConfig) -> None:
+    from ftrain.ckpt.codecs import parse_compression  # the checkpoint layer owns the names
+
+    for name in ("every_steps", "keep_last", "keep_every", "keep_best"):
+        value = c[name]
+        if value is not None and value < 1:
+            never = "save only at the end and on signals" if name == "every_steps" else "keep all"
+            raise _bad(
+                f"checkpoint.{name}",
+                value,
+                "must be a whole number >= 1",
+                f"use checkpoint.{name}=null to {never}",
+            )
+    secs = c.every_seconds
+    if secs is not None and not (math.isfinite(secs) and secs > 0):
+        raise _bad(
+            "checkpoint.every_seconds",
+            secs,
+            "must be > 0",
+            "use checkpoint.every_seconds=null for no time-based saves",
+        )
+    try:
+        parse_compression(c.compression)
+    except ValueError as err:
+        raise _bad("checkpoint.compression", c.compression, str(err)) from None
+
+
+def _check_optim(o: DictConfig) -> None:
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        raise _bad("optim.lr", o.lr, "the learning rate must be a finite number > 0")
+    if o.clip is not None and not (o.clip > 0):
+        raise _bad(
+            "optim.clip",
+            o.clip,
+            "the gradient-norm clip must be > 0",
+            "use optim.clip=null for no clipping",
+        )
+    for name in ("b1", "b2"):
+        if not 0 <= o[name] < 1:
+            raise _bad(f"optim.{name}", o[name], "must be in [0, 1)")
+    if not o.eps > 0:
+        raise _bad("optim.eps", o.eps, "must be > 0")
+    for name in ("weight_decay", "momentum"):
+        if not o[name] >= 0:
+            raise _bad(f"optim.{name}", o[name], "must be >= 0")
+
+
+def _check_schedule(s: DictConfig) -> None:
+    if s.warmup_steps < 0:
+        raise _bad("schedule.warmup_steps", s.warmup_steps, "must be >= 0")
+    if s.decay_steps is not None and s.decay_steps < 1:
+        raise _bad(
+            "schedule.decay_steps",
+            s.decay_steps,
+            "must be >= 1",
+            "use schedule.decay_steps=null to decay over trainer.max_steps",
+        )
+    if not 0 <= s.end_factor <= 1:
+        raise _bad("schedule.end_factor", s.end_factor, "must be in [0, 1]")
+
+
+# data sources that read the user's files: what data.path must name
+_NEEDS_PATH = {
+    "text": "a directory or glob of text files",
+    "tokens": "a directory holding train.bin and val.bin",
+}
+
+
+def _check_data(d: DictConfig) -> None:
+    if not 0 <= d.val_fraction < 1:
+        raise _bad(
+            "data.val_fraction", d.val_fraction, "must be in [0, 1) (a share of the data held out)"
+        )
+    if d.name in _NEEDS_PATH and not d.path:
+        raise ConfigError(
+            f"data={d.name} needs data.path: set data.path=PATH to {_NEEDS_PATH[d.name]}"
+        )
+    if d.prefetch < 0:
+        raise _bad("data.prefetch", d.prefetch, "must be >= 0")
 
 
 def to_plain(cfg: DictConfig) -> dict:

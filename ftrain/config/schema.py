@@ -116,17 +116,28 @@ class Config:
     resume: Any = "latest"  # "latest", "none", or a step number
 
 
+# Each config group and the dataclass its options are validated against.
+GROUP_SCHEMAS: dict[str, type] = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "trainer": TrainerConfig,
+    "dist": DistConfig,
+}
+
+
 def register_configs() -> None:
-    """Register the schemas so YAML groups are validated (idempotent)."""
+    """Register the schemas so YAML groups are validated (idempotent).
+
+    Each schema is stored as ``GROUP/GROUP_schema`` so a group's YAML can name it in its
+    defaults list; it is not a choice of its own (``model=model_schema`` is refused by
+    :func:`ftrain.config.load_config`).
+    """
     cs = ConfigStore.instance()
     cs.store(name="ftrain_schema", node=Config)
-    for group, node in [
-        ("model", ModelConfig),
-        ("optim", OptimConfig),
-        ("schedule", ScheduleConfig),
-        ("data", DataConfig),
-        ("checkpoint", CheckpointConfig),
-        ("trainer", TrainerConfig),
-        ("dist", DistConfig),
-    ]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
+    for group, node in GROUP_SCHEMAS.items():
+        if group != "run":  # run has no group directory: its keys live in config.yaml
+            cs.store(group=group, name=f"{group}_schema", node=node)

@@ -1,0 +1,65 @@
+"""Bad config values are one clear ConfigError naming the key and the fix, at load time."""
+
+import pytest
+
+from ftrain.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize(
+    "override,needles",
+    [
+        ("checkpoint.every_steps=-1", ["checkpoint.every_steps=-1", "checkpoint.every_steps=null"]),
+        ("checkpoint.every_steps=0", ["checkpoint.every_steps=0", "checkpoint.every_steps=null"]),
+        ("checkpoint.every_seconds=-1", ["checkpoint.every_seconds=-1.0", "=null"]),
+        ("checkpoint.every_seconds=0", ["checkpoint.every_seconds=0.0"]),
+        ("checkpoint.keep_last=-1", ["checkpoint.keep_last=-1", "checkpoint.keep_last=null"]),
+        ("checkpoint.keep_last=0", ["checkpoint.keep_last=0"]),
+        ("checkpoint.keep_every=0", ["checkpoint.keep_every=0"]),
+        ("checkpoint.keep_best=-2", ["checkpoint.keep_best=-2"]),
+        ("checkpoint.compression=bogus", ["checkpoint.compression='bogus'", "zstd"]),
+        ("data.val_fraction=1.0", ["data.val_fraction=1.0", "[0, 1)"]),
+        ("data.val_fraction=-0.1", ["data.val_fraction=-0.1"]),
+        ("schedule.warmup_steps=-5", ["schedule.warmup_steps=-5", ">= 0"]),
+        ("schedule.decay_steps=0", ["schedule.decay_steps=0", "null"]),
+        ("optim.lr=-1", ["optim.lr=-1.0", "> 0"]),
+        ("optim.lr=0", ["optim.lr=0.0"]),
+        ("optim.clip=0", ["optim.clip=0.0", "optim.clip=null"]),
+        ("optim.clip=-1", ["optim.clip=-1.0"]),
+        ("optim.b2=1.0", ["optim.b2=1.0"]),
+        ("data=text", ["data=text needs data.path", "data.path=PATH"]),
+        ("data=tokens", ["data=tokens needs data.path", "train.bin"]),
+        ("model=model_schema", ["model=model_schema", "not an option", "model=gpt2_tiny"]),
+        ("data=data_schema", ["data=data_schema", "data=stdlib"]),
+        ("+trainer.max_step=10", ["trainer.max_step", "max_steps"]),
+        ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
+        ("+model.n_layers=2", ["model.n_layers"]),
+    ],
+)
+def test_bad_value_is_one_clear_error(override, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+
+
+def test_schema_options_are_not_listed_as_choices():
+    with pytest.raises(ConfigError) as info:
+        load_config(["model=nope"])
+    assert "gpt2_tiny" in str(info.value) and "model_schema" not in str(info.value)
+
+
+def test_valid_edges_and_null_are_accepted():
+    cfg = load_config(
+        [
+            "checkpoint.every_steps=null",
+            "checkpoint.keep_last=null",
+            "checkpoint.every_steps=1",
+            "checkpoint.compression=zstd:3",
+            "data.val_fraction=0.0",
+            "schedule.warmup_steps=0",
+            "optim.clip=null",
+            "+recipe=gpt2",
+            "+my_recipe_key=1",  # a key outside ftrain's groups is the recipe's business
+        ]
+    )
+    assert cfg.checkpoint.every_steps == 1 and cfg.my_recipe_key == 1
