@@ -1,6 +1,7 @@
 """``python -m ftrain.plot RUN_DIR [-o OUT.png]``: loss, val loss and LR against step.
 
-Checkpoint saves are marked as thin vertical lines, resume points as dashed red lines,
+Committed checkpoints are marked as thin green lines (a save that started but never
+committed is not marked: only ``committed`` records count), resume points as dashed red lines,
 and each segment of the run (between resumes) is drawn separately, so the seam a resume
 leaves — or doesn't — is visible: a correct resume continues the loss curve exactly
 where the redone steps overlap the first attempt.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from ftrain.metrics import read_records
 
-__all__ = ["main", "plot_run", "segments"]
+__all__ = ["commit_steps", "main", "plot_run", "segments"]
 
 
 def segments(records: list[dict]) -> list[list[dict]]:
@@ -28,11 +29,20 @@ def segments(records: list[dict]) -> list[list[dict]]:
     return [s for s in out if s]
 
 
+def _has_step(r: dict) -> bool:
+    return isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)
+
+
+def commit_steps(records: list[dict]) -> list[int]:
+    """Steps whose checkpoint is known to have committed (``save_started`` alone is not)."""
+    return [r["step"] for r in records if r.get("kind") == "committed" and _has_step(r)]
+
+
 def _series(seg: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
     pts = [
         (r["step"], r[key])
         for r in seg
-        if r.get("kind") == kind and isinstance(r.get(key), int | float)
+        if r.get("kind") == kind and _has_step(r) and isinstance(r.get(key), int | float)
     ]
     return [p[0] for p in pts], [p[1] for p in pts]
 
@@ -64,11 +74,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         xs, ys = _series(seg, "eval", "val_loss")
         if xs:
             ax_loss.plot(xs, ys, "o--", ms=3, color=color, label=f"val loss (segment {i + 1})")
-    for r in records:
-        if r.get("kind") == "save":
-            for ax in (ax_loss, ax_lr):
-                ax.axvline(r["step"], color="tab:green", lw=0.5, alpha=0.5)
-        elif r.get("kind") == "resume":
+    for step in commit_steps(records):
+        for ax in (ax_loss, ax_lr):
+            ax.axvline(step, color="tab:green", lw=0.5, alpha=0.5)
+    for r in filter(_has_step, records):
+        if r.get("kind") == "resume":
             for ax in (ax_loss, ax_lr):
                 ax.axvline(r["step"], color="tab:red", ls="--", lw=1)
             ax_loss.annotate(
@@ -83,7 +93,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax_loss.set_ylabel("loss")
     ax_loss.legend(fontsize=7)
     ax_lr.set_ylabel("lr")
-    ax_lr.set_xlabel("step (green: checkpoint saved, red: resumed)")
+    ax_lr.set_xlabel("step (green: checkpoint committed, red: resumed)")
     fig.tight_layout()
     path = Path(out) if out else run_dir / "training.png"
     fig.savefig(path, dpi=100)

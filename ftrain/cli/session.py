@@ -3,6 +3,14 @@
 The loop only calls ``save(...)`` and ``record(...)``; this object decides what those
 mean for the CLI (only the coordinator writes files; saves carry the run's metadata;
 every save, resume and emergency is an event in ``metrics.jsonl``).
+
+A save is two records, because an async save commits later (or never): ``save_started``
+when the manager accepted it (with the seconds the call blocked), and ``committed`` once
+the commit is known — its ``COMMITTED`` marker is seen at a step boundary, or a later
+``manager.save``/``wait`` returned without error (the manager raises a failed background
+save there). A save that failed is ``save_failed``. ``emergency_save`` says
+``save_started`` and ``committed`` separately, after waiting for the commit (its ``saved``
+is ``committed``).
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ftrain.ckpt import CheckpointManager
+from ftrain.ckpt import CheckpointManager, CheckpointSaveError
+from ftrain.ckpt.commit import MARKER, step_dirname
 from ftrain.data import val_batches
 from ftrain.dist import World, agree_any, all_mean
 from ftrain.loop import LoopResult
@@ -38,6 +47,8 @@ class Session:
         )
         self.progress: Progress | None = None
         self.metadata: dict = {}
+        # saves accepted by the manager whose commit is not yet known: {step: wall start}
+        self._pending: dict[int, float] = {}
 
     # -- lifecycle --------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -101,6 +112,8 @@ class Session:
             if self.progress is not None:
                 self.progress.step(step, {k: fields[k] for k in _SHOWN if k in fields})
             return
+        if kind == "emergency_save" and "saved" in fields:
+            fields = self._emergency_fields(dict(fields))
         self.writer.write(kind, **fields)
         shown = " ".join(f"{k}={v}" for k, v in fields.items() if k != "step")
         self._say(step, f"{kind} {shown}")
@@ -110,18 +123,83 @@ class Session:
         """Offer ``state`` to the manager (coordinator only; the state is replicated)."""
         if not self.world.is_coordinator:
             return False
-        t0 = time.perf_counter()
-        saved = self.manager.save(state, metrics=metrics, metadata=self.metadata, force=force)
+        self._seen_commits()
+        t0, started = time.perf_counter(), time.time()
+        try:
+            saved = self.manager.save(state, metrics=metrics, metadata=self.metadata, force=force)
+        except CheckpointSaveError as err:  # an earlier background save failed
+            self._failed(err)
+            raise
         if saved:
-            blocking = time.perf_counter() - t0
+            # the manager waits for the save in flight before it starts another, so every
+            # earlier pending save is now committed
+            self._committed(list(self._pending))
+            step = int(state["step"])
             self.record(
-                "save",
-                step=int(state["step"]),
+                "save_started",
+                step=step,
                 reason=reason,
-                blocking_s=round(blocking, 4),
+                blocking_s=round(time.perf_counter() - t0, 4),
                 async_save=bool(self.cfg.checkpoint.async_save),
             )
+            self._pending[step] = started
+            if not self.cfg.checkpoint.async_save:
+                self._committed([step])  # a sync save returns once committed
         return saved
+
+    def _marker_time(self, step: int, started: float) -> float | None:
+        """When ``step``'s marker was committed, if one is in place written after ``started``
+        (an older directory of the same step number does not count)."""
+        dirs = [self.manager.directory, getattr(self.manager, "fallback_directory", None)]
+        for d in filter(None, dirs):
+            try:
+                mtime = (Path(d) / step_dirname(step) / MARKER).stat().st_mtime
+            except OSError:
+                continue
+            if mtime >= started - 1.0:  # coarse file-system clocks
+                return mtime
+        return None
+
+    def _seen_commits(self) -> None:
+        """Record the pending saves whose marker is in place (two stats per pending save)."""
+        seen = [s for s, t in self._pending.items() if self._marker_time(s, t) is not None]
+        self._committed(seen)
+
+    def _committed(self, steps: list[int]) -> None:
+        for step in sorted(steps):
+            started = self._pending.pop(step, None)
+            if started is None:
+                continue
+            when = self._marker_time(step, started)
+            fields = {"after_s": round(when - started, 3)} if when is not None else {}
+            self.writer.write("committed", step=step, **fields)
+
+    def _failed(self, err: BaseException) -> None:
+        for step in sorted(self._pending):
+            self.writer.write("save_failed", step=step, error=str(err))
+            self._say(step, f"checkpoint of step {step} did not commit: {err}")
+        self._pending.clear()
+
+    def _wait_commits(self) -> None:
+        """Block until the save in flight commits; record the outcome, re-raise a failure."""
+        try:
+            self.manager.wait()
+        except CheckpointSaveError as err:
+            self._failed(err)
+            raise
+        self._committed(list(self._pending))
+
+    def _emergency_fields(self, fields: dict) -> dict:
+        """``saved`` from the loop means "started": wait, and make ``saved`` mean committed."""
+        started = bool(fields.get("saved"))
+        fields |= {"save_started": started, "committed": False, "saved": False}
+        if started and self.world.is_coordinator:
+            try:
+                self._wait_commits()
+                fields["committed"] = fields["saved"] = True
+            except Exception as err:  # the original error is what the caller re-raises
+                fields["commit_error"] = repr(err)
+        return fields
 
     def evaluator(self, model, loss_fn, val_src, device):
         """``evaluate(state) -> {"val_loss": ...}`` over fixed validation batches, averaged over ranks."""
@@ -144,7 +222,10 @@ class Session:
 
     def finish(self, result: LoopResult) -> None:
         step = int(result.state["step"])
-        self.manager.wait()  # the final save counts only once committed
+        if self.world.is_coordinator:
+            self._wait_commits()  # the final save counts only once committed
+        else:
+            self.manager.wait()
         agree_any(False)  # a barrier: no rank reports the end before the coordinator committed
         kind = "stop" if result.status == "stopped" else "end"
         self.record(kind, step=step, reason=result.reason, committed=self.manager.latest_step())
@@ -162,3 +243,5 @@ class Session:
                 "ftrain: matplotlib is not installed; skipping the plot (pip install matplotlib)",
                 file=sys.stderr,
             )
+        except Exception as err:  # the plot is a convenience: never fail a finished run
+            print(f"ftrain: could not write the plot ({err!r}); training is done", file=sys.stderr)

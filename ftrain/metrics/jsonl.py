@@ -2,14 +2,23 @@
 
 ``metrics.jsonl`` is append-only, one JSON object per line: step records
 ``{"kind": "step", "step", "loss", "lr", "grad_norm", "tokens_per_s", "time", ...}`` and
-events ``{"kind": "save" | "resume" | "emergency_save" | "eval" | "stop" | ..., "step", "time", ...}``.
-Each line is written with one ``write`` and flushed, so a killed run leaves at most one
-partial last line, which :func:`read_records` skips.
+events ``{"kind": "save_started" | "committed" | "resume" | "emergency_save" | "eval" | "stop"
+| ..., "step", "time", ...}``. Each line is written with one ``write`` and flushed, so a
+killed run leaves at most one partial last line, which :func:`read_records` skips (and the
+next writer starts on a fresh line).
+
+Run records are advisory, never a reason to refuse training: a damaged file (bytes that are
+not UTF-8, lines that are not JSON objects) is read with the bad lines skipped and counted in
+one warning; a ``metrics.jsonl`` that cannot be opened or written (a directory in its
+place, a read-only or full disk) makes the writer warn once and drop the records while
+training goes on. The checkpoints are the source of truth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -17,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["Heartbeat", "MetricsWriter", "read_records"]
+
+log = logging.getLogger(__name__)
 
 
 def _clean(value):
@@ -26,40 +37,103 @@ def _clean(value):
 
 
 class MetricsWriter:
-    """Append records to ``RUN_DIR/metrics.jsonl`` (only on the rank that writes)."""
+    """Append records to ``RUN_DIR/metrics.jsonl`` (only on the rank that writes).
+
+    If the file cannot be opened or a write fails, one warning says so and later records
+    are dropped: the run keeps training (``self.enabled`` then reads False).
+    """
 
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._file = None
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open
+            try:
+                self._file = self._open()
+            except OSError as err:
+                self._give_up("cannot open", err)
+
+    def _open(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+b")  # noqa: SIM115 - held open for the run
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":  # a killed writer's torn line: do not glue onto it
+                f.write(b"\n")
+                f.flush()
+        return f
+
+    def _give_up(self, what: str, err: OSError) -> None:
+        log.warning(
+            "ftrain: %s %s (%s); run records are not written from here on, training goes on "
+            "(move the obstacle away; the next start appends again)",
+            what,
+            self.path,
+            err,
+        )
+        self.close()
+        self.enabled = False
 
     def write(self, kind: str, **fields) -> dict:
         record = {"kind": kind, "time": time.time(), **{k: _clean(v) for k, v in fields.items()}}
         if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-            self._file.flush()
+            try:
+                self._file.write((json.dumps(record, sort_keys=True) + "\n").encode())
+                self._file.flush()
+            except OSError as err:
+                self._give_up("cannot write", err)
         return record
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # what could not be flushed, write() reported
+                self._file.close()
             self._file = None
 
 
 def read_records(run_dir: str | os.PathLike) -> Iterator[dict]:
-    """Yield the records of ``RUN_DIR/metrics.jsonl``, skipping a torn last line."""
+    """Yield the JSON-object records of ``RUN_DIR/metrics.jsonl``.
+
+    Lines that are not UTF-8, not JSON, or not a JSON object are skipped; if any were
+    (a torn last line of a killed run does not count), one warning gives their number.
+    A missing file yields nothing; one that cannot be read (a directory) warns and yields
+    nothing.
+    """
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; a generator holds it
+    except FileNotFoundError:
         return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    except OSError as err:
+        log.warning("ftrain: cannot read %s (%s); its run records are ignored", path, err)
+        return
+    bad, first_bad = 0, None
+    with f:
+        for number, raw in enumerate(f, start=1):
+            record = _parse(raw)
+            if record is not None:
+                yield record
+            elif raw.endswith(b"\n") and raw.strip():
+                bad += 1
+                first_bad = first_bad or number
+    if bad:
+        log.warning(
+            "ftrain: %s: skipped %d unreadable line%s (first: line %d); run records are "
+            "advisory, training is not affected",
+            path,
+            bad,
+            "" if bad == 1 else "s",
+            first_bad,
+        )
+
+
+def _parse(raw: bytes) -> dict | None:
+    """One line as a record, or None if it is not a UTF-8 JSON object."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class Heartbeat:
@@ -75,5 +149,11 @@ class Heartbeat:
         if not self.enabled:
             return
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"time": time.time(), "step": step, "pid": os.getpid(), **extra}))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(
+                json.dumps({"time": time.time(), "step": step, "pid": os.getpid(), **extra})
+            )
+            os.replace(tmp, self.path)
+        except OSError as err:  # advisory like metrics.jsonl: warn once, keep training
+            log.warning("ftrain: cannot write %s (%s); heartbeats stop here", self.path, err)
+            self.enabled = False
