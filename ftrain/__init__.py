@@ -23,6 +23,7 @@ from ftrain import ckpt, data, nn, optim, rng, state
 from ftrain.ckpt import (
     AnyOf,
     BestN,
+    CheckpointFormatError,
     CheckpointManager,
     CheckpointNotFoundError,
     CheckpointSaveError,
@@ -50,6 +51,7 @@ from ftrain.step import evaluate, make_eval_step, make_step
 __all__ = [
     "AnyOf",
     "BestN",
+    "CheckpointFormatError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",

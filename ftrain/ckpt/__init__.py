@@ -8,7 +8,7 @@ Public API (re-exported by ``ftrain``): :class:`CheckpointManager`, the save pol
 ``hostrng``, ``manager``; ``python -m ftrain.ckpt`` is the command-line tool.
 """
 
-from ftrain.ckpt.format import CorruptCheckpointError
+from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
 from ftrain.ckpt.manager import CheckpointManager, CheckpointNotFoundError, CheckpointSaveError
 from ftrain.ckpt.policies import (
     AnyOf,
@@ -24,6 +24,7 @@ from ftrain.ckpt.policies import (
 __all__ = [
     "AnyOf",
     "BestN",
+    "CheckpointFormatError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",

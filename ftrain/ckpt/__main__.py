@@ -7,8 +7,10 @@
     python -m ftrain.ckpt diff ckpt 300 400    # arrays that differ between two steps
     python -m ftrain.ckpt advise runs/x --mtbf 6h  # Young/Daly interval from the run's costs
 
-Exit status: 0 on success, 1 if verification finds a corrupt step or diff finds changes,
-2 on a usage error.
+Exit status: 0 on success; 1 if the directory is missing or holds no committed step, if
+list/verify find a corrupt or marker-less step directory, or if diff finds changes; 2 on
+a usage error, a step written in a format this ftrain cannot read, or a diff of a corrupt
+step. Steps moved aside (replaced/superseded) are listed by ``list``.
 """
 
 from __future__ import annotations
@@ -22,59 +24,101 @@ import torch
 
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
-from ftrain.ckpt.format import CorruptCheckpointError, read_json
-from ftrain.ckpt.store import read_tree, verify_tree
+from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
+from ftrain.ckpt.meta import read_root_attributes
+from ftrain.ckpt.store import read_tree, specs_of, verify_tree
 
 
-def _steps(root: Path) -> dict[int, Path]:
-    return protocol.committed_steps(
-        root, on_invalid=lambda p, why: print(f"not committed: {p}: {why}", file=sys.stderr)
+class _Invalid(dict):
+    """``step_*`` directories that are not committed checkpoints, with the reason."""
+
+    def __call__(self, path: Path, why: str) -> None:
+        self[path] = why
+        print(f"not committed: {path}: {why}", file=sys.stderr)
+
+
+def _steps(root: Path, invalid: _Invalid | None = None) -> dict[int, Path]:
+    """Committed steps; exits 1 with a message if ``root`` is missing or holds none."""
+    if not root.is_dir():
+        raise SystemExit(f"{root}: no such checkpoint directory")
+    steps = protocol.committed_steps(
+        root, on_invalid=invalid if invalid is not None else _Invalid()
     )
+    if not steps and invalid is None:
+        raise SystemExit(f"{root}: no committed checkpoints")
+    return steps
 
 
 def _pick(root: Path, step: int | None) -> tuple[int, Path]:
     steps = _steps(root)
-    if not steps:
-        raise SystemExit(f"no committed checkpoints in {root}")
     step = max(steps) if step is None else step
     if step not in steps:
         raise SystemExit(f"step {step} is not committed in {root}; available: {list(steps)}")
     return step, steps[step]
 
 
+def _summary(path: Path) -> tuple[int, str]:
+    """(bytes, metrics JSON) of a committed step, or raises CorruptCheckpointError."""
+    marker, manifest = protocol.read_committed(path)
+    attrs = read_root_attributes(path, manifest)
+    return int(marker.get("bytes") or 0), json.dumps(attrs.get("metrics", {}))
+
+
 def cmd_list(root: Path, _: list[int]) -> int:
+    invalid = _Invalid()
+    steps = _steps(root, invalid)
+    if not steps:
+        raise SystemExit(f"{root}: no committed checkpoints")
     print(f"{'step':>10}  {'bytes':>14}  metrics")
-    for step, path in _steps(root).items():
-        marker, _ = protocol.read_committed(path)
-        attrs = read_json(path / "zarr.json").get("attributes", {})
-        print(f"{step:>10}  {marker.get('bytes', 0):>14,}  {json.dumps(attrs.get('metrics', {}))}")
-    return 0
+    bad = 0
+    for step, path in steps.items():
+        try:
+            nbytes, metrics = _summary(path)
+            print(f"{step:>10}  {nbytes:>14,}  {metrics}")
+        except CorruptCheckpointError as e:
+            bad += 1
+            print(f"{step:>10}  {'CORRUPT':>14}  {e}")
+    for step, paths in protocol.set_aside_steps(root).items():
+        for p in paths:
+            print(f"{step:>10}  {'set aside':>14}  {p.name} (kept; not a checkpoint any more)")
+    return 1 if bad or invalid else 0
 
 
 def cmd_show(root: Path, args: list[int]) -> int:
     step, path = _pick(root, args[0] if args else None)
-    marker, manifest = protocol.read_committed(path)
-    attrs = read_json(path / "zarr.json").get("attributes", {})
+    try:
+        marker, manifest = protocol.read_committed(path)
+        attrs = dict(read_root_attributes(path, manifest))
+        specs = specs_of(manifest)
+    except CorruptCheckpointError as e:
+        print(f"{path}: CORRUPT: {e}")
+        return 1
     attrs.pop("host_rng", None)
     print(f"{path}\nmarker: {json.dumps(marker)}\nattributes: {json.dumps(attrs, indent=1)}")
-    for key, a in manifest["arrays"].items():
-        print(f"  {key:<50} {a['dtype']:<10} {a['shape']} chunks {a['chunk_shape']}")
+    for key, a in specs.items():
+        print(f"  {key:<50} {a.dtype:<10} {list(a.shape)} chunks {list(a.chunk_shape)}")
     return 0
 
 
 def cmd_verify(root: Path, args: list[int]) -> int:
-    steps = _steps(root)
+    invalid = _Invalid()
+    steps = _steps(root, invalid)
+    if not steps and not invalid:
+        raise SystemExit(f"{root}: no committed checkpoints")
     todo = {s: steps.get(s) for s in args} if args else steps
-    bad = 0
+    bad = 0 if args else len(invalid)  # a step directory without a valid marker is BAD
     for step, path in todo.items():
         try:
             if path is None:
                 raise CorruptCheckpointError(f"step {step} is not committed")
             _, manifest = protocol.read_committed(path)
+            read_root_attributes(path, manifest)
             print(f"ok   step {step}: {verify_tree(path, manifest):,} bytes verified")
         except CorruptCheckpointError as e:
             bad += 1
             print(f"BAD  step {step}: {e}")
+    for path, why in invalid.items() if not args else ():
+        print(f"BAD  {path.name}: {why}")
     return 1 if bad else 0
 
 
@@ -86,8 +130,12 @@ def cmd_diff(root: Path, args: list[int]) -> int:
     if len(args) != 2:
         raise SystemExit("diff needs two steps: python -m ftrain.ckpt diff DIR STEP_A STEP_B")
     (sa, pa), (sb, pb) = _pick(root, args[0]), _pick(root, args[1])
-    a = read_tree(pa, protocol.read_committed(pa)[1]).flatten_keys("/")
-    b = read_tree(pb, protocol.read_committed(pb)[1]).flatten_keys("/")
+    try:
+        a = read_tree(pa, protocol.read_committed(pa)[1]).flatten_keys("/")
+        b = read_tree(pb, protocol.read_committed(pb)[1]).flatten_keys("/")
+    except CorruptCheckpointError as e:
+        print(f"cannot diff: CORRUPT: {e}")
+        return 2
     changed = 0
     for k in sorted(set(a.keys()) | set(b.keys())):
         if k not in a or k not in b:
@@ -137,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
         return cmd_advise(ns.directory, ns.mtbf)
     cmds = {"list": cmd_list, "show": cmd_show, "verify": cmd_verify, "diff": cmd_diff}
-    return cmds[ns.command](ns.directory, ns.steps)
+    try:
+        return cmds[ns.command](ns.directory, ns.steps)
+    except CheckpointFormatError as e:
+        print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -350,7 +350,13 @@ def measure(run_dir: str | Path, ckpt_dir: str | Path | None = None) -> RunStats
             "train for a few steps before asking for advice"
         )
     entries, attrs = _read_checkpoints(ckpt_dir)
-    blocking = [r["blocking_s"] for r in records if r.get("kind") == "save" and "blocking_s" in r]
+    # "save_started" since saves and commits are recorded apart; "save" in older runs
+    blocking = [
+        r["blocking_s"]
+        for r in records
+        if r.get("kind") in ("save_started", "save")
+        and isinstance(r.get("blocking_s"), int | float)
+    ]
     blocking = blocking or [e["blocking_seconds"] for e in entries if e.get("blocking_seconds")]
     totals = [e["save_seconds"] for e in entries if e.get("save_seconds") is not None]
     restores = [r["restore_s"] for r in records if r.get("kind") == "resume" and r.get("restore_s")]

@@ -12,9 +12,12 @@ Protocol for one step (``root/step_00000400``), one writer per step:
    crc32c, bytes) and fsync it.
 4. Write ``COMMITTED`` last: JSON with the step, the format version and the crc32c and
    length of ``manifest.json`` (plus save timings). fsync it and the staging directory.
-5. ``rename(staging, root/step_00000400)`` (atomic on POSIX file systems; it fails if the
-   target exists, so a committed step is never overwritten), fsync ``root``, release
-   and unlink the lock.
+5. If ``root/step_00000400`` already exists (a corrupt step, or one from an older branch
+   of the run being redone), it is first *moved aside* — renamed to
+   ``step_00000400.replaced-<hex>`` — never deleted; then ``rename(staging,
+   root/step_00000400)`` (atomic on POSIX file systems), fsync ``root``, release and
+   unlink the lock. A crash between the two renames leaves the old step aside and no
+   step 400: restore falls back to the previous commit, nothing committed is lost.
 
 Reading: a directory counts as a checkpoint only if its name is ``step_<digits>`` and
 its ``COMMITTED`` marker parses and matches ``manifest.json`` (crc and length). Listing,
@@ -24,11 +27,22 @@ restore and retention all use :func:`committed_steps`. Restore then verifies eve
 Deleting: ``rename(step, step.del-<hex>)`` (atomic: the step leaves the listing at once),
 then remove the tree.
 
+Setting aside: ``step_N.replaced-<hex>`` (same step number rewritten),
+``step_N.superseded-<hex>`` (a later step of a history that a resume from an earlier step
+replaced) and ``step_N.unreadable-<hex>`` (a ``step_*`` directory without a valid marker
+that a new commit of the same number needed out of the way). They are never listed,
+restored, swept or deleted by ftrain: ``python -m ftrain.ckpt list`` shows them.
+
+Format versions: a marker whose ``format_version`` this ftrain cannot read raises
+:class:`~ftrain.ckpt.format.CheckpointFormatError` (never "not committed": a step written
+by a newer ftrain must not be mistaken for garbage and cleaned up).
+
 Sweeping (at start-up): a ``*.tmp-*`` directory whose lock file is missing or can be
 ``flock``-ed is from a dead writer and is removed; one whose lock is held is in flight and
 is left alone. ``*.del-*`` directories and orphan lock files are removed too. The lock is
 created before the staging directory and unlinked after the rename, so a sweeper never
-sees a live staging directory without its lock.
+sees a live staging directory without its lock. Only names that ftrain's own staging and
+deletion produce are swept; anything else in ``root`` is left alone.
 
 On stores without atomic rename (object stores), writing ``COMMITTED`` last *is* the
 commit; the same marker check applies (not implemented here: local/NFS paths only).
@@ -43,11 +57,20 @@ import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 import crc32c
 
-from ftrain.ckpt.format import FORMAT_VERSION, CorruptCheckpointError, read_json, write_json
+from ftrain.ckpt.format import (
+    FORMAT_VERSION,
+    READABLE_FORMATS,
+    CheckpointFormatError,
+    CorruptCheckpointError,
+    read_bytes_nofollow,
+    read_json,
+    write_json,
+)
 from ftrain.ckpt.store import fsync_dir
 
 __all__ = [
@@ -58,6 +81,8 @@ __all__ = [
     "committed_steps",
     "delete_step",
     "read_committed",
+    "set_aside",
+    "set_aside_steps",
     "step_dirname",
     "sweep_stale",
 ]
@@ -67,6 +92,7 @@ MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _TMP_RE = re.compile(r"^step_\d{8,}\.tmp-[0-9a-z-]+$")
 _DEL_RE = re.compile(r"^step_\d{8,}\.del-[0-9a-f]+$")
+_ASIDE_RE = re.compile(r"^step_(\d{8,})\.(replaced|superseded|unreadable)-[0-9a-f]+$")
 
 # Fault-injection seam for tests: called with a phase name at each protocol step.
 fault_hook: Callable[[str], None] | None = None
@@ -136,14 +162,14 @@ def commit(staging: Staging, manifest: dict, marker_extra: dict | None = None) -
     _phase("manifest_written")
     raw = (staging.path / MANIFEST).read_bytes()
     marker = dict(marker_extra or {})
-    marker |= {"format_version": FORMAT_VERSION, "step": staging.step}
+    marker |= {"format_version": FORMAT_VERSION, "step": staging.step, "ftrain": _ftrain_version()}
     marker |= {"manifest_crc32c": crc32c.crc32c(raw), "manifest_bytes": len(raw)}
     write_json(staging.path / MARKER, marker)
     fsync_dir(staging.path)
     _phase("marker_written")
     final = staging.root / step_dirname(staging.step)
-    if final.exists():
-        raise FileExistsError(f"{final} already exists; a committed step is never overwritten")
+    if os.path.lexists(final):
+        set_aside(final, "replaced" if _is_committed(final) else "unreadable")
     os.rename(staging.path, final)
     fsync_dir(staging.root)
     _phase("renamed")
@@ -161,13 +187,14 @@ def read_committed(step_dir: Path) -> tuple[dict, dict]:
     """The ``(marker, manifest)`` of a committed step, cross-checked.
 
     Raises:
+        CheckpointFormatError: the marker names a format this ftrain cannot read.
         CorruptCheckpointError: no marker, unreadable JSON, or a marker/manifest mismatch.
     """
+    if os.path.islink(step_dir):
+        raise CorruptCheckpointError(f"{step_dir}: is a symbolic link, not a step directory")
     marker = read_json(step_dir / MARKER)
-    try:
-        raw = (step_dir / MANIFEST).read_bytes()
-    except OSError as e:
-        raise CorruptCheckpointError(f"{step_dir / MANIFEST}: unreadable ({e})") from e
+    check_format(step_dir, marker)
+    raw = read_bytes_nofollow(step_dir / MANIFEST)
     if marker.get("manifest_bytes") != len(raw) or marker.get("manifest_crc32c") != crc32c.crc32c(
         raw
     ):
@@ -176,11 +203,66 @@ def read_committed(step_dir: Path) -> tuple[dict, dict]:
     m = _STEP_RE.match(step_dir.name)
     if not m or marker.get("step") != int(m.group(1)) or manifest.get("step") != int(m.group(1)):
         raise CorruptCheckpointError(f"{step_dir}: marker/manifest step does not match the name")
-    if marker.get("format_version") != FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            f"{step_dir}: format version {marker.get('format_version')!r}, this ftrain reads {FORMAT_VERSION}"
-        )
     return marker, manifest
+
+
+def check_format(step_dir: Path, marker: dict) -> None:
+    """Refuse a step whose marker names a format this ftrain cannot read.
+
+    Raises:
+        CheckpointFormatError: a well-formed but unknown (e.g. newer) format version.
+        CorruptCheckpointError: no usable format version at all.
+    """
+    version = marker.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise CorruptCheckpointError(f"{step_dir}: {MARKER} has no format version ({version!r})")
+    if version not in READABLE_FORMATS:
+        writer = marker.get("ftrain") if isinstance(marker.get("ftrain"), str) else "unknown"
+        raise CheckpointFormatError(
+            f"{step_dir} was written by ftrain {writer} (format {version}); this is ftrain "
+            f"{_ftrain_version()} (format {FORMAT_VERSION}, reads {sorted(READABLE_FORMATS)}). "
+            "Upgrade ftrain to resume it, or point checkpoint.dir elsewhere; nothing was changed"
+        )
+
+
+def _ftrain_version() -> str:
+    try:
+        return importlib_metadata.version("ftrain")
+    except importlib_metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _is_committed(step_dir: Path) -> bool:
+    try:
+        read_committed(step_dir)
+        return True
+    except CorruptCheckpointError:
+        return False
+
+
+def set_aside(step_dir: Path, reason: str) -> Path:
+    """Rename a step directory out of the listing (never deleted); returns the new path.
+
+    ``reason`` is ``replaced``, ``superseded`` or ``unreadable`` (see the module docstring).
+    """
+    target = step_dir.with_name(f"{step_dir.name}.{reason}-{secrets.token_hex(4)}")
+    os.rename(step_dir, target)
+    fsync_dir(step_dir.parent)
+    return target
+
+
+def set_aside_steps(root: Path) -> dict[int, list[Path]]:
+    """``{step: [paths...]}`` of the steps set aside under ``root``."""
+    out: dict[int, list[Path]] = {}
+    try:
+        names = sorted(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for name in names:
+        m = _ASIDE_RE.match(name)
+        if m:
+            out.setdefault(int(m.group(1)), []).append(root / name)
+    return dict(sorted(out.items()))
 
 
 def committed_steps(
@@ -189,6 +271,9 @@ def committed_steps(
     """Every step under ``root`` with a valid marker, ``{step: path}`` (missing root: ``{}``).
 
     ``on_invalid(path, reason)`` is called for ``step_*`` directories that do not count.
+
+    Raises:
+        CheckpointFormatError: a step was written in a format this ftrain cannot read.
     """
     out: dict[int, Path] = {}
     try:
@@ -197,7 +282,11 @@ def committed_steps(
         return out
     for e in entries:
         m = _STEP_RE.match(e.name)
-        if not m or not e.is_dir():
+        if not m:
+            continue
+        if e.is_symlink() or not e.is_dir():
+            if on_invalid is not None:
+                on_invalid(Path(e.path), "not a directory (symbolic links are not followed)")
             continue
         try:
             read_committed(Path(e.path))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,9 +45,13 @@ from ftrain.ckpt.codecs import Codec, parse_compression
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_FORMATS",
     "ArraySpec",
+    "CheckpointFormatError",
     "CorruptCheckpointError",
     "array_zarr_json",
+    "check_key",
+    "read_bytes_nofollow",
     "group_zarr_json",
     "plan_array",
     "read_chunk",
@@ -56,8 +61,14 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+READABLE_FORMATS = frozenset({1})  # formats this ftrain restores; anything else is refused
 DEFAULT_CHUNK_BYTES = 32 << 20
 DIRECT_MIN_BYTES = 256 << 10  # smaller chunks go through the page cache (one syncfs)
+MAX_NDIM = 32
+MAX_DIM = 1 << 50  # a bound on any count or byte size read from metadata (1 PiB)
+MAX_LIST = 1 << 24  # a bound on any list in one manifest entry (chunks per array)
+RESERVED_NAMES = frozenset({"zarr.json"})  # a node of this name would clash with the layout
+MAX_JSON_BYTES = 256 << 20  # no metadata document is this large; refuse before reading it
 _NATIVE = {
     torch.bool: "bool",
     torch.int8: "int8",
@@ -80,6 +91,13 @@ _RAW_BITS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint failed verification: a bad checksum, a missing or truncated chunk, or
     unreadable metadata. The message names the path and the reason."""
+
+
+class CheckpointFormatError(RuntimeError):
+    """A step was written in a format this ftrain cannot read (e.g. by a newer ftrain).
+
+    Not a corruption: such a step is never skipped, set aside or deleted; the run stops
+    and says which ftrain wrote it."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -174,29 +192,92 @@ class ArraySpec:
         return doc
 
     @classmethod
-    def from_json(cls, key: str, d: dict) -> ArraySpec:
+    def from_json(cls, key: str, d: object) -> ArraySpec:
+        """Parse and validate one manifest entry; every field is checked before use.
+
+        Raises:
+            CorruptCheckpointError: a bad key, type, dtype, shape, chunk shape, checksum
+                list or codec — the message names the entry and the field.
+        """
+        check_key(key)
+        if not isinstance(d, dict):
+            raise CorruptCheckpointError(f"manifest entry for {key!r} is not an object")
         try:
             spec = cls(
                 key,
-                str(d["dtype"]),
-                tuple(int(x) for x in d["shape"]),
-                tuple(int(x) for x in d["chunk_shape"]),
-                tuple(int(x) for x in d["crc32c"]),
+                _str_field(d, "dtype"),
+                _int_list(d, "shape", 0, MAX_DIM),
+                _int_list(d, "chunk_shape", 1, MAX_DIM),
+                _int_list(d, "crc32c", 0, 0xFFFFFFFF),
                 d.get("compression"),
-                tuple(int(x) for x in d.get("stored_nbytes", ())),
+                _int_list(d, "stored_nbytes", 0, MAX_DIM, default=[]),
                 d.get("chunk_key_separator", "/"),
             )
             spec.codec  # noqa: B018 - raises ValueError for an unknown codec
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpointError(f"bad manifest entry for {key!r}: {e!r}") from e
-        parse_dtype(spec.dtype)
-        n = spec.n_chunks
-        stored_ok = len(spec.stored) == (n if spec.compression else 0)
-        if len(spec.crc32c) != n or len(spec.chunk_shape) != len(spec.shape) or not stored_ok:
-            raise CorruptCheckpointError(f"inconsistent manifest entry for {key!r}: {d}")
-        if spec.separator not in ("/", "."):
-            raise CorruptCheckpointError(f"bad chunk key separator for {key!r}: {spec.separator!r}")
+        spec._check_geometry(d)
         return spec
+
+    def _check_geometry(self, d: dict) -> None:
+        key = self.key
+        dtype = parse_dtype(self.dtype)
+        zarr_dtype(dtype)  # a dtype the format cannot hold is not ours
+        if len(self.shape) > MAX_NDIM or len(self.chunk_shape) != len(self.shape):
+            raise CorruptCheckpointError(f"inconsistent manifest entry for {key!r}: {d}")
+        if math.prod(self.shape) * self.itemsize > MAX_DIM or self.chunk_nbytes > MAX_DIM:
+            raise CorruptCheckpointError(f"manifest entry for {key!r} declares an absurd size")
+        if (
+            self.shape
+            and math.prod(self.shape)
+            and (self.chunk_shape[0] > self.shape[0] or self.chunk_shape[1:] != self.shape[1:])
+        ):
+            raise CorruptCheckpointError(f"chunk shape of {key!r} does not fit its shape: {d}")
+        n = self.n_chunks
+        stored_ok = len(self.stored) == (n if self.compression else 0)
+        if len(self.crc32c) != n or not stored_ok:
+            raise CorruptCheckpointError(f"inconsistent manifest entry for {key!r}: {d}")
+        if self.separator not in ("/", "."):
+            raise CorruptCheckpointError(f"bad chunk key separator for {key!r}: {self.separator!r}")
+
+
+def _str_field(d: dict, name: str) -> str:
+    v = d[name]
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be a string, got {v!r}")
+    return v
+
+
+def _int_list(d: dict, name: str, lo: int, hi: int, default: list | None = None) -> tuple[int, ...]:
+    v = d.get(name, default) if default is not None else d[name]
+    if not isinstance(v, list) or len(v) > MAX_LIST:
+        raise TypeError(f"{name} must be a list of integers, got {type(v).__name__}")
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+            raise ValueError(f"{name} holds {x!r}; expected integers in [{lo}, {hi}]")
+    return tuple(v)
+
+
+NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")  # used with fullmatch
+
+
+def check_key(key: object) -> str:
+    """Refuse a node path that could leave the step directory or is not a plain name.
+
+    Each ``/``-separated component must be a plain name: letters, digits, ``_``, ``-``,
+    ``.`` (not first), at most 255 bytes — so no ``..``, no absolute path, no empty part.
+
+    Raises:
+        CorruptCheckpointError: the path and why it is refused.
+    """
+    if not isinstance(key, str) or not key or len(key) > 4096:
+        raise CorruptCheckpointError(f"bad node path {key!r} in checkpoint metadata")
+    for part in key.split("/"):
+        if not NAME_RE.fullmatch(part) or len(part) > 255 or part in RESERVED_NAMES:
+            raise CorruptCheckpointError(
+                f"node path {key!r} has a component {part!r} that is not a plain name"
+            )
+    return key
 
 
 def plan_array(
@@ -340,9 +421,9 @@ def write_chunk(
 
 def _open_sized(path: Path, want: int) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{path}: chunk file is missing") from e
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:  # missing, a symbolic link (ELOOP), a directory, unreadable
+        raise CorruptCheckpointError(f"{path}: chunk file cannot be opened ({e})") from e
     size = os.fstat(fd).st_size
     if size != want:
         os.close(fd)
@@ -353,7 +434,10 @@ def _open_sized(path: Path, want: int) -> int:
 def _read_exact(fd: int, path: Path, dest: memoryview) -> None:
     got = 0
     while got < len(dest):
-        n = os.readv(fd, [dest[got:]])
+        try:
+            n = os.readv(fd, [dest[got:]])
+        except OSError as e:  # EIO, EISDIR
+            raise CorruptCheckpointError(f"{path}: chunk unreadable ({e})") from e
         if n == 0:
             raise CorruptCheckpointError(f"{path}: chunk truncated while reading")
         got += n
@@ -377,6 +461,8 @@ def read_chunk_into(path: Path, dest: memoryview, pad: int, expected_crc: int) -
     try:
         _read_exact(fd, path, dest)
         tail = os.pread(fd, pad + 4, len(dest))
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: chunk unreadable ({e})") from e
     finally:
         os.close(fd)
     crc = crc32c.crc32c(tail[:-4], value=crc32c.crc32c(dest)) if pad else crc32c.crc32c(dest)
@@ -431,8 +517,12 @@ def read_chunks_into(root: Path, spec: ArraySpec, dest: memoryview) -> list[tupl
     return jobs
 
 
-def write_json(path: Path, doc: dict, *, durable: bool = True) -> None:
-    """Write a JSON document (new file, ``O_EXCL``), fsync'd when ``durable``."""
+def write_json(path: Path, doc: dict, *, durable: bool = True) -> tuple[int, int]:
+    """Write a JSON document (new file, ``O_EXCL``), fsync'd when ``durable``.
+
+    Returns:
+        ``(crc32c, length)`` of the bytes written (the manifest records them).
+    """
     data = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -441,13 +531,39 @@ def write_json(path: Path, doc: dict, *, durable: bool = True) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+    return crc32c.crc32c(data), len(data)
 
 
-def read_json(path: Path) -> dict:
-    """Read a JSON object; ``CorruptCheckpointError`` if missing, unparseable or not a dict."""
+def read_bytes_nofollow(path: Path) -> bytes:
+    """A file's bytes, never through a symbolic link (a link inside a step is corruption)."""
     try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
+    try:
+        if os.fstat(fd).st_size > MAX_JSON_BYTES:
+            raise CorruptCheckpointError(f"{path}: metadata larger than {MAX_JSON_BYTES} bytes")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path, *, checksum: list | None = None) -> dict:
+    """Read a JSON object; ``CorruptCheckpointError`` if missing, unparseable or not a dict.
+
+    Args:
+        path: the document.
+        checksum: ``[crc32c, length]`` recorded in the manifest; the bytes must match.
+    """
+    raw = read_bytes_nofollow(path)
+    if checksum is not None and [crc32c.crc32c(raw), len(raw)] != list(checksum):
+        raise CorruptCheckpointError(f"{path}: does not match its checksum in the manifest")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path}: metadata is not a JSON object")

@@ -8,11 +8,16 @@ plain JSON (lists of ints, base64 strings): loading a checkpoint never unpickles
 from __future__ import annotations
 
 import base64
+import binascii
 import random
 
 import torch
 
-__all__ = ["capture", "restore"]
+from ftrain.ckpt.format import CorruptCheckpointError
+
+_MT_WORDS = 625  # Python's Mersenne Twister state: 624 words + position
+
+__all__ = ["capture", "for_rank", "restore", "validate"]
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -86,3 +91,84 @@ def restore(states: dict) -> None:
                 torch.cuda.set_rng_state(_unb64(s), i)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"cannot restore host RNG states: {e!r}") from e
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"host RNG state: {what}")
+
+
+def _is_int(x: object) -> bool:
+    return type(x) is int
+
+
+def _check_python(p: object) -> None:
+    _check(isinstance(p, dict), "'python' is not an object")
+    state = p.get("state")
+    _check(_is_int(p.get("version")), "python version is not an integer")
+    _check(
+        isinstance(state, list)
+        and len(state) == _MT_WORDS
+        and all(_is_int(x) and 0 <= x < 2**32 for x in state[:-1])
+        and _is_int(state[-1])
+        and 0 <= state[-1] <= _MT_WORDS - 1,
+        "python state is not 625 32-bit words",
+    )
+    _check(p.get("gauss") is None or isinstance(p.get("gauss"), float), "python gauss")
+
+
+def _check_numpy(n: object) -> None:
+    _check(isinstance(n, dict), "'numpy' is not an object")
+    keys = n.get("keys")
+    _check(n.get("name") == "MT19937", "numpy generator is not MT19937")
+    _check(
+        isinstance(keys, list)
+        and len(keys) == 624
+        and all(_is_int(k) and 0 <= k < 2**32 for k in keys),
+        "numpy keys are not 624 32-bit words",
+    )
+    _check(_is_int(n.get("pos")) and 0 <= n["pos"] <= 624, "numpy pos")
+    _check(_is_int(n.get("has_gauss")), "numpy has_gauss")
+    _check(isinstance(n.get("cached_gaussian"), int | float), "numpy cached_gaussian")
+
+
+def _check_b64(s: object, nbytes: int | None, what: str) -> None:
+    _check(isinstance(s, str), f"{what} is not a string")
+    try:
+        raw = base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError):
+        raise CorruptCheckpointError(f"host RNG state: {what} is not base64") from None
+    _check(nbytes is None or len(raw) == nbytes, f"{what} has the wrong length")
+
+
+def validate(states: object) -> dict:
+    """Check the shape and types of states from :func:`capture` before restoring them.
+
+    Raises:
+        CorruptCheckpointError: a part is missing its fields or has the wrong type/size.
+    """
+    _check(isinstance(states, dict), "not an object")
+    if "python" in states:
+        _check_python(states["python"])
+    if "numpy" in states:
+        _check_numpy(states["numpy"])
+    if "torch_cpu" in states:
+        _check_b64(states["torch_cpu"], torch.get_rng_state().numel(), "torch_cpu")
+    if "cuda" in states:
+        cuda = states["cuda"]
+        _check(isinstance(cuda, list), "cuda is not a list")
+        for s in cuda:
+            _check_b64(s, None, "cuda")
+    return states
+
+
+def for_rank(attributes: dict, rank: int) -> dict | None:
+    """The validated host RNG states a checkpoint recorded for ``rank`` (``None``: none).
+
+    Raises:
+        CorruptCheckpointError: the recorded states are malformed.
+    """
+    recorded = attributes.get("host_rng") or {}
+    _check(isinstance(recorded, dict), "'host_rng' is not an object")
+    states = recorded.get(str(rank))
+    return None if states is None else validate(states)

@@ -15,7 +15,8 @@ import secrets
 from pathlib import Path
 
 from ftrain.ckpt.commit import read_committed
-from ftrain.ckpt.format import CorruptCheckpointError, read_json
+from ftrain.ckpt.format import CorruptCheckpointError
+from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.policies import BestN, StepInfo
 
 __all__ = ["INDEX", "entry_for", "load_or_rebuild", "mark_best", "write_index"]
@@ -30,18 +31,23 @@ def entry_for(step: int, path: Path, *, save_seconds: float | None = None) -> di
     Raises:
         CorruptCheckpointError: the step's metadata cannot be read.
     """
-    marker, _ = read_committed(path)
-    attrs = read_json(path / "zarr.json").get("attributes", {})
-    return {
-        "step": step,
-        "path": str(path),
-        "time": float(attrs.get("time", marker.get("time", 0.0))),
-        "metrics": attrs.get("metrics", {}),
-        "bytes": int(marker.get("bytes", 0)),
-        "blocking_seconds": marker.get("blocking_seconds"),
-        "save_seconds": save_seconds if save_seconds is not None else marker.get("write_seconds"),
-        "best": {},
-    }
+    marker, manifest = read_committed(path)
+    attrs = read_root_attributes(path, manifest)
+    try:
+        return {
+            "step": step,
+            "path": str(path),
+            "time": float(attrs.get("time", marker.get("time", 0.0))),
+            "metrics": attrs.get("metrics", {}),
+            "bytes": int(marker.get("bytes", 0)),
+            "blocking_seconds": marker.get("blocking_seconds"),
+            "save_seconds": save_seconds
+            if save_seconds is not None
+            else marker.get("write_seconds"),
+            "best": {},
+        }
+    except (TypeError, ValueError) as e:  # a marker field of the wrong type
+        raise CorruptCheckpointError(f"{path}: unreadable marker field ({e})") from e
 
 
 def load_or_rebuild(index_path: Path, steps: dict[int, Path]) -> dict[int, dict]:

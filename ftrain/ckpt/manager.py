@@ -40,9 +40,9 @@ from ftrain.ckpt.format import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
     CorruptCheckpointError,
-    read_json,
 )
 from ftrain.ckpt.index import INDEX, entry_for, load_or_rebuild, mark_best, write_index
+from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.policies import (
     KeepAll,
     KeepPolicy,
@@ -51,7 +51,7 @@ from ftrain.ckpt.policies import (
     StepInfo,
     best_policies,
 )
-from ftrain.ckpt.store import DEFAULT_WORKERS, flatten, read_tree, write_tree
+from ftrain.ckpt.store import DEFAULT_WORKERS, flatten, read_tree, specs_of, write_tree
 from ftrain.state.init import check_usable, pin, unpin
 
 __all__ = ["CheckpointManager", "CheckpointNotFoundError", "CheckpointSaveError"]
@@ -112,6 +112,12 @@ class CheckpointManager:
         compression: ``None`` (raw chunks, the default), ``"zstd"``, ``"zstd:LEVEL"``,
             ``"blosc-lz4"``, ``"blosc-zstd"`` (optionally ``:LEVEL``); see
             :mod:`ftrain.ckpt.codecs`. Restore reads compressed and raw steps alike.
+        rank: this process's rank: the key under which saves record its host RNG states
+            and from which ``restore(host_rng=True)`` puts them back.
+
+    Raises:
+        CheckpointFormatError: a step under a directory was written in a format this
+            ftrain cannot read (nothing is changed on disk).
 
     Example:
         >>> mgr = CheckpointManager(tmp_path, async_save=False)  # doctest: +SKIP
@@ -130,6 +136,7 @@ class CheckpointManager:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io_workers: int = DEFAULT_WORKERS,
         compression: str | None = None,
+        rank: int = 0,
     ) -> None:
         codec = parse_compression(compression)  # ValueError for an unknown codec, now
         self.compression = codec.spec if codec else None
@@ -151,6 +158,13 @@ class CheckpointManager:
         self._last_time: float | None = None
         # the last *committed* (step, time): a failed save rolls the policy clock back to it
         self._committed_last: tuple[int | None, float | None] = (None, None)
+        self.rank = rank
+        # The step this manager restored (the branch point of the history it continues) and
+        # the steps it committed itself: a committed step newer than the branch point that
+        # this manager did not write belongs to another history and is set aside.
+        self._restored_from: int | None = None
+        self._written: set[int] = set()
+        self._invalid: dict[Path, str] = {}
         for d in self._dirs:
             for p in protocol.sweep_stale(d):
                 log.info("removed stale %s", p)
@@ -160,9 +174,26 @@ class CheckpointManager:
     def _locations(self) -> dict[int, list[Path]]:
         """``{step: [paths...]}`` of committed steps, primary location first."""
         out: dict[int, list[Path]] = {}
+        invalid: dict[Path, str] = {}
         for d in self._dirs:
-            for s, p in protocol.committed_steps(d).items():
+            found = protocol.committed_steps(d, on_invalid=invalid.__setitem__)
+            for s, p in found.items():
                 out.setdefault(s, []).append(p)
+        self._invalid = invalid
+        return dict(sorted(out.items()))
+
+    def invalid_steps(self) -> dict[Path, str]:
+        """``step_*`` directories that do not count as checkpoints, with the reason
+        (no marker, unreadable or mismatched metadata, not a directory)."""
+        self._locations()
+        return dict(self._invalid)
+
+    def set_aside_steps(self) -> dict[int, list[Path]]:
+        """Steps moved out of the listing (replaced, superseded, unreadable), kept on disk."""
+        out: dict[int, list[Path]] = {}
+        for d in self._dirs:
+            for s, ps in protocol.set_aside_steps(d).items():
+                out.setdefault(s, []).extend(ps)
         return dict(sorted(out.items()))
 
     def all_steps(self) -> list[int]:
@@ -179,14 +210,15 @@ class CheckpointManager:
 
         Raises:
             CheckpointNotFoundError: ``step`` is not committed.
+            CorruptCheckpointError: its metadata does not verify.
         """
         paths = self._locations().get(step)
         if not paths:
             raise CheckpointNotFoundError(
                 f"step {step} is not committed; available: {self.all_steps()}"
             )
-        marker, _ = protocol.read_committed(paths[0])
-        attrs = read_json(paths[0] / "zarr.json").get("attributes", {})
+        marker, manifest = protocol.read_committed(paths[0])
+        attrs = read_root_attributes(paths[0], manifest)
         save = {k: marker.get(k) for k in ("bytes", "blocking_seconds", "write_seconds")}
         return attrs | {"save": save, "path": str(paths[0])}
 
@@ -198,18 +230,26 @@ class CheckpointManager:
         metrics: dict | None = None,
         metadata: dict | None = None,
         force: bool = False,
+        host_rng: dict[int, dict] | None = None,
     ) -> bool:
         """Save ``state`` if the save policy (or ``force``) says so.
+
+        A step number that is already committed on disk but was neither written nor
+        restored by this manager (a corrupt newest step being redone, or a step of an older
+        history after a resume from an earlier step) is written anew; the old directory is
+        moved aside at the commit, never deleted before it.
 
         Args:
             state: a nested TensorDict of tensors; ``state["step"]`` gives the step.
             metrics: numbers (floats, ints or 0-d tensors) recorded with the step.
             metadata: JSON-able facts merged into the root group's attributes.
             force: save regardless of the policy.
+            host_rng: ``{rank: hostrng.capture()}`` of every rank to record (default: this
+                process's states under ``rank``).
 
         Returns:
             True if a save was started (async) or committed (sync); False if skipped by
-            policy or because the step is already committed.
+            policy or because this manager already wrote (or restored) this step.
 
         Raises:
             CheckpointSaveError: a previous background save failed, or (sync) this one
@@ -224,11 +264,11 @@ class CheckpointManager:
         ctx = SaveContext(step, now, self._last_step, self._last_time)
         if not force and self.save_policy is not None and not self.save_policy.should_save(ctx):
             return False
-        if step == self._last_step or step in self._locations():
+        if step in (self._last_step, self._restored_from) or step in self._written:
             log.info("[step=%d] already saved; skipping", step)
             return False
         self.wait()  # at most one save in flight
-        attrs = self._attributes(step, now, metrics, metadata)
+        attrs = self._attributes(step, now, metrics, metadata, host_rng)
         snapshot = _to_host(state)
         flatten(snapshot)  # raises ValueError now, not in the background
         self._last_step, self._last_time = step, now
@@ -256,7 +296,12 @@ class CheckpointManager:
         return int(s.item())
 
     def _attributes(
-        self, step: int, now: float, metrics: dict | None, metadata: dict | None
+        self,
+        step: int,
+        now: float,
+        metrics: dict | None,
+        metadata: dict | None,
+        host_rng: dict[int, dict] | None,
     ) -> dict:
         attrs = dict(metadata or {})
         clash = sorted(set(attrs) & set(_RESERVED_ATTRS))
@@ -270,7 +315,9 @@ class CheckpointManager:
             "time": now,
             "metrics": {str(k): _json_scalar(v) for k, v in (metrics or {}).items()},
             "versions": _versions(),
-            "host_rng": {"0": hostrng.capture()},
+            "host_rng": {
+                str(r): v for r, v in (host_rng or {self.rank: hostrng.capture()}).items()
+            },
         }
         try:
             import json
@@ -319,9 +366,6 @@ class CheckpointManager:
         t0: float,
         blocking: float,
     ) -> Path:
-        stale = root / protocol.step_dirname(step)
-        if stale.exists():  # a step_ dir without a valid marker: not a checkpoint, move it away
-            protocol.delete_step(stale)
         staging = protocol.begin(root, step)
         try:
             manifest = write_tree(
@@ -355,6 +399,8 @@ class CheckpointManager:
         self._committed_last = (step, self._last_time if self._last_step == step else time.time())
         with self._lock:
             log.info("[step=%d] committed %s in %.2fs", step, final, total)
+            self._written.add(step)
+            self._set_aside_other_histories(step, final)
             locations = self._locations()
             entries = {s: e for s, e in self._entries.items() if s in locations}
             for s, paths in locations.items():
@@ -366,6 +412,7 @@ class CheckpointManager:
             entries[step] = entry_for(step, final, save_seconds=total)
             infos = [StepInfo(s, e["time"], e.get("metrics") or {}) for s, e in entries.items()]
             keep = self.keep_policy.keep(infos, time.time()) | {max(locations)}
+            keep |= _newest_finite(entries)  # a diverged run never loses its last good step
             for s in sorted(set(locations) - keep):
                 for p in locations[s]:
                     protocol.delete_step(p)
@@ -374,6 +421,17 @@ class CheckpointManager:
             mark_best(entries, best_policies(self.keep_policy))
             self._entries = entries
             self._store_index()
+
+    def _set_aside_other_histories(self, step: int, final: Path) -> None:
+        """After committing ``step``: copies of it elsewhere (the other location) and steps
+        newer than the branch point that this manager did not write are moved aside, so a
+        resume never mixes two histories (they stay on disk; ``ckpt list`` shows them)."""
+        for s, paths in self._locations().items():
+            newer = self._restored_from is not None and s > self._restored_from
+            for p in paths:
+                if (s == step and p != final) or (newer and s not in self._written):
+                    moved = protocol.set_aside(p, "replaced" if s == step else "superseded")
+                    log.warning("[step=%d] moved %s aside to %s (another history)", s, p, moved)
 
     def _store_index(self) -> None:
         for d in self._dirs:
@@ -401,14 +459,23 @@ class CheckpointManager:
         *,
         target: TensorDictBase | None = None,
         only: str | tuple[str, ...] | None = None,
+        host_rng: bool = False,
     ) -> TensorDictBase:
         """Load the newest committed step that verifies (or exactly ``step``).
+
+        A whole-state restore makes the restored step this manager's branch point: once
+        this manager commits a newer step, committed steps after the branch point that it
+        did not write (another history) are moved aside.
 
         Args:
             step: the step to load; ``None`` = newest valid, falling back past corrupt ones.
             target: a template; the result must match its keys, shapes and dtypes (all
                 differences are reported in one error) and is moved to its devices.
             only: key paths to load, e.g. ``("params",)`` or ``"opt/mu"``.
+            host_rng: also set this process's global Python/NumPy/torch/CUDA generators to
+                the states recorded for ``rank`` (for user code that draws from them;
+                ftrain's own randomness is the key chain in the state). A warning says
+                so if the step recorded none for this rank.
 
         Returns:
             A nested TensorDict (CPU tensors unless ``target`` says otherwise).
@@ -431,9 +498,11 @@ class CheckpointManager:
         for s, path in cands:
             try:
                 _, manifest = protocol.read_committed(path)
-                read_json(path / "zarr.json")  # the step's metadata must be readable too
+                specs_of(manifest)  # every field validated before anything acts on it
+                attrs = read_root_attributes(path, manifest)  # checksummed, checked
                 _check_only(manifest, only_t)
                 td = read_tree(path, manifest, only=only_t, workers=self.io_workers)
+                rng_states = hostrng.for_rank(attrs, self.rank) if host_rng else None
             except CorruptCheckpointError as e:
                 problems.append(f"{path}: {e}")
                 msg = f"[step={s}] checkpoint {path} is corrupt ({e}); trying an older one"
@@ -441,7 +510,12 @@ class CheckpointManager:
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
                 continue
             log.info("[step=%d] restored from %s", s, path)
-            return td if target is None else _match_target(td, target, only_t)
+            out = td if target is None else _match_target(td, target, only_t)
+            if host_rng:
+                _restore_host_rng(rng_states, s, self.rank)
+            if only_t is None:
+                self._restored_from = s
+            return out
         raise CheckpointNotFoundError("no checkpoint verifies:\n  " + "\n  ".join(problems))
 
     # ---- lifecycle -------------------------------------------------------------
@@ -480,6 +554,30 @@ class CheckpointManager:
             if exc is None:
                 raise
             log.exception("a checkpoint save failed while handling another exception")
+
+
+def _is_finite_entry(entry: dict) -> bool:
+    for v in (entry.get("metrics") or {}).values():
+        if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+            return False
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+    return True
+
+
+def _newest_finite(entries: dict[int, dict]) -> set[int]:
+    """The newest step whose recorded metrics are all finite (or that recorded none)."""
+    finite = [s for s, e in entries.items() if _is_finite_entry(e)]
+    return {max(finite)} if finite else set()
+
+
+def _restore_host_rng(states: dict | None, step: int, rank: int) -> None:
+    if states is None:
+        msg = f"[step={step}] the checkpoint recorded no host RNG states for rank {rank}"
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return
+    hostrng.restore(states)
 
 
 def _check_only(manifest: dict, only: tuple[str, ...] | None) -> None:

@@ -38,9 +38,11 @@ from ftrain.ckpt.format import (
     DEFAULT_CHUNK_BYTES,
     DIRECT_MIN_BYTES,
     FORMAT_VERSION,
+    NAME_RE,
     ArraySpec,
     CorruptCheckpointError,
     array_zarr_json,
+    check_key,
     group_zarr_json,
     parse_dtype,
     plan_array,
@@ -70,8 +72,11 @@ def flatten(td: TensorDictBase) -> tuple[list[str], dict[str, torch.Tensor]]:
 
     def walk(node: TensorDictBase, prefix: str) -> None:
         for name, value in node.items():
-            if not isinstance(name, str) or not name or "/" in name or name.startswith("__"):
-                raise ValueError(f"key {name!r} under {prefix or '/'!r} is not a valid node name")
+            if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith("__"):
+                raise ValueError(
+                    f"key {name!r} under {prefix or '/'!r} is not a valid node name: use "
+                    "letters, digits, '_', '-' and '.' (not first), no '/'"
+                )
             if name in RESERVED or (not prefix and name in ROOT_RESERVED):
                 raise ValueError(f"key {name!r} is reserved by the checkpoint format; rename it")
             path = f"{prefix}/{name}" if prefix else name
@@ -193,28 +198,31 @@ def write_tree(
 
     per_file = durable and not _HAVE_SYNCFS
 
-    def do(job: tuple) -> tuple | None:
+    def do(job: tuple) -> tuple:
         if job[0] == "json":
             mk.ensure(job[1].parent)
-            write_json(job[1], job[2], durable=per_file)
-            return None
+            crc, length = write_json(job[1], job[2], durable=per_file)
+            return "doc", job[1].relative_to(tmp).as_posix(), crc, length
         _, key, i, path, payload, pad = job
         mk.ensure(path.parent)
         size = specs[key].itemsize
         crc, stored = write_chunk(
             path, payload, pad, durable=per_file, codec=codec, itemsize=size, direct=direct
         )
-        return key, i, crc, stored
+        return "chunk", key, i, crc, stored
 
     # ``workers`` threads for the data, half as many again for metadata (4 + 2 measured
     # best on 2 cores: 3 + 1, 4 + 1 and 5 + 2 were slower).
     results = run_pools([(do, big, workers), (do, meta, max(1, workers // 2))])
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     stored: dict[str, dict[int, int]] = {k: {} for k in specs}
+    documents: dict[str, list[int]] = {}
     for r in results[0] + results[1]:
-        if r is not None:
-            crcs[r[0]][r[1]] = r[2]
-            stored[r[0]][r[1]] = r[3]
+        if r[0] == "doc":
+            documents[r[1]] = [r[2], r[3]]
+        else:
+            crcs[r[1]][r[2]] = r[3]
+            stored[r[1]][r[2]] = r[4]
     if per_file:
         run_parallel(fsync_dir, reversed(dirs), workers)
     elif durable:
@@ -229,6 +237,7 @@ def write_tree(
         "format_version": FORMAT_VERSION,
         "groups": groups,
         "arrays": arrays,
+        "documents": documents,  # crc32c and length of every zarr.json: metadata is checked too
         "nbytes": nbytes,
         "compression": spec_str,
     }
@@ -238,6 +247,7 @@ def merge_manifests(parts: list[dict]) -> dict:
     """Merge per-rank manifests (each holds crc values for its own chunks only)."""
     merged = parts[0] | {"arrays": {k: dict(v) for k, v in parts[0]["arrays"].items()}}
     merged["nbytes"] = sum(p["nbytes"] for p in parts)
+    merged["documents"] = {k: v for p in parts for k, v in p.get("documents", {}).items()}
     for part in parts[1:]:
         for k, v in part["arrays"].items():
             for field in ("crc32c", "stored_nbytes"):
@@ -281,22 +291,95 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _specs(manifest: dict) -> dict[str, ArraySpec]:
-    arrays = manifest.get("arrays")
-    if not isinstance(arrays, dict) or not isinstance(manifest.get("groups"), list):
+def specs_of(manifest: dict) -> dict[str, ArraySpec]:
+    """Every array of a manifest, validated (keys, groups, shapes, checksums) before use."""
+    arrays, groups = manifest.get("arrays"), manifest.get("groups")
+    if not isinstance(arrays, dict) or not isinstance(groups, list):
         raise CorruptCheckpointError("manifest has no 'arrays'/'groups'")
+    for g in groups:
+        if g != "":
+            check_key(g)
+    if "" not in groups:
+        raise CorruptCheckpointError("manifest lists no root group")
+    docs = manifest.get("documents", {})
+    if not isinstance(docs, dict) or not all(_is_checksum(v) for v in docs.values()):
+        raise CorruptCheckpointError("manifest 'documents' is not {path: [crc32c, length]}")
     return {k: ArraySpec.from_json(k, v) for k, v in arrays.items()}
 
 
-def _check_array_meta(root: Path, spec: ArraySpec) -> None:
+def _is_checksum(v: object) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+
+
+def doc_checksum(manifest: dict, rel: str) -> list | None:
+    """The ``[crc32c, length]`` recorded for the document ``rel`` (``None``: a step written
+    before documents were checksummed)."""
+    docs = manifest.get("documents")
+    if docs is None:
+        return None
+    if rel not in docs:
+        raise CorruptCheckpointError(f"manifest has no checksum for {rel}")
+    return docs[rel]
+
+
+def _check_array_meta(root: Path, spec: ArraySpec, manifest: dict) -> None:
+    rel = f"{spec.key}/zarr.json"
     path = root.joinpath(*spec.key.split("/"), "zarr.json")
-    doc = read_json(path)
+    doc = read_json(path, checksum=doc_checksum(manifest, rel))
     want = array_zarr_json(spec)
     for field in ("shape", "data_type", "chunk_grid", "codecs", "chunk_key_encoding"):
         if doc.get(field) != want[field]:
             raise CorruptCheckpointError(
                 f"{path}: {field} is {doc.get(field)!r}, the manifest says {want[field]!r}"
             )
+
+
+def check_no_links(root: Path) -> None:
+    """Refuse a step that contains symbolic links: ftrain never writes them, and following
+    one could read (or, for cleanup, delete) outside the step directory."""
+    stack = [root]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError as e:
+            raise CorruptCheckpointError(f"{root}: cannot list ({e})") from e
+        for e in entries:
+            if e.is_symlink():
+                raise CorruptCheckpointError(f"{e.path}: symbolic link inside a checkpoint")
+            if e.is_dir(follow_symlinks=False):
+                stack.append(Path(e.path))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_sizes(root: Path, specs: dict[str, ArraySpec]) -> None:
+    """Before allocating anything: every chunk file exists with its recorded size (so the
+    declared shapes are backed by bytes on disk), and the whole result fits in memory."""
+    total = sum(s.nbytes for s in specs.values())
+    avail = _available_memory()
+    if total > avail:
+        raise CorruptCheckpointError(
+            f"{root}: restoring needs {total:,} bytes of memory, only {avail:,} are available"
+        )
+    for s in specs.values():
+        for i in range(s.n_chunks):
+            path = root.joinpath(*s.key.split("/"), *s.chunk_key(i).split("/"))
+            want = (s.stored[i] if s.compression else s.chunk_nbytes) + 4
+            try:
+                size = os.lstat(path).st_size
+            except OSError as e:
+                raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
+            if size != want:
+                raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
 
 
 def _selected(key: str, only: tuple[str, ...] | None) -> bool:
@@ -321,7 +404,9 @@ def read_tree(
     Raises:
         CorruptCheckpointError: any metadata or chunk fails verification.
     """
-    specs = {k: s for k, s in _specs(manifest).items() if _selected(k, only)}
+    specs = {k: s for k, s in specs_of(manifest).items() if _selected(k, only)}
+    check_no_links(root)
+    _check_sizes(root, specs)
     out = TensorDict({}, batch_size=[])
     for g in manifest["groups"]:
         if g and (_selected(g, only) or any(p.startswith(g + "/") for p in only or ())):
@@ -332,11 +417,13 @@ def read_tree(
         if s.n_chunks:
             chunks += read_chunks_into(root, s, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         out[tuple(k.split("/"))] = t
-    _read_jobs(root, specs, chunks, workers)
+    _read_jobs(root, specs, chunks, workers, manifest)
     return out
 
 
-def _read_jobs(root: Path, specs: dict[str, ArraySpec], chunks: list, workers: int) -> None:
+def _read_jobs(
+    root: Path, specs: dict[str, ArraySpec], chunks: list, workers: int, manifest: dict
+) -> None:
     """Large chunks on ``workers`` threads, largest first; side by side, the metadata
     cross-checks and the small chunks on half as many (the same split as the writer: the
     ~450 small reads would otherwise form a phase of their own)."""
@@ -348,7 +435,7 @@ def _read_jobs(root: Path, specs: dict[str, ArraySpec], chunks: list, workers: i
 
     def do_rest(job: tuple) -> None:
         if job[0] == "meta":
-            _check_array_meta(root, job[1])
+            _check_array_meta(root, job[1], manifest)
         else:
             read_chunk(job[1])
 
@@ -356,15 +443,21 @@ def _read_jobs(root: Path, specs: dict[str, ArraySpec], chunks: list, workers: i
 
 
 def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -> int:
-    """Verify every chunk of a step without keeping the data; returns the payload bytes.
+    """Verify every document and chunk of a step without keeping the data; returns the
+    payload bytes.
 
     Raises:
         CorruptCheckpointError: any metadata or chunk fails verification.
     """
-    specs = _specs(manifest)
-    run_parallel(lambda s: _check_array_meta(root, s), specs.values(), workers)
+    specs = specs_of(manifest)
+    check_no_links(root)
+    for g in manifest["groups"]:
+        rel = f"{g}/zarr.json" if g else "zarr.json"
+        read_json(root.joinpath(*rel.split("/")), checksum=doc_checksum(manifest, rel))
+    run_parallel(lambda s: _check_array_meta(root, s, manifest), specs.values(), workers)
     for s in specs.values():  # one array's buffer at a time: verifying needs little memory
         if s.n_chunks:
+            _check_sizes(root, {s.key: s})
             run_parallel(
                 read_chunk, read_chunks_into(root, s, memoryview(bytearray(s.nbytes))), workers
             )

@@ -73,7 +73,7 @@ def test_advise_numbers_match_the_records_and_the_index(run_dir):
     total = statistics.median(e["save_seconds"] for e in index)
     assert _seconds(_row(text, "save cost (total)")) == pytest.approx(total, rel=0.01)
     # blocking cost: the median of the save events' blocking_s
-    blocking = statistics.median(r["blocking_s"] for r in records(run_dir, "save"))
+    blocking = statistics.median(r["blocking_s"] for r in records(run_dir, "save_started"))
     assert _seconds(_row(text, "save cost C (blocking)")) == pytest.approx(blocking, rel=0.01)
     # restore: the resume event of this run
     (resume,) = records(run_dir, "resume")

@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.ckpt import commit as protocol
-from ftrain.ckpt.format import CorruptCheckpointError
+from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
 from ftrain.ckpt.store import write_tree
 
 
@@ -57,14 +57,38 @@ def test_marker_must_match_manifest(tmp_path, damage):
     assert protocol.committed_steps(tmp_path) == {}
 
 
-def test_commit_never_overwrites(tmp_path):
-    _save(tmp_path, 3)
+def test_commit_of_an_existing_step_moves_the_old_one_aside(tmp_path):
+    old = _save(tmp_path, 3)
+    old_marker = (old / "COMMITTED").read_bytes()
     st = protocol.begin(tmp_path, 3)
-    with pytest.raises(FileExistsError):
-        protocol.commit(st, write_tree(st.path, _state(3), {}))
-    protocol.abort(st)
+    final = protocol.commit(st, write_tree(st.path, _state(3), {}))
     assert not st.path.exists() and not st.lock_path.exists()
-    assert json.loads((tmp_path / "step_00000003" / "COMMITTED").read_text())["step"] == 3
+    (aside,) = protocol.set_aside_steps(tmp_path)[3]
+    assert aside.name.startswith("step_00000003.replaced-")
+    assert (aside / "COMMITTED").read_bytes() == old_marker  # kept, never deleted
+    assert protocol.committed_steps(tmp_path) == {3: final}
+    assert protocol.sweep_stale(tmp_path) == []  # set-aside steps are not swept
+
+
+def test_a_marker_less_step_dir_is_set_aside_not_deleted(tmp_path):
+    junk = tmp_path / "step_00000004"
+    junk.mkdir(parents=True)
+    (junk / "precious.bin").write_bytes(b"x")
+    st = protocol.begin(tmp_path, 4)
+    protocol.commit(st, write_tree(st.path, _state(4), {}))
+    (aside,) = protocol.set_aside_steps(tmp_path)[4]
+    assert aside.name.startswith("step_00000004.unreadable-")
+    assert (aside / "precious.bin").read_bytes() == b"x"
+
+
+def test_a_newer_format_is_refused_not_ignored(tmp_path):
+    path = _save(tmp_path, 5)
+    marker = json.loads((path / "COMMITTED").read_text())
+    marker |= {"format_version": 99, "ftrain": "9.9.9"}
+    (path / "COMMITTED").write_text(json.dumps(marker))
+    with pytest.raises(CheckpointFormatError, match=r"ftrain 9\.9\.9 \(format 99\)"):
+        protocol.committed_steps(tmp_path)
+    assert protocol.sweep_stale(tmp_path) == [] and path.exists()
 
 
 def test_sweep_removes_dead_but_never_in_flight(tmp_path):

@@ -1,0 +1,57 @@
+"""A step's root metadata (``zarr.json`` attributes), checksummed and type-checked.
+
+Everything a restore trusts from the root attributes — the step, the metrics, the host
+RNG states, and whatever the caller stored (config, schedule horizon, data fingerprint,
+layout) — is covered by the crc32c recorded in the manifest (itself covered by the
+``COMMITTED`` marker). A mismatch, or a reserved field of the wrong type, is corruption:
+restore falls back to an older step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ftrain.ckpt.format import CorruptCheckpointError, read_json
+from ftrain.ckpt.store import doc_checksum
+
+__all__ = ["read_root_attributes"]
+
+# reserved attribute -> the JSON types it may have
+_TYPES: dict[str, tuple[type, ...]] = {
+    "format_version": (int,),
+    "step": (int,),
+    "time": (int, float),
+    "metrics": (dict,),
+    "versions": (dict,),
+    "host_rng": (dict,),
+}
+
+
+def read_root_attributes(step_dir: Path, manifest: dict) -> dict:
+    """The root group's attributes of a committed step, verified.
+
+    Args:
+        step_dir: the committed step directory.
+        manifest: its parsed, marker-checked manifest.
+
+    Returns:
+        The attributes (a dict).
+
+    Raises:
+        CorruptCheckpointError: the document does not match its checksum, is not a group,
+            or a reserved field has the wrong type or disagrees with the manifest's step.
+    """
+    doc = read_json(step_dir / "zarr.json", checksum=doc_checksum(manifest, "zarr.json"))
+    attrs = doc.get("attributes")
+    if doc.get("node_type") != "group" or not isinstance(attrs, dict):
+        raise CorruptCheckpointError(f"{step_dir / 'zarr.json'}: not a group with attributes")
+    for name, types in _TYPES.items():
+        value = attrs.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise CorruptCheckpointError(
+                f"{step_dir / 'zarr.json'}: attribute {name!r} is {value!r}, "
+                f"expected {' or '.join(t.__name__ for t in types)}"
+            )
+    if attrs.get("step", manifest.get("step")) != manifest.get("step"):
+        raise CorruptCheckpointError(f"{step_dir}: root attributes name another step")
+    return attrs

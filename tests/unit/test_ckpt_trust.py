@@ -1,0 +1,326 @@
+"""Nothing committed is lost, nothing crafted is trusted (issue 9, checkpoint side).
+
+Redone steps replace corrupt or superseded ones (the old moved aside, never deleted);
+root metadata is checksummed; every manifest field is validated before it is acted on;
+keys cannot leave the step directory and links are never followed; retention keeps the
+newest finite step; host RNG states come back per rank on request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import warnings
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, LatestN, hostrng
+from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
+
+from .test_ckpt_manager import make_state, same
+
+
+def rewrite_manifest(step_dir: Path, edit) -> None:
+    """Edit a step's manifest and re-seal the marker, as a consistent forgery would."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    edit(manifest)
+    raw = json.dumps(manifest).encode()
+    (step_dir / "manifest.json").write_bytes(raw)
+    marker = json.loads((step_dir / "COMMITTED").read_text())
+    marker |= {"manifest_crc32c": crc32c.crc32c(raw), "manifest_bytes": len(raw)}
+    (step_dir / "COMMITTED").write_text(json.dumps(marker))
+
+
+def saved(tmp_path, *steps, **kw) -> CheckpointManager:
+    mgr = CheckpointManager(tmp_path, async_save=False, **kw)
+    for s in steps:
+        mgr.save(make_state(s), metrics={"loss": float(s)})
+    return mgr
+
+
+def restore_falls_back(tmp_path, want: int) -> None:
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        got = CheckpointManager(tmp_path, async_save=False).restore()
+    assert int(got["step"]) == want and same(got, make_state(want))
+
+
+def flip_first_chunk(step_dir: Path) -> None:
+    chunk = next(p for p in sorted(step_dir.rglob("c.0*")) if p.stat().st_size > 64)
+    raw = bytearray(chunk.read_bytes())
+    raw[10] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+
+
+# ---- 1. a redone step is committed again ------------------------------------------------
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_redone_step_replaces_the_corrupt_one(tmp_path, async_save):
+    saved(tmp_path, 57, 60)
+    flip_first_chunk(tmp_path / "step_00000060")
+    mgr = CheckpointManager(tmp_path, async_save=async_save)
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        assert int(mgr.restore()["step"]) == 57
+    for s in (58, 59, 60):  # redo
+        assert mgr.save(make_state(s), force=True)
+    mgr.close()
+    again = CheckpointManager(tmp_path, async_save=False)
+    assert again.all_steps() == [57, 58, 59, 60]
+    assert same(again.restore(60), make_state(60))  # verifies: the new step 60
+    # the corrupt step 60 left the listing when the redo's first step (58) committed; kept
+    (aside,) = again.set_aside_steps()[60]
+    assert aside.name.startswith("step_00000060.superseded-")
+
+
+def test_a_resume_from_an_earlier_step_supersedes_the_old_history(tmp_path):
+    saved(tmp_path, 20, 30, 40)
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.restore(20)
+    branch = make_state(30)
+    branch["params", "w"] += 1.0  # another history
+    assert mgr.save(branch, force=True)
+    assert mgr.all_steps() == [20, 30] and mgr.latest_step() == 30
+    assert same(mgr.restore(30), branch)
+    aside = mgr.set_aside_steps()
+    assert [p.name.split(".")[1].split("-")[0] for p in aside[30]] == ["replaced"]
+    assert [p.name.split(".")[1].split("-")[0] for p in aside[40]] == ["superseded"]
+    assert same(
+        CheckpointManager(aside[40][0].parent, async_save=False).restore(20), make_state(20)
+    )
+
+
+def test_the_restored_step_itself_is_not_saved_again(tmp_path):
+    saved(tmp_path, 5)
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    state = mgr.restore()
+    assert mgr.save(state, force=True) is False  # e.g. the final save of a finished run
+    assert mgr.set_aside_steps() == {}
+
+
+def test_a_newer_format_step_stops_the_manager_and_nothing_is_deleted(tmp_path):
+    saved(tmp_path, 1, 2)
+    marker_path = tmp_path / "step_00000002" / "COMMITTED"
+    marker = json.loads(marker_path.read_text()) | {"format_version": 7, "ftrain": "3.0"}
+    marker_path.write_text(json.dumps(marker))
+    with pytest.raises(CheckpointFormatError, match=r"ftrain 3\.0 \(format 7\); this is ftrain"):
+        CheckpointManager(tmp_path, async_save=False)
+    assert (tmp_path / "step_00000002" / "manifest.json").exists()
+
+
+# ---- 4. metadata is checksummed -----------------------------------------------------------
+def test_an_edited_root_attribute_is_corruption(tmp_path):
+    saved(tmp_path, 1, 2)
+    doc_path = tmp_path / "step_00000002" / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["attributes"]["schedule_horizon"] = 123456
+    doc_path.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        CheckpointManager(tmp_path, async_save=False).metadata(2)
+    restore_falls_back(tmp_path, 1)
+
+
+def test_an_edited_array_document_is_corruption(tmp_path):
+    saved(tmp_path, 1, 2)
+    doc_path = tmp_path / "step_00000002" / "params" / "w" / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["attributes"]["ftrain"]["dtype"] = "float64"
+    doc_path.write_text(json.dumps(doc))
+    restore_falls_back(tmp_path, 1)
+
+
+# ---- 5. every field validated before use -------------------------------------------------
+CRAFTED = {
+    "zero chunk rows": lambda m: m["arrays"]["params/w"].update(chunk_shape=[0, 8]),
+    "group not a string": lambda m: m["groups"].append(7),
+    "huge consistent shape": lambda m: m["arrays"]["params/w"].update(
+        shape=[10**12, 64], chunk_shape=[10**12, 64]
+    ),
+    "negative dimension": lambda m: m["arrays"]["params/w"].update(shape=[-64, 8]),
+    "float in shape": lambda m: m["arrays"]["params/w"].update(shape=[64.0, 8]),
+    "crc list short": lambda m: m["arrays"]["params/w"].update(crc32c=[]),
+    "unknown dtype": lambda m: m["arrays"]["params/w"].update(dtype="Tensor"),
+    "unknown codec": lambda m: m["arrays"]["params/w"].update(
+        compression="lzma", stored_nbytes=[1]
+    ),
+    "entry not an object": lambda m: m["arrays"].update({"params/w": [1, 2]}),
+    "arrays a list": lambda m: m.update(arrays=[]),
+    "documents malformed": lambda m: m.update(documents={"zarr.json": "x"}),
+    "root doc unlisted": lambda m: m["documents"].pop("zarr.json"),
+    "dot-dot key": lambda m: m["arrays"].update({"../../etc/w": m["arrays"].pop("params/w")}),
+    "absolute key": lambda m: m["arrays"].update({"/etc/w": m["arrays"].pop("params/w")}),
+    "empty component": lambda m: m["arrays"].update({"params//w": m["arrays"].pop("params/w")}),
+    "odd characters": lambda m: m["arrays"].update({"params/w\x00": m["arrays"].pop("params/w")}),
+}
+
+
+@pytest.mark.parametrize("how", sorted(CRAFTED))
+def test_a_crafted_manifest_is_reported_and_restore_falls_back(tmp_path, how):
+    saved(tmp_path, 1, 2)
+    rewrite_manifest(tmp_path / "step_00000002", CRAFTED[how])
+    restore_falls_back(tmp_path, 1)
+
+
+def test_a_step_whose_root_attributes_have_wrong_types_falls_back(tmp_path):
+    saved(tmp_path, 1, 2)
+    step = tmp_path / "step_00000002"
+    doc = json.loads((step / "zarr.json").read_text())
+    doc["attributes"]["metrics"] = ["not", "a", "dict"]
+    raw = json.dumps(doc).encode()
+    (step / "zarr.json").write_bytes(raw)
+    rewrite_manifest(
+        step, lambda m: m["documents"].update({"zarr.json": [crc32c.crc32c(raw), len(raw)]})
+    )
+    restore_falls_back(tmp_path, 1)
+
+
+def test_garbage_host_rng_is_corruption_when_asked_for(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    random.seed(42)
+    mgr.save(make_state(1), force=True)  # records the state right after seed(42)
+    want = random.random()
+    mgr.save(make_state(2), force=True)
+    step = tmp_path / "step_00000002"
+    doc = json.loads((step / "zarr.json").read_text())
+    doc["attributes"]["host_rng"]["0"]["python"]["state"] = [1, 2, 3]
+    raw = json.dumps(doc).encode()
+    (step / "zarr.json").write_bytes(raw)
+    rewrite_manifest(
+        step, lambda m: m["documents"].update({"zarr.json": [crc32c.crc32c(raw), len(raw)]})
+    )
+    random.seed(0)
+    with pytest.warns(RuntimeWarning, match="host RNG state"):
+        got = CheckpointManager(tmp_path, async_save=False).restore(host_rng=True)
+    assert int(got["step"]) == 1
+    assert random.random() == want  # step 1's states were applied, not the garbage
+
+
+# ---- 6. path safety ----------------------------------------------------------------------
+def test_a_symlinked_chunk_is_corruption_and_never_followed(tmp_path):
+    ck = tmp_path / "ck"
+    saved(ck, 1, 2)
+    secret = tmp_path / "outside.bin"
+    chunk = next((ck / "step_00000002" / "params" / "w").glob("c*"))
+    secret.write_bytes(chunk.read_bytes())
+    chunk.unlink()
+    chunk.symlink_to(secret)
+    restore_falls_back(ck, 1)
+    mgr = CheckpointManager(ck, async_save=False, keep_policy=LatestN(1))
+    mgr.save(make_state(3))  # retention deletes steps 1 and 2: the link target survives
+    assert secret.exists()
+
+
+def test_a_symlinked_step_directory_is_not_a_checkpoint(tmp_path):
+    real = tmp_path / "elsewhere"
+    saved(real, 4)
+    ck = tmp_path / "ck"
+    saved(ck, 1)
+    os.symlink(real / "step_00000004", ck / "step_00000004")
+    mgr = CheckpointManager(ck, async_save=False)
+    assert mgr.all_steps() == [1]
+    assert "symbolic" in next(iter(mgr.invalid_steps().values()))
+
+
+def test_the_writer_refuses_keys_that_are_not_plain_names(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    for bad in ("..", "a b", ".hidden", "w\n"):
+        state = make_state(1)
+        state["params", bad] = torch.zeros(2)
+        with pytest.raises(ValueError, match="not a valid node name"):
+            mgr.save(state, force=True)
+
+
+# ---- retention and divergence ------------------------------------------------------------
+def test_retention_keeps_the_newest_step_with_finite_metrics(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_save=False, keep_policy=LatestN(2))
+    mgr.save(make_state(1), metrics={"loss": 2.0})
+    for s in (2, 3, 4):
+        mgr.save(make_state(s), metrics={"loss": float("nan")})
+    assert mgr.all_steps() == [1, 3, 4]
+    mgr.save(make_state(5), metrics={"loss": 1.5})
+    assert mgr.all_steps() == [4, 5]
+
+
+# ---- host RNG per rank -------------------------------------------------------------------
+def test_host_rng_is_recorded_per_rank_and_restored_on_request(tmp_path):
+    states = {}
+    for r in (0, 1):
+        torch.manual_seed(100 + r)
+        random.seed(100 + r)
+        states[r] = hostrng.capture()
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(make_state(1), host_rng=states, force=True)
+    for r in (0, 1):
+        torch.manual_seed(100 + r)
+        random.seed(100 + r)
+        want = (torch.rand(3), random.random())
+        torch.manual_seed(0)
+        random.seed(0)
+        CheckpointManager(tmp_path, async_save=False, rank=r).restore(host_rng=True)
+        assert torch.equal(torch.rand(3), want[0]) and random.random() == want[1]
+    with pytest.warns(RuntimeWarning, match="no host RNG states for rank 5"):
+        CheckpointManager(tmp_path, async_save=False, rank=5).restore(host_rng=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CheckpointManager(tmp_path, async_save=False, rank=5).restore()  # not asked: silent
+
+
+def test_restore_without_any_verifying_step_names_every_problem(tmp_path):
+    saved(tmp_path, 1)
+    rewrite_manifest(tmp_path / "step_00000001", CRAFTED["zero chunk rows"])
+    with (
+        pytest.warns(RuntimeWarning),
+        pytest.raises(CheckpointNotFoundError, match="chunk_shape holds 0"),
+    ):
+        CheckpointManager(tmp_path, async_save=False).restore()
+
+
+# ---- python -m ftrain.ckpt: report, never crash ------------------------------------------
+def ckpt_cli(capsys, *args):
+    from ftrain.ckpt.__main__ import main
+
+    try:
+        rc = main([str(a) for a in args])
+    except SystemExit as e:  # argparse-style exits carry a message, not a traceback
+        rc = e.code if isinstance(e.code, int) else 1
+        print(e.code)
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def test_ckpt_tool_on_a_missing_or_empty_directory_exits_non_zero(tmp_path, capsys):
+    for cmd in ("list", "verify", "show"):
+        rc, out = ckpt_cli(capsys, cmd, tmp_path / "nope")
+        assert rc == 1 and "no such checkpoint directory" in out
+        rc, out = ckpt_cli(capsys, cmd, tmp_path)
+        assert rc == 1 and "no committed checkpoints" in out
+
+
+def test_ckpt_tool_reports_marker_less_and_crafted_steps(tmp_path, capsys):
+    saved(tmp_path, 1, 2, 3)
+    (tmp_path / "step_00000002" / "COMMITTED").unlink()
+    rewrite_manifest(tmp_path / "step_00000003", CRAFTED["zero chunk rows"])
+    rc, out = ckpt_cli(capsys, "verify", tmp_path)
+    assert rc == 1 and "ok   step 1" in out and "BAD  step 3" in out
+    assert "BAD  step_00000002" in out
+    assert ckpt_cli(capsys, "verify", tmp_path, 2)[0] == 1
+    rc, out = ckpt_cli(capsys, "list", tmp_path)
+    assert rc == 1 and "not committed" in out
+    rc, out = ckpt_cli(capsys, "show", tmp_path, 3)
+    assert rc == 1 and "CORRUPT" in out
+    rc, out = ckpt_cli(capsys, "diff", tmp_path, 1, 3)
+    assert rc == 2 and "CORRUPT" in out
+
+
+def test_ckpt_tool_lists_set_aside_steps_and_refuses_newer_formats(tmp_path, capsys):
+    saved(tmp_path, 1, 2)
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.restore(1)
+    mgr.save(make_state(2), force=True)
+    rc, out = ckpt_cli(capsys, "list", tmp_path)
+    assert rc == 0 and "set aside" in out and "step_00000002.replaced-" in out
+    marker_path = tmp_path / "step_00000001" / "COMMITTED"
+    marker_path.write_text(json.dumps(json.loads(marker_path.read_text()) | {"format_version": 9}))
+    rc, out = ckpt_cli(capsys, "list", tmp_path)
+    assert rc == 2 and "(format 9)" in out
