@@ -4,8 +4,9 @@
 
     while state.step < max_steps:
         batch = next(batches)              # carries the cursor of the batch after it
-        state, metrics = step(state, batch)
-        record / heartbeat / maybe evaluate
+        new, metrics = step(state, batch)
+        non-finite loss/grad norm? -> stop (raise, save nothing) | skip | continue
+        state = new; record / heartbeat / maybe evaluate
         save(state, ...)                   # the save policy decides; commits are atomic
         stop requested? -> save(force) and return "stopped"
     save(state, force) and return "finished"
@@ -14,10 +15,29 @@ Consistency comes from the state, not from the loop: ``state`` is always a compl
 step boundary, so whatever happens — a signal, an exception in the next step, a crash
 during a save — the state handed to ``save`` is whole. On an exception the loop makes an
 *emergency save* of the last completed state and re-raises.
+
+**Divergence** (``on_nonfinite``). After every step the loop reads the step's ``loss``
+and ``grad_norm`` on the host. That is one device sync per step; on a step that is
+logged anyway (``log_every``) the logged values are reused, so with the default
+``log_every=1`` it costs nothing extra. Steps that fp16 loss scaling already skipped
+(``state["amp"]["skipped"]`` grew: the update was dropped and the scale backed off) are
+not checked: that is the scaler's normal work, not divergence. Otherwise a non-finite
+value means:
+
+- ``stop`` (default): record ``nonfinite``, raise :class:`NonFiniteError`, and save
+  *nothing* — neither the non-finite state nor an emergency save — so the newest committed
+  checkpoint stays the last finite one and retention is not triggered by a diverged run;
+- ``skip``: discard the update as fp16 loss scaling does: params, buffers, optimizer state
+  (so also the LR schedule's count), loss scale and key chain stay those of the state
+  before the step, while ``step`` and the data cursor advance past the bad batch. The run
+  stays deterministic: a resume replays the same batch with the same keys and skips it
+  again. Needs ``donate=False`` (a donated step has already overwritten the old state);
+- ``continue``: keep the non-finite state (the old behaviour), but record ``nonfinite``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,8 +46,12 @@ import torch
 from tensordict import TensorDictBase
 
 from ftrain.signals import StopFlag
+from ftrain.step import _new_state
+from ftrain.watchdog import Watchdog
 
-__all__ = ["LoopResult", "SaveFn", "train_loop"]
+__all__ = ["NONFINITE_MODES", "LoopResult", "NonFiniteError", "SaveFn", "train_loop"]
+
+NONFINITE_MODES = ("stop", "skip", "continue")
 
 # save(state, metrics, *, force, reason) -> True if a checkpoint was saved (or queued)
 SaveFn = Callable[..., bool]
@@ -86,6 +110,8 @@ def train_loop(
     stop: StopFlag | None = None,
     agree: Callable[[bool], bool] | None = None,
     donate: bool = False,
+    on_nonfinite: str = "stop",
+    watchdog: Watchdog | None = None,
 ) -> LoopResult:
     """Advance ``state`` with ``step`` over ``batches`` until ``max_steps`` or a stop request.
 
@@ -97,16 +123,23 @@ def train_loop(
         save: ``save(state, metrics, *, force, reason) -> bool``; called after every step
             (its policy decides), with ``force=True`` at the end, on stop and on error.
         evaluate: ``evaluate(state) -> {"val_loss": ...}``, called every ``eval_every`` steps.
-        record: ``record(kind, **fields)``: step records (every ``log_every`` steps), events.
+        record: ``record(kind, **fields)``: step records (every ``log_every`` steps), events
+            (``nonfinite``, ``emergency_save``, ``eval``, ``heartbeat``).
         stop: a :class:`ftrain.signals.StopFlag`, checked at every step boundary.
         agree: combine the local stop decision across ranks (any rank stopping stops all).
         donate: the step updates buffers in place; then a failure *inside* a step leaves no
             consistent state to save, and the emergency save is skipped.
+        on_nonfinite: ``"stop"``, ``"skip"`` or ``"continue"`` on a non-finite ``loss`` or
+            ``grad_norm`` (see the module docstring).
+        watchdog: a :class:`ftrain.watchdog.Watchdog`; the loop starts it, feeds it at every
+            phase and stops it when it returns.
 
     Returns:
         A :class:`LoopResult` with the final state.
 
     Raises:
+        NonFiniteError: ``on_nonfinite="stop"`` and a step's loss or grad norm is not finite
+            (nothing is saved).
         Whatever the step, data or save raised, after an emergency save.
 
     Example:
@@ -119,45 +152,192 @@ def train_loop(
         >>> result.status, int(result.state["step"])
         ('finished', 3)
     """
-    record = record or _noop_record
-    save = save or (lambda *a, **k: False)
-    it = iter(batches)
-    meter = _Meter()
-    last: dict[str, float] = {}  # the newest *logged* metrics (host floats)
-    current: dict = {}  # metrics of the step `state` is at: what a save records with it
-    in_step = False
+    _check_mode(on_nonfinite, donate)
+    run = _Run(
+        step=step,
+        save=save or (lambda *a, **k: False),
+        record=record or _noop_record,
+        evaluate=evaluate,
+        eval_every=eval_every,
+        log_every=log_every,
+        max_steps=max_steps,
+        donate=donate,
+        on_nonfinite=on_nonfinite,
+        watchdog=watchdog or _NoWatchdog(),
+    )
+    run.watchdog.start()
     try:
-        while int(state["step"]) < max_steps:
-            if _stop_now(stop, agree):
-                reason = (
-                    stop.reason if stop is not None else None
-                ) or "stop requested by another rank"
-                save(state, current, force=True, reason=reason)
-                return LoopResult(state, "stopped", reason, last)
-            batch = next(it)
-            in_step = True
-            state, metrics = step(state, batch)
-            in_step = False
-            n = int(state["step"])
-            current = dict(metrics.items())  # tensors: read only if a save happens
-            meter.add(metrics["tokens"])
-            if n % log_every == 0 or n == max_steps:
-                last = _host(metrics)
-                last["tokens_per_s"] = meter.rate()
-                record("step", step=n, **last)
-            if evaluate is not None and eval_every and n % eval_every == 0:
-                ev = evaluate(state)
-                record("eval", step=n, **ev)
-                last.update(ev)
-                current.update(ev)
-            save(state, current, force=False, reason="policy")
-            record("heartbeat", step=n)
-    except BaseException as err:
-        if not (donate and in_step):
-            _emergency_save(save, state, current, err, record)
-        raise
-    save(state, current, force=True, reason="final")
-    return LoopResult(state, "finished", None, last)
+        return run.loop(state, iter(batches), stop, agree)
+    finally:
+        run.watchdog.stop()
+
+
+def _check_mode(on_nonfinite: str, donate: bool) -> None:
+    if on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}")
+    if on_nonfinite == "skip" and donate:
+        raise ValueError(
+            "on_nonfinite='skip' keeps the state before a bad step, but donate=True "
+            "overwrites it in place; use donate=False or on_nonfinite='stop'"
+        )
+
+
+class _NoWatchdog:
+    """Stands in for a :class:`Watchdog` when there is none (no branches in the loop)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def phase(self, name, state, metrics, *, safe) -> None: ...
+
+    def beat(self) -> None: ...
+
+
+@dataclass
+class _Run:
+    """The loop's fixed parts; ``loop`` is the loop itself, ``_one_step`` one iteration."""
+
+    step: Callable
+    save: SaveFn
+    record: Callable[..., None]
+    evaluate: Callable | None
+    eval_every: int | None
+    log_every: int
+    max_steps: int
+    donate: bool
+    on_nonfinite: str
+    watchdog: Watchdog | _NoWatchdog
+    meter: _Meter = field(default_factory=lambda: _Meter())
+    last: dict = field(default_factory=dict)  # the newest *logged* metrics (host floats)
+    current: dict = field(default_factory=dict)  # metrics of the step `state` is at
+
+    def loop(self, state, it, stop, agree) -> LoopResult:
+        wd, in_step = self.watchdog, False
+        try:
+            while int(state["step"]) < self.max_steps:
+                wd.phase("agree", state, self.current, safe=True)
+                if _stop_now(stop, agree):
+                    reason = (
+                        stop.reason if stop is not None else None
+                    ) or "stop requested by another rank"
+                    wd.phase("save", state, self.current, safe=True)
+                    self.save(state, self.current, force=True, reason=reason)
+                    return LoopResult(state, "stopped", reason, self.last)
+                wd.phase("data", state, self.current, safe=True)
+                batch = next(it)
+                in_step = True
+                wd.phase("step", state, self.current, safe=not self.donate)
+                state = self._one_step(state, batch)
+                in_step = False
+        except NonFiniteError:
+            raise  # nothing is saved: the newest committed checkpoint is the last finite one
+        except BaseException as err:
+            if not (self.donate and in_step):
+                wd.phase("save", state, self.current, safe=True)
+                _emergency_save(self.save, state, self.current, err, self.record)
+            raise
+        wd.phase("save", state, self.current, safe=True)
+        self.save(state, self.current, force=True, reason="final")
+        return LoopResult(state, "finished", None, self.last)
+
+    def _one_step(self, state, batch):
+        """Step, check, record, evaluate, offer a save; returns the state to continue from."""
+        new, metrics = self.step(state, batch)
+        n = int(new["step"])
+        logged = n % self.log_every == 0 or n == self.max_steps
+        host = _host(metrics) if logged else None
+        bad = _nonfinite(state, new, metrics, host)
+        self.meter.add(metrics["tokens"])
+        if bad:
+            self._on_bad(n, bad)
+        if logged:
+            self.last = dict(host)
+            self.last["tokens_per_s"] = self.meter.rate()
+            self.record("step", step=n, **self.last)
+        if bad and self.on_nonfinite == "skip":
+            new = _skipped(state, new)  # keep the metrics of the params we keep
+        else:
+            self.current = dict(metrics.items())  # tensors: read only if a save happens
+        self.watchdog.beat()
+        self.watchdog.phase("record", new, self.current, safe=True)
+        self._maybe_evaluate(new, n)
+        self.watchdog.phase("save", new, self.current, safe=True)
+        self.save(new, self.current, force=False, reason="policy")
+        self.watchdog.beat()
+        self.record("heartbeat", step=n)
+        return new
+
+    def _on_bad(self, n: int, bad: dict[str, float]) -> None:
+        action = {"stop": "stopped", "skip": "skipped", "continue": "continued"}
+        self.record("nonfinite", step=n, action=action[self.on_nonfinite], **bad)
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(n, bad)
+
+    def _maybe_evaluate(self, state, n: int) -> None:
+        if self.evaluate is None or not self.eval_every or n % self.eval_every:
+            return
+        self.watchdog.phase("eval", state, self.current, safe=True)
+        ev = self.evaluate(state)
+        self.watchdog.beat()
+        self.record("eval", step=n, **ev)
+        self.last.update(ev)
+        self.current.update(ev)
+
+
+_CHECKED = ("loss", "grad_norm")
+
+
+def _nonfinite(old, new, metrics, host: dict | None) -> dict[str, float]:
+    """The checked metrics that are not finite (``{}``: all fine, or fp16 skipped the step).
+
+    One host read for all of them (``host`` when the step is logged anyway).
+    """
+    names = [k for k in _CHECKED if k in metrics.keys()]
+    if not names or _amp_skipped(old, new):
+        return {}
+    if host is not None:
+        values = [float(host[k]) for k in names]
+    else:
+        device = metrics[names[0]].device
+        values = torch.stack([metrics[k].detach().float().reshape(()).to(device) for k in names])
+        values = values.tolist()
+    return {k: v for k, v in zip(names, values, strict=True) if not math.isfinite(v)}
+
+
+def _amp_skipped(old, new) -> bool:
+    """fp16 loss scaling skipped this step's update itself (``amp.skipped`` grew)."""
+    try:
+        return bool(new["amp", "skipped"] != old["amp", "skipped"])
+    except KeyError:  # a custom state without loss-scale bookkeeping
+        return False
+
+
+def _skipped(old, new):
+    """The state before the step, with the step count and data cursor of the state after it."""
+    parts = {k: old[k] for k in old.keys()}
+    for k in ("step", "data"):
+        if k in new.keys():
+            parts[k] = new[k]
+    return _new_state(**parts)
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or grad norm was not finite and ``on_nonfinite="stop"``.
+
+    Attributes:
+        step: the step whose result was not finite (it was not kept).
+        values: the non-finite metrics, e.g. ``{"loss": nan}``.
+    """
+
+    def __init__(self, step: int, values: dict[str, float]) -> None:
+        self.step, self.values = step, dict(values)
+        shown = ", ".join(f"{k}={v}" for k, v in values.items())
+        super().__init__(
+            f"step {step}: non-finite {shown}; stopped (trainer.on_nonfinite=stop) without "
+            f"saving it, so the newest committed checkpoint is the last finite step. Lower the "
+            f"learning rate, add clipping (optim.clip) or use on_nonfinite=skip"
+        )
 
 
 def _stop_now(stop: StopFlag | None, agree: Callable[[bool], bool] | None) -> bool:

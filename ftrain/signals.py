@@ -10,9 +10,13 @@ Exit codes of ``python -m ftrain``:
 
 ====  =====================================================================
 0     finished ``trainer.max_steps``
-1     an error (after an emergency save of the last completed step)
+1     an error (after an emergency save of the last completed step), or a non-finite
+      loss/grad norm with ``trainer.on_nonfinite=stop`` (then *nothing* is saved: the
+      newest committed step is the last finite one)
 2     bad config or command line (nothing was trained)
 3     stopped by SIGTERM/SIGINT/SIGUSR1 after a committed save: re-run to resume
+4     hung: no progress for ``trainer.hang_timeout_s`` (:mod:`ftrain.watchdog`); stacks
+      dumped to ``RUN_DIR/hang-*.txt``, the last consistent step saved if possible
 130   second SIGINT: immediate exit (the newest *committed* step is intact)
 ====  =====================================================================
 """
@@ -24,12 +28,21 @@ import signal
 import threading
 from types import FrameType
 
-__all__ = ["EXIT_CONFIG", "EXIT_ERROR", "EXIT_FORCED", "EXIT_OK", "EXIT_PREEMPTED", "StopFlag"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_ERROR",
+    "EXIT_FORCED",
+    "EXIT_HUNG",
+    "EXIT_OK",
+    "EXIT_PREEMPTED",
+    "StopFlag",
+]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
 EXIT_PREEMPTED = 3
+EXIT_HUNG = 4
 EXIT_FORCED = 130
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)

@@ -41,6 +41,8 @@ SAFE_PREFIXES = (
     "trainer.device",
     "trainer.donate",
     "trainer.grad_accum",
+    "trainer.on_nonfinite",  # only what happens after a bad step (switch to skip, resume)
+    "trainer.hang_timeout_s",
     "checkpoint.",
     "dist.",
     "run.",

@@ -37,10 +37,11 @@ from ftrain.cli.session import Session
 from ftrain.config import ConfigError, load_config
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
-from ftrain.loop import train_loop
-from ftrain.signals import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, StopFlag
+from ftrain.loop import NonFiniteError, train_loop
+from ftrain.signals import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, StopFlag
 from ftrain.state import init_state, place
 from ftrain.step import make_step
+from ftrain.watchdog import Watchdog
 
 __all__ = ["main"]
 
@@ -49,7 +50,8 @@ USAGE = """usage: python -m ftrain [+recipe=NAME] [KEY=VALUE ...]
 
 Re-running the same command resumes from the newest committed checkpoint in run.dir.
 resume=none starts fresh; resume=STEP resumes exactly at STEP. See docs/configuration.md.
-Exit codes: 0 done, 1 error, 2 bad config, 3 stopped by a signal after saving, 130 forced."""
+Exit codes: 0 done, 1 error (or a non-finite loss), 2 bad config, 3 stopped by a signal
+after saving, 4 hung (trainer.hang_timeout_s), 130 forced. See docs/fault-tolerance.md."""
 
 # Errors that mean "this run cannot start as configured": reported in one paragraph, exit 2.
 # Anything else during setup is a bug and keeps its traceback.
@@ -168,20 +170,51 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
         )
         evaluate = session.evaluator(p.model, p.loss_fn, p.val, device) if t.eval_every else None
         session.start_progress(int(state["step"]))
-        with loader, loader.iter_from(state["data"].cpu()) as batches:
-            result = train_loop(
-                state,
-                step,
-                batches,
-                max_steps=t.max_steps,
-                save=session.save,
-                evaluate=evaluate,
-                eval_every=t.eval_every,
-                record=session.record,
-                log_every=t.log_every,
-                stop=stop,
-                agree=agree_any if world.active else None,
-                donate=t.donate,
-            )
+        try:
+            with loader, loader.iter_from(state["data"].cpu()) as batches:
+                result = train_loop(
+                    state,
+                    step,
+                    batches,
+                    max_steps=t.max_steps,
+                    save=session.save,
+                    evaluate=evaluate,
+                    eval_every=t.eval_every,
+                    record=session.record,
+                    log_every=t.log_every,
+                    stop=stop,
+                    agree=agree_any if world.active else None,
+                    donate=t.donate,
+                    on_nonfinite=t.on_nonfinite,
+                    watchdog=_watchdog(cfg, session, p.manager),
+                )
+        except NonFiniteError as err:
+            return _diverged(err, p.manager)
         session.finish(result)
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
+
+
+def _watchdog(cfg: DictConfig, session: Session, manager: CheckpointManager) -> Watchdog | None:
+    """The hang watchdog of ``trainer.hang_timeout_s`` (``None``: off); see ftrain.watchdog."""
+    if cfg.trainer.hang_timeout_s is None:
+        return None
+
+    def save(state, metrics) -> bool:
+        return session.save(state, metrics, force=True, reason="hang")
+
+    return Watchdog(
+        cfg.trainer.hang_timeout_s,
+        run_dir=cfg.run.dir,
+        save=save,
+        drain=manager.wait,  # the final save counts only once committed
+        on_hang=lambda info: session.record("hang", **info),
+    )
+
+
+def _diverged(err: NonFiniteError, manager: CheckpointManager) -> int:
+    """One message for a stopped divergence: what went wrong and where a resume starts."""
+    manager.wait()  # an earlier (finite) step may still be committing
+    latest = manager.latest_step()
+    where = f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
+    print(f"ftrain: {err}\nftrain: newest committed checkpoint: {where}", file=sys.stderr)
+    return EXIT_ERROR

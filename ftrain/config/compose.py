@@ -166,6 +166,24 @@ def _check_trainer(t: DictConfig) -> None:
         raise ConfigError(
             f"trainer.batch_size={t.batch_size} must be divisible by trainer.grad_accum={t.grad_accum}"
         )
+    _check_fault_keys(t)
+
+
+def _check_fault_keys(t: DictConfig) -> None:
+    """``trainer.on_nonfinite`` and ``trainer.hang_timeout_s`` (see docs/fault-tolerance.md)."""
+    if t.on_nonfinite not in ("stop", "skip", "continue"):
+        raise ConfigError(
+            f"trainer.on_nonfinite must be stop, skip or continue, got {t.on_nonfinite!r}"
+        )
+    if t.on_nonfinite == "skip" and t.donate:
+        raise ConfigError(
+            "trainer.on_nonfinite=skip keeps the state before a bad step, but "
+            "trainer.donate=true overwrites it in place; use one of them"
+        )
+    if t.hang_timeout_s is not None and not t.hang_timeout_s > 0:
+        raise ConfigError(
+            f"trainer.hang_timeout_s must be > 0 seconds or null (off), got {t.hang_timeout_s}"
+        )
 
 
 def _check_checkpoint(c: DictConfig) -> None:

@@ -95,6 +95,8 @@ class TrainerConfig:
     log_every: int = 1
     device: str = "auto"
     donate: bool = False
+    on_nonfinite: str = "stop"  # stop | skip | continue (ftrain.loop)
+    hang_timeout_s: float | None = None  # null: no hang watchdog (ftrain.watchdog)
 
 
 @dataclass

@@ -118,3 +118,131 @@ def test_saves_record_the_metrics_of_the_saved_step_and_eval_does_not_change_tra
     assert by_step[2]["val_loss"] == 0.0 and by_step[4]["val_loss"] == 1.0
     assert "val_loss" not in by_step[3], "no stale eval numbers on a step that was not evaluated"
     assert "loss" in by_step[1], "metrics of the step itself, even when it was not logged"
+
+
+# -- divergence: trainer.on_nonfinite --------------------------------------------------
+
+
+def _diverging(at: int, metric: str = "loss"):
+    """The tiny setup, whose step ``at`` reports a non-finite ``metric`` (and NaN params)."""
+    state, step = _setup()
+
+    def bad(s, b):
+        new, metrics = step(s, b)
+        if int(new["step"]) == at:
+            metrics = metrics.clone()
+            metrics[metric] = torch.tensor(float("nan"))
+            new = new.apply(lambda t: t * float("nan") if t.is_floating_point() else t)
+        return new, metrics
+
+    bad.clean = step
+    return state, bad
+
+
+def test_nonfinite_stop_raises_naming_step_and_metric_and_saves_nothing_after():
+    from ftrain.loop import NonFiniteError
+
+    state, step = _diverging(at=3, metric="grad_norm")
+    saves, records = Saves(), []
+    with pytest.raises(NonFiniteError, match=r"step 3: non-finite grad_norm=nan") as err:
+        train_loop(
+            state,
+            step,
+            _batches(),
+            max_steps=10,
+            save=saves,
+            record=lambda k, **f: records.append((k, f)),
+        )
+    assert err.value.step == 3 and list(err.value.values) == ["grad_norm"]
+    # policy saves of steps 1 and 2, then nothing: no emergency save, no final save
+    assert saves.calls == [(1, False, "policy"), (2, False, "policy")]
+    bad = [f for k, f in records if k == "nonfinite"]
+    assert len(bad) == 1 and bad[0]["step"] == 3 and bad[0]["action"] == "stopped"
+    assert bad[0]["grad_norm"] != bad[0]["grad_norm"]  # the NaN itself is recorded
+    assert not any(k == "emergency_save" for k, _ in records)
+
+
+def test_nonfinite_is_the_default_stop_even_between_logged_steps():
+    from ftrain.loop import NonFiniteError
+
+    state, step = _diverging(at=3)
+    with pytest.raises(NonFiniteError, match="step 3: non-finite loss=nan"):
+        train_loop(state, step, _batches(), max_steps=10, log_every=100)
+
+
+def test_nonfinite_skip_keeps_the_old_params_and_advances_step_and_cursor():
+    state, step = _diverging(at=3)
+    saves, records = Saves(), []
+    cursors = []
+
+    def batches():
+        for i in range(100):
+            cursors.append(i + 1)
+            yield {"x": torch.ones(4, 2), "cursor": ftrain.data.init_cursor(0, i + 1)}
+
+    result = train_loop(
+        state,
+        step,
+        batches(),
+        max_steps=5,
+        save=saves,
+        record=lambda k, **f: records.append((k, f)),
+        on_nonfinite="skip",
+    )
+    s = result.state
+    assert result.status == "finished" and int(s["step"]) == 5
+    assert int(s["data", "position"]) == 5, "the bad batch was consumed, not re-read"
+    assert all(torch.isfinite(t).all() for t in s["params"].values(True, True))
+    assert [f["step"] for k, f in records if k == "nonfinite"] == [3]
+    assert records[[k for k, _ in records].index("nonfinite")][1]["action"] == "skipped"
+    # the skipped step's update is gone: 4 updates applied, the optimizer counted 4
+    four = train_loop(state, step.clean, _batches(), max_steps=4).state
+    assert ftrain.tree_equal(s["params"], four["params"])
+    assert ftrain.tree_equal(s["opt"], four["opt"]), "the LR schedule's count did not move"
+    assert all(m["loss"] == m["loss"] for m in saves.metrics.values()), "no NaN metrics saved"
+
+
+def test_nonfinite_skip_is_deterministic_across_a_resume():
+    state, step = _diverging(at=3)
+    full = train_loop(state, step, _batches(), max_steps=6, on_nonfinite="skip").state
+    part = train_loop(state, step, _batches(), max_steps=2, on_nonfinite="skip").state
+    resumed = train_loop(part, step, _batches(), max_steps=6, on_nonfinite="skip").state
+    assert ftrain.tree_equal(full, resumed)
+
+
+def test_nonfinite_continue_keeps_going_and_records():
+    state, step = _diverging(at=2)
+    records = []
+    result = train_loop(
+        state,
+        step,
+        _batches(),
+        max_steps=4,
+        record=lambda k, **f: records.append((k, f)),
+        on_nonfinite="continue",
+    )
+    assert int(result.state["step"]) == 4
+    assert [f["action"] for k, f in records if k == "nonfinite"] == ["continued"] * 3
+    assert not torch.isfinite(result.state["params", "weight"]).all()
+
+
+def test_nonfinite_fp16_skips_are_left_to_the_loss_scaler():
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.sgd(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, precision="fp16")
+    state = ftrain.init_state(model, tx, seed=0, precision="fp16")
+    huge = iter([{"x": torch.full((4, 2), 1e30)}] + [{"x": torch.ones(4, 2)}] * 10)
+    records = []
+    result = train_loop(
+        state, step, huge, max_steps=3, record=lambda k, **f: records.append((k, f))
+    )
+    assert int(result.state["amp", "skipped"]) >= 1, "the scaler skipped the overflowing step"
+    assert not any(k == "nonfinite" for k, _ in records)
+
+
+def test_nonfinite_rejects_bad_modes():
+    state, step = _setup()
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        train_loop(state, step, _batches(), max_steps=1, on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="donate=True"):
+        train_loop(state, step, _batches(), max_steps=1, on_nonfinite="skip", donate=True)

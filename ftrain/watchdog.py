@@ -1,0 +1,256 @@
+"""A hang watchdog: if the loop makes no progress in time, dump stacks, save, exit.
+
+A hung process (a data source blocked on a dead file system, a collective waiting for a
+rank that died, a deadlock) never raises, so nothing else ends it. :class:`Watchdog` runs
+a daemon thread that the loop *feeds*:
+
+- ``phase(name, state, metrics, safe)`` says where the loop is now (``data``, ``step``,
+  ``eval``, ``save``, ...) and which completed state it holds; it does not reset the clock;
+- ``beat()`` resets the clock: the loop calls it when a step completed, an evaluation
+  returned or a save returned.
+
+So ``timeout_s`` bounds the wait for one batch plus one step, one evaluation and one
+blocking save call. Before the first beat the allowance is ``first_timeout_s`` (default
+5 x ``timeout_s``): the first step includes CUDA initialisation, ``torch.compile``
+warm-up and the loader's first read.
+
+When the allowance runs out the watchdog
+
+1. writes every thread's stack to ``RUN_DIR/hang-<UTC time>-pid<PID>.txt`` (named
+   threads from ``sys._current_frames``, then ``faulthandler``'s raw dump);
+2. saves the newest completed state, only if it is consistent: not while a ``donate=True``
+   step may be rewriting it in place (``safe=False``), and not while the main thread is
+   inside a save itself (a second save beside it could mix or block on it). The save and
+   the wait for in-flight commits run in a helper thread bounded by ``save_timeout_s``
+   (default ``timeout_s``): a save may hang on the same dead file system;
+3. exits the process with :data:`ftrain.signals.EXIT_HUNG` through ``os._exit`` (the main
+   thread is stuck, so a normal exit would wait for it forever).
+
+A supervisor (torchrun ``--max-restarts``, systemd, SLURM) restarts the run, which resumes
+from the newest committed step. Limitation: the watchdog is a Python thread, so a hang in
+C code that holds the GIL also stops the watchdog; ``heartbeat.json`` (rewritten every
+step) lets an external supervisor catch that case (see ``docs/fault-tolerance.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from ftrain.signals import EXIT_HUNG
+
+__all__ = ["Watchdog", "dump_stacks"]
+
+
+def dump_stacks(path: str | os.PathLike, header: str = "") -> Path:
+    """Write every thread's Python stack to ``path`` (named threads, then faulthandler's).
+
+    Args:
+        path: the file to write (its directory is created).
+        header: text written first (what was hung, for how long).
+
+    Returns:
+        The path written.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = dump_stacks(pathlib.Path(tempfile.mkdtemp()) / "stacks.txt", "demo")
+        >>> "dump_stacks" in p.read_text()
+        True
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(header.rstrip() + "\n\n" if header else "")
+        for ident, frame in sys._current_frames().items():
+            f.write(f"--- thread {names.get(ident, '?')} (ident {ident}) ---\n")
+            f.write("".join(traceback.format_stack(frame)) + "\n")
+        f.write("--- faulthandler (all threads, most recent call first) ---\n")
+        f.flush()
+        # faulthandler writes straight to the descriptor and works even if the
+        # interpreter's state is odd; it is the dump to trust if the one above failed
+        faulthandler.dump_traceback(file=f, all_threads=True)
+    return path
+
+
+class Watchdog:
+    """Ends a run whose loop makes no progress for ``timeout_s`` (see the module docstring).
+
+    Args:
+        timeout_s: the longest time allowed between two beats (> 0).
+        run_dir: where the stack dump ``hang-<time>-pid<pid>.txt`` goes.
+        save: ``save(state, metrics) -> bool``: the final save (commit included), called
+            from a helper thread; ``None``: never save.
+        drain: ``drain()``: wait for saves already in flight (``None``: nothing to wait for);
+            called, bounded, even when the final save is skipped.
+        on_hang: ``on_hang(info)`` with a dict of what happened, before the exit (a record).
+        first_timeout_s: the allowance before the first beat (default ``5 * timeout_s``).
+        save_timeout_s: bound on ``save`` + ``drain`` (default ``timeout_s``).
+        exit: called with :data:`EXIT_HUNG` at the end (default ``os._exit``; tests replace it).
+
+    Example:
+        >>> import tempfile
+        >>> wd = Watchdog(60.0, run_dir=tempfile.mkdtemp())
+        >>> with wd:
+        ...     wd.phase("step", None, {}, safe=True)
+        ...     wd.beat()
+        >>> wd.fired
+        False
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        run_dir: str | os.PathLike,
+        save: Callable[[object, dict], bool] | None = None,
+        drain: Callable[[], object] | None = None,
+        on_hang: Callable[[dict], None] | None = None,
+        first_timeout_s: float | None = None,
+        save_timeout_s: float | None = None,
+        exit: Callable[[int], object] = os._exit,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.first_timeout_s = float(first_timeout_s or 5 * timeout_s)
+        self.save_timeout_s = float(save_timeout_s or timeout_s)
+        self.run_dir = Path(run_dir)
+        self._save, self._drain, self._on_hang, self._exit = save, drain, on_hang, exit
+        # one tuple, replaced whole: the watchdog thread reads it without a lock
+        self._where: tuple[str, object, dict, bool] = ("start", None, {}, False)
+        self._last = time.monotonic()
+        self._beats = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired = False
+        self.dump_path: Path | None = None
+
+    # -- fed by the loop (cheap: a few attribute stores) ------------------------------
+    def phase(self, name: str, state, metrics: dict, *, safe: bool) -> None:
+        """The loop enters ``name`` holding ``state`` (saveable now only if ``safe``)."""
+        self._where = (name, state, metrics, safe)
+
+    def beat(self) -> None:
+        """Progress: a step completed, or an evaluation or a save returned."""
+        self._last = time.monotonic()
+        self._beats += 1
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> Watchdog:
+        """Start the watchdog thread (the clock starts now) and return self."""
+        self._last = time.monotonic()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="ftrain-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (the loop ended); idempotent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- the watchdog thread ------------------------------------------------------------
+    def _watch(self) -> None:
+        poll = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(poll):
+            allowed = self.timeout_s if self._beats else self.first_timeout_s
+            idle = time.monotonic() - self._last
+            if idle > allowed:
+                self._fire(idle, allowed)
+                return
+
+    def _fire(self, idle: float, allowed: float) -> None:
+        self.fired = True
+        phase, state, metrics, safe = self._where
+        step = _step_of(state)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        header = (
+            f"ftrain hang watchdog: no progress for {idle:.1f} s (allowed {allowed:g} s) "
+            f"at step {step}, phase {phase!r}, pid {os.getpid()}"
+        )
+        self.dump_path = dump_stacks(self.run_dir / f"hang-{stamp}-pid{os.getpid()}.txt", header)
+        can_save = self._save is not None and state is not None and safe and phase != "save"
+        _say(f"ftrain: {header}; stacks in {self.dump_path}")
+        saved, error = self._final_save(state, metrics, can_save)
+        info = {
+            "step": step,
+            "phase": phase,
+            "idle_s": round(idle, 3),
+            "timeout_s": allowed,
+            "dump": str(self.dump_path),
+            "saved": saved,
+            "save_error": error,
+        }
+        if self._on_hang is not None:
+            _quietly(self._on_hang, info)
+        _say(_exit_message(step, phase, saved, error, can_save))
+        self._exit(EXIT_HUNG)
+
+    def _final_save(self, state, metrics: dict, can_save: bool) -> tuple[bool, str | None]:
+        """Save (if ``can_save``) and drain in a helper thread, bounded by ``save_timeout_s``."""
+        out: dict = {"saved": False, "error": None}
+
+        def work() -> None:
+            try:
+                if can_save:
+                    out["saved"] = bool(self._save(state, metrics))
+                if self._drain is not None:
+                    self._drain()
+            except BaseException as err:  # report it; the exit must still happen
+                out["saved"], out["error"] = False, repr(err)
+
+        helper = threading.Thread(target=work, name="ftrain-watchdog-save", daemon=True)
+        helper.start()
+        helper.join(self.save_timeout_s)
+        if helper.is_alive():
+            return False, f"the final save did not finish within {self.save_timeout_s:g} s"
+        return out["saved"], out["error"]
+
+
+def _step_of(state) -> int | None:
+    try:
+        return int(state["step"]) if state is not None else None
+    except Exception:  # a donated or odd state: the dump still matters more
+        return None
+
+
+def _exit_message(step, phase: str, saved: bool, error: str | None, tried: bool) -> str:
+    if saved:
+        done = f"saved step {step}"
+    elif error:
+        done = f"no final save ({error})"
+    elif not tried:
+        done = f"no final save (the state is not consistent during {phase!r})"
+    else:
+        done = f"step {step} was already saved"
+    return f"ftrain: {done}; exiting with code {EXIT_HUNG} (hung) so a supervisor restarts the run"
+
+
+def _quietly(fn: Callable, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as err:
+        _say(f"ftrain: watchdog callback failed: {err!r}")
+
+
+def _say(message: str) -> None:
+    # os.write: the main thread may hold sys.stderr's buffer lock while it hangs
+    with contextlib.suppress(OSError):
+        os.write(2, (message + "\n").encode())

@@ -1,0 +1,220 @@
+"""The hang watchdog (ftrain.watchdog) with train_loop and a data source that blocks."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import ftrain
+from ftrain.config import ConfigError, load_config
+from ftrain.loop import train_loop
+from ftrain.signals import EXIT_HUNG
+from ftrain.watchdog import Watchdog, dump_stacks
+
+
+def _setup():
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.sgd(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx)
+    return ftrain.init_state(model, tx, seed=0), step
+
+
+def block_until(release: threading.Event) -> None:
+    """The frame a stack dump must name: a data source waiting on something that never comes."""
+    release.wait()
+    raise StopIteration  # released by the test after the watchdog fired
+
+
+def _hanging_batches(n: int, release: threading.Event):
+    for _ in range(n):
+        yield {"x": torch.ones(4, 2)}
+    block_until(release)
+
+
+class Fired:
+    """Stands in for os._exit: remembers the code, then lets the blocked loop go."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release, self.codes = release, []
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.release.set()
+
+
+def _run(tmp_path, n=2, *, donate=False, save=None, **wd_kwargs):
+    state, step = _setup()
+    release = threading.Event()
+    fired, saves, hangs = Fired(release), [], []
+    wd = Watchdog(
+        wd_kwargs.pop("timeout_s", 0.3),
+        run_dir=tmp_path,
+        save=save or (lambda s, m: saves.append((int(s["step"]), dict(m))) or True),
+        on_hang=hangs.append,
+        exit=fired,
+        **wd_kwargs,
+    )
+    t0 = time.monotonic()
+    with pytest.raises((RuntimeError, StopIteration)):  # the released generator ends
+        train_loop(state, step, _hanging_batches(n, release), max_steps=100, watchdog=wd)
+    return wd, fired, saves, hangs, time.monotonic() - t0
+
+
+def test_a_hang_dumps_stacks_saves_the_last_step_and_exits_hung(tmp_path):
+    wd, fired, saves, hangs, _ = _run(tmp_path, n=3)
+    assert fired.codes == [EXIT_HUNG] and wd.fired
+    dump = wd.dump_path.read_text()
+    assert wd.dump_path.parent == tmp_path and wd.dump_path.name.startswith("hang-")
+    assert "block_until" in dump and "release.wait()" in dump, "the blocking frame is named"
+    assert "at step 3, phase 'data'" in dump
+    assert [s for s, _ in saves] == [3], "the last completed state, once"
+    assert "loss" in saves[0][1], "saved with the metrics of that step"
+    assert hangs[0]["step"] == 3 and hangs[0]["saved"] is True and hangs[0]["phase"] == "data"
+
+
+def test_the_first_step_gets_its_own_larger_allowance(tmp_path):
+    _, fired, saves, hangs, took = _run(tmp_path, n=0, timeout_s=0.2, first_timeout_s=1.0)
+    assert fired.codes == [EXIT_HUNG] and took >= 1.0, "not before first_timeout_s"
+    assert saves == [(0, {})] and hangs[0]["timeout_s"] == 1.0
+
+
+def test_no_save_while_a_donated_step_may_be_rewriting_the_state(tmp_path):
+    state, step = _setup()
+    release, saves = threading.Event(), []
+    fired = Fired(release)
+    wd = Watchdog(0.3, run_dir=tmp_path, save=lambda s, m: saves.append(s), exit=fired)
+
+    def stuck_step(s, b):
+        if int(s["step"]) == 2:
+            block_until(release)
+        return step(s, b)
+
+    with pytest.raises(StopIteration):
+        batches = _hanging_batches(10, threading.Event())
+        train_loop(state, stuck_step, batches, max_steps=10, donate=True, watchdog=wd)
+    assert fired.codes == [EXIT_HUNG] and saves == []
+    assert "phase 'step'" in wd.dump_path.read_text()
+
+
+def test_a_hung_save_is_not_joined_by_another_and_a_slow_final_save_is_bounded(tmp_path):
+    release = threading.Event()
+    fired = Fired(release)
+    calls = []
+    wd = Watchdog(0.2, run_dir=tmp_path, save=lambda s, m: calls.append(1), exit=fired)
+    with wd:
+        wd.phase("save", {"step": torch.tensor(5)}, {}, safe=True)
+        wd.beat()
+        assert release.wait(5)
+    assert calls == [] and fired.codes == [EXIT_HUNG], "the main thread is inside a save"
+
+    release.clear()
+    wd = Watchdog(
+        0.2,
+        run_dir=tmp_path,
+        save=lambda s, m: time.sleep(30),
+        save_timeout_s=0.3,
+        on_hang=calls.append,
+        exit=Fired(release),
+    )
+    t0 = time.monotonic()
+    with wd:
+        wd.phase("data", {"step": torch.tensor(5)}, {}, safe=True)
+        wd.beat()
+        assert release.wait(5)
+    assert time.monotonic() - t0 < 3
+    assert calls[0]["saved"] is False and "did not finish within 0.3 s" in calls[0]["save_error"]
+
+
+def test_a_loop_that_keeps_stepping_is_never_fired(tmp_path):
+    state, step = _setup()
+    fired = Fired(threading.Event())
+    slow = (dict(x=torch.ones(4, 2)) for _ in iter(lambda: time.sleep(0.05) or True, False))
+    wd = Watchdog(0.3, run_dir=tmp_path, exit=fired, first_timeout_s=5)
+    result = train_loop(state, step, slow, max_steps=15, watchdog=wd)  # ~0.75 s in all
+    assert result.status == "finished" and fired.codes == [] and not wd.fired
+    assert wd._thread is None, "stopped with the loop"
+
+
+HANGING_SCRIPT = """
+import sys, threading, torch, ftrain
+from ftrain.loop import train_loop
+from ftrain.watchdog import Watchdog
+
+def block_forever():
+    threading.Event().wait()
+
+def batches():
+    for _ in range(2):
+        yield {"x": torch.ones(4, 2)}
+    block_forever()
+
+model = torch.nn.Linear(2, 1)
+tx = ftrain.optim.sgd(0.1)
+step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx)
+
+def save(state, metrics):
+    print("saved", int(state["step"]), flush=True)
+    return True
+
+wd = Watchdog(0.5, run_dir=sys.argv[1], save=save)
+train_loop(ftrain.init_state(model, tx, seed=0), step, batches(), max_steps=10, watchdog=wd)
+print("not reached", flush=True)
+"""
+
+
+def test_a_hung_process_exits_with_exit_hung_via_os_exit(tmp_path):
+    script = tmp_path / "hanging.py"  # a file, so the dump can show its source lines
+    script.write_text(HANGING_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == EXIT_HUNG == 4, proc.stdout + proc.stderr
+    assert "saved 2" in proc.stdout and "not reached" not in proc.stdout
+    assert "no progress for" in proc.stderr and "exiting with code 4" in proc.stderr
+    (dump,) = tmp_path.glob("hang-*.txt")
+    text = dump.read_text()
+    assert "block_forever" in text and "threading.Event().wait()" in text
+    assert "ftrain-watchdog" in text, "every thread is in the dump"
+
+
+def test_dump_stacks_names_every_thread(tmp_path):
+    gate = threading.Event()
+    t = threading.Thread(target=gate.wait, name="parked-thread", daemon=True)
+    t.start()
+    try:
+        text = dump_stacks(tmp_path / "d.txt", "header line").read_text()
+    finally:
+        gate.set()
+    assert text.startswith("header line") and "parked-thread" in text and "MainThread" in text
+
+
+def test_watchdog_rejects_a_non_positive_timeout(tmp_path):
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        Watchdog(0, run_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("trainer.hang_timeout_s=0", "trainer.hang_timeout_s must be > 0"),
+        ("trainer.hang_timeout_s=-5", "trainer.hang_timeout_s must be > 0"),
+        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite must be stop, skip or continue"),
+    ],
+)
+def test_config_rejects_bad_fault_settings(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config([override])
+
+
+def test_config_rejects_skip_with_donate_and_takes_good_values():
+    with pytest.raises(ConfigError, match="on_nonfinite=skip"):
+        load_config(["trainer.on_nonfinite=skip", "trainer.donate=true"])
+    cfg = load_config(["trainer.on_nonfinite=skip", "trainer.hang_timeout_s=30"])
+    assert cfg.trainer.on_nonfinite == "skip" and cfg.trainer.hang_timeout_s == 30
+    assert load_config([]).trainer.hang_timeout_s is None, "off by default"
