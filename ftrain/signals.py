@@ -17,7 +17,8 @@ Exit codes of ``python -m ftrain``:
 3     stopped by SIGTERM/SIGINT/SIGUSR1 after a committed save: re-run to resume
 4     hung: no progress for ``trainer.hang_timeout_s`` (:mod:`ftrain.watchdog`); stacks
       dumped to ``RUN_DIR/hang-*.txt``, the last consistent step saved if possible
-130   second SIGINT: immediate exit (the newest *committed* step is intact)
+130   second SIGINT: immediate exit (the newest *committed* step is intact); also a
+      SIGINT during start-up or after the loop (one line, nothing saved by this run)
 ====  =====================================================================
 """
 

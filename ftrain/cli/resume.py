@@ -9,7 +9,9 @@ restores that step and checks it got it.
 
 from __future__ import annotations
 
+import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,7 @@ __all__ = [
     "checkpoint_metadata",
     "compat_diff",
     "move_aside",
+    "move_run_aside",
     "start_state",
 ]
 
@@ -75,10 +78,16 @@ class ResumeReport:
     restore_s: float | None = None
     checkpoint_bytes: int | None = None
     horizon: int | None = None
+    # committed steps newer than the restored one that did not verify: {step: why}
+    skipped: dict[int, str] = field(default_factory=dict)
+    # step directories that do not count as checkpoints (no valid marker): "path: why"
+    ignored: list[str] = field(default_factory=list)
+    world_sizes: tuple[int, int] | None = None  # (checkpoint's, this run's) when they differ
 
     def lines(self) -> list[str]:
+        ignored = [f"ignored {line}" for line in self.ignored]
         if not self.resumed:
-            return [f"starting fresh ({self.reason})"]
+            return [f"starting fresh ({self.reason})", *ignored]
         out = [
             f"resumed from step {self.step} ({self.reason}) in {self.restore_s or 0:.2f}s",
             f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} position={self.position}",
@@ -88,12 +97,31 @@ class ResumeReport:
             out.append(
                 f"lr schedule decays over {self.horizon} steps (as recorded; set schedule.decay_steps to change it)"
             )
+        out += [
+            f"step {s} was committed but is unreadable, skipped in favour of step {self.step}: {why}"
+            for s, why in sorted(self.skipped.items())
+        ]
         if self.redo:
+            out.append(self._redo_line())
+        if self.world_sizes:
+            old, new = self.world_sizes
             out.append(
-                f"steps {self.redo[0]}..{self.redo[1]} ran before but were not committed: they will be redone"
+                f"world size changed: checkpoint written by {old} rank(s), resumed on {new} "
+                "(the data cursor continues the same global sample order)"
             )
+        out += ignored
         out += [f"accepted change: {c}" for c in self.changes]
         return out
+
+    def _redo_line(self) -> str:
+        a, b = self.redo
+        if not self.skipped:
+            return f"steps {a}..{b} ran before but were not committed: they will be redone"
+        bad = ", ".join(map(str, sorted(self.skipped)))
+        return (
+            f"steps {a}..{b} ran before and will be redone: step(s) {bad} were committed but "
+            "are unreadable (see above); the others were never committed"
+        )
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
@@ -183,12 +211,55 @@ def _candidate_metadata(manager: CheckpointManager, chosen: int) -> dict | None:
 
 def _restore(manager: CheckpointManager, step: int | None, fresh: TensorDictBase) -> TensorDictBase:
     try:
-        return manager.restore(step, target=fresh)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            state = manager.restore(step, target=fresh)
+        _note_skipped(caught)
+        return state
     except ValueError as err:  # the checkpoint does not fit the configured model/optimizer
         raise ResumeError(
             f"{err}\n  the checkpoint was written for a different model or optimizer; resume with its config "
             "or start a new run (another run.name, or resume=none run.overwrite=true)"
         ) from None
+
+
+# why each committed step was passed over by the last restore (from the manager's warnings)
+_SKIPPED: dict[int, str] = {}
+_STEP_WARNING = re.compile(r"^\[step=(\d+)\] (.*)$", re.S)
+
+
+def _note_skipped(caught: list) -> None:
+    """Keep the manager's "[step=N] ... is corrupt ..." warnings for the resume report; other
+    warnings are shown as usual."""
+    _SKIPPED.clear()
+    for w in caught:
+        m = _STEP_WARNING.match(str(w.message))
+        if m and issubclass(w.category, RuntimeWarning):
+            _SKIPPED[int(m.group(1))] = m.group(2).replace("; trying an older one", "")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def skipped_newer(cfg: DictConfig, manager: CheckpointManager, step: int) -> dict[int, str]:
+    """Committed steps newer than the restored ``step`` that resume=latest passed over.
+
+    ``resume=latest`` tries the newest committed step first, so every newer one was tried
+    and did not verify. With an explicit ``resume=N`` newer steps are simply not wanted.
+    """
+    if cfg.resume != "latest":
+        return {}
+    return {s: _SKIPPED.get(s, "it did not verify") for s in manager.all_steps() if s > step}
+
+
+def ignored_step_dirs(cfg: DictConfig) -> list[str]:
+    """``step_*`` directories in the checkpoint locations that do not count (no valid marker
+    or manifest): listed so a user sees what a resume did not consider."""
+    from ftrain.ckpt.commit import committed_steps
+
+    out: list[str] = []
+    for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
+        committed_steps(Path(d), on_invalid=lambda p, why: out.append(f"{p}: {why}"))
+    return out
 
 
 def _restore_host_rng(meta: dict, world: World) -> None:
@@ -214,13 +285,15 @@ def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
         return None
 
 
-def _redo_range(run_dir: Path, step: int) -> tuple[int, int] | None:
+def _redo_range(run_dir: Path, step: int, also: list[int] = ()) -> tuple[int, int] | None:
+    """Steps after ``step`` that ran before (by the run records, plus ``also``: committed
+    steps that were skipped), which this run will redo."""
     seen = [
         r["step"]
         for r in read_records(run_dir)
         if r.get("kind") == "step" and isinstance(r.get("step"), int)
     ]
-    beyond = [s for s in seen if s > step]
+    beyond = [s for s in [*seen, *also] if s > step]
     return (step + 1, max(beyond)) if beyond else None
 
 
@@ -253,11 +326,14 @@ def start_state(
     t0 = time.perf_counter()
     state = _restore_agreed(cfg, manager, fresh, world)
     restore_s = time.perf_counter() - t0
+    ignored = ignored_step_dirs(cfg) if world.is_coordinator else []
     if state is None:
         return (
             fresh,
             ResumeReport(
-                False, reason="resume=none" if cfg.resume == "none" else "no checkpoint yet"
+                False,
+                reason="resume=none" if cfg.resume == "none" else "no checkpoint yet",
+                ignored=ignored,
             ),
             {},
         )
@@ -270,6 +346,8 @@ def start_state(
         changes.append(
             f"data fingerprint {meta.get('data_fingerprint')} -> {data_fp} (data.allow_changed=true)"
         )
+    skipped = skipped_newer(cfg, manager, step)
+    saved_world = meta.get("world_size")
     report = ResumeReport(
         True,
         step=step,
@@ -277,23 +355,80 @@ def start_state(
         next_lr=float(tx.lr(state["opt"])) if tx.lr is not None else float("nan"),
         epoch=int(state["data"]["epoch"]),
         position=int(state["data"]["position"]),
-        redo=_redo_range(Path(cfg.run.dir), step),
+        redo=_redo_range(Path(cfg.run.dir), step, list(skipped)),
         fingerprints={"config_hash": meta.get("config_hash"), "data": meta.get("data_fingerprint")},
         changes=changes,
         restore_s=restore_s,
         horizon=meta.get("schedule_horizon"),
         checkpoint_bytes=(meta.get("save") or {}).get("bytes"),
+        skipped=skipped,
+        ignored=ignored,
+        world_sizes=(
+            (saved_world, world.size)
+            if isinstance(saved_world, int) and saved_world != world.size
+            else None
+        ),
     )
     return state, report, meta
 
 
 def move_aside(directory: Path) -> Path | None:
-    """run.overwrite=true: rename the old run's checkpoints out of this run's way (never delete)."""
-    if not directory.exists() or not any(directory.iterdir()):
+    """Rename a non-empty directory to ``NAME.overwritten-<time>`` beside it (never delete)."""
+    if not directory.is_dir() or not any(directory.iterdir()):
         return None
-    target = directory.with_name(f"{directory.name}.overwritten-{time.strftime('%Y%m%d-%H%M%S')}")
+    target = _free(directory.with_name(f"{directory.name}.overwritten-{_stamp()}"))
     directory.rename(target)
     return target
+
+
+# What a run writes into run.dir besides checkpoints: moved aside together on overwrite.
+RUN_RECORDS = ("metrics.jsonl", "heartbeat*.json", "heartbeat*.json.tmp", "training.png", "hang-*")
+
+
+def move_run_aside(cfg: DictConfig) -> Path | None:
+    """run.overwrite=true: move the old run out of this run's way, records and checkpoints
+    together, so resume reports, the plot and the advisor never mix two runs. Never deletes.
+
+    Everything goes into ``RUN_DIR/overwritten-<time>/`` (``metrics.jsonl``, heartbeats,
+    ``training.png``, hang dumps and ``checkpoint.dir`` when it lies inside ``run.dir``); a
+    checkpoint or fallback directory elsewhere is renamed beside itself to
+    ``NAME.overwritten-<time>``. The run lock stays. Returns the folder, or None if nothing
+    was there.
+    """
+    run_dir = Path(cfg.run.dir)
+    aside = _free(run_dir / f"overwritten-{_stamp()}")
+    moved = False
+    for pattern in RUN_RECORDS:
+        for path in sorted(run_dir.glob(pattern)):
+            moved |= _move_into(path, aside / path.name)
+    for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
+        d = Path(d)
+        if not (d.is_dir() and any(d.iterdir())):
+            continue
+        inside = d.resolve().is_relative_to(run_dir.resolve()) and d.resolve() != run_dir.resolve()
+        if inside:
+            moved |= _move_into(d, aside / d.resolve().relative_to(run_dir.resolve()))
+        else:
+            print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
+    return aside if moved else None
+
+
+def _move_into(path: Path, target: Path) -> bool:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path.rename(target)
+    return True
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _free(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... if it exists (two overwrites in one second)."""
+    n, candidate = 2, path
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.name}-{n}"), n + 1
+    return candidate
 
 
 def checkpoint_metadata(

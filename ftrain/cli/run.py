@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
@@ -29,7 +28,7 @@ from ftrain.cli.resume import (
     ResumeError,
     ResumeReport,
     checkpoint_metadata,
-    move_aside,
+    move_run_aside,
     saved_horizon,
     start_state,
 )
@@ -38,7 +37,15 @@ from ftrain.config import ConfigError, load_config
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import NonFiniteError, train_loop
-from ftrain.signals import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, StopFlag
+from ftrain.runlock import RunDirError, claim_run_dir
+from ftrain.signals import (
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_FORCED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    StopFlag,
+)
 from ftrain.state import init_state, place
 from ftrain.step import make_step
 from ftrain.watchdog import Watchdog
@@ -62,11 +69,29 @@ _STARTUP_ERRORS = (
     DataPathError,
     DataFormatError,
     CheckpointNotFoundError,
+    RunDirError,
 )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
+    """Entry point; returns the process exit code.
+
+    A SIGINT outside the training loop (while composing, building, restoring; the loop's
+    own handler covers the rest) is one line and :data:`EXIT_FORCED`, not a traceback:
+    nothing was saved by this process, the newest committed checkpoint is intact.
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(
+            "ftrain: interrupted (SIGINT) outside the training loop; nothing was saved by this "
+            "run, the newest committed checkpoint is intact",
+            file=sys.stderr,
+        )
+        return EXIT_FORCED
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(USAGE)
@@ -91,14 +116,18 @@ def train_from_config(cfg: DictConfig) -> int:
     except ConfigError as err:
         print(f"ftrain: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    lock = None
     try:
         try:
+            lock = claim_run_dir(cfg, world)  # before anything is built or moved
             parts = _setup(cfg, device, world)
         except _STARTUP_ERRORS as err:
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
             return EXIT_CONFIG
         return _run(cfg, device, world, parts)
     finally:
+        if lock is not None:
+            lock.release()  # after the last commit: the next start finds the directory free
         shutdown()
 
 
@@ -120,9 +149,9 @@ class _Parts:
 def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     """Everything that can refuse to start: config-derived parts, data, resume decision."""
     if cfg.resume == "none" and cfg.run.overwrite and world.is_coordinator:
-        moved = move_aside(Path(cfg.checkpoint.dir))
+        moved = move_run_aside(cfg)
         if moved:
-            print(f"run.overwrite=true: moved the old checkpoints to {moved}")
+            print(f"run.overwrite=true: moved the old run's records and checkpoints to {moved}")
     agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)

@@ -92,6 +92,9 @@ class Session:
             "rank_positions": self._rank_positions(report.position),
             "restore_s": report.restore_s,
             "checkpoint_bytes": report.checkpoint_bytes,
+            "skipped": {str(k): v for k, v in report.skipped.items()},
+            "ignored": report.ignored,
+            "world_sizes": list(report.world_sizes) if report.world_sizes else None,
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)
 

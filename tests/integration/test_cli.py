@@ -71,8 +71,8 @@ def test_resume_none_refuses_existing_run_unless_overwrite(cli, tmp_path):
     refused = cli(run, "trainer.max_steps=2", "resume=none", check=2)
     assert "run.overwrite=true" in refused.stderr
     cli(run, "trainer.max_steps=2", "resume=none", "run.overwrite=true", check=0)
-    assert list(run.glob("checkpoints.overwritten-*")), (
-        "old checkpoints are moved aside, never deleted"
+    assert list(run.glob("overwritten-*/checkpoints/step_*")), (
+        "old checkpoints are moved aside (with the old run's records), never deleted"
     )
 
 

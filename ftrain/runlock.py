@@ -1,0 +1,221 @@
+"""One run per run directory: a writability check and the run lock ``RUN_DIR/.lock``.
+
+Two processes training on one ``run.dir`` would skip each other's saves and mix their
+records, so a start takes an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` and holds it
+for the life of the run; the file says who holds it::
+
+    {"pid": 1234, "host": "node7", "started": 1764571200.0, "argv": ["-m", "ftrain", ...]}
+
+- A second start on the same directory is refused (:class:`RunLockError`, exit 2) with the
+  holder's pid, host and command.
+- The kernel drops a flock when its process dies (SIGKILL, OOM, power loss of a client
+  process), so a lock that can be taken is not held: a lock file left by a dead process
+  *on this host* is taken over, and the start says so.
+- A lock file written on *another host* is refused even when its flock can be taken: on a
+  shared file system a flock may not reach across hosts, so that run may be alive. The
+  message says how to clear it (remove the file once that run is gone).
+- A clean exit empties the file before unlocking, so the next start finds no holder. The
+  file itself is never deleted (deleting a lock file races with a starter that opened it).
+
+In a torchrun job only the coordinator (rank 0) takes the lock; the CLI broadcasts a
+refusal so every rank stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "LOCK_NAME",
+    "RunDirError",
+    "RunLock",
+    "RunLockError",
+    "acquire",
+    "check_writable",
+    "claim_run_dir",
+    "stale_note",
+]
+
+LOCK_NAME = ".lock"
+
+
+class RunDirError(RuntimeError):
+    """A run directory (or checkpoint directory) that a run cannot use (exit 2)."""
+
+
+class RunLockError(RunDirError):
+    """Another run holds the run directory (exit 2; the message names it)."""
+
+
+def check_writable(path: str | os.PathLike, what: str) -> Path:
+    """Create ``path`` if needed and prove a file can be written in it.
+
+    Root ignores permission bits, so this writes (and removes) a real file rather than
+    asking ``os.access``: a read-only mount, a full disk or a regular file in the way all
+    show up here, before anything is built.
+
+    Raises:
+        RunDirError: ``path`` cannot be created or written; the message names it.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".ftrain-write-test-"):
+            pass
+    except OSError as err:
+        reason = err.strerror or str(err)
+        if isinstance(err, FileExistsError | NotADirectoryError):
+            reason += " (a file is in the way of the directory)"
+        raise RunDirError(
+            f"{what}={str(path)!r} is not a writable directory: {reason}; "
+            f"point {what} at a directory this process can write"
+        ) from None
+    return path
+
+
+@dataclass
+class RunLock:
+    """A held run lock; :meth:`release` (or process death) frees it."""
+
+    path: Path
+    fd: int | None
+    taken_over: dict = field(default_factory=dict)  # a dead holder's record, if any
+
+    def release(self) -> None:
+        """Empty the file (no holder) and drop the flock. Idempotent."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.fd, 0)
+        os.close(self.fd)  # closing the only descriptor releases the flock
+        self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> dict:
+    """The JSON record in the lock file, ``{}`` if empty or unreadable (a torn write)."""
+    try:
+        raw = os.pread(fd, 65536, 0)
+        value = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+    return value if isinstance(value, dict) else {"unreadable": True}
+
+
+def _describe(h: dict) -> str:
+    if not h or h.get("unreadable"):
+        return "a process whose lock record is unreadable"
+    started = h.get("started")
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        if isinstance(started, int | float)
+        else "?"
+    )
+    argv = " ".join(map(str, h.get("argv") or []))
+    return f"pid {h.get('pid')} on host {h.get('host')} (started {when}: {argv})"
+
+
+def acquire(run_dir: str | os.PathLike, argv: list[str] | None = None) -> RunLock:
+    """Take the run lock of ``run_dir`` (created if needed) for this process.
+
+    Raises:
+        RunLockError: a live process holds it, or a lock file from another host is there.
+        RunDirError: the lock file cannot be created.
+    """
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise RunDirError(f"cannot create the run lock {path}: {err.strerror or err}") from None
+    try:
+        return _take(fd, path, argv)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _take(fd: int, path: Path, argv: list[str] | None) -> RunLock:
+    host = socket.gethostname()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunLockError(
+            f"run.dir {str(path.parent)!r} is in use by {_describe(_holder(fd))}: two runs must "
+            "not train in one run directory. Wait for it to finish, stop it (kill PID: it saves "
+            "and exits), or use another run.dir / run.name"
+        ) from None
+    previous = _holder(fd)
+    if previous.get("host") not in (None, host):
+        raise RunLockError(
+            f"run.dir {str(path.parent)!r} has a lock written on another host by "
+            f"{_describe(previous)}, which this host cannot check. If that run is no longer "
+            f"running, remove the lock file and start again: rm {path}"
+        )
+    record = {
+        "pid": os.getpid(),
+        "host": host,
+        "started": time.time(),
+        "argv": list(sys.argv if argv is None else argv),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    os.fsync(fd)
+    return RunLock(path, fd, taken_over=previous if previous else {})
+
+
+def stale_note(lock: RunLock) -> str | None:
+    """A line for the log when a dead process's lock was taken over, else None."""
+    if not lock.taken_over:
+        return None
+    return (
+        f"took over the run lock {lock.path} left by {_describe(lock.taken_over)}, "
+        "which is no longer running"
+    )
+
+
+def claim_run_dir(cfg, world) -> RunLock:
+    """At start, before anything is built: the coordinator checks that ``run.dir`` and
+    ``checkpoint.dir`` are writable and takes the run lock; a refusal reaches every rank.
+
+    Other ranks get an unheld :class:`RunLock` (``release`` is a no-op).
+
+    Raises:
+        RunDirError / RunLockError: on the coordinator, with its reason; on the other ranks,
+            one that points at the coordinator's message.
+    """
+    from ftrain.dist import agree_any
+
+    lock, failed = RunLock(Path(cfg.run.dir) / LOCK_NAME, None), None
+    if world.is_coordinator:
+        try:
+            check_writable(cfg.run.dir, "run.dir")
+            lock = acquire(cfg.run.dir)
+            check_writable(cfg.checkpoint.dir, "checkpoint.dir")
+        except BaseException as err:  # every rank must hear of it, whatever it is
+            lock.release()
+            failed = err
+    if agree_any(failed is not None):
+        if failed is not None:
+            raise failed
+        raise RunLockError(
+            f"the coordinator (rank 0) refused to start in run.dir {cfg.run.dir!r}; "
+            "its message says why and what to change"
+        )
+    note = stale_note(lock)
+    if note:
+        print(f"ftrain: {note}", flush=True)
+    return lock

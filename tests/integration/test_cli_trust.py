@@ -1,0 +1,189 @@
+"""The real CLI never loses work silently: bad input is one message and exit 2, a damaged
+record file never blocks a resume, one run per run.dir, truthful save and resume records."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ftrain.ckpt import CheckpointManager
+from ftrain.cli.resume import ResumeReport
+
+from .conftest import TINY, records
+
+
+def _committed(run_dir):
+    return CheckpointManager(Path(run_dir) / "checkpoints", async_save=False).all_steps()
+
+
+def _one_clear_error(proc, *needles):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+
+
+def test_bad_input_is_one_message_and_exit_2(cli, tmp_path):
+    _one_clear_error(
+        cli(tmp_path / "a", "checkpoint.every_steps=0"),
+        "checkpoint.every_steps=0",
+        "checkpoint.every_steps=null",
+    )
+    _one_clear_error(cli(tmp_path / "b", "+trainer.max_step=10"), "trainer.max_step")
+    _one_clear_error(cli(tmp_path / "c", "model=model_schema"), "model=gpt2_tiny")
+    blocker = tmp_path / "file"
+    blocker.write_text("a regular file where run.dir should be")
+    out = cli(blocker / "run")
+    _one_clear_error(out, "run.dir=", "a file is in the way")
+    assert "resumed" not in out.stdout and "starting fresh" not in out.stdout, "nothing built"
+
+
+def test_records_are_true_and_damage_or_overwrite_never_mix_or_block(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=4", "checkpoint.every_steps=2", check=0)
+    saves = [(r["kind"], r["step"]) for r in records(run) if r["kind"] in SAVE_KINDS]
+    # an async save is recorded when queued, and as committed once that is known
+    assert saves == [("save_started", 2), ("committed", 2), ("save_started", 4), ("committed", 4)]
+    assert [r["step"] for r in records(run, "committed")] == _committed(run) == [2, 4]
+
+    # a damaged metrics.jsonl: one 0xff byte, a line that is JSON but not an object
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b"\xff\n[1, 2]\n")
+    out = cli(run, "trainer.max_steps=6", "checkpoint.every_steps=2", check=0)
+    assert "metrics.jsonl: skipped 2 unreadable lines" in out.stderr
+    assert records_tolerant(run, "resume")[-1]["from_step"] == 4
+
+    # run.overwrite=true moves the whole old run aside: records and checkpoints together
+    cli(
+        run,
+        "trainer.max_steps=2",
+        "checkpoint.every_steps=2",
+        "resume=none",
+        "run.overwrite=true",
+        check=0,
+    )
+    (aside,) = run.glob("overwritten-*")
+    assert (aside / "metrics.jsonl").exists() and (aside / "heartbeat.json").exists()
+    assert [p.name for p in sorted((aside / "checkpoints").glob("step_*"))][-1] == "step_00000006"
+    fresh = records(run)
+    assert [r["kind"] for r in fresh].count("start") == 1 and not records(run, "resume")
+    assert max(r["step"] for r in records(run, "step")) == 2
+
+    # a directory in place of metrics.jsonl: the run trains on, with a warning
+    (run / "metrics.jsonl").rename(run / "old.jsonl")
+    (run / "metrics.jsonl").mkdir()
+    out = cli(run, "trainer.max_steps=4", "checkpoint.every_steps=2", check=0)
+    assert "cannot open" in out.stderr and "training goes on" in out.stderr
+    assert _committed(run) == [2, 4]
+
+
+SAVE_KINDS = ("save", "save_started", "committed", "save_failed")
+
+
+def records_tolerant(run_dir, kind):
+    from ftrain.metrics import read_records
+
+    return [r for r in read_records(run_dir) if r.get("kind") == kind]
+
+
+def _wait_for_beat(run_dir, proc, timeout=120):
+    beat = Path(run_dir) / "heartbeat.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            return json.loads(beat.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.05)
+    raise AssertionError("no heartbeat")
+
+
+def test_a_second_run_on_a_busy_run_dir_is_refused_naming_the_holder(cli, popen_cli, tmp_path):
+    run = tmp_path / "run"
+    first = popen_cli(run, "trainer.max_steps=100000", "checkpoint.every_steps=null")
+    try:
+        _wait_for_beat(run, first)
+        second = cli(run, "trainer.max_steps=2")
+        _one_clear_error(second, f"pid {first.pid}", "on host", "in use")
+    finally:
+        first.send_signal(signal.SIGTERM)  # saves at the step reached, exits 3
+        first.communicate(timeout=120)
+    assert first.returncode == 3
+    reached = _committed(run)[-1]
+    cli(run, f"trainer.max_steps={reached + 1}", check=0)  # the lock was released
+
+
+SLOW_START = """
+import sys, time
+from ftrain.cli.build import _gpt2, register_model
+from ftrain.cli.run import main
+
+@register_model("gpt2_slow_start")
+def build(cfg, generator):
+    print("BUILDING", flush=True)
+    time.sleep(120)  # a slow start-up (a big model, a slow file system)
+    return _gpt2(cfg, generator)
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigint_during_start_up_is_one_line_and_exit_130(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    args = [f"run.dir={run}", *TINY, "model.name=gpt2_slow_start", "trainer.max_steps=2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_START, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout.readline().strip() == "BUILDING"  # inside start-up, lock held
+    assert json.loads((run / ".lock").read_text())["pid"] == proc.pid
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "interrupted (SIGINT)" in err and len(err.strip().splitlines()) == 1, err
+    assert (run / ".lock").read_text() == "", "the run lock is released"
+
+
+def test_resume_after_a_corrupt_newest_step_tells_what_happened(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)
+    (run / "checkpoints" / "step_00000006" / "zarr.json").write_text("{not json")
+    stray = run / "checkpoints" / "step_00000009"
+    stray.mkdir()  # a step directory without a marker: does not count, is reported
+    out = cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)
+    resume = records(run, "resume")[-1]
+    assert resume["from_step"] == 3 and resume["redo"] == [4, 6]
+    assert "6" in resume["skipped"] and str(stray) in " ".join(resume["ignored"])
+    assert "step 6 was committed but is unreadable" in out.stdout
+    assert "ran before but were not committed" not in out.stdout
+    assert "step(s) 6 were committed but are unreadable" in out.stdout
+    assert f"ignored {stray}" in out.stdout
+
+
+def test_resume_report_names_a_world_size_change_and_skipped_steps():
+    report = ResumeReport(
+        True,
+        step=57,
+        reason="resume=latest",
+        next_lr=1e-3,
+        redo=(58, 60),
+        skipped={60: "checkpoint .../step_00000060 is corrupt (crc mismatch)"},
+        ignored=["/ck/step_00000061: no COMMITTED marker"],
+        world_sizes=(2, 1),
+    )
+    text = "\n".join(report.lines())
+    assert "step 60 was committed but is unreadable, skipped in favour of step 57" in text
+    assert "steps 58..60 ran before and will be redone" in text
+    assert "were not committed: they will be redone" not in text
+    assert "world size changed: checkpoint written by 2 rank(s), resumed on 1" in text
+    assert "ignored /ck/step_00000061: no COMMITTED marker" in text
+    fresh = ResumeReport(False, reason="no checkpoint yet", ignored=["/ck/step_00000003: x"])
+    assert fresh.lines() == ["starting fresh (no checkpoint yet)", "ignored /ck/step_00000003: x"]

@@ -1,0 +1,109 @@
+"""The run lock: one run per run.dir, a dead holder taken over, a foreign host refused."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ftrain.config import load_config
+from ftrain.dist import World
+from ftrain.runlock import (
+    RunDirError,
+    RunLockError,
+    acquire,
+    check_writable,
+    claim_run_dir,
+    stale_note,
+)
+
+HOLD = """
+import sys, time
+from ftrain.runlock import acquire
+lock = acquire(sys.argv[1], argv=["holder"])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(run_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_holder_refuses_a_second_run_with_its_pid_and_host(tmp_path):
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(RunLockError) as info:
+            acquire(tmp_path)
+        msg = str(info.value)
+        assert f"pid {proc.pid} on host {socket.gethostname()}" in msg and "holder" in msg
+        assert "two runs must not train in one run directory" in msg
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
+    proc = _holder(tmp_path)
+    proc.send_signal(signal.SIGKILL)  # no cleanup: the record stays, the kernel drops the flock
+    proc.wait()
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == proc.pid
+    with acquire(tmp_path, argv=["me"]) as lock:
+        assert lock.taken_over["pid"] == proc.pid
+        assert f"pid {proc.pid}" in stale_note(lock) and "no longer running" in stale_note(lock)
+        now = json.loads((tmp_path / ".lock").read_text())
+        assert now["pid"] == os.getpid() and now["argv"] == ["me"]
+    assert (tmp_path / ".lock").read_text() == "", "a clean release leaves no holder"
+    with acquire(tmp_path) as again:
+        assert again.taken_over == {} and stale_note(again) is None
+
+
+def test_a_lock_file_from_another_host_is_refused_with_how_to_clear_it(tmp_path):
+    record = {"pid": 4242, "host": "node-elsewhere", "started": time.time(), "argv": ["x"]}
+    (tmp_path / ".lock").write_text(json.dumps(record))
+    with pytest.raises(RunLockError) as info:
+        acquire(tmp_path)
+    msg = str(info.value)
+    assert "pid 4242 on host node-elsewhere" in msg and f"rm {tmp_path / '.lock'}" in msg
+    (tmp_path / ".lock").unlink()
+    acquire(tmp_path).release()
+
+
+def test_claim_checks_writability_before_anything_and_holds_the_lock(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cfg = load_config([f"run.dir={blocker}/run"])
+    with pytest.raises(RunDirError, match="run.dir=.*a file is in the way"):
+        claim_run_dir(cfg, World())
+    cfg = load_config([f"run.dir={tmp_path}/run", f"checkpoint.dir={blocker}"])
+    with pytest.raises(RunDirError, match="checkpoint.dir=.*not a writable directory"):
+        claim_run_dir(cfg, World())
+    assert (tmp_path / "run" / ".lock").read_text() == "", "a refused start holds no lock"
+    cfg = load_config([f"run.dir={tmp_path}/run"])
+    lock = claim_run_dir(cfg, World())
+    with pytest.raises(RunLockError, match=f"pid {os.getpid()}"):
+        claim_run_dir(cfg, World())
+    lock.release()
+    assert not list((tmp_path / "run").glob(".ftrain-write-test-*")), "the probe is removed"
+
+
+def test_a_read_only_location_is_refused(tmp_path):
+    target = "/sys/kernel"  # not writable even by root
+    try:
+        with open(f"{target}/.ftrain-probe", "w"):
+            pass
+        pytest.skip(f"{target} is writable here")
+    except OSError:
+        pass
+    with pytest.raises(RunDirError, match="/sys/kernel"):
+        check_writable(target, "checkpoint.dir")
+    with pytest.raises(RunDirError, match="run.dir='/sys/kernel/ftrain-run'"):
+        check_writable(f"{target}/ftrain-run", "run.dir")
