@@ -138,6 +138,7 @@ def acquire(run_dir: str | os.PathLike, argv: list[str] | None = None) -> RunLoc
     """
     path = Path(run_dir) / LOCK_NAME
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:
         raise RunDirError(f"cannot create the run lock {path}: {err.strerror or err}") from None

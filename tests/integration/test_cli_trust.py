@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ftrain.ckpt import CheckpointManager
 from ftrain.cli.resume import ResumeReport
 
@@ -187,3 +189,23 @@ def test_resume_report_names_a_world_size_change_and_skipped_steps():
     assert "ignored /ck/step_00000061: no COMMITTED marker" in text
     fresh = ResumeReport(False, reason="no checkpoint yet", ignored=["/ck/step_00000003: x"])
     assert fresh.lines() == ["starting fresh (no checkpoint yet)", "ignored /ck/step_00000003: x"]
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_held_lock_stops_every_rank(cache_dir, tmp_path):
+    from ftrain.runlock import acquire
+
+    run = tmp_path / "run"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    cmd += ["-m", "ftrain", f"run.dir={run}", *TINY, "trainer.max_steps=2"]
+    with acquire(run, argv=["the-other-run"]):  # this test process holds run.dir
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert f"in use by pid {os.getpid()}" in out and "the-other-run" in out  # rank 0
+    assert "the coordinator (rank 0) refused to start" in out  # rank 1 heard of it
+    assert out.count("exitcode  : 2") == 2, "both ranks exit 2 (torchrun reports each)"
+    # torchrun prints its own launcher traceback for failed workers; none comes from ftrain
+    assert not [ln for ln in out.splitlines() if ln.strip().startswith("File") and "/ftrain/" in ln]
+    assert not (run / "checkpoints").exists()
