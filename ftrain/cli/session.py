@@ -183,7 +183,7 @@ class Session:
             self._say(step, f"checkpoint of step {step} did not commit: {err}")
         self._pending.clear()
 
-    def _wait_commits(self) -> None:
+    def wait_commits(self) -> None:
         """Block until the save in flight commits; record the outcome, re-raise a failure."""
         try:
             self.manager.wait()
@@ -198,7 +198,7 @@ class Session:
         fields |= {"save_started": started, "committed": False, "saved": False}
         if started and self.world.is_coordinator:
             try:
-                self._wait_commits()
+                self.wait_commits()
                 fields["committed"] = fields["saved"] = True
             except Exception as err:  # the original error is what the caller re-raises
                 fields["commit_error"] = repr(err)
@@ -226,7 +226,7 @@ class Session:
     def finish(self, result: LoopResult) -> None:
         step = int(result.state["step"])
         if self.world.is_coordinator:
-            self._wait_commits()  # the final save counts only once committed
+            self.wait_commits()  # the final save counts only once committed
         else:
             self.manager.wait()
         agree_any(False)  # a barrier: no rank reports the end before the coordinator committed

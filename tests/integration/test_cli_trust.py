@@ -209,3 +209,31 @@ def test_under_torchrun_a_held_lock_stops_every_rank(cache_dir, tmp_path):
     # torchrun prints its own launcher traceback for failed workers; none comes from ftrain
     assert not [ln for ln in out.splitlines() if ln.strip().startswith("File") and "/ftrain/" in ln]
     assert not (run / "checkpoints").exists()
+
+
+def test_start_state_reports_a_world_size_change_and_the_skipped_newer_step(tmp_path):
+    """Library level (no CLI run): a checkpoint written by 2 ranks, resumed on 1, after
+    its newest step turned out unreadable."""
+    from ftrain.cli.build import build_model, build_tx
+    from ftrain.cli.resume import checkpoint_metadata, start_state
+    from ftrain.config import load_config
+    from ftrain.dist import World
+    from ftrain.state import init_state
+
+    cfg = load_config([f"run.dir={tmp_path}", "model.n_layer=1", "trainer.max_steps=4"])
+    model, _ = build_model(cfg)
+    tx = build_tx(cfg)
+    fresh = init_state(model, tx, seed=0)
+    meta = checkpoint_metadata(cfg, "fp", {}, World(0, 2), cfg.trainer.max_steps)
+    manager = CheckpointManager(cfg.checkpoint.dir, async_save=False)
+    for step in (2, 4):
+        at_step = fresh.clone().unlock_().set("step", fresh["step"] + step)
+        manager.save(at_step, metadata=meta, force=True)
+    (Path(cfg.checkpoint.dir) / "step_00000004" / "zarr.json").write_text("{not json")
+    state, report, _ = start_state(cfg, manager, fresh, World(), tx, "fp")
+    assert int(state["step"]) == 2 and report.world_sizes == (2, 1)
+    assert list(report.skipped) == [4] and "step_00000004" in report.skipped[4]
+    assert report.redo == (3, 4)
+    text = "\n".join(report.lines())
+    assert "world size changed: checkpoint written by 2 rank(s), resumed on 1" in text
+    assert "step 4 was committed but is unreadable, skipped in favour of step 2" in text

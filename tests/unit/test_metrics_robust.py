@@ -163,7 +163,7 @@ def test_async_save_is_started_first_and_committed_when_known(tmp_path):
         assert _kinds(tmp_path) == [("save_started", 2), ("committed", 2)]
         assert session.save(_state(4), {}, force=True, reason="policy")
         assert session.save(_state(5), {}, force=True, reason="final")  # waited for 4 first
-        session._wait_commits()
+        session.wait_commits()
         assert _kinds(tmp_path)[2:] == [
             ("save_started", 4),
             ("committed", 4),
