@@ -148,7 +148,7 @@ class ArraySpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=parse_dtype(self.dtype)).element_size()
+        return parse_dtype(self.dtype).itemsize
 
     @property
     def nbytes(self) -> int:

@@ -304,7 +304,27 @@ def specs_of(manifest: dict) -> dict[str, ArraySpec]:
     docs = manifest.get("documents", {})
     if not isinstance(docs, dict) or not all(_is_checksum(v) for v in docs.values()):
         raise CorruptCheckpointError("manifest 'documents' is not {path: [crc32c, length]}")
-    return {k: ArraySpec.from_json(k, v) for k, v in arrays.items()}
+    specs = {k: ArraySpec.from_json(k, v) for k, v in arrays.items()}
+    _check_hierarchy(groups, specs, docs if "documents" in manifest else None)
+    return specs
+
+
+def _check_hierarchy(groups: list, specs: dict, docs: dict | None) -> None:
+    """The node lists agree with each other: every array sits in a listed group, no name is
+    both, and (when recorded) exactly the listed nodes have checksummed documents — so a
+    group added to or dropped from the manifest cannot change the restored tree."""
+    names = set(groups)
+    if len(names) != len(groups) or names & set(specs):
+        raise CorruptCheckpointError("manifest lists a node twice")
+    for key in list(specs) + [g for g in groups if g]:
+        parent = key.rpartition("/")[0]
+        if parent not in names:
+            raise CorruptCheckpointError(f"manifest node {key!r} has no parent group {parent!r}")
+    if docs is not None:
+        want = {f"{n}/zarr.json" if n else "zarr.json" for n in list(names) + list(specs)}
+        if set(docs) != want:
+            odd = sorted(set(docs) ^ want)[:3]
+            raise CorruptCheckpointError(f"manifest documents do not match its nodes: {odd}")
 
 
 def _is_checksum(v: object) -> bool:
