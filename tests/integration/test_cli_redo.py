@@ -1,0 +1,80 @@
+"""Redone steps are committed again by the real CLI (issue 9, item 1).
+
+A corrupt newest step is skipped, the steps after the fallback are redone and saved, the
+corrupt directory is moved aside (not deleted), and the run ends bit-identical to the
+uninterrupted one. A resume from an earlier step with a changed config starts a new
+history whose steps replace the old ones; the old history is kept aside, never "latest".
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ftrain.ckpt import CheckpointManager
+from ftrain.state import first_difference
+
+SAVES = ("checkpoint.every_steps=3", "checkpoint.keep_last=5", "checkpoint.async_save=false")
+
+
+def _manager(run) -> CheckpointManager:
+    return CheckpointManager(Path(run) / "checkpoints", async_save=False)
+
+
+def _verify(run) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ftrain.ckpt", "verify", str(Path(run) / "checkpoints")],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_a_corrupt_newest_step_is_redone_and_committed_again(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=6", *SAVES, check=0)
+    want = _manager(run).restore(6)
+    chunk = max(
+        (run / "checkpoints" / "step_00000006").rglob("c.0*"), key=lambda p: p.stat().st_size
+    )
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+
+    out = cli(run, "trainer.max_steps=6", *SAVES, check=0)
+    assert "resumed from step 3" in out.stdout, out.stdout
+    assert _verify(run).returncode == 0  # the new step 6 verifies
+    mgr = _manager(run)
+    assert mgr.all_steps() == [3, 6]
+    assert first_difference(mgr.restore(6), want) is None  # bit-identical to the first run
+    (aside,) = mgr.set_aside_steps()[6]  # the corrupt one, kept
+    assert ".superseded-" in aside.name or ".replaced-" in aside.name
+
+    again = cli(run, "trainer.max_steps=6", *SAVES, check=0)  # nothing left to redo
+    assert "resumed from step 6" in again.stdout
+
+
+def test_a_resume_from_an_earlier_step_replaces_the_later_history(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=9", *SAVES, check=0)
+    old9 = _manager(run).restore(9)
+    cli(
+        run,
+        "trainer.max_steps=9",
+        "resume=3",
+        "optim.lr=1e-3",
+        "run.allow_config_change=true",
+        *SAVES,
+        check=0,
+    )
+    mgr = _manager(run)
+    assert mgr.all_steps() == [3, 6, 9]
+    assert mgr.metadata(9)["config"]["optim"]["lr"] == 1e-3  # the new history is latest
+    assert first_difference(mgr.restore(9), old9) is not None
+    aside = mgr.set_aside_steps()
+    assert sorted(aside) == [6, 9]  # the old history, moved aside, not deleted
+    # the old step 9 is whole: moved back under its name it restores bit-exact
+    shutil.copytree(aside[9][0], tmp_path / "old" / "step_00000009")
+    assert (
+        first_difference(CheckpointManager(tmp_path / "old", async_save=False).restore(9), old9)
+        is None
+    )
