@@ -205,7 +205,9 @@ def test_under_torchrun_a_held_lock_stops_every_rank(cache_dir, tmp_path):
     assert proc.returncode != 0, out
     assert f"in use by pid {os.getpid()}" in out and "the-other-run" in out  # rank 0
     assert "the coordinator (rank 0) refused to start" in out  # rank 1 heard of it
-    assert out.count("exitcode  : 2") == 2, "both ranks exit 2 (torchrun reports each)"
+    # torchrun reports the first failed rank's exit code (it may stop the other before that
+    # one's exit is seen), so "exit 2" is asserted once; both messages above show both ranks
+    assert "exitcode  : 2" in out
     # torchrun prints its own launcher traceback for failed workers; none comes from ftrain
     assert not [ln for ln in out.splitlines() if ln.strip().startswith("File") and "/ftrain/" in ln]
     assert not (run / "checkpoints").exists()
