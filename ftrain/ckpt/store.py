@@ -10,9 +10,10 @@ on Linux one ``syncfs`` of the staging directory's file system after all files a
 (a GPT-2 state has ~2,000 files and directories; fsync-ing each one costs more than the
 data); elsewhere every file is fsync'd in its worker (overlapping with other writes) and
 every directory bottom-up.
-The reader verifies the manifest against every array's ``zarr.json`` and every chunk's
-size and crc32c while reading straight into freshly allocated tensors (the ``zarr.json``
-checks run alongside the large reads, not as a phase before them).
+The reader trusts the manifest (sealed by the marker) for shapes, dtypes and checksums,
+checks every chunk's size before allocating and its crc32c while reading straight into
+freshly allocated tensors; :func:`verify_tree` also
+checks every ``zarr.json`` document against its checksum and the manifest.
 
 Multi-rank seam: :func:`write_tree` takes ``rank`` and ``world``. Chunk ``i`` of every
 array belongs to rank ``i % world``; only rank 0 writes ``zarr.json`` documents. Each
@@ -433,33 +434,30 @@ def read_tree(
             out[tuple(g.split("/"))] = TensorDict({}, batch_size=[])
     chunks = []
     for k, s in specs.items():
-        t = torch.empty(s.shape, dtype=parse_dtype(s.dtype))
+        t = _empty(s.shape, parse_dtype(s.dtype))
         if s.n_chunks:
             chunks += read_chunks_into(root, s, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         out[tuple(k.split("/"))] = t
-    _read_jobs(root, specs, chunks, workers, manifest)
+    _read_jobs(root, chunks, workers)
     return out
 
 
-def _read_jobs(
-    root: Path, specs: dict[str, ArraySpec], chunks: list, workers: int, manifest: dict
-) -> None:
-    """Large chunks on ``workers`` threads, largest first; side by side, the metadata
-    cross-checks and the small chunks on half as many (the same split as the writer: the
-    ~450 small reads would otherwise form a phase of their own)."""
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A destination tensor. (Huge-page mappings per tensor were measured slower here:
+    1.18 s vs 0.73 s for the GPT-2 state, THP defrag=madvise; see docs/benchmarks.md.)"""
+    return torch.empty(shape, dtype=dtype)
+
+
+def _read_jobs(root: Path, chunks: list, workers: int) -> None:
+    """Large chunks on ``workers`` threads, largest first; side by side, the small chunks on
+    half as many (the same split as the writer: the ~450 small reads would otherwise form a
+    phase of their own). Restore trusts the manifest for shapes, dtypes and checksums, so it
+    does not read the arrays' ``zarr.json`` documents (``verify`` checks them)."""
     big = sorted(
         (j for j in chunks if len(j[1]) + j[2] >= DIRECT_MIN_BYTES), key=lambda j: -len(j[1])
     )
-    rest: list = [("meta", s) for s in specs.values()]
-    rest += [("chunk", j) for j in chunks if len(j[1]) + j[2] < DIRECT_MIN_BYTES]
-
-    def do_rest(job: tuple) -> None:
-        if job[0] == "meta":
-            _check_array_meta(root, job[1], manifest)
-        else:
-            read_chunk(job[1])
-
-    run_pools([(read_chunk, big, workers), (do_rest, rest, max(1, workers // 2))])
+    rest = [j for j in chunks if len(j[1]) + j[2] < DIRECT_MIN_BYTES]
+    run_pools([(read_chunk, big, workers), (read_chunk, rest, max(1, workers // 2))])
 
 
 def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -> int:

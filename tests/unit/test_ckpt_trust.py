@@ -121,13 +121,18 @@ def test_an_edited_root_attribute_is_corruption(tmp_path):
     restore_falls_back(tmp_path, 1)
 
 
-def test_an_edited_array_document_is_corruption(tmp_path):
+def test_an_edited_array_document_is_found_by_verify_and_not_trusted_by_restore(
+    tmp_path, capsys
+):
     saved(tmp_path, 1, 2)
     doc_path = tmp_path / "step_00000002" / "params" / "w" / "zarr.json"
     doc = json.loads(doc_path.read_text())
     doc["attributes"]["ftrain"]["dtype"] = "float64"
     doc_path.write_text(json.dumps(doc))
-    restore_falls_back(tmp_path, 1)
+    rc, out = ckpt_cli(capsys, "verify", tmp_path)
+    assert rc == 1 and "BAD  step 2" in out and "checksum" in out
+    # restore takes shapes, dtypes and checksums from the sealed manifest alone
+    assert same(CheckpointManager(tmp_path, async_save=False).restore(), make_state(2))
 
 
 # ---- 5. every field validated before use -------------------------------------------------
