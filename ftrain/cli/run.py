@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from torch import nn
 
-from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError
+from ftrain.ckpt import CheckpointFormatError, CheckpointManager, CheckpointNotFoundError
 from ftrain.cli.build import (
     build_manager,
     build_model,
@@ -70,6 +70,7 @@ _STARTUP_ERRORS = (
     DataFormatError,
     CheckpointNotFoundError,
     RunDirError,
+    CheckpointFormatError,
 )
 
 
@@ -215,7 +216,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
                     agree=agree_any if world.active else None,
                     donate=t.donate,
                     on_nonfinite=t.on_nonfinite,
-                    watchdog=_watchdog(cfg, session, p.manager),
+                    watchdog=_watchdog(cfg, session),
                 )
         except NonFiniteError as err:
             return _diverged(err, p.manager)
@@ -223,7 +224,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
 
 
-def _watchdog(cfg: DictConfig, session: Session, manager: CheckpointManager) -> Watchdog | None:
+def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
     """The hang watchdog of ``trainer.hang_timeout_s`` (``None``: off); see ftrain.watchdog."""
     if cfg.trainer.hang_timeout_s is None:
         return None
@@ -235,7 +236,7 @@ def _watchdog(cfg: DictConfig, session: Session, manager: CheckpointManager) -> 
         cfg.trainer.hang_timeout_s,
         run_dir=cfg.run.dir,
         save=save,
-        drain=manager.wait,  # the final save counts only once committed
+        drain=session.wait_commits,  # the final save counts (and is recorded) once committed
         on_hang=lambda info: session.record("hang", **info),
     )
 

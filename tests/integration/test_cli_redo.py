@@ -6,6 +6,7 @@ uninterrupted one. A resume from an earlier step with a changed config starts a 
 history whose steps replace the old ones; the old history is kept aside, never "latest".
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -78,3 +79,16 @@ def test_a_resume_from_an_earlier_step_replaces_the_later_history(cli, tmp_path)
         first_difference(CheckpointManager(tmp_path / "old", async_save=False).restore(9), old9)
         is None
     )
+
+
+def test_a_step_of_a_newer_format_stops_the_run_and_nothing_is_deleted(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=3", *SAVES, check=0)
+    marker_path = run / "checkpoints" / "step_00000003" / "COMMITTED"
+    marker = json.loads(marker_path.read_text()) | {"format_version": 99, "ftrain": "9.0"}
+    marker_path.write_text(json.dumps(marker))
+    before = sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*"))
+    out = cli(run, "trainer.max_steps=6", *SAVES, check=2)
+    assert "written by ftrain 9.0 (format 99); this is ftrain" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*")) == before
