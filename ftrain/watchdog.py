@@ -173,7 +173,11 @@ class Watchdog:
             allowed = self.timeout_s if self._beats else self.first_timeout_s
             idle = time.monotonic() - self._last
             if idle > allowed:
-                self._fire(idle, allowed)
+                try:
+                    self._fire(idle, allowed)
+                except BaseException as err:  # a failed dump or record must not cancel the exit
+                    _say(f"ftrain: hang watchdog: {err!r}; exiting with code {EXIT_HUNG}")
+                    self._exit(EXIT_HUNG)
                 return
 
     def _fire(self, idle: float, allowed: float) -> None:

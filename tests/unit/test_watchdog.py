@@ -218,3 +218,14 @@ def test_config_rejects_skip_with_donate_and_takes_good_values():
     cfg = load_config(["trainer.on_nonfinite=skip", "trainer.hang_timeout_s=30"])
     assert cfg.trainer.on_nonfinite == "skip" and cfg.trainer.hang_timeout_s == 30
     assert load_config([]).trainer.hang_timeout_s is None, "off by default"
+
+
+def test_a_failing_dump_still_exits_hung(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # run_dir is a file: the dump cannot be written
+    release = threading.Event()
+    fired = Fired(release)
+    with Watchdog(0.2, run_dir=blocker, exit=fired) as wd:
+        wd.beat()
+        assert release.wait(5)
+    assert fired.codes == [EXIT_HUNG]
