@@ -243,7 +243,7 @@ def _exit_message(step, phase: str, saved: bool, error: str | None, tried: bool)
     elif not tried:
         done = f"no final save (the state is not consistent during {phase!r})"
     else:
-        done = f"step {step} was already saved"
+        done = f"no new save of step {step} (already committed, or another rank writes it)"
     return f"ftrain: {done}; exiting with code {EXIT_HUNG} (hung) so a supervisor restarts the run"
 
 

@@ -22,6 +22,7 @@ from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheck
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_int
 from ftrain.metrics import read_records
+from ftrain.optim import tree_get
 
 __all__ = [
     "saved_horizon",
@@ -46,6 +47,7 @@ SAFE_PREFIXES = (
     "trainer.grad_accum",
     "trainer.on_nonfinite",  # only what happens after a bad step (switch to skip, resume)
     "trainer.hang_timeout_s",
+    "trainer.compile",  # the compiled step matches the eager one to 1e-5
     "checkpoint.",
     "dist.",
     "run.",
@@ -217,8 +219,10 @@ def _restore(manager: CheckpointManager, step: int | None, fresh: TensorDictBase
         _note_skipped(caught)
         return state
     except ValueError as err:  # the checkpoint does not fit the configured model/optimizer
+        old = "not in target: amp/" in str(err)  # before the loss scale moved under opt
+        why = "an older ftrain (top-level amp)" if old else "a different model or optimizer"
         raise ResumeError(
-            f"{err}\n  the checkpoint was written for a different model or optimizer; resume with its config "
+            f"{err}\n  the checkpoint was written for {why}; resume with its config "
             "or start a new run (another run.name, or resume=none run.overwrite=true)"
         ) from None
 
@@ -352,7 +356,7 @@ def start_state(
         True,
         step=step,
         reason=f"resume={cfg.resume}",
-        next_lr=float(tx.lr(state["opt"])) if tx.lr is not None else float("nan"),
+        next_lr=float(tree_get(state["opt"], "learning_rate", float("nan"))),
         epoch=int(state["data"]["epoch"]),
         position=int(state["data"]["position"]),
         redo=_redo_range(Path(cfg.run.dir), step, list(skipped)),
