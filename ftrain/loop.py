@@ -20,9 +20,9 @@ during a save — the state handed to ``save`` is whole. On an exception the loo
 and ``grad_norm`` on the host. That is one device sync per step; on a step that is
 logged anyway (``log_every``) the logged values are reused, so with the default
 ``log_every=1`` it costs nothing extra. Steps that fp16 loss scaling already skipped
-(``state["amp"]["skipped"]`` grew: the update was dropped and the scale backed off) are
-not checked: that is the scaler's normal work, not divergence. Otherwise a non-finite
-value means:
+(``state["opt"]["loss_scale"]["skipped"]`` grew: the update was dropped and the scale
+backed off) are not checked: that is the scaler's normal work, not divergence. Otherwise
+a non-finite value means:
 
 - ``stop`` (default): record ``nonfinite``, raise :class:`NonFiniteError`, and save
   *nothing* — neither the non-finite state nor an emergency save — so the newest committed
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDictBase
 
+from ftrain.optim.base import tree_get
 from ftrain.signals import StopFlag
 from ftrain.step import _new_state
 from ftrain.watchdog import Watchdog
@@ -306,10 +307,11 @@ def _nonfinite(old, new, metrics, host: dict | None) -> dict[str, float]:
 
 
 def _amp_skipped(old, new) -> bool:
-    """fp16 loss scaling skipped this step's update itself (``amp.skipped`` grew)."""
-    try:
-        return bool(new["amp", "skipped"] != old["amp", "skipped"])
-    except KeyError:  # a custom state without loss-scale bookkeeping
+    """fp16 loss scaling skipped this step's update itself (``loss_scale.skipped`` grew)."""
+    try:  # the counter of ftrain.optim.dynamic_loss_scale, wherever it sits in opt
+        path = ("loss_scale", "skipped")
+        return bool(tree_get(new["opt"], path) != tree_get(old["opt"], path))
+    except (KeyError, ValueError):  # a custom state without (one) loss-scale counter
         return False
 
 

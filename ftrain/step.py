@@ -10,18 +10,27 @@ Randomness (dropout) comes from a local generator seeded by
 ``rng.step_key(state["rng"], state["step"], STREAM_DROPOUT, rank)``: recomputing a step
 from the same state gives the same result, and a resumed run draws the same keys.
 
-Mixed precision follows ``torch.amp``: ``bf16`` runs the forward pass under autocast;
-``fp16`` also scales the loss dynamically with ``torch.amp.GradScaler``'s rules, its
-state living in ``state["amp"]``. A step whose gradients are not finite is *skipped* as
-GradScaler skips ``optimizer.step()``: params and optimizer state (so also the LR
-schedule's count) stay unchanged, the loss scale backs off, ``amp.skipped`` grows, and
-``step`` and the data cursor still advance — the batch was consumed.
+The step does three things: gradients (forward + backward over the micro-batches),
+``tx.update``, apply. Everything that processes gradients is a transform of ``tx``
+(:mod:`ftrain.optim.processing`): clipping, fp16 loss scaling, and — as the step's one
+collective hook, before the grad-norm metric — the data-parallel mean.
+
+Mixed precision follows ``torch.amp``: ``bf16`` and ``fp16`` run the forward pass under
+autocast. If the optimizer state holds a loss scale (``tx`` is wrapped in
+:func:`ftrain.optim.dynamic_loss_scale`, required for ``fp16``), the loss is multiplied by
+it; the wrapper unscales and skips non-finite updates as ``torch.amp.GradScaler`` does, its
+counters under ``state["opt"]["loss_scale"]``. ``step`` and the data cursor advance either
+way — the batch was consumed.
+
+Donation (``donate=True``) happens at one boundary: the transforms are pure, and the step
+adds the updates to the parameters in place instead of into new tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
@@ -32,7 +41,8 @@ from torch.func import functional_call
 
 from ftrain import rng
 from ftrain.nn import use_generator
-from ftrain.optim.base import FlatUpdate
+from ftrain.optim.base import flat_update, tree_get
+from ftrain.optim.processing import clip_by_global_norm_torch, global_norm_of, mean_across_ranks
 from ftrain.state.init import check_usable, is_pinned, mark_donated
 from ftrain.state.tree import Key, flatten, new_td, unflatten
 
@@ -42,8 +52,6 @@ Step = Callable[[TensorDictBase, TensorDictBase], tuple[TensorDict, TensorDict]]
 LossFn = Callable[[nn.Module, TensorDictBase], "torch.Tensor | tuple[torch.Tensor, Mapping]"]
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# torch.amp.GradScaler's defaults.
-_GROWTH_FACTOR, _BACKOFF_FACTOR, _GROWTH_INTERVAL = 2.0, 0.5, 2000
 
 
 class _Bound(nn.Module):
@@ -210,69 +218,45 @@ class _Grads:
         return _loss_and_aux(out)
 
 
-def _all_reduce_mean(grads: list[torch.Tensor]) -> None:
-    """Average gradients over data-parallel ranks in one flat bucket."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
+def _apply(params: list[torch.Tensor], updates: list[torch.Tensor], in_place: bool):
+    """``params + updates``: the donation boundary (in place only when donating)."""
+    if in_place:
+        torch._foreach_add_(params, updates)
+        return params
+    return torch._foreach_add(params, updates)
 
 
-def _unscale(grads: list[torch.Tensor], amp: TensorDictBase) -> tuple[TensorDict, torch.Tensor]:
-    """GradScaler.unscale_ + update: unscale grads in place, back off or grow the scale."""
-    scale = amp["scale"].to(grads[0].device).clone()
-    tracker = amp["growth_tracker"].to(grads[0].device).clone()
-    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-    torch._amp_foreach_non_finite_check_and_unscale_(
-        grads, found_inf, scale.double().reciprocal().float()
+def _collective(dp: bool):
+    """The step's collective hook: the cross-rank gradient mean (a stateless transform)."""
+    return flat_update(mean_across_ranks()) if dp else None
+
+
+def _deprecated_clip(clip: float | None):
+    """``make_step(clip=...)``: torch's rule, as it always was, now a stateless transform."""
+    if clip is None:
+        return None
+    warnings.warn(
+        "make_step(clip=...) is deprecated: clip in the optimizer, "
+        f"tx = ftrain.optim.chain(ftrain.optim.clip_by_global_norm({clip}), tx)",
+        DeprecationWarning,
+        stacklevel=3,
     )
-    torch._amp_update_scale_(
-        scale, tracker, found_inf, _GROWTH_FACTOR, _BACKOFF_FACTOR, _GROWTH_INTERVAL
-    )
-    skipped = amp["skipped"] + (found_inf > 0).to(amp["skipped"].device, torch.int64)
-    new_amp = TensorDict(
-        scale=scale.to(amp["scale"].device),
-        growth_tracker=tracker.to(amp["growth_tracker"].device),
-        skipped=skipped,
-        batch_size=[],
-    )
-    return new_amp, found_inf
+    return flat_update(clip_by_global_norm_torch(clip))
 
 
-def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)).float())
-
-
-def _clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
-    # torch.nn.utils.clip_grad_norm_'s rule; a tensor coefficient keeps it free of host syncs.
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-
-
-def _apply(state, tx, pkeys, params, grads, donate: bool):
-    """Run the optimizer and add its updates to the params (in place only when donating).
-
-    A built-in optimizer (a :class:`FlatUpdate`) runs on the flat, sorted leaf lists the step
-    already holds: no TensorDict is built for the gradients or the updates, and the params
-    are not flattened again (at GPT-2 tiny size that rebuilding was ~5 % of a CPU step).
-    """
-    if isinstance(tx.update, FlatUpdate):
-        with torch.no_grad():
-            upd, opt = tx.update.flat(pkeys, grads, state["opt"], params, donate)
-    else:  # a user-written update over TensorDicts
-        updates, opt = tx.update(
-            unflatten(pkeys, grads), state["opt"], state["params"], donate=donate
+def _loss_scale(opt: TensorDictBase, precision: str, clip: float | None):
+    scale = tree_get(opt, ("loss_scale", "scale"), None)
+    if precision == "fp16" and scale is None:
+        raise ValueError(
+            "precision='fp16' needs dynamic loss scaling in the optimizer: "
+            "tx = ftrain.optim.dynamic_loss_scale(tx), for init_state and make_step alike"
         )
-        upd = [updates.get(k) for k in pkeys]
-    with torch.no_grad():
-        if donate:
-            torch._foreach_add_(params, upd)
-            return unflatten(pkeys, params), opt
-        return unflatten(pkeys, torch._foreach_add(params, upd)), opt
+    if scale is not None and clip is not None:
+        raise ValueError(
+            "make_step(clip=...) would clip scaled gradients; clip inside the loss scale: "
+            "tx = dynamic_loss_scale(chain(clip_by_global_norm(c), optimizer))"
+        )
+    return scale
 
 
 def _check_args(grad_accum: int, precision: str, clip: float | None) -> None:
@@ -315,9 +299,9 @@ def make_step(
     *,
     grad_accum: int = 1,
     precision: str = "fp32",
-    clip: float | None = None,
     donate: bool = False,
     dp: bool | None = None,
+    clip: float | None = None,
 ) -> Step:
     """Build the pure training step for ``model`` trained with ``loss_fn`` and optimizer ``tx``.
 
@@ -325,23 +309,26 @@ def make_step(
         model: the module used as a function; its own parameters are never changed.
         loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, aux_metrics)``, ordinary PyTorch;
             during the call ``model`` is bound to the state's params.
-        tx: an ``ftrain.optim.GradientTransformation``.
+        tx: an ``ftrain.optim.GradientTransformation``: the optimizer with all gradient
+            processing (``chain(clip_by_global_norm(1.0), adamw(...))``; for ``fp16``
+            wrapped in ``dynamic_loss_scale``).
         grad_accum: micro-batches per step; the batch's leading dim is cut into this many,
             gradients are averaged, and one optimizer update is made (a step is a whole update).
-        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scale).
-        clip: clip gradients to this global norm before the optimizer (``None``: no clipping).
-        donate: update params and optimizer buffers in place (memory parity with torch.optim);
-            the input state is then unusable and passing it again raises. A state pinned by
-            an in-flight async checkpoint save (:func:`ftrain.state.pin`) is updated out of
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 needs a loss scale).
+        donate: add the updates to the params in place (JAX's ``donate_argnums``); the input
+            state is then unusable and passing it again raises. A state pinned by an
+            in-flight async checkpoint save (:func:`ftrain.state.pin`) is updated out of
             place instead, so the save never sees a later step's values.
-        dp: all-reduce gradients over ``torch.distributed`` ranks (default: when initialised
-            with more than one rank).
+        dp: average gradients over ``torch.distributed`` ranks (the step's collective hook,
+            :func:`ftrain.optim.mean_across_ranks`; default: when initialised with > 1 rank).
+        clip: deprecated; put ``clip_by_global_norm`` in ``tx`` instead.
 
     Returns:
         ``step(state, batch) -> (new_state, metrics)``. ``batch`` is a TensorDict (or mapping);
         its optional ``cursor`` entry (from ``ftrain.data``) becomes ``new_state["data"]``.
-        ``metrics`` holds ``loss``, ``grad_norm`` (before clipping), ``lr`` (of this update),
-        ``samples``, ``tokens`` and ``loss_fn``'s aux metrics, as tensors (no host sync).
+        ``metrics`` holds ``loss``, ``grad_norm`` (of the unscaled, averaged gradients, before
+        ``tx``), ``lr`` (of this update), ``samples``, ``tokens`` and ``loss_fn``'s aux
+        metrics, as tensors (no host sync).
 
     Example:
         >>> import ftrain, torch
@@ -358,7 +345,7 @@ def make_step(
     _check_args(grad_accum, precision, clip)
     rank, dp = _default_rank_world(dp)
     grads_of = _Grads(model, loss_fn, _AUTOCAST[precision])
-    fp16 = precision == "fp16"
+    update, collective, old_clip = flat_update(tx), _collective(dp), _deprecated_clip(clip)
 
     def step(state: TensorDictBase, batch) -> tuple[TensorDict, TensorDict]:
         check_usable(state, "step")
@@ -367,42 +354,44 @@ def make_step(
         bkeys, buffers = flatten(state["buffers"])
         buffers = [b.clone() for b in buffers]  # a forward may update buffers in place
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
-        scale = state["amp"]["scale"].to(params[0].device) if fp16 else None
+        opt = state["opt"]
+        scale = _loss_scale(opt, precision, clip)
         grads, loss, aux = grads_of(pkeys, params, bkeys, buffers, micro, gen, scale)
-        if dp:
-            _all_reduce_mean(grads)
-        amp, found_inf = _unscale(grads, state["amp"]) if fp16 else (state["amp"], None)
-        grad_norm = _global_norm(grads)
-        if clip is not None:
-            _clip_(grads, grad_norm, clip)
-        lr = tx.lr(state["opt"]) if tx.lr is not None else torch.tensor(math.nan)
-        # A state an in-flight async save still reads must not be overwritten: update it
-        # out of place this once (a checkpoint never mixes two steps).
-        in_place = donate and not is_pinned(state)
-        if found_inf is not None and bool(found_inf):  # skipped, as GradScaler skips step()
-            new_params, opt = state["params"], state["opt"]
-        else:
-            new_params, opt = _apply(state, tx, pkeys, params, grads, in_place)
+        with torch.no_grad():
+            if collective is not None:
+                grads, _ = collective(pkeys, grads, _EMPTY, None)
+            grad_norm = global_norm_of(grads)
+            grad_norm = grad_norm if scale is None else grad_norm / scale.to(grad_norm.device)
+            if old_clip is not None:
+                grads, _ = old_clip(pkeys, grads, _EMPTY, None)
+            updates, new_opt = update(pkeys, grads, opt, params)
+            # a state an in-flight async save still reads is never overwritten
+            in_place = donate and not is_pinned(state)
+            new_params = _apply(params, updates, in_place)
         new_state = _new_state(
             step=state["step"] + 1,
-            params=new_params,
+            params=unflatten(pkeys, new_params),
             buffers=unflatten(bkeys, buffers),
-            opt=opt,
-            amp=amp,
+            opt=new_opt,
             data=cursor if cursor is not None else state["data"],
             rng=state["rng"],
         )
         if in_place:
             mark_donated(state)
-        return new_state, _metrics(loss, grad_norm, lr, micro, aux)
+        lr = tree_get(opt, "learning_rate", None)
+        return new_state, _metrics(loss, grad_norm, _NAN if lr is None else lr, micro, aux)
 
     return step
+
+
+_EMPTY = TensorDict(batch_size=[])
+_NAN = torch.tensor(math.nan)
 
 
 def _new_state(**parts) -> TensorDict:
     """The locked state of the next step, with TensorDict nodes of its own.
 
-    Subtrees carried over unchanged (``amp``, ``data``, a donated ``opt``) get fresh nodes
+    Subtrees carried over unchanged (``data``, parts of ``opt``) get fresh nodes
     via a shallow ``copy()`` (leaves shared, nothing copied): locking a subtree that an
     earlier state already locked appends that state to its lock-parent list, so a shared
     node's list (and every step's ``lock_()``) grew with the number of steps run.

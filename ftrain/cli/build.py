@@ -125,6 +125,21 @@ def build_schedule(cfg: DictConfig, horizon: int):
 
 
 def build_tx(cfg: DictConfig, horizon: int | None = None):
+    """The whole gradient pipeline: ``optim.clip`` clipping, then the optimizer, inside fp16
+    loss scaling when ``trainer.precision=fp16``.
+
+    Raises:
+        ConfigError: unknown ``optim.name``.
+    """
+    tx = _optimizer(cfg, horizon)
+    if cfg.optim.clip is not None:
+        tx = optim.chain(optim.clip_by_global_norm(cfg.optim.clip), tx)
+    if cfg.trainer.precision == "fp16":
+        tx = optim.dynamic_loss_scale(tx)
+    return tx
+
+
+def _optimizer(cfg: DictConfig, horizon: int | None = None):
     """The optimizer as an ftrain.optim chain; decay only on >= 2-D weights (GPT-2 practice).
 
     Raises:

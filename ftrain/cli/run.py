@@ -184,7 +184,6 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
             p.tx,
             grad_accum=t.grad_accum,
             precision=t.precision,
-            clip=cfg.optim.clip,
             donate=t.donate,
         )
         loader = Loader(

@@ -1,21 +1,25 @@
 """ftrain.optim: optax-style optimizers over TensorDict pytrees.
 
-An optimizer is a :class:`GradientTransformation` ``(init, update, lr)`` of pure functions::
+An optimizer is a :class:`GradientTransformation` ``(init, update)`` of pure functions::
 
     import torch
     from tensordict import TensorDict
     from ftrain import optim
 
-    tx = optim.adamw(optim.schedule.warmup_cosine(6e-4, 100, 5000, end=6e-5),
-                     weight_decay=0.1, mask=optim.masks.ndim_at_least(2))
+    tx = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.adamw(optim.schedule.warmup_cosine(6e-4, 100, 5000, end=6e-5),
+                    weight_decay=0.1, mask=optim.masks.ndim_at_least(2)),
+    )
     params = TensorDict.from_module(model).detach()
     opt_state = tx.init(params)
     grads = ...                                   # a TensorDict shaped like params
     updates, opt_state = tx.update(grads, opt_state, params)
     params = params + updates
-    tx.lr(opt_state)                              # the next update's learning rate
+    optim.tree_get(opt_state, "learning_rate")    # the next update's learning rate
 
-See ``docs/optim.md`` for the state layouts and the purity/donation rules.
+Gradient processing (clipping, fp16 loss scaling, the cross-rank mean) is transforms too
+(:mod:`ftrain.optim.processing`). See ``docs/optim.md`` for the state layouts.
 """
 
 from ftrain.optim import masks, schedule
@@ -27,13 +31,19 @@ from ftrain.optim.base import (
     flatten,
     make_transform,
     path_str,
+    tree_get,
     unflatten,
+)
+from ftrain.optim.processing import (
+    clip_by_global_norm,
+    clip_by_global_norm_torch,
+    dynamic_loss_scale,
+    global_norm,
+    mean_across_ranks,
 )
 from ftrain.optim.schedule import Schedule
 from ftrain.optim.transform import (
     add_decayed_weights,
-    clip_by_global_norm,
-    global_norm,
     scale,
     scale_by_adam,
     scale_by_learning_rate,
@@ -49,10 +59,13 @@ __all__ = [
     "add_decayed_weights",
     "chain",
     "clip_by_global_norm",
+    "clip_by_global_norm_torch",
+    "dynamic_loss_scale",
     "flatten",
     "global_norm",
     "make_transform",
     "masks",
+    "mean_across_ranks",
     "path_str",
     "scale",
     "scale_by_adam",
@@ -60,5 +73,6 @@ __all__ = [
     "schedule",
     "sgd",
     "trace",
+    "tree_get",
     "unflatten",
 ]

@@ -1,7 +1,8 @@
 """Named optimizers: one-line chains of transforms (optax ``alias.py`` style).
 
 Each matches its ``torch.optim`` namesake for the same hyper-parameters (see
-``tests/unit/test_optim.py``); ``lr`` may be a float or a schedule of the update count.
+``tests/unit/test_optim.py``); ``lr`` may be a float or a schedule of the update count, and
+the rate of the next update is ``tree_get(opt_state, "learning_rate")``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def sgd(
         weight_decay: L2 penalty added to the gradient before momentum, >= 0.
 
     Returns:
-        A :class:`GradientTransformation` with ``lr``.
+        A :class:`GradientTransformation` (named after the function when nested in a chain).
 
     Raises:
         ValueError: for out-of-range hyper-parameters.
@@ -56,7 +57,7 @@ def sgd(
     if momentum != 0.0:
         members.append(trace(momentum, nesterov))
     members.append(scale_by_learning_rate(lr))
-    return chain(*members)
+    return chain(*members, name="sgd")
 
 
 def adam(
@@ -74,7 +75,7 @@ def adam(
         eps: denominator epsilon, >= 0.
 
     Returns:
-        A :class:`GradientTransformation` with ``lr``.
+        A :class:`GradientTransformation` (named after the function when nested in a chain).
 
     Raises:
         ValueError: for out-of-range hyper-parameters.
@@ -82,7 +83,7 @@ def adam(
     Example:
         >>> tx = adam(3e-4, b2=0.95)
     """
-    return chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr))
+    return chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr), name="adam")
 
 
 def adamw(
@@ -110,7 +111,7 @@ def adamw(
             all), e.g. ``masks.ndim_at_least(2)``; replaces torch's param groups.
 
     Returns:
-        A :class:`GradientTransformation` with ``lr``.
+        A :class:`GradientTransformation` (named after the function when nested in a chain).
 
     Raises:
         ValueError: for out-of-range hyper-parameters.
@@ -123,4 +124,5 @@ def adamw(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr),
+        name="adamw",
     )

@@ -1,27 +1,24 @@
-"""Core types of ``ftrain.optim``: ``GradientTransformation``, ``chain`` and the flat-leaf helpers.
+"""Core types of ``ftrain.optim``: ``GradientTransformation``, ``chain``, ``tree_get``.
 
-An optimizer is a pair of pure functions over nested ``TensorDict`` pytrees (optax style):
+An optimizer is a pair of pure functions over nested ``TensorDict`` pytrees (optax's shape):
 
 * ``init(params) -> state``
-* ``update(updates, state, params=None, *, donate=False) -> (new_updates, new_state)``
+* ``update(updates, state, params=None) -> (new_updates, new_state)``
 
-plus an optional ``lr(state) -> 0-d tensor`` that reports the learning rate the *next* update
-will apply, computed from the state's count alone.
+Nothing else: hyper-parameters that change during training are *in the state*, where
+:func:`tree_get` finds them (``tree_get(opt_state, "learning_rate")`` is the rate the next
+update applies), as optax's ``inject_hyperparams`` does.
 
-Hot path. Built-in transforms are written against *flat, sorted lists of leaves*: the tree is
-flattened once per ``update`` call (keys in lexicographic path order), every member of a
-``chain`` works on those lists with ``torch._foreach_*`` kernels, and the result is rebuilt into
-a TensorDict once at the end. A built-in transform's ``update`` is a :class:`FlatUpdate`: it is
-callable on TensorDicts like any update function and also exposes ``.flat`` so that ``chain``
-can skip the per-member flatten/rebuild. User-defined transforms with a plain ``update``
-function work too (``chain`` then falls back to calling them on TensorDicts).
+Purity. ``update`` never writes to anything reachable from its inputs. Outputs may share
+storage with inputs or with each other (e.g. ``trace`` returns its new momentum buffer as
+the update), which is invisible as long as nobody mutates them. Reusing the input buffers
+(JAX's donation) is not the transforms' business: the step does it at one boundary.
 
-Purity. With ``donate=False`` (the default) nothing reachable from the inputs is written to;
-outputs may share storage with inputs or with each other (e.g. ``trace`` returns its new
-momentum buffer as the update), which is invisible as long as nobody mutates them.
-With ``donate=True`` the state buffers and the update leaves are overwritten in place and the
-same objects are returned (memory parity with ``torch.optim``); the donated state, the
-donated updates, and anything sharing storage with them must not be used afterwards.
+Hot path. Built-in transforms are written once, on *flat, sorted lists of leaves*
+(``flat(keys, updates, state, params) -> (updates, state)``): a :class:`FlatUpdate` is their
+``update``, callable on TensorDicts like any update function, and ``chain`` (and the step)
+call its ``.flat`` form directly so a chain flattens the tree once, not once per member.
+A user transform with a plain TensorDict ``update`` works everywhere; ``chain`` adapts it.
 """
 
 from __future__ import annotations
@@ -44,12 +41,9 @@ __all__ = [
     "flatten",
     "make_transform",
     "path_str",
+    "tree_get",
     "unflatten",
 ]
-
-"""A leaf's position in a nested TensorDict, e.g. ``("h", "0", "attn", "c_attn", "weight")``."""
-
-LrFn = Callable[[TensorDictBase], torch.Tensor]
 
 
 class GradientTransformation(NamedTuple):
@@ -58,10 +52,8 @@ class GradientTransformation(NamedTuple):
     Attributes:
         init: ``init(params) -> state``; the state is a nested TensorDict with tensor leaves
             only (empty for stateless transforms).
-        update: ``update(updates, state, params=None, *, donate=False) -> (updates, state)``.
-            Never mutates its inputs unless ``donate=True``.
-        lr: ``lr(state) -> 0-d float tensor``: the learning rate the next ``update`` applies,
-            computed from the state's count alone; ``None`` if the transform has no rate.
+        update: ``update(updates, state, params=None) -> (updates, state)``; never mutates
+            its inputs.
 
     Example:
         >>> import torch
@@ -75,7 +67,6 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[TensorDictBase], TensorDictBase]
     update: Callable[..., tuple[TensorDictBase, TensorDictBase]]
-    lr: LrFn | None = None
 
 
 class FlatFn(Protocol):
@@ -85,7 +76,6 @@ class FlatFn(Protocol):
         updates: list[torch.Tensor],
         state: TensorDictBase,
         params: list[torch.Tensor] | None,
-        donate: bool,
     ) -> tuple[list[torch.Tensor], TensorDictBase]: ...
 
 
@@ -114,17 +104,66 @@ def empty_state() -> TensorDict:
     return TensorDict(batch_size=[])
 
 
+_MISSING = object()
+
+
+def tree_get(tree: TensorDictBase, name: str | Path, default=_MISSING):
+    """The one entry of ``tree`` whose path ends with ``name`` (optax ``tree_utils.tree_get``).
+
+    This is how hyper-parameters and counters kept in an optimizer state are read without
+    knowing how the optimizer is nested: ``tree_get(opt, "learning_rate")``,
+    ``tree_get(opt, ("loss_scale", "skipped"))``.
+
+    Args:
+        tree: a nested TensorDict (e.g. ``state["opt"]``).
+        name: a key, or a tuple of trailing keys.
+        default: returned when nothing matches (without it, ``KeyError``).
+
+    Returns:
+        The tensor or sub-TensorDict found.
+
+    Raises:
+        KeyError: nothing matches and no ``default`` was given.
+        ValueError: more than one entry matches (the message lists them).
+
+    Example:
+        >>> tx = adamw(1e-3)
+        >>> float(tree_get(tx.init(TensorDict({"w": torch.ones(2)})), "learning_rate"))
+        0.001
+    """
+    suffix = (name,) if isinstance(name, str) else tuple(name)
+    found: list[Path] = []
+    _find(tree, (), suffix, found)
+    if len(found) > 1:
+        shown = [path_str(p) for p in found]
+        raise ValueError(f"tree_get: {path_str(suffix)!r} is ambiguous, it matches {shown}")
+    if found:
+        return tree.get(found[0])
+    if default is _MISSING:
+        raise KeyError(f"tree_get: no entry ending with {path_str(suffix)!r}")
+    return default
+
+
+def _find(td: TensorDictBase, prefix: Path, suffix: Path, found: list[Path]) -> None:
+    for k in sorted(td.keys()):
+        path = (*prefix, k)
+        if path[-len(suffix) :] == suffix:
+            found.append(path)
+            continue
+        v = td.get(k)
+        if isinstance(v, TensorDictBase):
+            _find(v, path, suffix, found)
+
+
 # ----------------------------------------------------------------------------- transforms
 
 
 class FlatUpdate:
     """An ``update`` function implemented on flat leaf lists, callable on TensorDicts.
 
-    ``FlatUpdate(name, flat)`` behaves like ``update(updates, state, params=None, *,
-    donate=False)``; ``flat(keys, updates, state, params, donate)`` receives sorted leaf lists
-    (``params`` may be ``None``) and the transform's own state TensorDict. In donate mode a
-    flat function must overwrite the ``updates`` list's tensors in place and return the very
-    same list object; that is how callers know no rebuild is needed.
+    ``FlatUpdate(name, flat)`` behaves like ``update(updates, state, params=None)``;
+    ``flat(keys, updates, state, params)`` receives sorted leaf lists (``params`` may be
+    ``None``) and the transform's own state TensorDict, and returns new leaf lists and state.
     """
 
     __slots__ = ("flat", "name")
@@ -138,8 +177,6 @@ class FlatUpdate:
         updates: TensorDictBase,
         state: TensorDictBase,
         params: TensorDictBase | None = None,
-        *,
-        donate: bool = False,
     ) -> tuple[TensorDictBase, TensorDictBase]:
         keys, leaves = flatten(updates)
         plist = None
@@ -147,9 +184,7 @@ class FlatUpdate:
             pkeys, plist = flatten(params)
             check_keys(keys, pkeys, "params")
         with torch.no_grad():
-            out, new_state = self.flat(keys, leaves, state, plist, donate)
-        if out is leaves:
-            return updates, new_state
+            out, new_state = self.flat(keys, leaves, state, plist)
         return unflatten(keys, out, device=updates.device), new_state
 
     def __repr__(self) -> str:
@@ -157,32 +192,42 @@ class FlatUpdate:
 
 
 def make_transform(
-    name: str,
-    init: Callable[[TensorDictBase], TensorDictBase],
-    flat: FlatFn,
-    lr: LrFn | None = None,
+    name: str, init: Callable[[TensorDictBase], TensorDictBase], flat: FlatFn
 ) -> GradientTransformation:
     """Build a :class:`GradientTransformation` from an ``init`` and a flat update function.
 
     Args:
         name: the transform's name; ``chain`` keys this transform's state by it.
         init: ``init(params) -> state TensorDict``.
-        flat: ``flat(keys, updates, state, params, donate) -> (updates, state)`` over sorted
-            leaf lists (see :class:`FlatUpdate`).
-        lr: optional ``lr(state) -> 0-d tensor``.
+        flat: ``flat(keys, updates, state, params) -> (updates, state)`` over sorted leaf
+            lists (see :class:`FlatUpdate`); pure.
 
     Returns:
         The transform; its ``update`` is a :class:`FlatUpdate`.
 
     Example:
-        >>> def flat(keys, u, state, params, donate):
-        ...     if donate:
-        ...         torch._foreach_neg_(u)
-        ...         return u, state  # donate: the same list, updated in place
-        ...     return torch._foreach_neg(u), TensorDict()
+        >>> def flat(keys, u, state, params):
+        ...     return torch._foreach_neg(u), state
         >>> negate = make_transform("negate", lambda params: TensorDict(), flat)
     """
-    return GradientTransformation(init, FlatUpdate(name, flat), lr)
+    return GradientTransformation(init, FlatUpdate(name, flat))
+
+
+def flat_update(tx: GradientTransformation) -> FlatFn:
+    """``tx.update`` on flat leaf lists: a built-in's own ``.flat``, or an adapter around a
+    user's TensorDict ``update`` (it rebuilds the trees for that member only)."""
+    if isinstance(tx.update, FlatUpdate):
+        return tx.update.flat
+    update = tx.update
+
+    def flat(keys, u, state, params):
+        ptree = unflatten(keys, params) if params is not None else None
+        out, new_state = update(unflatten(keys, u), state, ptree)
+        okeys, leaves = flatten(out)
+        check_keys(keys, okeys, f"the updates returned by {_transform_name(tx)}")
+        return leaves, new_state
+
+    return flat
 
 
 def _transform_name(tx: GradientTransformation) -> str:
@@ -205,25 +250,28 @@ def _unique_names(transforms: Sequence[GradientTransformation]) -> list[str]:
     return names
 
 
-def _member_state(state: TensorDictBase, name: str) -> TensorDictBase:
+def member_state(state: TensorDictBase, name: str, owner: str = "chain") -> TensorDictBase:
+    """``state[name]``, or a ``ValueError`` that says the state is not this optimizer's."""
     try:
         return state[name]
     except KeyError:
         raise ValueError(
-            f"chain state has no entry {name!r} (it has {sorted(state.keys())}); "
+            f"{owner} state has no entry {name!r} (it has {sorted(state.keys())}); "
             "create the state with this optimizer's init(params)"
         ) from None
 
 
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
+def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientTransformation:
     """Compose transforms left to right: each member's output updates feed the next.
 
     The state is a TensorDict keyed by member name (``scale_by_adam``, ``trace``, ...); a
-    repeated name gets a suffix (``scale``, ``scale_1``). The chain's ``lr`` is the ``lr`` of
-    the first member that has one.
+    repeated name gets a suffix (``scale``, ``scale_1``). A chain nested in another is one
+    member, keyed by its ``name``.
 
     Args:
         *transforms: the members, applied in order.
+        name: this chain's name as a member of another chain (``adamw`` names its chain
+            ``"adamw"``).
 
     Returns:
         A :class:`GradientTransformation`.
@@ -241,49 +289,16 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise TypeError(
                 f"chain member {i} must be a GradientTransformation, got {type(tx).__name__}"
             )
-    members = tuple(transforms)
-    names = _unique_names(members)
+    names = _unique_names(transforms)
+    members = [(n, tx, flat_update(tx)) for n, tx in zip(names, transforms, strict=True)]
 
     def init(params: TensorDictBase) -> TensorDict:
-        return new_td({n: tx.init(params) for n, tx in zip(names, members, strict=True)})
+        return new_td({n: tx.init(params) for n, tx, _ in members})
 
-    lr = None
-    for n, tx in zip(names, members, strict=True):
-        if tx.lr is not None:
-            lr = _forward_lr(tx.lr, n)
-            break
-
-    if all(isinstance(tx.update, FlatUpdate) for tx in members):
-        flats = [(n, tx.update.flat) for n, tx in zip(names, members, strict=True)]
-
-        def flat(keys, updates, state, params, donate):
-            new_states = {}
-            unchanged = True
-            for n, fn in flats:
-                sub = _member_state(state, n)
-                updates, new_sub = fn(keys, updates, sub, params, donate)
-                new_states[n] = new_sub
-                unchanged = unchanged and new_sub is sub
-            if donate and unchanged:
-                return updates, state
-            return updates, new_td(new_states)
-
-        return GradientTransformation(init, FlatUpdate("chain", flat), lr)
-
-    def update(updates, state, params=None, *, donate=False):
+    def flat(keys, updates, state, params):
         new_states = {}
-        for n, tx in zip(names, members, strict=True):
-            updates, new_states[n] = tx.update(
-                updates, _member_state(state, n), params, donate=donate
-            )
+        for n, _, fn in members:
+            updates, new_states[n] = fn(keys, updates, member_state(state, n), params)
         return updates, new_td(new_states)
 
-    update.name = "chain"  # type: ignore[attr-defined]
-    return GradientTransformation(init, update, lr)
-
-
-def _forward_lr(fn: LrFn, name: str) -> LrFn:
-    def lr(state: TensorDictBase) -> torch.Tensor:
-        return fn(_member_state(state, name))
-
-    return lr
+    return make_transform(name, init, flat)

@@ -1,9 +1,10 @@
-"""Gradient transformations (optax ``transform.py`` style), written on flat leaf lists.
+"""Gradient transformations (optax ``transform.py`` style), written once, on flat leaf lists.
 
 Each factory closes over its settings; its state holds only what changes. Every ``update``
-is a :class:`~ftrain.optim.base.FlatUpdate` whose flat function uses ``torch._foreach_*``
-kernels: out-of-place ones when pure, in-place ``_`` ones when ``donate=True``. Both modes
-run the same arithmetic in the same order, so they give bit-identical numbers.
+is a :class:`~ftrain.optim.base.FlatUpdate` whose flat function is pure: it uses
+out-of-place ``torch._foreach_*`` kernels (in-place ones only on tensors it just made).
+Gradient processing (clipping, loss scaling, the cross-rank mean) is in
+:mod:`ftrain.optim.processing`.
 
 Counts (``count``: int64, 0-d) are created **on the CPU**, like the ``step`` of a
 non-capturable ``torch.optim`` optimizer: bias corrections and schedules are evaluated on the
@@ -35,8 +36,6 @@ from ftrain.optim.schedule import Schedule
 
 __all__ = [
     "add_decayed_weights",
-    "clip_by_global_norm",
-    "global_norm",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
@@ -88,10 +87,6 @@ def _scalar(value: torch.Tensor, leaves: Leaves) -> float | torch.Tensor:
     return value
 
 
-def _next_count(count: torch.Tensor, donate: bool) -> torch.Tensor:
-    return count.add_(1) if donate else count + 1
-
-
 # ----------------------------------------------------------------------------- transforms
 
 
@@ -125,18 +120,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         mu = _zeros_like_tree(params)
         return new_td({"count": _zero_count(), "mu": mu, "nu": mu.clone()})
 
-    def flat(keys, g, state, params, donate):
+    def flat(keys, g, state, params):
         mu = _state_leaves(state, "mu", keys, "scale_by_adam state 'mu'")
         nu = _state_leaves(state, "nu", keys, "scale_by_adam state 'nu'")
-        count = _next_count(state["count"], donate)
+        count = state["count"] + 1
         if not g:
-            return g, (state if donate else new_td({"count": count, "mu": {}, "nu": {}}))
-        if donate:
-            torch._foreach_lerp_(mu, g, 1.0 - b1)
-            torch._foreach_mul_(nu, b2)
-        else:
-            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-            nu = torch._foreach_mul(nu, b2)
+            return g, new_td({"count": count, "mu": {}, "nu": {}})
+        mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+        nu = torch._foreach_mul(nu, b2)
         torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
         t = count.to(torch.float64)
         bc1 = _scalar(1.0 - b1**t, g)
@@ -144,16 +135,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         denom = torch._foreach_sqrt(nu)
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
-        if donate:
-            torch._foreach_copy_(g, mu)  # g is consumed: reuse its memory for the update
-            torch._foreach_div_(g, denom)
-            out = g
-        else:
-            out = torch._foreach_div(mu, denom)
-        del denom
+        out = torch._foreach_div(mu, denom)
+        del denom  # freed before the last pass: one fewer set of buffers at the peak
         torch._foreach_div_(out, bc1)
-        if donate:
-            return out, state
         dev = state["mu"].device
         return out, new_td(
             {
@@ -209,29 +193,21 @@ def add_decayed_weights(
     def init(params: TensorDictBase) -> TensorDictBase:
         return empty_state()
 
-    def flat(keys, u, state, params, donate):
+    def flat(keys, u, state, params):
         if params is None:
             raise ValueError(
                 "add_decayed_weights needs the parameters: call update(updates, state, params)"
             )
-        new_state = state if donate else empty_state()
         idx = selected(keys, params)
         if wd == 0.0 or not u or idx == []:
-            return u, new_state
+            return u, empty_state()
         if idx is None:
-            if donate:
-                torch._foreach_add_(u, params, alpha=wd)
-                return u, new_state
-            return torch._foreach_add(u, params, alpha=wd), new_state
-        sub_u = [u[i] for i in idx]
-        sub_p = [params[i] for i in idx]
-        if donate:
-            torch._foreach_add_(sub_u, sub_p, alpha=wd)
-            return u, new_state
+            return torch._foreach_add(u, params, alpha=wd), empty_state()
         out = list(u)
-        for i, v in zip(idx, torch._foreach_add(sub_u, sub_p, alpha=wd), strict=True):
+        decayed = torch._foreach_add([u[i] for i in idx], [params[i] for i in idx], alpha=wd)
+        for i, v in zip(idx, decayed, strict=True):
             out[i] = v
-        return out, new_state
+        return out, empty_state()
 
     return make_transform("add_decayed_weights", init, flat)
 
@@ -240,17 +216,20 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
     """Multiply updates by ``-learning_rate`` (descent), with a schedule of the step count.
 
     The rate of an update is ``schedule(count)`` *before* the count advances, so the first
-    update uses ``schedule(0)`` (like ``LambdaLR``). ``lr(state)`` returns that rate for the
-    next update as a 0-d float64 tensor.
+    update uses ``schedule(0)`` (like ``LambdaLR``). The rate is recomputed from the count
+    at every update (a schedule changed on resume applies at once); the state also shows
+    the rate the *next* update applies, as optax's ``inject_hyperparams`` shows its
+    hyper-parameters: ``tree_get(opt_state, "learning_rate")``.
 
-    State: ``count`` (int64, 0-d, CPU): updates applied so far.
+    State: ``count`` (int64, 0-d, CPU): updates applied so far; ``learning_rate`` (float64,
+    0-d): ``schedule(count)``.
 
     Args:
         learning_rate: a non-negative float or a schedule ``count -> value``
             (see :mod:`ftrain.optim.schedule`).
 
     Returns:
-        A :class:`GradientTransformation` named ``scale_by_learning_rate`` with ``lr``.
+        A :class:`GradientTransformation` named ``scale_by_learning_rate``.
 
     Raises:
         ValueError: for a negative or non-finite float rate.
@@ -258,6 +237,8 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
 
     Example:
         >>> tx = scale_by_learning_rate(schedule.warmup_cosine(6e-4, 100, 5000))
+        >>> float(tx.init(TensorDict())["learning_rate"])
+        0.0
     """
     if callable(learning_rate):
         schedule, const = learning_rate, None
@@ -275,23 +256,17 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         value = schedule(count)
         return torch.as_tensor(value, dtype=torch.float64, device=count.device)
 
-    def lr(state: TensorDictBase) -> torch.Tensor:
-        return rate(state["count"])
-
     def init(params: TensorDictBase) -> TensorDictBase:
-        return new_td({"count": _zero_count()})
+        count = _zero_count()
+        return new_td({"count": count, "learning_rate": rate(count)})
 
-    def flat(keys, u, state, params, donate):
+    def flat(keys, u, state, params):
         count = state["count"]
         factor = -const if schedule is None else _scalar(-rate(count), u)
-        if donate:
-            if u:
-                torch._foreach_mul_(u, factor)
-            count.add_(1)
-            return u, state
-        return (torch._foreach_mul(u, factor) if u else u), new_td({"count": count + 1})
+        out = torch._foreach_mul(u, factor) if u else u
+        return out, new_td({"count": count + 1, "learning_rate": rate(count + 1)})
 
-    return make_transform("scale_by_learning_rate", init, flat, lr)
+    return make_transform("scale_by_learning_rate", init, flat)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -314,83 +289,10 @@ def scale(factor: float) -> GradientTransformation:
     def init(params: TensorDictBase) -> TensorDictBase:
         return empty_state()
 
-    def flat(keys, u, state, params, donate):
-        if donate:
-            if u:
-                torch._foreach_mul_(u, factor)
-            return u, state
+    def flat(keys, u, state, params):
         return (torch._foreach_mul(u, factor) if u else u), empty_state()
 
     return make_transform("scale", init, flat)
-
-
-def _global_norm(leaves: Leaves) -> torch.Tensor:
-    if not leaves:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(leaves, 2)
-    if any(n.dtype != norms[0].dtype or n.device != norms[0].device for n in norms):
-        norms = [n.to(device=norms[0].device, dtype=torch.float32) for n in norms]
-    return torch.linalg.vector_norm(torch.stack(norms), 2)
-
-
-def global_norm(tree: TensorDictBase) -> torch.Tensor:
-    """The L2 norm of all leaves of a tree taken together (as ``clip_grad_norm_`` computes it).
-
-    No host synchronisation: the result stays on the leaves' device.
-
-    Args:
-        tree: a nested TensorDict (e.g. gradients).
-
-    Returns:
-        A 0-d tensor (the leaves' dtype; float32 for mixed dtypes or an empty tree).
-
-    Raises:
-        TypeError: if ``tree`` is not a TensorDict.
-
-    Example:
-        >>> global_norm(TensorDict({"a": torch.full((4,), 0.5), "b": {"c": torch.ones(3)}}))
-        tensor(2.)
-    """
-    return _global_norm(flatten(tree)[1])
-
-
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Scale updates so that their global L2 norm is at most ``max_norm``.
-
-    ``torch.nn.utils.clip_grad_norm_`` semantics: ``coef = min(max_norm / (norm + 1e-6), 1)``
-    multiplies every leaf (always, with no host sync; a non-finite norm yields non-finite
-    updates, as in torch).
-
-    Args:
-        max_norm: the maximum global norm, > 0.
-
-    Returns:
-        A stateless :class:`GradientTransformation` named ``clip_by_global_norm``.
-
-    Raises:
-        ValueError: if ``max_norm`` is not a positive finite number.
-
-    Example:
-        >>> tx = chain(clip_by_global_norm(1.0), adamw(6e-4))
-    """
-    max_norm = _number("clip_by_global_norm", "max_norm", max_norm)
-    if max_norm <= 0:
-        raise ValueError(f"clip_by_global_norm requires a positive max_norm, got {max_norm=}")
-
-    def init(params: TensorDictBase) -> TensorDictBase:
-        return empty_state()
-
-    def flat(keys, u, state, params, donate):
-        new_state = state if donate else empty_state()
-        if not u:
-            return u, new_state
-        coef = torch.clamp(max_norm / (_global_norm(u) + 1e-6), max=1.0)
-        if donate:
-            torch._foreach_mul_(u, coef)
-            return u, new_state
-        return torch._foreach_mul(u, coef), new_state
-
-    return make_transform("clip_by_global_norm", init, flat)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
@@ -422,28 +324,14 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     def init(params: TensorDictBase) -> TensorDictBase:
         return new_td({"trace": _zeros_like_tree(params)})
 
-    def flat(keys, g, state, params, donate):
+    def flat(keys, g, state, params):
         buf = _state_leaves(state, "trace", keys, "trace state 'trace'")
         if not g:
-            return g, state if donate else new_td({"trace": {}})
-        if donate:
-            torch._foreach_mul_(buf, decay)
-        else:
-            buf = torch._foreach_mul(buf, decay)
+            return g, new_td({"trace": {}})
+        buf = torch._foreach_mul(buf, decay)
         torch._foreach_add_(buf, g)
-        if nesterov:
-            if donate:
-                torch._foreach_add_(g, buf, alpha=decay)
-                out = g
-            else:
-                out = torch._foreach_add(g, buf, alpha=decay)
-        elif donate:
-            torch._foreach_copy_(g, buf)  # the update must not alias the donated buffer
-            out = g
-        else:
-            out = buf  # pure: sharing storage with the new state is safe
-        if donate:
-            return out, state
+        # pure: the update may share storage with the new state (nobody mutates either)
+        out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf
         return out, new_td({"trace": unflatten(keys, buf, device=state["trace"].device)})
 
     return make_transform("trace", init, flat)

@@ -3,7 +3,6 @@
 from ftrain.state.init import (
     STATE_KEYS,
     check_usable,
-    init_amp,
     init_state,
     is_pinned,
     mark_donated,
@@ -30,7 +29,6 @@ __all__ = [
     "count_params",
     "first_difference",
     "flatten",
-    "init_amp",
     "init_state",
     "is_pinned",
     "map_leaves",

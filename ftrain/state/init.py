@@ -5,8 +5,9 @@ Top-level keys (fixed; the state is locked against adding or removing keys):
 - ``step``: int64 scalar, completed optimizer steps ("step 400" = 400 steps done).
 - ``params``: the model parameters, nested like the module (``h.0.attn.c_attn.weight``).
 - ``buffers``: the module's persistent buffers (empty for most transformers).
-- ``opt``: the optimizer state from ``tx.init(params)``; the LR schedule reads its count.
-- ``amp``: dynamic loss-scale state (``scale``, ``growth_tracker``, ``skipped``).
+- ``opt``: the optimizer state from ``tx.init(params)``; the LR schedule reads its count,
+  and fp16's loss scale (``scale``, ``growth_tracker``, ``skipped``) is part of it, under
+  ``opt["loss_scale"]`` (see ``ftrain.optim.dynamic_loss_scale``).
 - ``data``: the data cursor (``epoch``, ``position``) of the *next* batch.
 - ``rng``: the base key of the run's key chain.
 """
@@ -25,7 +26,6 @@ from ftrain.state.tree import unflatten
 __all__ = [
     "STATE_KEYS",
     "check_usable",
-    "init_amp",
     "init_state",
     "is_pinned",
     "mark_donated",
@@ -34,28 +34,13 @@ __all__ = [
     "unpin",
 ]
 
-STATE_KEYS = ("step", "params", "buffers", "opt", "amp", "data", "rng")
-
-# Default dynamic loss scale for fp16, as torch.amp.GradScaler(init_scale=2**16).
-DEFAULT_LOSS_SCALE = 2.0**16
+STATE_KEYS = ("step", "params", "buffers", "opt", "data", "rng")
 
 
 def _detached_tree(named: list[tuple[str, torch.Tensor]]) -> TensorDict:
     # Clone so the state owns its memory: training the state never touches the module.
     keys = [tuple(name.split(".")) for name, _ in named]
     return unflatten(keys, [t.detach().clone() for _, t in named])
-
-
-def init_amp(precision: str = "fp32", *, init_scale: float = DEFAULT_LOSS_SCALE) -> TensorDict:
-    """Loss-scale state. Present for every precision so checkpoints share one layout;
-    only ``fp16`` steps read and change it (``scale`` stays 1.0 otherwise)."""
-    scale = init_scale if precision == "fp16" else 1.0
-    return TensorDict(
-        scale=torch.tensor(scale, dtype=torch.float32),
-        growth_tracker=torch.tensor(0, dtype=torch.int32),
-        skipped=torch.tensor(0, dtype=torch.int64),
-        batch_size=[],
-    )
 
 
 def _default_cursor() -> TensorDict:
@@ -79,27 +64,36 @@ def init_state(
         tx: an ``ftrain.optim.GradientTransformation``; ``tx.init(params)`` makes ``opt``.
         seed: the run's seed; the base key of the RNG chain is ``ftrain.rng.key(seed)``.
         data: the initial data cursor (default: epoch 0, position 0).
-        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16 starts the loss scale at 2**16).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``; fp16 needs ``tx`` wrapped in
+            ``ftrain.optim.dynamic_loss_scale`` (its state starts the scale at 2**16).
 
     Returns:
-        A locked TensorDict with keys ``step, params, buffers, opt, amp, data, rng``.
+        A locked TensorDict with keys ``step, params, buffers, opt, data, rng``.
+
+    Raises:
+        ValueError: an unknown precision, or fp16 without a loss scale in ``tx``.
 
     Example:
         >>> import ftrain
         >>> state = ftrain.init_state(torch.nn.Linear(2, 1), ftrain.optim.sgd(0.1), seed=0)
         >>> sorted(state.keys())
-        ['amp', 'buffers', 'data', 'opt', 'params', 'rng', 'step']
+        ['buffers', 'data', 'opt', 'params', 'rng', 'step']
     """
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
     params = _detached_tree(list(model.named_parameters()))
     persistent = [(n, b) for n, b in model.named_buffers() if _is_persistent(model, n)]
+    opt = tx.init(params)
+    if precision == "fp16" and "loss_scale" not in opt.keys():
+        raise ValueError(
+            "precision='fp16' needs dynamic loss scaling in the optimizer: "
+            "tx = ftrain.optim.dynamic_loss_scale(tx)"
+        )
     state = TensorDict(
         step=torch.zeros((), dtype=torch.int64),
         params=params,
         buffers=_detached_tree(persistent),
-        opt=tx.init(params),
-        amp=init_amp(precision),
+        opt=opt,
         data=data if data is not None else _default_cursor(),
         rng=rng.key(seed),
         batch_size=[],

@@ -1,10 +1,12 @@
 from pathlib import Path
 
 import pytest
+from tensordict import TensorDict
 
 from ftrain.cli.build import build_model, build_tx
 from ftrain.cli.resume import compat_diff
 from ftrain.config import ConfigError, load_config, to_plain
+from ftrain.optim import tree_get
 
 CONF = Path(__file__).resolve().parents[2] / "ftrain" / "conf"
 GROUPS = ["model", "optim", "schedule", "data", "checkpoint", "trainer", "dist"]
@@ -27,7 +29,11 @@ def test_recipe_overlay_and_builders():
     model, loss = build_model(cfg)
     assert sum(p.numel() for p in model.parameters()) > 1_000_000
     tx = build_tx(cfg)
-    assert tx.lr is not None
+    opt = tx.init(TensorDict.from_module(model).detach())
+    assert float(tree_get(opt, "learning_rate")) == 0.0  # warmup starts at 0
+    assert "clip_by_global_norm" in opt.keys() and "loss_scale" not in opt.keys()
+    fp16 = build_tx(load_config(["+recipe=gpt2", "trainer.precision=fp16"]))
+    assert "loss_scale" in fp16.init(TensorDict.from_module(model).detach()).keys()
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ def test_empty_tree():
     state = tx.init(empty)
     updates, state = tx.update(empty, state, empty)
     assert len(list(updates.keys(include_nested=True, leaves_only=True))) == 0
-    assert int(state["chain", "scale_by_adam", "count"]) == 1
+    assert int(state["adamw", "scale_by_adam", "count"]) == 1
     assert optim.global_norm(empty) == 0
 
 
@@ -138,12 +138,30 @@ def test_global_norm_and_clip_match_torch():
     for p, g in zip(flat, leaves_of(grads), strict=True):
         p.grad = g.clone()
     norm = torch.nn.utils.clip_grad_norm_(flat, 0.5, foreach=True)
-    assert torch.allclose(optim.global_norm(grads), norm.to(torch.float32), rtol=1e-6)
-    tx = optim.clip_by_global_norm(0.5)
+    # mixed fp32/fp64 leaves: the norm is promoted to fp64
+    assert optim.global_norm(grads).dtype == torch.float64
+    assert torch.allclose(optim.global_norm(grads).float(), norm.float(), rtol=1e-6)
+    tx = optim.clip_by_global_norm_torch(0.5)
     clipped, _ = tx.update(grads, tx.init(grads))
     for ours, theirs in zip(leaves_of(clipped), flat, strict=True):
         torch.testing.assert_close(ours, theirs.grad, rtol=1e-6, atol=0)
-    assert torch.allclose(optim.global_norm(clipped), torch.tensor(0.5), rtol=1e-5)
+    assert torch.allclose(optim.global_norm(clipped).float(), torch.tensor(0.5), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clip_by_global_norm_is_optax_rule_in_the_leaves_dtype(dtype):
+    grads = make_grads(0).apply(lambda t: t.to(dtype))  # one dtype for every leaf
+    norm = optim.global_norm(grads)
+    assert norm.dtype == dtype  # an fp64 model gets an fp64 norm, not a float32 one
+    tx = optim.clip_by_global_norm(0.5)
+    clipped, _ = tx.update(grads, tx.init(grads))
+    for ours, g in zip(leaves_of(clipped), leaves_of(grads), strict=True):
+        assert ours.dtype == dtype
+        assert torch.equal(ours, g * (0.5 / norm))  # max_norm / max(norm, max_norm), no 1e-6
+    tol = 1e-15 if dtype == torch.float64 else 1e-6
+    assert abs(float(optim.global_norm(clipped)) - 0.5) < tol
+    within, _ = optim.clip_by_global_norm(float(norm) * 2).update(grads, tx.init(grads))
+    assert all(torch.equal(a, b) for a, b in zip(leaves_of(within), leaves_of(grads), strict=True))
 
 
 def test_update_runs_without_host_sync():
@@ -153,8 +171,8 @@ def test_update_runs_without_host_sync():
     state = tx.init(make_params()).to("meta")  # counts on the accelerator, e.g. after .to(device)
     updates, state = tx.update(make_grads(0).to("meta"), state, params)
     assert all(t.device.type == "meta" for t in leaves_of(updates))
-    updates, state = tx.update(make_grads(0).to("meta"), state, params, donate=True)
-    assert tx.lr(state).device.type == "meta"
+    updates, state = tx.update(make_grads(0).to("meta"), state, params)
+    assert optim.tree_get(state, ("scale_by_adam", "count")).device.type == "meta"
 
 
 @pytest.mark.parametrize(

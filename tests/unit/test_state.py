@@ -57,8 +57,11 @@ def test_bad_precision():
 
 
 def test_fp16_starts_with_gradscaler_scale():
-    state = init_state(torch.nn.Linear(1, 1), ftrain.optim.sgd(0.1), seed=0, precision="fp16")
-    assert float(state["amp"]["scale"]) == 65536.0
+    tx = ftrain.optim.dynamic_loss_scale(ftrain.optim.sgd(0.1))
+    state = init_state(torch.nn.Linear(1, 1), tx, seed=0, precision="fp16")
+    assert float(state["opt", "loss_scale", "scale"]) == 65536.0
+    with pytest.raises(ValueError, match="dynamic_loss_scale"):
+        init_state(torch.nn.Linear(1, 1), ftrain.optim.sgd(0.1), seed=0, precision="fp16")
 
 
 def test_flatten_unflatten_roundtrip():

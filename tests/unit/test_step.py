@@ -32,10 +32,18 @@ def _tx():
     return ftrain.optim.adamw(ftrain.optim.schedule.warmup_cosine(1e-2, 3, 20), weight_decay=0.1)
 
 
+def _clipped(max_norm, tx):
+    return ftrain.optim.chain(ftrain.optim.clip_by_global_norm_torch(max_norm), tx)
+
+
+def _loss_scaled(tx, scale):
+    return ftrain.optim.dynamic_loss_scale(tx, init_scale=scale)
+
+
 def test_step_is_pure_over_several_steps():
     model = _model(p=0.2)
-    tx = _tx()
-    step = make_step(model, _mse, tx, clip=1.0)
+    tx = ftrain.optim.chain(ftrain.optim.clip_by_global_norm(1.0), _tx())
+    step = make_step(model, _mse, tx)
     state = init_state(model, tx, seed=0)
     for i in range(4):
         snapshot = state.clone()
@@ -100,9 +108,9 @@ def test_matches_imperative_torch_loop_with_clipping():
     model = _model()
     ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    tx = ftrain.optim.sgd(0.05, momentum=0.9)
+    tx = _clipped(0.5, ftrain.optim.sgd(0.05, momentum=0.9))
     state = init_state(model, tx, seed=0)
-    step = make_step(model, _mse, tx, clip=0.5)
+    step = make_step(model, _mse, tx)
     for i in range(10):
         state, metrics = step(state, _batch(i))
         opt.zero_grad(set_to_none=True)
@@ -114,6 +122,34 @@ def test_matches_imperative_torch_loop_with_clipping():
         torch.testing.assert_close(
             state["params"][tuple(name.split("."))], p.detach(), rtol=1e-6, atol=1e-7
         )
+
+
+def test_deprecated_clip_argument_is_the_torch_rule_transform():
+    model = _model()
+    tx = ftrain.optim.sgd(0.05, momentum=0.9)
+    with pytest.warns(DeprecationWarning, match="clip_by_global_norm"):
+        old = make_step(model, _mse, tx, clip=0.5)
+    new = make_step(model, _mse, _clipped(0.5, tx))
+    a = init_state(model, tx, seed=0)
+    b = init_state(model, _clipped(0.5, tx), seed=0)
+    for i in range(3):
+        a, ma = old(a, _batch(i))
+        b, mb = new(b, _batch(i))
+        assert float(ma["grad_norm"]) == float(mb["grad_norm"])
+    assert tree_equal(a["params"], b["params"])
+    scaled = _loss_scaled(tx, 2.0**4)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="inside the loss"):
+        make_step(model, _mse, scaled, clip=0.5)(init_state(model, scaled, seed=0), _batch(0))
+
+
+def test_grad_norm_metric_is_of_the_unscaled_gradients():
+    model = _model()
+    plain, scaled = ftrain.optim.sgd(0.1), _loss_scaled(ftrain.optim.sgd(0.1), 2.0**8)
+    _, m1 = make_step(model, _mse, plain)(init_state(model, plain, seed=0), _batch(0))
+    state = init_state(model, scaled, seed=0)
+    _, m2 = make_step(model, _mse, scaled)(state, _batch(0))  # fp32 with a loss scale
+    torch.testing.assert_close(m2["grad_norm"], m1["grad_norm"])
+    assert float(m2["lr"]) == 0.1
 
 
 def test_cursor_in_batch_becomes_state_data():
@@ -156,15 +192,17 @@ def test_metrics_are_tensors_with_lr_of_this_update():
 
 def test_fp16_loss_scaling_matches_gradscaler_and_skips_nonfinite():
     model = _model()
-    tx = ftrain.optim.sgd(0.1)
+    # fp16 overflows: 2**24 * loss > 65504 forces a skip, as in GradScaler
+    tx = _loss_scaled(ftrain.optim.sgd(0.1, momentum=0.9), 2.0**24)
     state = init_state(model, tx, seed=0, precision="fp16")
-    state = ftrain.state.replace(
-        state, amp=state["amp"].clone().set("scale", torch.tensor(2.0**24))
-    )  # fp16 overflows: 2**24 * loss > 65504 forces a skip, as in GradScaler
     step = make_step(model, _mse, tx, precision="fp16")
     new, _ = step(state, _batch(0))
-    assert int(new["amp"]["skipped"]) == 1 and float(new["amp"]["scale"]) == 2.0**23
-    assert tree_equal(new["params"], state["params"]) and int(new["step"]) == 1
+    ls = new["opt", "loss_scale"]
+    assert int(ls["skipped"]) == 1 and float(ls["scale"]) == 2.0**23
+    assert int(new["step"]) == 1
+    # skipped: params and the inner optimizer state bit-identical, only the counters moved
+    assert tree_equal(new["params"], state["params"])
+    assert tree_equal(new["opt", "inner"], state["opt", "inner"])
 
     ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -176,7 +214,7 @@ def test_fp16_loss_scaling_matches_gradscaler_and_skips_nonfinite():
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-    assert scaler.get_scale() == float(new["amp"]["scale"])
+    assert scaler.get_scale() == float(new["opt", "loss_scale", "scale"])
 
 
 def test_eval_does_not_disturb_state():
@@ -201,7 +239,11 @@ def test_bad_arguments():
         make_step(model, _mse, tx, precision="fp8")
     with pytest.raises(ValueError, match="clip=-1"):
         make_step(model, _mse, tx, clip=-1)
+    with pytest.raises(ValueError, match="dynamic_loss_scale"):
+        init_state(model, tx, seed=0, precision="fp16")
     state = init_state(model, tx, seed=0)
+    with pytest.raises(ValueError, match="dynamic_loss_scale"):
+        make_step(model, _mse, tx, precision="fp16")(state, _batch(0))
     with pytest.raises(TypeError, match="scalar tensor"):
         make_step(model, lambda m, b: m(b["x"]), tx)(state, _batch(0))
 
@@ -210,14 +252,14 @@ def test_key_order_of_the_state_does_not_change_the_result():
     # Regression: a restored checkpoint lists keys in storage order, a live state in module
     # order; summing per-leaf grad norms in insertion order made a resumed run drift by ulps.
     model = _model()
-    tx = _tx()
+    tx = _clipped(0.5, _tx())
     state = init_state(model, tx, seed=0)
     keys, leaves = ftrain.state.flatten(state["params"])
     reordered = TensorDict(
         {k: v for k, v in reversed(list(zip(keys, leaves, strict=True)))}, batch_size=[]
     )
     assert [k for k in reordered.keys(True, True)] != keys
-    step = make_step(model, _mse, tx, clip=0.5)
+    step = make_step(model, _mse, tx)
     a, b = state, ftrain.state.replace(state, params=reordered)
     for i in range(5):
         a, ma = step(a, _batch(i))
@@ -237,10 +279,10 @@ def test_states_share_no_tensordict_nodes_so_locking_does_not_accumulate():
         for i in range(5):
             old = state
             state, _ = step(state, _batch(i))
-            for key in ("amp", "data", "buffers", "opt", "params"):
+            for key in ("data", "buffers", "opt", "params"):
                 assert state[key] is not old[key], (donate, key)
-        assert state.is_locked and state["amp"].is_locked
-        assert len(state["amp"]._lock_parents_weakrefs) <= 1
+        assert state.is_locked and state["data"].is_locked
+        assert len(state["data"]._lock_parents_weakrefs) <= 1
 
 
 class _TiedAlias(torch.nn.Module):
@@ -326,13 +368,10 @@ def test_donate_never_overwrites_a_state_pinned_by_a_reader():
 
 def test_fp16_sequence_matches_gradscaler_with_a_skipped_overflow_step():
     model, ref = _model(), _model()
-    tx = ftrain.optim.sgd(0.05, momentum=0.9)
+    tx = _loss_scaled(ftrain.optim.sgd(0.05, momentum=0.9), 2.0**10)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     state = init_state(model, tx, seed=0, precision="fp16")
-    state = ftrain.state.replace(
-        state, amp=state["amp"].clone().set("scale", torch.tensor(2.0**10))
-    )
     step = make_step(model, _mse, tx, precision="fp16")
     for i in range(6):
         batch = _batch(i)
@@ -345,8 +384,8 @@ def test_fp16_sequence_matches_gradscaler_with_a_skipped_overflow_step():
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        assert float(state["amp"]["scale"]) == scaler.get_scale(), i
-    assert int(state["amp"]["skipped"]) == 1
+        assert float(state["opt", "loss_scale", "scale"]) == scaler.get_scale(), i
+    assert int(state["opt", "loss_scale", "skipped"]) == 1
     for name, p in ref.named_parameters():
         torch.testing.assert_close(
             state["params"][tuple(name.split("."))], p.detach(), rtol=1e-5, atol=1e-6

@@ -1,0 +1,291 @@
+"""Gradient processing as transforms: clipping, dynamic loss scaling, the cross-rank mean.
+
+These used to be code inside the step; as transforms (optax's ``clip_by_global_norm`` and
+``apply_if_finite`` shapes) they compose with any optimizer and keep their state, if any,
+in the optimizer state. The step only computes gradients and applies updates::
+
+    tx = dynamic_loss_scale(chain(clip_by_global_norm(1.0), adamw(6e-4)))  # fp16
+
+Norms are computed in the leaves' dtype (an fp64 model gets an fp64 norm); mixed dtypes
+are promoted to the widest one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+
+from ftrain.optim.base import (
+    GradientTransformation,
+    empty_state,
+    flat_update,
+    flatten,
+    make_transform,
+    member_state,
+    new_td,
+)
+
+__all__ = [
+    "clip_by_global_norm",
+    "clip_by_global_norm_torch",
+    "dynamic_loss_scale",
+    "global_norm",
+    "mean_across_ranks",
+]
+
+Leaves = list[torch.Tensor]
+
+# torch.amp.GradScaler's defaults.
+GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL, INIT_SCALE = 2.0, 0.5, 2000, 2.0**16
+
+
+def _positive(fn: str, name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{fn} requires a finite number for {name}, got {name}={value!r}")
+    if value <= 0:
+        raise ValueError(f"{fn} requires a positive {name}, got {name}={value!r}")
+    return float(value)
+
+
+def global_norm_of(leaves: Leaves) -> torch.Tensor:
+    """The L2 norm of a list of tensors taken together, in their (widest) dtype, no host sync."""
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(leaves, 2)
+    first = norms[0]
+    if any(n.dtype != first.dtype or n.device != first.device for n in norms):
+        dtype = first.dtype
+        for n in norms:
+            dtype = torch.promote_types(dtype, n.dtype)
+        norms = [n.to(device=first.device, dtype=dtype) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms), 2)
+
+
+def global_norm(tree: TensorDictBase) -> torch.Tensor:
+    """The L2 norm of all leaves of a tree taken together (as ``clip_grad_norm_`` computes it).
+
+    No host synchronisation: the result stays on the leaves' device, in their dtype.
+
+    Args:
+        tree: a nested TensorDict (e.g. gradients).
+
+    Returns:
+        A 0-d tensor (the leaves' dtype, the widest for mixed dtypes; float32 if empty).
+
+    Raises:
+        TypeError: if ``tree`` is not a TensorDict.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> global_norm(TensorDict({"a": torch.full((4,), 0.5), "b": {"c": torch.ones(3)}}))
+        tensor(2.)
+    """
+    return global_norm_of(flatten(tree)[1])
+
+
+def _scaled(leaves: Leaves, coef: torch.Tensor) -> Leaves:
+    """Every leaf times ``coef`` (cast to each leaf's dtype; one kernel per dtype group)."""
+    if all(t.dtype == coef.dtype for t in leaves):
+        return torch._foreach_mul(leaves, coef)
+    out = list(leaves)
+    for dtype in {t.dtype for t in leaves}:
+        idx = [i for i, t in enumerate(leaves) if t.dtype == dtype]
+        scaled = torch._foreach_mul([leaves[i] for i in idx], coef.to(dtype))
+        for i, v in zip(idx, scaled, strict=True):
+            out[i] = v
+    return out
+
+
+def _clipper(name: str, max_norm: float, coefficient) -> GradientTransformation:
+    max_norm = _positive(name, "max_norm", max_norm)
+
+    def flat(keys, u, state, params):
+        if not u:
+            return u, empty_state()
+        return _scaled(u, coefficient(global_norm_of(u), max_norm)), empty_state()
+
+    return make_transform(name, lambda params: empty_state(), flat)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale updates so that their global L2 norm is at most ``max_norm`` (optax's rule).
+
+    ``updates * max_norm / max(norm, max_norm)``: unchanged (a factor of exactly 1) when the
+    norm is within bounds, else scaled to norm ``max_norm``. The norm is in the leaves'
+    dtype; no host sync (a non-finite norm gives non-finite updates). For
+    ``torch.nn.utils.clip_grad_norm_``'s rule use :func:`clip_by_global_norm_torch`.
+
+    Args:
+        max_norm: the maximum global norm, > 0.
+
+    Returns:
+        A stateless :class:`GradientTransformation` named ``clip_by_global_norm``.
+
+    Raises:
+        ValueError: if ``max_norm`` is not a positive finite number.
+
+    Example:
+        >>> from ftrain.optim import adamw, chain
+        >>> tx = chain(clip_by_global_norm(1.0), adamw(6e-4))
+    """
+
+    def coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+        return max_norm / torch.clamp(norm, min=max_norm)
+
+    return _clipper("clip_by_global_norm", max_norm, coefficient)
+
+
+def clip_by_global_norm_torch(max_norm: float) -> GradientTransformation:
+    """``torch.nn.utils.clip_grad_norm_``'s rule: ``coef = min(max_norm / (norm + 1e-6), 1)``.
+
+    Every leaf is multiplied by ``coef`` (always; no host sync). Use it to reproduce a
+    PyTorch loop exactly; :func:`clip_by_global_norm` is optax's rule (no ``1e-6``).
+
+    Args:
+        max_norm: the maximum global norm, > 0.
+
+    Returns:
+        A stateless :class:`GradientTransformation` named ``clip_by_global_norm_torch``.
+
+    Raises:
+        ValueError: if ``max_norm`` is not a positive finite number.
+
+    Example:
+        >>> tx = clip_by_global_norm_torch(1.0)
+    """
+
+    def coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+        return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+    return _clipper("clip_by_global_norm_torch", max_norm, coefficient)
+
+
+def init_loss_scale(init_scale: float = INIT_SCALE) -> TensorDictBase:
+    """The loss-scale counters: ``scale`` (float32), ``growth_tracker`` (int32), ``skipped``."""
+    return new_td(
+        {
+            "scale": torch.tensor(init_scale, dtype=torch.float32),
+            "growth_tracker": torch.tensor(0, dtype=torch.int32),
+            "skipped": torch.tensor(0, dtype=torch.int64),
+        }
+    )
+
+
+def _unscale(u: Leaves, ls: TensorDictBase, rule: tuple[float, float, int]):
+    """GradScaler's unscale + non-finite check + scale update, out of place."""
+    device = u[0].device if u else ls["scale"].device
+    scale = ls["scale"].to(device, copy=True)
+    tracker = ls["growth_tracker"].to(device, copy=True)
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    unscaled = torch._foreach_mul(u, scale.double().reciprocal().float()) if u else u
+    if unscaled:  # the check only: multiplying by 1 is exact
+        one = torch.ones((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(unscaled, found_inf, one)
+    torch._amp_update_scale_(scale, tracker, found_inf, *rule)
+    skipped = ls["skipped"] + (found_inf > 0).to(ls["skipped"].device, torch.int64)
+    new_ls = new_td(
+        {
+            "scale": scale.to(ls["scale"].device),
+            "growth_tracker": tracker.to(ls["growth_tracker"].device),
+            "skipped": skipped,
+        }
+    )
+    return unscaled, new_ls, found_inf
+
+
+def dynamic_loss_scale(
+    inner: GradientTransformation,
+    *,
+    init_scale: float = INIT_SCALE,
+    growth_factor: float = GROWTH_FACTOR,
+    backoff_factor: float = BACKOFF_FACTOR,
+    growth_interval: int = GROWTH_INTERVAL,
+) -> GradientTransformation:
+    """fp16 dynamic loss scaling around ``inner`` (optax ``apply_if_finite`` shape).
+
+    The step multiplies the loss by ``tree_get(opt_state, ("loss_scale", "scale"))``; this
+    transform divides the gradients by it, and if any is not finite *skips* the update as
+    ``torch.amp.GradScaler`` skips ``optimizer.step()``: ``inner``'s state (so also the LR
+    schedule's count) is kept, the updates are ``-0.0`` (``p + -0.0 == p`` bit for bit),
+    the scale backs off and ``skipped`` grows. Otherwise ``inner`` runs on the unscaled
+    gradients. Scale growth/backoff follow GradScaler exactly (same kernels).
+
+    The skip decision reads one flag on the host per update (as GradScaler's ``step()``).
+
+    State: ``{"loss_scale": {"scale", "growth_tracker", "skipped"}, "inner": inner's}``.
+
+    Args:
+        inner: the optimizer to run on finite, unscaled gradients.
+        init_scale: the first loss scale (GradScaler's 2**16).
+        growth_factor: scale multiplier after ``growth_interval`` finite steps in a row.
+        backoff_factor: scale multiplier after a non-finite step.
+        growth_interval: finite steps between growths.
+
+    Returns:
+        A :class:`GradientTransformation` named ``dynamic_loss_scale``.
+
+    Raises:
+        ValueError: for a non-positive setting.
+
+    Example:
+        >>> from ftrain.optim import adamw
+        >>> tx = dynamic_loss_scale(adamw(1e-3))
+    """
+    fn = "dynamic_loss_scale"
+    init_scale = _positive(fn, "init_scale", init_scale)
+    rule = (
+        _positive(fn, "growth_factor", growth_factor),
+        _positive(fn, "backoff_factor", backoff_factor),
+        int(_positive(fn, "growth_interval", growth_interval)),
+    )
+    inner_flat = flat_update(inner)
+
+    def init(params: TensorDictBase) -> TensorDictBase:
+        return new_td({"loss_scale": init_loss_scale(init_scale), "inner": inner.init(params)})
+
+    def flat(keys, u, state, params):
+        ls = member_state(state, "loss_scale", fn)
+        old_inner = member_state(state, "inner", fn)
+        unscaled, new_ls, found_inf = _unscale(u, ls, rule)
+        if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical
+            out = [torch.full_like(t, -0.0) for t in u]
+            return out, new_td({"loss_scale": new_ls, "inner": old_inner.copy()})
+        out, new_inner = inner_flat(keys, unscaled, old_inner, params)
+        return out, new_td({"loss_scale": new_ls, "inner": new_inner})
+
+    return make_transform(fn, init, flat)
+
+
+def mean_across_ranks(group=None) -> GradientTransformation:
+    """Average the updates over ``torch.distributed`` ranks (data parallelism), in one bucket.
+
+    Stateless. The step uses it as its collective hook (``make_step(dp=True)``), before the
+    grad-norm metric and ``tx``, so every rank sees the same gradients and the same norm.
+
+    Args:
+        group: the process group (default: the world).
+
+    Returns:
+        A :class:`GradientTransformation` named ``mean_across_ranks``; an identity when
+        ``torch.distributed`` is not initialised or has one rank.
+
+    Example:
+        >>> tx = mean_across_ranks()
+    """
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    def flat(keys, u, state, params):
+        if not u or not (dist.is_available() and dist.is_initialized()):
+            return u, empty_state()
+        world = dist.get_world_size(group)
+        if world == 1:
+            return u, empty_state()
+        bucket = _flatten_dense_tensors(u)  # a new buffer: the inputs stay as they were
+        dist.all_reduce(bucket, group=group)
+        bucket /= world
+        return list(_unflatten_dense_tensors(bucket, u)), empty_state()
+
+    return make_transform("mean_across_ranks", lambda params: empty_state(), flat)
