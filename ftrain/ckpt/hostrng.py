@@ -17,7 +17,7 @@ from ftrain.ckpt.format import CorruptCheckpointError
 
 _MT_WORDS = 625  # Python's Mersenne Twister state: 624 words + position
 
-__all__ = ["capture", "for_rank", "restore", "validate"]
+__all__ = ["capture", "for_rank", "restore", "seed_all", "validate"]
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -58,6 +58,26 @@ def capture() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return out
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch's CPU/CUDA generators.
+
+    For the trainer's entry points only (library code never touches global RNG): user code
+    that draws from the global generators then starts from ``trainer.seed`` too.
+
+    Example:
+        >>> seed_all(3); a = random.random(); seed_all(3); a == random.random()
+        True
+    """
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
 
 
 def restore(states: dict) -> None:

@@ -261,11 +261,7 @@ class CheckpointManager:
         step = self._read_step(state)
         check_usable(state, "save")  # a donated state's tensors already hold a later step
         now = time.time()
-        ctx = SaveContext(step, now, self._last_step, self._last_time)
-        if not force and self.save_policy is not None and not self.save_policy.should_save(ctx):
-            return False
-        if step in (self._last_step, self._restored_from) or step in self._written:
-            log.info("[step=%d] already saved; skipping", step)
+        if not self._wants(step, now, force):
             return False
         self.wait()  # at most one save in flight
         attrs = self._attributes(step, now, metrics, metadata, host_rng)
@@ -285,6 +281,21 @@ class CheckpointManager:
             name=f"ftrain-ckpt-{step}",
         )
         self._thread.start()
+        return True
+
+    def wants(self, state: TensorDictBase, *, force: bool = False) -> bool:
+        """Whether ``save(state, force=force)`` would write now (the save policy and the
+        already-saved check), without saving: lets every rank of a data-parallel run take
+        part in gathering what the save records (e.g. each rank's host RNG states)."""
+        return self._wants(self._read_step(state), time.time(), force)
+
+    def _wants(self, step: int, now: float, force: bool) -> bool:
+        ctx = SaveContext(step, now, self._last_step, self._last_time)
+        if not force and self.save_policy is not None and not self.save_policy.should_save(ctx):
+            return False
+        if step in (self._last_step, self._restored_from) or step in self._written:
+            log.info("[step=%d] already saved; skipping", step)
+            return False
         return True
 
     def _read_step(self, state: TensorDictBase) -> int:

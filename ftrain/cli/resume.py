@@ -10,6 +10,7 @@ restores that step and checks it got it.
 from __future__ import annotations
 
 import re
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -85,11 +86,13 @@ class ResumeReport:
     # step directories that do not count as checkpoints (no valid marker): "path: why"
     ignored: list[str] = field(default_factory=list)
     world_sizes: tuple[int, int] | None = None  # (checkpoint's, this run's) when they differ
+    host_rng: str | None = None  # how this rank's global RNGs were set (restored or seeded)
 
     def lines(self) -> list[str]:
         ignored = [f"ignored {line}" for line in self.ignored]
+        rng_line = [self.host_rng] if self.host_rng else []
         if not self.resumed:
-            return [f"starting fresh ({self.reason})", *ignored]
+            return [f"starting fresh ({self.reason})", *rng_line, *ignored]
         out = [
             f"resumed from step {self.step} ({self.reason}) in {self.restore_s or 0:.2f}s",
             f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} position={self.position}",
@@ -111,7 +114,7 @@ class ResumeReport:
                 f"world size changed: checkpoint written by {old} rank(s), resumed on {new} "
                 "(the data cursor continues the same global sample order)"
             )
-        out += ignored
+        out += rng_line + ignored
         out += [f"accepted change: {c}" for c in self.changes]
         return out
 
@@ -266,14 +269,27 @@ def ignored_step_dirs(cfg: DictConfig) -> list[str]:
     return out
 
 
-def _restore_host_rng(meta: dict, world: World) -> None:
-    """Put back the global Python/NumPy/torch RNG states recorded for this rank, for user code
-    that draws from them (ftrain itself only uses the key chain)."""
+def host_rng_start(cfg: DictConfig, world: World, meta: dict | None) -> str:
+    """Set this rank's global Python/NumPy/torch RNGs for user code that draws from them
+    (ftrain itself only uses the key chain): the states the checkpoint recorded for this
+    rank, else seeded from ``trainer.seed``, the rank and the step. Returns what it did."""
+    from ftrain import rng
     from ftrain.ckpt import hostrng
 
-    states = (meta.get("host_rng") or {}).get(str(world.rank))
-    if states:
-        hostrng.restore(states)
+    step = int(meta.get("step") or 0) if meta else 0
+    if meta:
+        try:
+            states = hostrng.for_rank(meta, world.rank)
+        except CorruptCheckpointError as err:  # covered by the step's checksums: a bug
+            states = None
+            print(f"ftrain: warning: ignoring recorded host RNG states: {err}", file=sys.stderr)
+        if states is not None:
+            hostrng.restore(states)
+            return f"host RNG states of rank {world.rank} restored from step {step}"
+    key = rng.fold_in(rng.fold_in(rng.key(cfg.trainer.seed), "host-rng"), world.rank)
+    hostrng.seed_all(rng.key_data(rng.fold_in(key, step)) % 2**63)
+    where = "none recorded for this rank; " if meta else ""
+    return f"host RNGs of rank {world.rank} seeded from trainer.seed ({where}step {step})"
 
 
 def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
@@ -332,18 +348,16 @@ def start_state(
     restore_s = time.perf_counter() - t0
     ignored = ignored_step_dirs(cfg) if world.is_coordinator else []
     if state is None:
-        return (
-            fresh,
-            ResumeReport(
-                False,
-                reason="resume=none" if cfg.resume == "none" else "no checkpoint yet",
-                ignored=ignored,
-            ),
-            {},
+        report = ResumeReport(
+            False,
+            reason="resume=none" if cfg.resume == "none" else "no checkpoint yet",
+            ignored=ignored,
+            host_rng=host_rng_start(cfg, world, None),
         )
+        return fresh, report, {}
     step = int(state["step"])
     meta = manager.metadata(step)
-    _restore_host_rng(meta, world)
+    host_rng = host_rng_start(cfg, world, meta)
     changes = _check_compat(cfg, meta)
     check_fingerprint(meta.get("data_fingerprint"), data_fp, bool(cfg.data.allow_changed))
     if meta.get("data_fingerprint") not in (None, data_fp):
@@ -372,6 +386,7 @@ def start_state(
             if isinstance(saved_world, int) and saved_world != world.size
             else None
         ),
+        host_rng=host_rng,
     )
     return state, report, meta
 

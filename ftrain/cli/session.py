@@ -21,16 +21,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ftrain.ckpt import CheckpointManager, CheckpointSaveError
+from ftrain.ckpt import CheckpointManager, CheckpointSaveError, hostrng
 from ftrain.ckpt.commit import MARKER, step_dirname
 from ftrain.data import val_batches
-from ftrain.dist import World, agree_any, all_mean
+from ftrain.dist import World, agree_any, all_mean, broadcast_int, gather_json
 from ftrain.loop import LoopResult
 from ftrain.metrics import Heartbeat, MetricsWriter, Progress
 from ftrain.step import evaluate, make_eval_step
 
 __all__ = ["Session"]
 
+_LOCAL_REASONS = ("emergency", "hang")
 _SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s")
 
 
@@ -91,6 +92,7 @@ class Session:
             "changes": report.changes,
             "rank_positions": self._rank_positions(report.position),
             "restore_s": report.restore_s,
+            "host_rng": report.host_rng,
             "checkpoint_bytes": report.checkpoint_bytes,
             "skipped": {str(k): v for k, v in report.skipped.items()},
             "ignored": report.ignored,
@@ -123,13 +125,25 @@ class Session:
 
     # -- saving and evaluating ---------------------------------------------------
     def save(self, state, metrics: dict, *, force: bool, reason: str) -> bool:
-        """Offer ``state`` to the manager (coordinator only; the state is replicated)."""
+        """Offer ``state`` to the manager. The coordinator writes (the state is replicated);
+        in a data-parallel run every rank calls this, so each rank's host RNG states can be
+        gathered into the checkpoint when the coordinator's manager wants the step."""
+        host_rng = None
+        # emergency and hang saves happen on one rank alone: no collective may run there
+        if self.world.active and reason not in _LOCAL_REASONS:
+            if not broadcast_int(int(self.manager.wants(state, force=force))):
+                return False
+            force = True  # decided above for every rank: the save below must not re-decide
+            gathered = gather_json(hostrng.capture())
+            host_rng = dict(enumerate(gathered)) if gathered is not None else None
         if not self.world.is_coordinator:
             return False
         self._seen_commits()
         t0, started = time.perf_counter(), time.time()
         try:
-            saved = self.manager.save(state, metrics=metrics, metadata=self.metadata, force=force)
+            saved = self.manager.save(
+                state, metrics=metrics, metadata=self.metadata, force=force, host_rng=host_rng
+            )
         except CheckpointSaveError as err:  # an earlier background save failed
             self._failed(err)
             raise

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "agree_any", "all_mean", "broadcast_int", "init_world", "local_device", "shutdown"]
+__all__ = [
+    "World",
+    "agree_any",
+    "all_mean",
+    "broadcast_int",
+    "gather_json",
+    "init_world",
+    "local_device",
+    "shutdown",
+]
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,9 @@ def init_world(
             backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         rank, timeout = int(os.environ["RANK"]), datetime.timedelta(seconds=timeout_s)
         store = _attempt_store(rank, size, timeout)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=size, timeout=timeout
+        )
     return World(dist.get_rank(), dist.get_world_size())
 
 
@@ -62,7 +73,12 @@ def _attempt_store(rank: int, size: int, timeout: datetime.timedelta) -> dist.St
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = dist.TCPStore(
-        host, port, size, is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store
+        host,
+        port,
+        size,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent_store,
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"ftrain/attempt_{attempt}", store)
@@ -74,7 +90,11 @@ def local_device(device: torch.device) -> torch.device:
     ``trainer.device=cuda`` (or ``auto`` on a GPU host) would otherwise put every rank on
     GPU 0, which NCCL refuses.
     """
-    if device.type != "cuda" or device.index is not None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if (
+        device.type != "cuda"
+        or device.index is not None
+        or int(os.environ.get("WORLD_SIZE", "1")) <= 1
+    ):
         return device
     local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(local)
@@ -120,3 +140,31 @@ def all_mean(values: dict[str, float]) -> dict[str, float]:
     dist.all_reduce(t)
     t /= dist.get_world_size()
     return dict(zip(keys, t.tolist(), strict=True))
+
+
+def gather_json(value: object) -> list | None:
+    """Every rank's JSON-able ``value``, in rank order, on rank 0 (``None`` elsewhere).
+
+    Travels as UTF-8 JSON bytes in uint8 tensors (no pickle): one all-gather of the lengths,
+    one of the padded payloads. Outside a process group: ``[value]``.
+    """
+    import json
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    raw = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    dev = _device()
+    size = torch.tensor([raw.numel()], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    longest = int(max(int(s.item()) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[: raw.numel()] = raw.to(dev)
+    parts = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    if dist.get_rank() != 0:
+        return None
+    return [
+        json.loads(bytes(p[: int(n.item())].cpu().numpy()))
+        for p, n in zip(parts, sizes, strict=True)
+    ]

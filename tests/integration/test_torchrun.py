@@ -69,6 +69,9 @@ def test_two_ranks_train_and_resume_on_one_rank_with_the_same_global_order(
     assert CheckpointManager(two / "checkpoints", async_save=False).all_steps() == [3, 6]
     meta = CheckpointManager(two / "checkpoints", async_save=False).metadata(6)
     assert meta["world_size"] == 2
+    # every rank's host RNG states are recorded (seeded per rank from trainer.seed)
+    assert sorted(meta["host_rng"]) == ["0", "1"]
+    assert meta["host_rng"]["0"]["torch_cpu"] != meta["host_rng"]["1"]["torch_cpu"]
 
     rc, out = _finish(
         _torchrun(
@@ -120,4 +123,5 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_pat
     assert rc == 0, out
     resumes = records(run, "resume")
     assert resumes and resumes[-1]["from_step"] >= 4
+    assert "rank 0 restored" in resumes[-1]["host_rng"]
     assert CheckpointManager(run / "checkpoints", async_save=False).latest_step() == 40

@@ -73,9 +73,12 @@ def test_a_failed_save_can_be_retried_for_the_same_step(tmp_path, monkeypatch):
 def test_resume_puts_back_the_host_rng_states_for_user_code(tmp_path):
     import random
 
-    from ftrain.cli.resume import _restore_host_rng
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.resume import host_rng_start
     from ftrain.dist import World
 
+    cfg = OmegaConf.create({"trainer": {"seed": 5}})
     state, _, _ = _setup()
     torch.manual_seed(123)
     random.seed(7)
@@ -84,5 +87,28 @@ def test_resume_puts_back_the_host_rng_states_for_user_code(tmp_path):
         expected = (torch.rand(3), random.random())
         torch.manual_seed(999)
         random.seed(1)
-        _restore_host_rng(mgr.metadata(0), World(0, 1))
+        said = host_rng_start(cfg, World(0, 1), mgr.metadata(0))
+    assert "restored" in said
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def test_host_rngs_are_seeded_from_trainer_seed_per_rank_when_nothing_was_recorded():
+    import random
+
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.resume import host_rng_start
+    from ftrain.dist import World
+
+    def draws(seed, rank, meta=None):
+        torch.manual_seed(999)
+        random.seed(1)
+        said = host_rng_start(OmegaConf.create({"trainer": {"seed": seed}}), World(rank, 2), meta)
+        return said, (torch.rand(2).tolist(), random.random())
+
+    said, a = draws(5, 0)
+    assert "seeded from trainer.seed" in said
+    assert draws(5, 0)[1] == a  # deterministic
+    assert draws(5, 1)[1] != a and draws(6, 0)[1] != a  # per rank, per seed
+    said, _ = draws(5, 1, {"step": 40, "host_rng": {"0": {}}})
+    assert "none recorded for this rank" in said
