@@ -231,13 +231,20 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
     def save(state, metrics) -> bool:
         return session.save(state, metrics, force=True, reason="hang")
 
-    return Watchdog(
+    watchdog = Watchdog(
         cfg.trainer.hang_timeout_s,
         run_dir=cfg.run.dir,
         save=save,
         drain=session.wait_commits,  # the final save counts (and is recorded) once committed
         on_hang=lambda info: session.record("hang", **info),
     )
+    # said once at start, so a log shows the watchdog was on (and with which allowances)
+    print(
+        f"hang watchdog: exit 4 after {watchdog.timeout_s:g} s without progress "
+        f"({watchdog.first_timeout_s:g} s for the first step)",
+        flush=True,
+    )
+    return watchdog
 
 
 def _diverged(err: NonFiniteError, manager: CheckpointManager) -> int:

@@ -116,6 +116,7 @@ def test_a_hung_data_source_is_detected_dumped_saved_and_resumed(cache_dir, tmp_
         hang_at=5,
     )
     out = proc.stdout + proc.stderr
+    assert "hang watchdog: exit 4 after 2 s without progress (10 s for the first step)" in out
     assert proc.returncode == EXIT_HUNG, out
     assert "no progress for" in proc.stderr and "exiting with code 4" in proc.stderr
     (dump,) = run.glob("hang-*.txt")
