@@ -27,6 +27,7 @@ import platform
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
@@ -471,6 +472,7 @@ class CheckpointManager:
         target: TensorDictBase | None = None,
         only: str | tuple[str, ...] | None = None,
         host_rng: bool = False,
+        check_metadata: Callable[[dict], None] | None = None,
     ) -> TensorDictBase:
         """Load the newest committed step that verifies (or exactly ``step``).
 
@@ -487,6 +489,9 @@ class CheckpointManager:
                 the states recorded for ``rank`` (for user code that draws from them;
                 ftrain's own randomness is the key chain in the state). A warning says
                 so if the step recorded none for this rank.
+            check_metadata: ``check_metadata(attributes)`` validates the caller's own root
+                attributes (e.g. a config it will act on); raising
+                ``CorruptCheckpointError`` makes the step corrupt, so restore falls back.
 
         Returns:
             A nested TensorDict (CPU tensors unless ``target`` says otherwise).
@@ -511,6 +516,8 @@ class CheckpointManager:
                 _, manifest = protocol.read_committed(path)
                 specs_of(manifest)  # every field validated before anything acts on it
                 attrs = read_root_attributes(path, manifest)  # checksummed, checked
+                if check_metadata is not None:
+                    check_metadata(attrs)
                 _check_only(manifest, only_t)
                 td = read_tree(path, manifest, only=only_t, workers=self.io_workers)
                 rng_states = hostrng.for_rank(attrs, self.rank) if host_rng else None

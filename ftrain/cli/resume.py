@@ -205,20 +205,58 @@ def _restore_agreed(cfg, manager, fresh, world: World):
     return state
 
 
+# root attributes the CLI acts on -> the JSON types they may have (None: absent)
+_RUN_METADATA = {
+    "config": dict,
+    "config_hash": str,
+    "data_fingerprint": str,
+    "data": dict,
+    "world_size": int,
+    "layout": str,
+    "schedule_horizon": int,
+}
+
+
+def check_run_metadata(attrs: dict) -> None:
+    """Refuse a step whose run metadata has the wrong types (before anything acts on it).
+
+    Raises:
+        CorruptCheckpointError: the field, its value and the expected type.
+    """
+    for name, kind in _RUN_METADATA.items():
+        value = attrs.get(name)
+        bad_int = kind is int and (
+            isinstance(value, bool) or (isinstance(value, int) and value < 1)
+        )
+        if value is not None and (not isinstance(value, kind) or bad_int):
+            raise CorruptCheckpointError(
+                f"run metadata {name!r} is {value!r:.80}, expected a {kind.__name__}"
+                + (" >= 1" if kind is int else "")
+            )
+
+
+def _checked_metadata(manager: CheckpointManager, step: int) -> dict | None:
+    """A step's metadata if it is readable and well-typed, else None (a restore then
+    reports the step as corrupt and falls back)."""
+    try:
+        meta = manager.metadata(step)
+        check_run_metadata(meta)
+        return meta
+    except (CorruptCheckpointError, CheckpointNotFoundError, OSError, ValueError):
+        return None
+
+
 def _candidate_metadata(manager: CheckpointManager, chosen: int) -> dict | None:
     """The metadata of the step about to be restored, or None if it is unreadable (then the
     restore below reports it and falls back to an older step, which is checked after)."""
-    try:
-        return manager.metadata(manager.latest_step() if chosen == _LATEST else chosen)
-    except (CorruptCheckpointError, OSError, ValueError):
-        return None
+    return _checked_metadata(manager, manager.latest_step() if chosen == _LATEST else chosen)
 
 
 def _restore(manager: CheckpointManager, step: int | None, fresh: TensorDictBase) -> TensorDictBase:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
-            state = manager.restore(step, target=fresh)
+            state = manager.restore(step, target=fresh, check_metadata=check_run_metadata)
         _note_skipped(caught)
         return state
     except ValueError as err:  # the checkpoint does not fit the configured model/optimizer
@@ -299,10 +337,7 @@ def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     step = manager.latest_step() if cfg.resume == "latest" else int(cfg.resume)
     if step is None:
         return None
-    try:
-        return manager.metadata(step).get("schedule_horizon")
-    except (CorruptCheckpointError, CheckpointNotFoundError, OSError, ValueError):
-        return None
+    return (_checked_metadata(manager, step) or {}).get("schedule_horizon")
 
 
 def _redo_range(run_dir: Path, step: int, also: list[int] = ()) -> tuple[int, int] | None:

@@ -12,8 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import crc32c
+
 from ftrain.ckpt import CheckpointManager
 from ftrain.state import first_difference
+
+from ..unit.test_ckpt_trust import rewrite_manifest
 
 SAVES = ("checkpoint.every_steps=3", "checkpoint.keep_last=5", "checkpoint.async_save=false")
 
@@ -92,3 +96,20 @@ def test_a_step_of_a_newer_format_stops_the_run_and_nothing_is_deleted(cli, tmp_
     assert "written by ftrain 9.0 (format 99); this is ftrain" in out.stderr
     assert "Traceback" not in out.stderr
     assert sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*")) == before
+
+
+def test_forged_run_metadata_of_the_newest_step_falls_back_not_crashes(cli, tmp_path):
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=6", *SAVES, check=0)
+    step = run / "checkpoints" / "step_00000006"
+    doc = json.loads((step / "zarr.json").read_text())
+    doc["attributes"]["config"] = ["not", "a", "dict"]  # consistently re-sealed below
+    doc["attributes"]["schedule_horizon"] = "soon"
+    raw = json.dumps(doc).encode()
+    (step / "zarr.json").write_bytes(raw)
+    rewrite_manifest(
+        step, lambda m: m["documents"].update({"zarr.json": [crc32c.crc32c(raw), len(raw)]})
+    )
+    out = cli(run, "trainer.max_steps=6", *SAVES, check=0)
+    assert "resumed from step 3" in out.stdout and "run metadata 'config'" in out.stdout
+    assert "Traceback" not in out.stderr
