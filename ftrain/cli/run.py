@@ -185,6 +185,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
             grad_accum=t.grad_accum,
             precision=t.precision,
             donate=t.donate,
+            compile=t.compile,
         )
         loader = Loader(
             p.train,

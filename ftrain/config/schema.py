@@ -95,6 +95,7 @@ class TrainerConfig:
     log_every: int = 1
     device: str = "auto"
     donate: bool = False
+    compile: bool = False  # the step's tensor core under torch.compile (ftrain.compiled)
     on_nonfinite: str = "stop"  # stop | skip | continue (ftrain.loop)
     hang_timeout_s: float | None = None  # null: no hang watchdog (ftrain.watchdog)
 

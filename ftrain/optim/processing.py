@@ -27,6 +27,7 @@ from ftrain.optim.base import (
     member_state,
     new_td,
 )
+from ftrain.state.tree import rebuild, structure
 
 __all__ = [
     "clip_by_global_norm",
@@ -196,6 +197,19 @@ def _unscale(u: Leaves, ls: TensorDictBase, rule: tuple[float, float, int]):
     return unscaled, new_ls, found_inf
 
 
+def _select_finite(found_inf, u, out, old_inner, new_inner, new_ls):
+    """The skip without a branch (for compiled steps): where ``found_inf``, ``-0.0`` updates
+    and the old inner state, else the inner update's results."""
+    skip = found_inf > 0
+    out = [torch.where(skip, torch.full_like(t, -0.0), v) for t, v in zip(u, out, strict=True)]
+    layout, new_leaves = structure(new_inner)
+    kept = [
+        torch.where(skip.to(n.device), o, n)
+        for o, n in zip(flatten(old_inner)[1], new_leaves, strict=True)
+    ]
+    return out, new_td({"loss_scale": new_ls, "inner": rebuild(layout, kept)})
+
+
 def dynamic_loss_scale(
     inner: GradientTransformation,
     *,
@@ -250,6 +264,9 @@ def dynamic_loss_scale(
         ls = member_state(state, "loss_scale", fn)
         old_inner = member_state(state, "inner", fn)
         unscaled, new_ls, found_inf = _unscale(u, ls, rule)
+        if torch.compiler.is_compiling():  # no host read in a graph: select instead
+            out, new_inner = inner_flat(keys, unscaled, old_inner, params)
+            return _select_finite(found_inf, u, out, old_inner, new_inner, new_ls)
         if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical
             out = [torch.full_like(t, -0.0) for t in u]
             return out, new_td({"loss_scale": new_ls, "inner": old_inner.copy()})

@@ -79,8 +79,9 @@ def _state_leaves(state: TensorDictBase, name: str, keys: list[Path], what: str)
 
 def _scalar(value: torch.Tensor, leaves: Leaves) -> float | torch.Tensor:
     """A 0-d tensor as a foreach scalar: a Python float when it lives on the CPU (no device
-    sync; rounds like torch.optim), else a device tensor in the leaves' dtype (fused path)."""
-    if value.device.type == "cpu":
+    sync; rounds like torch.optim), else a device tensor in the leaves' dtype (fused path).
+    Under ``torch.compile`` it stays a tensor: ``.item()`` would break the graph."""
+    if value.device.type == "cpu" and not torch.compiler.is_compiling():
         return value.item()
     if leaves and leaves[0].dtype in (torch.float32, torch.float64):
         return value.to(leaves[0].dtype)

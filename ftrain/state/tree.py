@@ -10,13 +10,14 @@ or a resumed run drifts from the uninterrupted one by rounding.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 __all__ = [
     "Key",
+    "Structure",
     "cast",
     "count_params",
     "first_difference",
@@ -24,7 +25,9 @@ __all__ = [
     "map_leaves",
     "new_td",
     "path_str",
+    "rebuild",
     "replace",
+    "structure",
     "tree_equal",
     "unflatten",
 ]
@@ -127,6 +130,63 @@ def unflatten(
     if len(keys) != len(leaves):
         raise ValueError(f"unflatten needs one leaf per key, got {len(keys)=} and {len(leaves)=}")
     return new_td(_nest(keys, leaves), device)
+
+
+class Structure(NamedTuple):
+    """A tree's layout without its leaves: what :func:`rebuild` needs to make it again.
+
+    Attributes:
+        keys: the leaf paths, in :func:`flatten` order.
+        empty: paths of sub-trees with no leaves (e.g. a stateless transform's ``{}``),
+            which a plain :func:`unflatten` would drop.
+    """
+
+    keys: tuple[Key, ...]
+    empty: tuple[Key, ...]
+
+
+def structure(tree: TensorDictBase) -> tuple[Structure, list[torch.Tensor]]:
+    """Flatten ``tree`` keeping its empty sub-trees: ``(structure, leaves)``.
+
+    Example:
+        >>> s, leaves = structure(TensorDict({"a": {}, "b": torch.ones(1)}))
+        >>> s.empty, len(leaves)
+        ((('a',),), 1)
+    """
+    keys, leaves = flatten(tree)
+    empty: list[Key] = []
+    _empties(tree, (), empty)
+    return Structure(tuple(keys), tuple(empty)), leaves
+
+
+def _empties(td: TensorDictBase, prefix: Key, out: list[Key]) -> None:
+    for k in sorted(td.keys()):
+        v = td.get(k)
+        if isinstance(v, TensorDictBase):
+            if v.is_empty():
+                out.append((*prefix, k))
+            else:
+                _empties(v, (*prefix, k), out)
+
+
+def rebuild(
+    layout: Structure, leaves: Sequence[torch.Tensor], device: torch.device | str | None = None
+) -> TensorDict:
+    """Inverse of :func:`structure`: the tree with these leaves, empty sub-trees included.
+
+    Example:
+        >>> s, leaves = structure(TensorDict({"a": {}, "b": torch.ones(1)}))
+        >>> sorted(rebuild(s, leaves).keys())
+        ['a', 'b']
+    """
+    if len(layout.keys) != len(leaves):
+        raise ValueError(f"rebuild needs {len(layout.keys)} leaves, got {len(leaves)}")
+    root = _nest(layout.keys, leaves)
+    for path in layout.empty:
+        node = root
+        for part in path:
+            node = node.setdefault(part, {})
+    return new_td(root, device)
 
 
 def replace(tree: TensorDictBase, **subtrees: TensorDictBase | torch.Tensor) -> TensorDict:

@@ -1,0 +1,144 @@
+"""``make_step(..., compile=True)``: the step's tensor core as one ``torch.compile`` graph.
+
+The core — forward and backward over the micro-batches (``torch.func.grad_and_value``
+around ``functional_call``), the grad-norm metric, ``tx.update`` and the apply — is a pure
+function of flat leaf lists, so Dynamo traces it whole: no TensorDict crosses the graph
+boundary, and the optimizer's counts and learning rate stay tensors inside it (no
+``.item()``). The shell around it stays eager and is cheap: the donated/pinned checks,
+cutting the batch, the RNG generator, building the new state and the metrics.
+
+One compiled function per layout (parameter/optimizer/batch paths, batch shapes,
+micro-batches, donate): the first call of each compiles — logged once as ``compiled the
+step in X s`` and reported as the metric ``compile_s`` of that step — and later calls with
+the same shapes never recompile. ``donate=True`` writes the new parameters and optimizer
+state into the donated buffers inside the graph, so the compiler can reuse them.
+
+Limits: keyed dropout (:class:`ftrain.nn.Dropout` with ``p > 0``) draws from a
+``torch.Generator``, which Dynamo cannot put in a graph; such a model still runs, eagerly.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch.func import functional_call, grad_and_value
+
+from ftrain.nn import use_generator
+from ftrain.optim.processing import global_norm_of
+from ftrain.state.tree import Key, flatten, rebuild, structure, unflatten
+from ftrain.step import _Bound, _loss_and_aux, _merge_aux, _train_mode
+
+__all__ = ["CompiledCore"]
+
+
+class CompiledCore:
+    """The compiled tensor core of a step (built by ``make_step(..., compile=True)``).
+
+    Attributes:
+        compile_seconds: total time spent in calls that compiled (one per layout).
+        compiles: how many layouts were compiled.
+    """
+
+    def __init__(self, model, loss_fn, update, autocast: torch.dtype | None) -> None:
+        self.bound = _Bound(model, loss_fn)
+        self.update = update
+        self.autocast = autocast
+        self.cache: dict[tuple, object] = {}
+        self.compile_seconds = 0.0
+        self.compiles = 0
+        self._modules: tuple = ()
+
+    def __call__(self, p, b, opt, micro, gen, scale, in_place: bool):
+        key, layout, args = self._prepare(p, b, opt, micro, scale, in_place)
+        fn = self.cache.get(key)
+        fresh = fn is None
+        if fresh:
+            fn = self.cache[key] = torch.compile(self._pure(key, p, b, layout), dynamic=False)
+        t0 = time.perf_counter()
+        with _train_mode(self._modules_now()), use_generator(gen):
+            new_p, new_b, new_o, loss, norm, aux = fn(*args)
+        if fresh:
+            self._report(time.perf_counter() - t0, aux)
+        return new_p, new_b, rebuild(layout, new_o), loss, norm, aux
+
+    def explain(self, p, b, opt, micro, scale=None, in_place: bool = False):
+        """``torch._dynamo.explain`` of the core for these inputs (graph count, breaks)."""
+        key, layout, args = self._prepare(p, b, opt, micro, scale, in_place)
+        with _train_mode(self._modules_now()):
+            return torch._dynamo.explain(self._pure(key, p, b, layout))(*args)
+
+    def _prepare(self, p, b, opt, micro, scale, in_place):
+        (pkeys, params), (bkeys, buffers) = p, b
+        layout, oleaves = structure(opt)
+        mkeys, first = flatten(micro[0])
+        mleaves = [first] + [flatten(mb)[1] for mb in micro[1:]]
+        shapes = tuple(tuple(t.shape) for t in first)
+        key = (tuple(pkeys), tuple(bkeys), layout, tuple(mkeys), shapes, len(micro), in_place)
+        return key + (scale is None,), layout, (params, buffers, oleaves, mleaves, scale)
+
+    def _pure(self, key, p, b, layout):
+        return _core(self, p[0], b[0], layout, list(key[3]), key[6])
+
+    def _modules_now(self) -> tuple:
+        mods = tuple(self.bound.modules())[1:]  # the model's, without the _Bound wrapper
+        if mods != self._modules:
+            self._modules = mods
+        return self._modules
+
+    def _report(self, seconds: float, aux: dict) -> None:
+        self.compile_seconds += seconds
+        self.compiles += 1
+        aux["compile_s"] = torch.tensor(seconds, dtype=torch.float64)
+        print(f"ftrain: compiled the step in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
+def _core(cc: CompiledCore, pkeys: list[Key], bkeys: list[Key], layout, mkeys, in_place: bool):
+    """The pure function Dynamo traces: flat leaves in, flat leaves and metrics out."""
+    pnames = ["model." + ".".join(k) for k in pkeys]
+    bnames = ["model." + ".".join(k) for k in bkeys]
+    bound, update, autocast = cc.bound, cc.update, cc.autocast
+
+    def core(params, buffers, oleaves, micro, scale):
+        buffers = [t.clone() for t in buffers]  # a forward may update buffers in place
+        k = len(micro)
+
+        def loss_of(ps, mb):
+            named = dict(zip(pnames, ps, strict=True)) | dict(zip(bnames, buffers, strict=True))
+            device = ps[0].device.type
+            with torch.autocast(device, dtype=autocast or torch.float32, enabled=bool(autocast)):
+                out = functional_call(bound, named, (mb,), tie_weights=True, strict=False)
+            loss, aux = _loss_and_aux(out)
+            scaled = loss / k if scale is None else loss * (scale / k)
+            return scaled, (loss.detach().float(), aux)
+
+        grads, loss_sum, aux_total = None, None, {}
+        for leaves in micro:
+            batch = unflatten(mkeys, leaves)
+            g, (_, (loss, aux)) = grad_and_value(loss_of, has_aux=True)(params, batch)
+            grads = list(g) if grads is None else torch._foreach_add(grads, list(g))
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            _merge_aux(aux_total, aux, k)
+        norm = global_norm_of(grads)
+        norm = norm if scale is None else norm / scale
+        updates, new_opt = update(pkeys, grads, rebuild(layout, oleaves), params)
+        new_layout, new_o = structure(new_opt)
+        if new_layout != layout:
+            raise ValueError("compile=True needs an optimizer whose state keeps its layout")
+        if in_place:  # donation: the compiler writes the results into the donated buffers
+            torch._foreach_add_(params, updates)
+            return params, buffers, _donate(oleaves, new_o), loss_sum / k, norm, aux_total
+        return torch._foreach_add(params, updates), buffers, new_o, loss_sum / k, norm, aux_total
+
+    return core
+
+
+def _donate(old: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Write the new optimizer leaves into the donated ones, except 0-d counters: they are
+    free to make anew, and inductor (torch 2.13, CPU) ran a written-back count's copy before
+    the schedule read the old value, so the learning rate came out one step ahead."""
+    big = [i for i, t in enumerate(old) if t.ndim > 0]
+    if big:
+        torch._foreach_copy_([old[i] for i in big], [new[i] for i in big])
+    return [old[i] if old[i].ndim > 0 else new[i] for i in range(len(old))]

@@ -1,0 +1,104 @@
+"""make_step(compile=True): one graph, no breaks, eager's numbers, a compile only per layout.
+
+Compiling takes ~10-60 s on a loaded 2-core CPU, so these tests are few, tiny and slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import ftrain
+from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
+from ftrain.recipes.mlp_regression.model import MLP, make_data, mse_loss
+from ftrain.state.tree import flatten
+from ftrain.step import _split_batch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tx():
+    sched = ftrain.optim.schedule.warmup_cosine(1e-2, 2, 10)
+    return ftrain.optim.chain(ftrain.optim.clip_by_global_norm(1.0), ftrain.optim.adamw(sched))
+
+
+def _mlp():
+    return MLP(8, 32, 1, generator=torch.Generator().manual_seed(0))
+
+
+def _tokens(batch: int, seed: int) -> TensorDict:
+    tok = torch.randint(0, 256, (batch, 17), generator=torch.Generator().manual_seed(seed))
+    return TensorDict(x=tok[:, :-1], y=tok[:, 1:], batch_size=[batch])
+
+
+def _max_diff(a, b) -> float:
+    pairs = zip(flatten(a)[1], flatten(b)[1], strict=True)
+    return max(float((x - y).abs().max()) for x, y in pairs if x.is_floating_point())
+
+
+def _explain(step, state, batch):
+    _, micro = _split_batch(batch, 1)
+    return step.core.explain(
+        flatten(state["params"]), flatten(state["buffers"]), state["opt"], micro
+    )
+
+
+def test_compiled_mlp_matches_eager_and_recompiles_only_for_new_shapes(capsys):
+    model, tx = _mlp(), _tx()
+    eager = ftrain.make_step(model, mse_loss, tx)
+    compiled = ftrain.make_step(model, mse_loss, tx, compile=True)
+    a = b = ftrain.init_state(model, tx, seed=0)
+    for i in range(3):
+        a, ma = eager(a, make_data(16, seed=i))
+        b, mb = compiled(b, make_data(16, seed=i))
+        assert ("compile_s" in mb.keys()) == (i == 0)  # the compile is reported once
+        for name in ("loss", "grad_norm", "lr"):
+            torch.testing.assert_close(mb[name], ma[name], rtol=1e-5, atol=1e-6)
+    assert _max_diff(a, b) < 1e-5
+    assert compiled.core.compiles == 1 and compiled.core.compile_seconds > 0
+    assert capsys.readouterr().err.count("compiled the step in") == 1
+    b, _ = compiled(b, make_data(8, seed=9))  # a new batch shape: one more compile
+    b, _ = compiled(b, make_data(8, seed=10))
+    assert compiled.core.compiles == 2
+
+
+def test_compiled_donate_matches_pure_and_poisons_input():
+    model, tx = _mlp(), _tx()
+    pure = ftrain.make_step(model, mse_loss, tx, compile=True)
+    donated = ftrain.make_step(model, mse_loss, tx, compile=True, donate=True)
+    a = b = ftrain.init_state(model, tx, seed=0)
+    for i in range(2):
+        old = b
+        a, _ = pure(a, make_data(16, seed=i))
+        b, _ = donated(b, make_data(16, seed=i))
+    assert _max_diff(a, b) < 1e-6  # two graphs, fused differently: equal up to rounding
+    with pytest.raises(RuntimeError, match="donated"):
+        donated(old, make_data(16, seed=0))
+
+
+@pytest.mark.parametrize("recipe", ["mlp", "gpt2_tiny"])
+def test_the_recipes_compile_to_one_graph_without_breaks(recipe):
+    if recipe == "mlp":
+        model, loss_fn, batch = _mlp(), mse_loss, make_data(16, seed=0)
+    else:  # as conf/model/gpt2_tiny.yaml: dropout 0
+        model = GPT(GPTConfig.tiny(dropout=0.0), generator=torch.Generator().manual_seed(0))
+        loss_fn, batch = lm_loss, _tokens(4, seed=0)
+    tx = _tx()
+    step = ftrain.make_step(model, loss_fn, tx, compile=True)
+    out = _explain(step, ftrain.init_state(model, tx, seed=0), batch)
+    assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
+
+
+def test_compile_refuses_what_it_cannot_put_in_one_graph():
+    model, tx = _mlp(), _tx()
+    with pytest.raises(ValueError, match="compile=True"):
+        ftrain.make_step(model, mse_loss, tx, compile=True, clip=1.0)
