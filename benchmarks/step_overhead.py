@@ -1,26 +1,34 @@
-"""Step overhead: ftrain's pure step vs an idiomatic imperative PyTorch loop.
+"""Step overhead: ftrain's pure step vs an idiomatic imperative PyTorch loop, paired.
 
-GPT-2 tiny and GPT-2 small (vocab 256, dropout 0 so both loops compute the same thing)
-trained for the same steps on the same token batches by:
+Time: every variant lives in **one process** and the variants take turns, round by
+round (the order rotates each round), on the same batches, so noise from other jobs hits
+all of them alike. A round is ``--steps`` steps of each variant; the figure of a variant
+is the **median over rounds of its per-round ratio** to the imperative loop of that
+round, next to its median ms/step. Warm-up steps (``--warmup``) run first and are not
+timed; the compiled variants compile during warm-up and their compile time is reported
+separately.
+
+Variants (AdamW lr 1e-3, weight decay 0.01, clip 1.0 with torch's rule on both sides):
 
 - ``imperative``: ``nn.Module`` + ``torch.optim.AdamW(foreach=True)`` +
-  ``zero_grad(set_to_none=True)`` + ``clip_grad_norm_(..., 1.0, foreach=True)``;
+  ``clip_grad_norm_(foreach=True)`` + ``zero_grad(set_to_none=True)``;
 - ``pure``: ``ftrain.make_step`` (out of place; the input state stays intact);
-- ``donate``: ``make_step(..., donate=True)`` (in place, JAX's ``donate_argnums``);
-- ``compile``: the pure step with ``torch.compile`` on the loss function (model forward).
+- ``donate``: ``make_step(..., donate=True)``;
+- ``compiled``: ``make_step(..., compile=True)`` (the whole step's tensor core compiled);
+- ``imperative_compiled``: ``torch.compile(model)`` + a compiled ``optimizer.step`` (the
+  PyTorch tutorial's recipe), clipping eager.
 
-For the ftrain variants the module is only a function: after ``init_state`` copies its
-weights into the state, the module's own weights are released (``model.to("meta")``), as
-an ftrain user does; ``pure+module`` keeps them to show what they cost.
+Workloads: ``mlp512`` (6 × Linear 512, batch 64), ``mlp1024`` (6 × 1024, batch 256),
+``mlp2048`` (6 × 2048, batch 256), ``gpt2tiny`` (GPT-2 tiny, dropout 0, batch 8 × 64).
+The final parameters of every variant are checked against ``imperative``.
 
-Every variant runs in a fresh subprocess (so peak RSS, ``VmHWM``, is its own), repetitions
-are interleaved across variants (the machine is shared and noisy), and the table reports
-medians and ratios against ``imperative``. The final parameters of ``pure`` are checked
-against ``imperative`` (max abs difference ≤ 1e-5).
+Memory (``--memory``): peak RSS (``ru_maxrss``) of a **fresh subprocess per variant**
+training GPT-2 small (vocab 256, batch 1 × 128) for a few steps, as a ratio to the
+imperative loop's.
 
-    .venv/bin/python benchmarks/step_overhead.py                 # both models, ~8 min
-    .venv/bin/python benchmarks/step_overhead.py --models tiny --reps 3
-    .venv/bin/python benchmarks/step_overhead.py --paired --reps 1  # time only, 1 process
+    .venv/bin/python benchmarks/step_overhead.py                     # everything
+    .venv/bin/python benchmarks/step_overhead.py --rounds 2 --steps 3 --only mlp512
+    .venv/bin/python benchmarks/step_overhead.py --memory --only none  # memory only
 """
 
 from __future__ import annotations
@@ -28,265 +36,251 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from torch import nn
 
-SHAPES = {  # model -> (batch, seq, warmup steps, timed steps)
-    "tiny": (8, 64, 5, 40),
-    "small": (1, 128, 2, 8),
-}
-PAIRED_STEPS = {"tiny": 200, "small": 12}  # timed steps per variant with --paired
-VARIANTS = ("imperative", "pure", "pure+module", "donate", "compile")
 LR, CLIP, WD = 1e-3, 1.0, 0.01
+WORKLOADS = {  # name -> (kind, width or GPT size, batch)
+    "mlp512": ("mlp", 512, 64),
+    "mlp1024": ("mlp", 1024, 256),
+    "mlp2048": ("mlp", 2048, 256),
+    "gpt2tiny": ("gpt", "tiny", 8),
+}
+VARIANTS = ("imperative", "pure", "donate", "compiled", "imperative_compiled")
+SEQ = {"tiny": 64, "small": 128}
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
+class MLP(nn.Module):
+    """Six ``Linear(width, width)`` layers with GELU between them."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(6))
+        with torch.no_grad():
+            for p in self.parameters():  # seeded init: every variant starts identical
+                p.copy_(torch.randn(p.shape, generator=g) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == len(self.layers) - 1 else nn.functional.gelu(layer(x))
+        return x
 
 
-def _config(model: str):
-    from ftrain.recipes.gpt2 import GPTConfig
-
-    if model == "tiny":
-        return GPTConfig.tiny(dropout=0.0)
-    return GPTConfig.gpt2(dropout=0.0, vocab_size=256)
+def mlp_loss(model, batch):
+    return nn.functional.mse_loss(model(batch["x"]), batch["y"])
 
 
-def _batches(model: str, n: int) -> list[dict[str, torch.Tensor]]:
-    b, t, _, _ = SHAPES[model]
+def gpt_loss(model, batch):
+    from ftrain.recipes.gpt2 import lm_loss
+
+    return lm_loss(model, batch)[0]
+
+
+def make_model(workload: str) -> nn.Module:
+    kind, size, _ = WORKLOADS.get(workload, ("gpt", workload, 1))
+    if kind == "mlp":
+        return MLP(size)
+    from ftrain.recipes.gpt2 import GPT, GPTConfig
+
+    if size == "tiny":
+        cfg = GPTConfig.tiny(dropout=0.0)
+    else:
+        cfg = GPTConfig.gpt2(dropout=0.0, vocab_size=256)
+    return GPT(cfg, generator=torch.Generator().manual_seed(0))
+
+
+def make_batches(workload: str, n: int) -> list[dict[str, torch.Tensor]]:
+    kind, size, batch = WORKLOADS.get(workload, ("gpt", workload, 1))
     g = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(n):
-        tok = torch.randint(0, 256, (b, t + 1), generator=g)
-        out.append({"x": tok[:, :-1].contiguous(), "y": tok[:, 1:].contiguous()})
+        if kind == "mlp":
+            x = torch.randn(batch, size, generator=g)
+            out.append({"x": x, "y": torch.randn(batch, size, generator=g)})
+        else:
+            tok = torch.randint(0, 256, (batch, SEQ[size] + 1), generator=g)
+            out.append({"x": tok[:, :-1].contiguous(), "y": tok[:, 1:].contiguous()})
     return out
 
 
-def _imperative(model, batches):
-    from ftrain.recipes.gpt2 import lm_loss
+# ----------------------------------------------------------------------------- variants
 
+
+def imperative(model: nn.Module, loss_fn, compiled: bool = False):
+    """``step(batch) -> loss`` and ``params() -> {name: tensor}`` of the imperative loop."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+    forward = torch.compile(model) if compiled else model
+    opt_step = torch.compile(opt.step) if compiled else opt.step
     model.train()
 
     def step(batch):
-        loss, _ = lm_loss(model, batch)
+        loss = loss_fn(forward, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
-        opt.step()
+        opt_step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    def final():
-        return {n: p.detach() for n, p in model.named_parameters()}
-
-    return step, final
+    return step, lambda: {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _ftrain(model, batches, variant):
+def functional(model: nn.Module, loss_fn, variant: str):
+    """The same with ``ftrain.make_step``; the module is only a function afterwards."""
     import ftrain
-    from ftrain.recipes.gpt2 import lm_loss
     from ftrain.state.tree import flatten, path_str
 
-    tx = ftrain.optim.adamw(LR, weight_decay=WD)
-    state = ftrain.init_state(model, tx, seed=0)
-    if variant != "pure+module":
-        model.to("meta")  # the module is only a function now; the state owns the weights
-    loss_fn = lm_loss
-    if variant == "compile":
-        loss_fn = torch.compile(lm_loss)
-    step_fn = ftrain.make_step(model, loss_fn, tx, clip=CLIP, donate=variant == "donate")
-    box = [state]
+    tx = ftrain.optim.chain(
+        ftrain.optim.clip_by_global_norm_torch(CLIP), ftrain.optim.adamw(LR, weight_decay=WD)
+    )
+    box = [ftrain.init_state(model, tx, seed=0)]
+    model.to("meta")  # the state owns the weights now, as in ftrain use
+    step_fn = ftrain.make_step(
+        model, loss_fn, tx, donate=variant == "donate", compile=variant == "compiled"
+    )
 
     def step(batch):
         box[0], metrics = step_fn(box[0], batch)
         return metrics["loss"]
 
-    def final():
+    def params():
         keys, leaves = flatten(box[0]["params"])
         return {path_str(k): t for k, t in zip(keys, leaves, strict=True)}
 
-    return step, final
+    return step, params
 
 
-def worker(args) -> None:
-    """One variant, one process: time each step, read the peak RSS, save final params."""
-    from ftrain.recipes.gpt2 import GPT
-
-    torch.set_num_threads(args.threads)
-    _, _, warmup, steps = SHAPES[args.model]
-    batches = _batches(args.model, warmup + steps)
-    rss_start = _status_kib("VmRSS")
-    model = GPT(_config(args.model), generator=torch.Generator().manual_seed(0))
-    if args.variant == "imperative":
-        step, final = _imperative(model, batches)
-    else:
-        step, final = _ftrain(model, batches, args.variant)
-    rss_ready = _status_kib("VmRSS")
-    times = []
-    for i, batch in enumerate(batches):
-        t0 = time.perf_counter()
-        loss = step(batch)
-        float(loss.detach())  # the imperative loop's usual per-step logging sync
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    params = {k: v.detach().clone() for k, v in final().items()}
-    if args.params_out:
-        torch.save(params, args.params_out)
-    print(
-        json.dumps(
-            {
-                "variant": args.variant,
-                "model": args.model,
-                "step_s": times,
-                "rss_start_kib": rss_start,
-                "rss_ready_kib": rss_ready,
-                "hwm_kib": _status_kib("VmHWM"),
-                "loss": float(loss),
-            }
-        )
-    )
+def build(variant: str, workload: str):
+    model = make_model(workload)
+    loss_fn = mlp_loss if WORKLOADS.get(workload, ("gpt",))[0] == "mlp" else gpt_loss
+    if variant.startswith("imperative"):
+        return imperative(model, loss_fn, compiled=variant == "imperative_compiled")
+    return functional(model, loss_fn, variant)
 
 
-def paired(args) -> None:
-    """All variants in one process, their steps interleaved round-robin (time only).
+# ----------------------------------------------------------------------------- time
 
-    Noise from other jobs then hits every variant alike, so per-step ratios are far steadier
-    than across processes; peak RSS is meaningless here (the models share one process).
-    """
-    from ftrain.recipes.gpt2 import GPT
 
-    torch.set_num_threads(args.threads)
-    warmup, steps = SHAPES[args.model][2], PAIRED_STEPS[args.model]
-    batches = _batches(args.model, warmup + steps)
-    names = [v for v in args.variants.split(",") if v not in ("pure+module", "compile")]
-    runners = {}
-    for v in names:
-        model = GPT(_config(args.model), generator=torch.Generator().manual_seed(0))
-        runners[v] = (
-            _imperative(model, batches)[0] if v == "imperative" else _ftrain(model, batches, v)[0]
-        )
-    times: dict[str, list[float]] = {v: [] for v in names}
-    for i, batch in enumerate(batches):
-        order = names[i % len(names) :] + names[: i % len(names)]
+def _run(step, batches) -> float:
+    """Seconds for these steps, with the usual per-step loss read (one host sync)."""
+    t0 = time.perf_counter()
+    for batch in batches:
+        float(step(batch).detach())
+    return time.perf_counter() - t0
+
+
+def paired(workload: str, variants: list[str], args) -> dict:
+    """Warm up every variant, then ``rounds`` rounds of ``steps`` steps each, interleaved."""
+    n = args.warmup + args.rounds * args.steps
+    batches = make_batches(workload, n)
+    runners, params, compile_s = {}, {}, {}
+    for v in variants:
+        step, params[v] = build(v, workload)
+        runners[v] = step
+        compile_s[v] = _run(step, batches[:1])  # the first step compiles the compiled ones
+        _run(step, batches[1 : args.warmup])
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        chunk = batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
-            t0 = time.perf_counter()
-            float(runners[v](batch).detach())
-            if i >= warmup:
-                times[v].append(time.perf_counter() - t0)
-    base = statistics.median(times["imperative"])
-    print(f"\n### GPT-2 {args.model}, one process, steps interleaved ({steps} timed each)\n")
-    print("| variant | ms/step | time × | paired ratio (median of per-step ratios) |")
-    print("|---|---:|---:|---:|")
-    for v in names:
-        med = statistics.median(times[v])
-        pair = statistics.median(a / b for a, b in zip(times[v], times["imperative"], strict=True))
-        print(f"| {v} | {med * 1e3:,.1f} | {med / base:.3f}× | {pair:.3f}× |")
+            times[v].append(_run(runners[v], chunk) / args.steps)
+    return {"times": times, "first_step_s": compile_s, "max_diff": _diffs(params, variants)}
 
 
-def _run_worker(variant: str, model: str, threads: int, params_out: str | None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant, "--model", model]
-    cmd += ["--threads", str(threads)]
-    if params_out:
-        cmd += ["--params-out", params_out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        return {"variant": variant, "error": proc.stderr.strip().splitlines()[-1:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _diffs(params: dict, variants: list[str]) -> dict[str, float]:
+    if "imperative" not in params:
+        return {}
+    ref = params["imperative"]()
+    out = {}
+    for v in variants:
+        mine = params[v]()
+        out[v] = max(float((mine[k].float() - ref[k].float()).abs().max()) for k in ref)
+    return out
 
 
-def _max_diff(a_path: str, b_path: str) -> float:
-    a = torch.load(a_path, weights_only=True)
-    b = torch.load(b_path, weights_only=True)
-    if set(a) != set(b):
-        names = sorted(set(a) ^ set(b))[:3]
-        raise SystemExit(f"parameter names differ between variants: {names}")
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-def _row(name: str, runs: list[dict], base: dict | None) -> tuple[str, dict]:
-    ok = [r for r in runs if "error" not in r]
-    if not ok:
-        return f"| {name} | failed: {runs[0]['error']} | | | | | |", {}
-    step = statistics.median(statistics.median(r["step_s"]) for r in ok)
-    hwm = statistics.median(r["hwm_kib"] for r in ok) / 1024
-    grow = statistics.median(r["hwm_kib"] - r["rss_start_kib"] for r in ok) / 1024
-    stats = {"step": step, "hwm": hwm, "grow": grow}
-    ratio = (
-        (f"{step / base['step']:.3f}×", f"{hwm / base['hwm']:.3f}×", f"{grow / base['grow']:.3f}×")
-        if base
-        else ("1.000×", "1.000×", "1.000×")
+def report(workload: str, res: dict, args) -> None:
+    times = res["times"]
+    base = times.get("imperative")
+    kind, size, batch = WORKLOADS[workload]
+    print(
+        f"\n### {workload} ({kind} {size}, batch {batch}): {args.rounds} rounds × "
+        f"{args.steps} steps after {args.warmup} warm-up, torch.set_num_threads({args.threads})\n"
     )
-    line = (
-        f"| {name} | {step * 1e3:,.1f} | {ratio[0]} | {hwm:,.0f} | {ratio[1]} | "
-        f"{grow:,.0f} | {ratio[2]} |"
+    print(
+        "| variant | ms/step (median) | × imperative (median of round ratios) | "
+        "rounds' ratio range | first step s | max abs param diff |"
     )
-    return line, stats
+    print("|---|---:|---:|---:|---:|---:|")
+    for v, ts in times.items():
+        ratios = [a / b for a, b in zip(ts, base, strict=True)] if base else [float("nan")]
+        print(
+            f"| {v} | {statistics.median(ts) * 1e3:,.2f} | {statistics.median(ratios):.3f}× | "
+            f"{min(ratios):.3f}–{max(ratios):.3f} | {res['first_step_s'][v]:.2f} | "
+            f"{res['max_diff'].get(v, float('nan')):.2g} |"
+        )
 
 
-def main(args) -> None:
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads={args.threads}")
-    variants = [v for v in VARIANTS if v in args.variants.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models.split(","):
-            b, t, warmup, steps = SHAPES[model]
-            runs: dict[str, list[dict]] = {v: [] for v in variants}
-            for rep in range(args.reps):
-                order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
-                for v in order:  # rotate the order so no variant always runs first
-                    out = str(Path(tmp) / f"{model}-{v}.pt") if rep == 0 else None
-                    res = _run_worker(v, model, args.threads, out)
-                    runs[v].append(res)
-                    med = statistics.median(res["step_s"]) * 1e3 if "step_s" in res else None
-                    print(
-                        f"  {model} rep {rep} {v}: {med and f'{med:.1f} ms'} {res.get('error', '')}"
-                    )
-            print(
-                f"\n### GPT-2 {model}: batch {b}×{t}, {steps} timed steps after {warmup} "
-                f"warm-up, {args.reps} interleaved processes per variant\n"
-            )
-            print(
-                "| variant | ms/step | time × | peak RSS MiB | RSS × | RSS growth MiB | growth × |"
-            )
-            print("|---|---:|---:|---:|---:|---:|---:|")
-            base = None
-            for v in variants:
-                line, stats = _row(v, runs[v], base)
-                if v == "imperative":
-                    base = stats or None
-                print(line)
-            ref = Path(tmp) / f"{model}-imperative.pt"
-            for v in variants[1:]:
-                other = Path(tmp) / f"{model}-{v}.pt"
-                if ref.exists() and other.exists():
-                    print(f"\nmax |param({v}) - param(imperative)| = {_max_diff(ref, other):.3g}")
+# ----------------------------------------------------------------------------- memory
+
+
+def memory_worker(variant: str, model: str, steps: int) -> None:
+    """One variant in this (fresh) process: train a few steps, print the peak RSS."""
+    step, _ = build(variant, model)
+    _run(step, make_batches(model, steps))
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    print(json.dumps({"variant": variant, "model": model, "peak_rss_kib": peak_kib}))
+
+
+def memory(variants: list[str], args) -> None:
+    rows = {}
+    for v in variants:
+        cmd = [sys.executable, __file__, "--memory-worker", v, "--memory-model", args.memory_model]
+        cmd += ["--threads", str(args.threads), "--memory-steps", str(args.memory_steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            rows[v] = None
+            print(f"  {v}: failed: {proc.stderr.strip().splitlines()[-1:]}")
+            continue
+        rows[v] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_kib"] / 1024
+    base = rows.get("imperative")
+    print(f"\n### peak RSS, GPT-2 {args.memory_model}, a fresh process per variant\n")
+    print("| variant | peak RSS MiB | × imperative |")
+    print("|---|---:|---:|")
+    for v, mib in rows.items():
+        ratio = f"{mib / base:.3f}×" if mib and base else "n/a"
+        print(f"| {v} | {mib:,.0f} | {ratio} |" if mib else f"| {v} | failed | |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30, help="steps per variant per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--only", default=",".join(WORKLOADS), help="workloads, or 'none'")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--memory", action="store_true", help="also peak RSS on GPT-2 small")
+    p.add_argument("--memory-model", default="small")
+    p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    variants = [v for v in args.variants.split(",") if v]
+    if args.memory_worker:
+        return memory_worker(args.memory_worker, args.memory_model, args.memory_steps)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}")
+    for workload in [w for w in args.only.split(",") if w and w != "none"]:
+        report(workload, paired(workload, variants, args), args)
+    if args.memory:
+        memory(variants, args)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="tiny,small")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--params-out", help=argparse.SUPPRESS)
-    p.add_argument("--paired", action="store_true", help="one process, interleaved steps")
-    a = p.parse_args()
-    if a.paired:
-        for m in a.models.split(","):
-            a.model = m
-            paired(a)
-    elif a.worker:
-        a.variant = a.worker
-        worker(a)
-    else:
-        main(a)
+    main()
