@@ -14,7 +14,7 @@ Top-level keys (fixed; the state is locked against adding or removing keys):
 
 from __future__ import annotations
 
-import weakref
+import threading
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -107,52 +107,51 @@ def _is_persistent(model: nn.Module, name: str) -> bool:
     return leaf not in owner._non_persistent_buffers_set
 
 
-# TensorDicts are unhashable, so donated states are tracked by id, dropped when collected.
-_DONATED: dict[int, weakref.ref] = {}
+# Donation and pins are facts about one state *object* (not its values: a clone is a new,
+# unpinned, usable state), so they live on the object itself, in its __dict__ beside
+# TensorDict's own fields: no global registry keyed by id(), nothing to clean up when a
+# state is collected. TensorDict.__setattr__ would store a tensor entry, hence __dict__.
+_DONATED_ATTR, _PINS_ATTR = "_ftrain_donated", "_ftrain_pins"
+_PIN_LOCK = threading.Lock()  # pin/unpin run on the async writer's thread too
 
 
 def mark_donated(state: TensorDictBase) -> None:
     """Record that ``state``'s buffers were reused in place; using it again is an error."""
-    sid = id(state)
-    _DONATED[sid] = weakref.ref(state, lambda _ref: _DONATED.pop(sid, None))
+    state.__dict__[_DONATED_ATTR] = True
 
 
 def _is_donated(state: TensorDictBase) -> bool:
-    ref = _DONATED.get(id(state))
-    return ref is not None and ref() is state
-
-
-# States that a reader (an in-flight async checkpoint save) still needs as they are.
-_PINNED: dict[int, tuple[weakref.ref, int]] = {}
+    return state.__dict__.get(_DONATED_ATTR, False)
 
 
 def pin(state: TensorDictBase) -> None:
     """Mark ``state`` as read by someone else (e.g. an async save) until :func:`unpin`.
 
     A ``donate=True`` step will not update a pinned state in place; pins nest.
+
+    Example:
+        >>> import ftrain
+        >>> s = ftrain.init_state(torch.nn.Linear(2, 1), ftrain.optim.sgd(0.1), seed=0)
+        >>> pin(s); is_pinned(s)
+        True
+        >>> unpin(s); is_pinned(s)
+        False
     """
-    sid = id(state)
-    ref, count = _PINNED.get(sid, (None, 0))
-    if ref is None or ref() is not state:
-        ref, count = weakref.ref(state, lambda _r: _PINNED.pop(sid, None)), 0
-    _PINNED[sid] = (ref, count + 1)
+    with _PIN_LOCK:
+        state.__dict__[_PINS_ATTR] = state.__dict__.get(_PINS_ATTR, 0) + 1
 
 
 def unpin(state: TensorDictBase) -> None:
-    """Release one :func:`pin` of ``state``."""
-    ref, count = _PINNED.get(id(state), (None, 0))
-    if ref is None or ref() is not state:
-        return
-    if count <= 1:
-        _PINNED.pop(id(state), None)
-    else:
-        _PINNED[id(state)] = (ref, count - 1)
+    """Release one :func:`pin` of ``state`` (no-op if it holds none)."""
+    with _PIN_LOCK:
+        count = state.__dict__.get(_PINS_ATTR, 0)
+        if count > 0:
+            state.__dict__[_PINS_ATTR] = count - 1
 
 
 def is_pinned(state: TensorDictBase) -> bool:
     """True while some :func:`pin` of ``state`` is unreleased."""
-    ref, _ = _PINNED.get(id(state), (None, 0))
-    return ref is not None and ref() is state
+    return state.__dict__.get(_PINS_ATTR, 0) > 0
 
 
 def check_usable(state: TensorDictBase, what: str = "step") -> None:

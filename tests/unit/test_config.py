@@ -32,6 +32,8 @@ def test_recipe_overlay_and_builders():
     opt = tx.init(TensorDict.from_module(model).detach())
     assert float(tree_get(opt, "learning_rate")) == 0.0  # warmup starts at 0
     assert "clip_by_global_norm" in opt.keys() and "loss_scale" not in opt.keys()
+    assert cfg.trainer.compile is False  # trainer.compile defaults off
+    assert load_config(["trainer.compile=true"]).trainer.compile is True
     fp16 = build_tx(load_config(["+recipe=gpt2", "trainer.precision=fp16"]))
     assert "loss_scale" in fp16.init(TensorDict.from_module(model).detach()).keys()
 
@@ -58,3 +60,6 @@ def test_compat_diff_separates_safe_and_unsafe_changes():
     bad, safe = compat_diff(a, b)
     assert bad == ["optim.lr: 0.0006 -> 0.1"]
     assert "trainer.max_steps: 200 -> 999" in safe and "checkpoint.every_steps: 100 -> 7" in safe
+    # the compiled step matches the eager one: switching it on resume is safe
+    bad, safe = compat_diff(a, to_plain(load_config(["trainer.compile=true"])))
+    assert bad == [] and safe == ["trainer.compile: False -> True"]

@@ -112,3 +112,20 @@ def test_place_moves_floats_keeps_integer_bookkeeping_and_layout():
     assert placed["step"].device.type == "cpu" and placed["rng"].device.type == "cpu"
     assert placed["opt"]["scale_by_adam"]["count"].device.type == "cpu"
     assert "add_decayed_weights" in placed["opt"].keys() and placed.is_locked
+
+
+def test_pins_nest_and_belong_to_the_object_not_its_values():
+    from ftrain.state import check_usable, is_pinned, mark_donated, pin, unpin
+
+    state = init_state(torch.nn.Linear(2, 1), ftrain.optim.sgd(0.1), seed=0)
+    pin(state)
+    pin(state)
+    unpin(state)
+    assert is_pinned(state) and not is_pinned(state.clone())
+    unpin(state)
+    unpin(state)  # an extra release is a no-op
+    assert not is_pinned(state)
+    mark_donated(state)
+    check_usable(state.clone())  # a copy of the values is a fresh, usable state
+    with pytest.raises(RuntimeError, match="donated"):
+        check_usable(state)
