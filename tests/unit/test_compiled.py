@@ -98,6 +98,28 @@ def test_the_recipes_compile_to_one_graph_without_breaks(recipe):
     assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
 
 
+def test_compiled_fp16_loss_scale_skips_like_eager_without_a_graph_break():
+    model = _mlp()
+    inner = ftrain.optim.chain(ftrain.optim.clip_by_global_norm(1.0), ftrain.optim.sgd(0.05, 0.9))
+    tx = ftrain.optim.dynamic_loss_scale(inner, init_scale=2.0**10)
+    eager = ftrain.make_step(model, mse_loss, tx, precision="fp16")
+    compiled = ftrain.make_step(model, mse_loss, tx, precision="fp16", compile=True)
+    a = b = ftrain.init_state(model, tx, seed=0, precision="fp16")
+    for i in range(3):
+        batch = make_data(16, seed=i)
+        if i == 1:  # overflows fp16: both skip the update and back the scale off
+            batch = batch.clone().set("x", batch["x"] * 1e5)
+        a, _ = eager(a, batch)
+        b, _ = compiled(b, batch)
+    assert ftrain.tree_equal(a["opt", "loss_scale"], b["opt", "loss_scale"])
+    assert int(b["opt", "loss_scale", "skipped"]) == 1
+    assert _max_diff(a, b) < 1e-6
+    _, micro = _split_batch(make_data(16, seed=0), 1)
+    args = flatten(b["params"]), flatten(b["buffers"]), b["opt"], micro
+    out = compiled.core.explain(*args, scale=b["opt", "loss_scale", "scale"])
+    assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
+
+
 def test_compile_refuses_what_it_cannot_put_in_one_graph():
     model, tx = _mlp(), _tx()
     with pytest.raises(ValueError, match="compile=True"):
