@@ -89,7 +89,9 @@ def torchrun_cmd(run_dir: Path, overrides: list[str], nproc: int, max_restarts: 
 
 
 _SPAWNED: list[subprocess.Popen] = []  # everything a drill started, for reap()
-_WORKERS: set[int] = set()  # torchrun workers a drill saw (they run in their own sessions)
+# torchrun workers a drill saw (they run in their own sessions): pid -> start time, so that
+# a pid the kernel has since given to another process is never killed
+_WORKERS: dict[int, int | None] = {}
 
 
 def spawn(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
@@ -108,14 +110,13 @@ def reap() -> None:
     """Kill (by pid) whatever a failed drill left running: its processes and their workers."""
     for proc in _SPAWNED:
         if proc.poll() is None:
-            workers = children(proc.pid)
+            workers = {pid: started(pid) for pid in children(proc.pid)}
             proc.kill()
-            for pid in workers:
-                kill(pid)
+            for pid, start in workers.items():
+                kill_same(pid, start)
             proc.wait(timeout=60)
-    for pid in _WORKERS:
-        if alive(pid) and rank_of(pid) is not None:
-            kill(pid)
+    for pid, start in _WORKERS.items():
+        kill_same(pid, start)
     _SPAWNED.clear()
     _WORKERS.clear()
 
@@ -163,20 +164,40 @@ def rank_of(pid: int) -> int | None:
     return None
 
 
-def alive(pid: int) -> bool:
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat fields after the command name: [state, ppid, ..., starttime (19), ...]."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def started(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): with the pid, its identity."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def kill(pid: int) -> bool:
+    """SIGKILL ``pid``: only for an unreaped child of ours (its pid cannot be reused)."""
     try:
         os.kill(pid, signal.SIGKILL)
         return True
     except ProcessLookupError:
         return False
+
+
+def kill_same(pid: int, start: int | None) -> bool:
+    """SIGKILL ``pid`` only if it is still the process that started at ``start``."""
+    if start is None or not alive(pid) or started(pid) != start:
+        return False
+    return kill(pid)
 
 
 def heartbeat(run_dir: Path, rank: int = 0) -> dict | None:
@@ -642,7 +663,8 @@ def torchrun_drill(
                     f"torchrun exited {agent.returncode} before kill {ki} of launch {li}:\n{tail(out_log)}"
                 )
             seen.update(gen)
-            _WORKERS.update(gen)
+            starts = {pid: started(pid) for pid in gen}
+            _WORKERS.update(starts)
             report.worker_generations += 1
             start, how, victim = time.time(), k.kind, None
             if k.kind.startswith("startup"):
@@ -675,9 +697,8 @@ def torchrun_drill(
                     shot = [f for f in fired(log) if f["pid"] in gen]
                     if not shot:
                         raise DrillError(f"the {k.kind} arm was consumed, but no firing recorded")
-            if victim is not None and alive(victim):
-                kill(victim)
-            elif k.kind not in PHASES or how != k.kind:
+            killed = victim is not None and kill_same(victim, starts.get(victim))
+            if not killed and (k.kind not in PHASES or how != k.kind):
                 # the group died on its own before the kill: that is a failure, not a kill
                 raise DrillError(
                     f"launch {li} kill {ki} ({how}): the worker group ended before the kill\n"
@@ -703,14 +724,14 @@ def torchrun_drill(
             gen = _generation(agent, nproc, seen, deadline)
             if gen:
                 seen.update(gen)
-                _WORKERS.update(gen)
+                _WORKERS.update({pid: started(pid) for pid in gen})
                 report.worker_generations += 1
         rc = finish(agent)
         if last and rc != 0:
             raise DrillError(f"the last torchrun launch exited {rc}:\n{tail(out_log, 120)}")
         if not last and rc == 0:
             raise DrillError(f"torchrun launch {li} finished although its restarts were spent")
-        orphans = [p for p in seen if alive(p) and rank_of(p) is not None]
+        orphans = [p for p in seen if p in _WORKERS and started(p) == _WORKERS[p]]
         if orphans:
             raise DrillError(f"workers {orphans} outlived torchrun launch {li}")
         restore_every_step(run_dir)
