@@ -13,6 +13,8 @@ are promoted to the widest one.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -51,10 +53,53 @@ def _positive(fn: str, name: str, value: float) -> float:
     return float(value)
 
 
+class _LastNorm:
+    """The norm of the last tensors asked for, while they are alive and unmodified.
+
+    The step reports the gradients' norm and ``clip_by_global_norm`` then needs the norm of
+    the very same tensors: remembering it saves a full read of the gradients (~5 % of an
+    MLP step on a CPU). Weak references (nothing is kept alive) plus each tensor's version
+    counter (bumped by every in-place op) make a hit mean "the same values".
+    """
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+        self.versions: list[int] = []
+        self.norm: torch.Tensor | None = None
+
+    def get(self, leaves: Leaves) -> torch.Tensor | None:
+        if self.norm is None or len(leaves) != len(self.refs):
+            return None
+        for t, ref, v in zip(leaves, self.refs, self.versions, strict=True):
+            if ref() is not t or t._version != v:
+                return None
+        return self.norm
+
+    def put(self, leaves: Leaves, norm: torch.Tensor) -> torch.Tensor:
+        self.refs = [weakref.ref(t) for t in leaves]
+        self.versions = [t._version for t in leaves]
+        self.norm = norm
+        return norm
+
+
+_LAST_NORM = threading.local()
+
+
 def global_norm_of(leaves: Leaves) -> torch.Tensor:
     """The L2 norm of a list of tensors taken together, in their (widest) dtype, no host sync."""
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
+    if torch.compiler.is_compiling():  # in a graph the compiler dedupes it
+        return _norm(leaves)
+    if any(t.is_inference() for t in leaves):  # no version counters to trust
+        return _norm(leaves)
+    memo = getattr(_LAST_NORM, "memo", None) or _LastNorm()
+    _LAST_NORM.memo = memo
+    hit = memo.get(leaves)
+    return hit if hit is not None else memo.put(leaves, _norm(leaves))
+
+
+def _norm(leaves: Leaves) -> torch.Tensor:
     norms = torch._foreach_norm(leaves, 2)
     first = norms[0]
     if any(n.dtype != first.dtype or n.device != first.device for n in norms):

@@ -203,3 +203,22 @@ def test_bad_types():
         optim.chain(optim.scale(1.0), lambda u: u)
     with pytest.raises(TypeError, match="mask"):
         optim.add_decayed_weights(0.1, mask=3)
+
+
+def test_the_norm_of_the_same_unmodified_tensors_is_computed_once(monkeypatch):
+    from ftrain.optim.processing import global_norm_of
+
+    calls = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    grads = [torch.full((3,), 2.0), torch.ones(4)]
+    first = global_norm_of(grads)  # e.g. the step's grad_norm metric
+    tx = optim.clip_by_global_norm(1.0)
+    keys = [("a",), ("b",)]
+    out, _ = tx.update.flat(keys, grads, tx.init(TensorDict()), None)
+    assert len(calls) == 1 and float(first) == 4.0
+    assert torch.equal(out[0], grads[0] / 4.0)
+    grads[0].mul_(2)  # modified in place: computed again
+    assert float(global_norm_of(grads)) == pytest.approx(52**0.5) and len(calls) == 2
+    assert float(global_norm_of([t.clone() for t in grads])) == pytest.approx(52**0.5)
+    assert len(calls) == 3  # other tensors, same values: no identity, no reuse
