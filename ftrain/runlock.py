@@ -198,6 +198,7 @@ def claim_run_dir(cfg, world) -> RunLock:
         RunDirError / RunLockError: on the coordinator, with its reason; on the other ranks,
             one that points at the coordinator's message.
     """
+    from ftrain.ckpt.location import parse_location
     from ftrain.dist import agree_any
 
     lock, failed = RunLock(Path(cfg.run.dir) / LOCK_NAME, None), None
@@ -205,7 +206,8 @@ def claim_run_dir(cfg, world) -> RunLock:
         try:
             check_writable(cfg.run.dir, "run.dir")
             lock = acquire(cfg.run.dir)
-            check_writable(cfg.checkpoint.dir, "checkpoint.dir")
+            if isinstance(parse_location(cfg.checkpoint.dir), Path):  # an object store:
+                check_writable(cfg.checkpoint.dir, "checkpoint.dir")  # the manager probes it
         except BaseException as err:  # every rank must hear of it, whatever it is
             lock.release()
             failed = err

@@ -4,11 +4,13 @@ Public API (re-exported by ``ftrain``): :class:`CheckpointManager`, the save pol
 (:class:`EveryNSteps`, :class:`EveryNSeconds`), the keep policies (:class:`LatestN`,
 :class:`EveryKSteps`, :class:`BestN`, :class:`YoungerThan`, :class:`KeepAll`),
 :class:`AnyOf`, and the errors. Modules: ``format`` (chunk and metadata encoding),
-``store`` (write/read a tree), ``commit`` (the protocol), ``policies``, ``index``,
-``hostrng``, ``manager``; ``python -m ftrain.ckpt`` is the command-line tool.
+``store`` (write/read a tree), ``commit`` (the protocol), ``location`` (path or URL),
+``objstore`` + ``objio`` (object storage through zarr-python's ``ObjectStore``),
+``policies``, ``index``, ``hostrng``, ``manager``; ``python -m ftrain.ckpt`` is the command-line tool.
 """
 
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
+from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.manager import CheckpointManager, CheckpointNotFoundError, CheckpointSaveError
 from ftrain.ckpt.policies import (
     AnyOf,
@@ -25,9 +27,11 @@ __all__ = [
     "AnyOf",
     "BestN",
     "CheckpointFormatError",
+    "CheckpointLocationError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CheckpointStoreError",
     "CorruptCheckpointError",
     "EveryKSteps",
     "EveryNSeconds",

@@ -45,7 +45,9 @@ sees a live staging directory without its lock. Only names that ftrain's own sta
 deletion produce are swept; anything else in ``root`` is left alone.
 
 On stores without atomic rename (object stores), writing ``COMMITTED`` last *is* the
-commit; the same marker check applies (not implemented here: local/NFS paths only).
+commit; the same marker checks apply (:func:`check_format`, :func:`check_manifest`). The
+object-store protocol is :mod:`ftrain.ckpt.objstore`'s: every function here that takes a
+location or a step accepts its ``ObjectRoot`` / ``ObjectKey`` too and hands it over.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from ftrain.ckpt.format import (
     READABLE_FORMATS,
     CheckpointFormatError,
     CorruptCheckpointError,
+    parse_json,
     read_bytes_nofollow,
     read_json,
     write_json,
@@ -77,9 +80,11 @@ __all__ = [
     "Staging",
     "abort",
     "begin",
+    "check_manifest",
     "commit",
     "committed_steps",
     "delete_step",
+    "marker_document",
     "read_committed",
     "set_aside",
     "set_aside_steps",
@@ -161,10 +166,7 @@ def commit(staging: Staging, manifest: dict, marker_extra: dict | None = None) -
     write_json(staging.path / MANIFEST, manifest)
     _phase("manifest_written")
     raw = (staging.path / MANIFEST).read_bytes()
-    marker = dict(marker_extra or {})
-    marker |= {"format_version": FORMAT_VERSION, "step": staging.step, "ftrain": _ftrain_version()}
-    marker |= {"manifest_crc32c": crc32c.crc32c(raw), "manifest_bytes": len(raw)}
-    write_json(staging.path / MARKER, marker)
+    write_json(staging.path / MARKER, marker_document(staging.step, raw, marker_extra))
     fsync_dir(staging.path)
     _phase("marker_written")
     final = staging.root / step_dirname(staging.step)
@@ -175,6 +177,16 @@ def commit(staging: Staging, manifest: dict, marker_extra: dict | None = None) -
     _phase("renamed")
     staging.release()
     return final
+
+
+def marker_document(step: int, manifest_raw: bytes, extra: dict | None = None) -> dict:
+    """The ``COMMITTED`` document sealing ``manifest_raw`` (the manifest's exact bytes)."""
+    marker = dict(extra or {})
+    marker |= {"format_version": FORMAT_VERSION, "step": step, "ftrain": _ftrain_version()}
+    return marker | {
+        "manifest_crc32c": crc32c.crc32c(manifest_raw),
+        "manifest_bytes": len(manifest_raw),
+    }
 
 
 def abort(staging: Staging) -> None:
@@ -190,20 +202,40 @@ def read_committed(step_dir: Path) -> tuple[dict, dict]:
         CheckpointFormatError: the marker names a format this ftrain cannot read.
         CorruptCheckpointError: no marker, unreadable JSON, or a marker/manifest mismatch.
     """
+    if not isinstance(step_dir, Path):  # an object-store step (ftrain.ckpt.objstore)
+        return step_dir.read_committed()
     if os.path.islink(step_dir):
         raise CorruptCheckpointError(f"{step_dir}: is a symbolic link, not a step directory")
     marker = read_json(step_dir / MARKER)
     check_format(step_dir, marker)
     raw = read_bytes_nofollow(step_dir / MANIFEST)
+    return marker, check_manifest(step_dir, step_dir.name, marker, raw)
+
+
+def check_manifest(where: object, name: str, marker: dict, raw: bytes | None) -> dict:
+    """The manifest sealed by ``marker``, parsed; the checks every backend applies.
+
+    Args:
+        where: the step (for messages).
+        name: the step's directory or prefix name, ``step_<digits>``.
+        marker: the parsed, format-checked ``COMMITTED`` document.
+        raw: the manifest's bytes (``None``: missing).
+
+    Raises:
+        CorruptCheckpointError: a missing manifest, a crc/length mismatch with the marker,
+            or a step number that disagrees with the name.
+    """
+    if raw is None:
+        raise CorruptCheckpointError(f"{where}: {MANIFEST} is missing")
     if marker.get("manifest_bytes") != len(raw) or marker.get("manifest_crc32c") != crc32c.crc32c(
         raw
     ):
-        raise CorruptCheckpointError(f"{step_dir}: {MARKER} does not match {MANIFEST}")
-    manifest = read_json(step_dir / MANIFEST)
-    m = _STEP_RE.match(step_dir.name)
+        raise CorruptCheckpointError(f"{where}: {MARKER} does not match {MANIFEST}")
+    manifest = parse_json(raw, f"{where}/{MANIFEST}")
+    m = _STEP_RE.match(name)
     if not m or marker.get("step") != int(m.group(1)) or manifest.get("step") != int(m.group(1)):
-        raise CorruptCheckpointError(f"{step_dir}: marker/manifest step does not match the name")
-    return marker, manifest
+        raise CorruptCheckpointError(f"{where}: marker/manifest step does not match the name")
+    return manifest
 
 
 def check_format(step_dir: Path, marker: dict) -> None:
@@ -245,6 +277,8 @@ def set_aside(step_dir: Path, reason: str) -> Path:
 
     ``reason`` is ``replaced``, ``superseded`` or ``unreadable`` (see the module docstring).
     """
+    if not isinstance(step_dir, Path):
+        return step_dir.root.set_aside(step_dir, reason)
     target = step_dir.with_name(f"{step_dir.name}.{reason}-{secrets.token_hex(4)}")
     os.rename(step_dir, target)
     fsync_dir(step_dir.parent)
@@ -253,6 +287,8 @@ def set_aside(step_dir: Path, reason: str) -> Path:
 
 def set_aside_steps(root: Path) -> dict[int, list[Path]]:
     """``{step: [paths...]}`` of the steps set aside under ``root``."""
+    if not isinstance(root, Path):
+        return root.set_aside_steps()
     out: dict[int, list[Path]] = {}
     try:
         names = sorted(os.listdir(root))
@@ -275,6 +311,8 @@ def committed_steps(
     Raises:
         CheckpointFormatError: a step was written in a format this ftrain cannot read.
     """
+    if not isinstance(root, Path):
+        return root.committed_steps(on_invalid=on_invalid)
     out: dict[int, Path] = {}
     try:
         entries = list(os.scandir(root))
@@ -300,6 +338,8 @@ def committed_steps(
 
 def delete_step(step_dir: Path) -> None:
     """Atomically drop a step from the listing, then remove its files."""
+    if not isinstance(step_dir, Path):
+        return step_dir.root.delete_step(step_dir)
     trash = step_dir.with_name(f"{step_dir.name}.del-{secrets.token_hex(4)}")
     os.rename(step_dir, trash)
     shutil.rmtree(trash, ignore_errors=True)
@@ -329,6 +369,8 @@ def sweep_stale(root: Path) -> list[Path]:
     Returns:
         The paths removed. In-flight staging directories (lock held) are never touched.
     """
+    if not isinstance(root, Path):
+        return root.sweep_stale()
     removed: list[Path] = []
     try:
         names = os.listdir(root)

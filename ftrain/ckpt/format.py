@@ -517,13 +517,18 @@ def read_chunks_into(root: Path, spec: ArraySpec, dest: memoryview) -> list[tupl
     return jobs
 
 
+def json_bytes(doc: dict) -> bytes:
+    """The bytes ftrain writes for a JSON document (every backend writes the same ones)."""
+    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
+
+
 def write_json(path: Path, doc: dict, *, durable: bool = True) -> tuple[int, int]:
     """Write a JSON document (new file, ``O_EXCL``), fsync'd when ``durable``.
 
     Returns:
         ``(crc32c, length)`` of the bytes written (the manifest records them).
     """
-    data = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
+    data = json_bytes(doc)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         _write_all(fd, [data])
@@ -558,13 +563,26 @@ def read_json(path: Path, *, checksum: list | None = None) -> dict:
         path: the document.
         checksum: ``[crc32c, length]`` recorded in the manifest; the bytes must match.
     """
-    raw = read_bytes_nofollow(path)
+    return parse_json(read_bytes_nofollow(path), path, checksum=checksum)
+
+
+def parse_json(raw: bytes | None, where: object, *, checksum: list | None = None) -> dict:
+    """Parse a metadata document read by any backend (``None``: it is missing).
+
+    Raises:
+        CorruptCheckpointError: missing, too large, not matching ``checksum``, unparseable
+            or not a JSON object; the message names ``where``.
+    """
+    if raw is None:
+        raise CorruptCheckpointError(f"{where}: metadata is missing")
+    if len(raw) > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(f"{where}: metadata larger than {MAX_JSON_BYTES} bytes")
     if checksum is not None and [crc32c.crc32c(raw), len(raw)] != list(checksum):
-        raise CorruptCheckpointError(f"{path}: does not match its checksum in the manifest")
+        raise CorruptCheckpointError(f"{where}: does not match its checksum in the manifest")
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
+        raise CorruptCheckpointError(f"{where}: unreadable metadata ({e})") from e
     if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{path}: metadata is not a JSON object")
+        raise CorruptCheckpointError(f"{where}: metadata is not a JSON object")
     return doc

@@ -84,6 +84,9 @@ def mark_best(entries: dict[int, dict], best: list[BestN]) -> None:
 def write_index(index_path: Path, entries: dict[int, dict]) -> None:
     """Atomically replace the index. Raises ``OSError`` (callers treat it as non-fatal)."""
     doc = {"version": INDEX_VERSION, "entries": [entries[s] for s in sorted(entries)]}
+    if not isinstance(index_path, Path):  # an object (ftrain.ckpt.objstore): one atomic put
+        index_path.write_bytes(json.dumps(doc, indent=1).encode())
+        return
     tmp = index_path.with_name(f".{INDEX}.{secrets.token_hex(4)}")
     try:
         with open(tmp, "w") as f:

@@ -22,13 +22,10 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
-import platform
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 import torch
@@ -43,7 +40,8 @@ from ftrain.ckpt.format import (
     CorruptCheckpointError,
 )
 from ftrain.ckpt.index import INDEX, entry_for, load_or_rebuild, mark_best, write_index
-from ftrain.ckpt.meta import read_root_attributes
+from ftrain.ckpt.location import parse_location
+from ftrain.ckpt.meta import json_scalar, read_root_attributes, versions
 from ftrain.ckpt.policies import (
     KeepAll,
     KeepPolicy,
@@ -51,8 +49,10 @@ from ftrain.ckpt.policies import (
     SavePolicy,
     StepInfo,
     best_policies,
+    newest_finite,
 )
 from ftrain.ckpt.store import DEFAULT_WORKERS, flatten, read_tree, specs_of, write_tree
+from ftrain.ckpt.target import check_only, match_target
 from ftrain.state.init import check_usable, pin, unpin
 
 __all__ = ["CheckpointManager", "CheckpointNotFoundError", "CheckpointSaveError"]
@@ -67,26 +67,6 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointNotFoundError(FileNotFoundError):
     """No committed checkpoint (or none that verifies) matches the request."""
-
-
-def _json_scalar(v: object) -> object:
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # "nan" / "inf": JSON has no non-finite numbers
-    return v
-
-
-def _versions() -> dict:
-    try:
-        ftrain_version = importlib_metadata.version("ftrain")
-    except importlib_metadata.PackageNotFoundError:
-        ftrain_version = "unknown"
-    return {
-        "ftrain": ftrain_version,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def _to_host(state: TensorDictBase) -> TensorDictBase:
@@ -141,8 +121,9 @@ class CheckpointManager:
     ) -> None:
         codec = parse_compression(compression)  # ValueError for an unknown codec, now
         self.compression = codec.spec if codec else None
-        self.directory = Path(directory)
-        self.fallback_directory = Path(fallback_directory) if fallback_directory else None
+        # a Path (the fast local path) or an ObjectRoot (s3://, gs://, az://: objstore)
+        self.directory = parse_location(directory)
+        self.fallback_directory = parse_location(fallback_directory) if fallback_directory else None
         self.save_policy = save_policy
         self.keep_policy = keep_policy or KeepAll()
         self.async_save = async_save
@@ -167,6 +148,8 @@ class CheckpointManager:
         self._written: set[int] = set()
         self._invalid: dict[Path, str] = {}
         for d in self._dirs:
+            if not isinstance(d, Path):
+                d.probe()  # no such bucket / bad credentials: CheckpointStoreError, now
             for p in protocol.sweep_stale(d):
                 log.info("removed stale %s", p)
         self._entries = self._load_index()
@@ -325,8 +308,8 @@ class CheckpointManager:
             "format_version": FORMAT_VERSION,
             "step": step,
             "time": now,
-            "metrics": {str(k): _json_scalar(v) for k, v in (metrics or {}).items()},
-            "versions": _versions(),
+            "metrics": {str(k): json_scalar(v) for k, v in (metrics or {}).items()},
+            "versions": versions(),
             "host_rng": {
                 str(r): v for r, v in (host_rng or {self.rank: hostrng.capture()}).items()
             },
@@ -378,6 +361,15 @@ class CheckpointManager:
         t0: float,
         blocking: float,
     ) -> Path:
+        if not isinstance(root, Path):  # object store: no staging, the marker commits
+            return root.write_step(
+                step,
+                snapshot,
+                attrs,
+                chunk_bytes=self.chunk_bytes,
+                compression=self.compression,
+                marker_extra=lambda m: _marker_extra(m, attrs, blocking, t0),
+            )
         staging = protocol.begin(root, step)
         try:
             manifest = write_tree(
@@ -388,13 +380,7 @@ class CheckpointManager:
                 workers=self.io_workers,
                 compression=self.compression,
             )
-            extra = {
-                "bytes": manifest["nbytes"],
-                "blocking_seconds": blocking,
-                "time": attrs["time"],
-            }
-            extra["write_seconds"] = time.perf_counter() - t0
-            return protocol.commit(staging, manifest, extra)
+            return protocol.commit(staging, manifest, _marker_extra(manifest, attrs, blocking, t0))
         except BaseException:
             protocol.abort(staging)
             raise
@@ -424,7 +410,7 @@ class CheckpointManager:
             entries[step] = entry_for(step, final, save_seconds=total)
             infos = [StepInfo(s, e["time"], e.get("metrics") or {}) for s, e in entries.items()]
             keep = self.keep_policy.keep(infos, time.time()) | {max(locations)}
-            keep |= _newest_finite(entries)  # a diverged run never loses its last good step
+            keep |= newest_finite(entries)  # a diverged run never loses its last good step
             for s in sorted(set(locations) - keep):
                 for p in locations[s]:
                     protocol.delete_step(p)
@@ -518,7 +504,7 @@ class CheckpointManager:
                 attrs = read_root_attributes(path, manifest)  # checksummed, checked
                 if check_metadata is not None:
                     check_metadata(attrs)
-                _check_only(manifest, only_t)
+                check_only(manifest, only_t)
                 td = read_tree(path, manifest, only=only_t, workers=self.io_workers)
                 rng_states = hostrng.for_rank(attrs, self.rank) if host_rng else None
             except CorruptCheckpointError as e:
@@ -528,7 +514,7 @@ class CheckpointManager:
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
                 continue
             log.info("[step=%d] restored from %s", s, path)
-            out = td if target is None else _match_target(td, target, only_t)
+            out = td if target is None else match_target(td, target, only_t)
             if host_rng:
                 _restore_host_rng(rng_states, s, self.rank)
             if only_t is None:
@@ -574,19 +560,14 @@ class CheckpointManager:
             log.exception("a checkpoint save failed while handling another exception")
 
 
-def _is_finite_entry(entry: dict) -> bool:
-    for v in (entry.get("metrics") or {}).values():
-        if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
-            return False
-        if isinstance(v, float) and not math.isfinite(v):
-            return False
-    return True
-
-
-def _newest_finite(entries: dict[int, dict]) -> set[int]:
-    """The newest step whose recorded metrics are all finite (or that recorded none)."""
-    finite = [s for s, e in entries.items() if _is_finite_entry(e)]
-    return {max(finite)} if finite else set()
+def _marker_extra(manifest: dict, attrs: dict, blocking: float, t0: float) -> dict:
+    """The save facts recorded in the marker (bytes written, time, blocking and total)."""
+    return {
+        "bytes": manifest["nbytes"],
+        "blocking_seconds": blocking,
+        "time": attrs["time"],
+        "write_seconds": time.perf_counter() - t0,
+    }
 
 
 def _restore_host_rng(states: dict | None, step: int, rank: int) -> None:
@@ -596,45 +577,3 @@ def _restore_host_rng(states: dict | None, step: int, rank: int) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return
     hostrng.restore(states)
-
-
-def _check_only(manifest: dict, only: tuple[str, ...] | None) -> None:
-    if only is None:
-        return
-    names = set(manifest["arrays"]) | set(manifest["groups"])
-    for p in only:
-        if not any(n == p or n.startswith(p + "/") for n in names):
-            top = sorted({n.split("/")[0] for n in names if n})
-            raise ValueError(f"only={p!r} matches nothing in the checkpoint; top-level keys: {top}")
-
-
-def _match_target(
-    td: TensorDictBase, target: TensorDictBase, only: tuple[str, ...] | None
-) -> TensorDictBase:
-    """Validate ``td`` against ``target`` (all differences at once) and move to its devices."""
-    groups_c, got = flatten(td)
-    groups_t, want = flatten(target)
-    if only is not None:
-        sel = lambda k: any(k == p or k.startswith(p + "/") for p in only)  # noqa: E731
-        want = {k: v for k, v in want.items() if sel(k)}
-        groups_t = [g for g in groups_t if sel(g) or not g]
-        groups_c = [g for g in groups_c if sel(g) or not g]
-    diffs = [f"missing in checkpoint: {k}" for k in sorted(set(want) - set(got))]
-    diffs += [f"not in target: {k}" for k in sorted(set(got) - set(want))]
-    diffs += [f"group missing in checkpoint: {g}" for g in sorted(set(groups_t) - set(groups_c))]
-    diffs += [f"group not in target: {g}" for g in sorted(set(groups_c) - set(groups_t))]
-    for k in sorted(set(got) & set(want)):
-        a, b = got[k], want[k]
-        if a.shape != b.shape:
-            diffs.append(f"shape of {k}: checkpoint {tuple(a.shape)}, target {tuple(b.shape)}")
-        if a.dtype != b.dtype:
-            diffs.append(f"dtype of {k}: checkpoint {a.dtype}, target {b.dtype}")
-    if diffs:
-        raise ValueError(
-            f"checkpoint does not match the target ({len(diffs)} differences):\n  "
-            + "\n  ".join(diffs)
-        )
-    for k, t in want.items():
-        if t.device != got[k].device:
-            td[tuple(k.split("/"))] = got[k].to(t.device)
-    return td

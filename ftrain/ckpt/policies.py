@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 __all__ = [
+    "newest_finite",
     "AnyOf",
     "BestN",
     "EveryKSteps",
@@ -196,3 +197,18 @@ def best_policies(policy: object) -> list[BestN]:
     if isinstance(policy, AnyOf):
         return [b for p in policy.policies for b in best_policies(p)]
     return []
+
+
+def _is_finite_entry(entry: dict) -> bool:
+    for v in (entry.get("metrics") or {}).values():
+        if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+            return False
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+    return True
+
+
+def newest_finite(entries: dict[int, dict]) -> set[int]:
+    """The newest step whose recorded metrics are all finite (or that recorded none)."""
+    finite = [s for s, e in entries.items() if _is_finite_entry(e)]
+    return {max(finite)} if finite else set()

@@ -228,10 +228,30 @@ def write_tree(
         run_parallel(fsync_dir, reversed(dirs), workers)
     elif durable:
         syncfs(tmp)
+    return build_manifest(groups, specs, crcs, stored, documents, spec_str)
+
+
+def build_manifest(
+    groups: list[str],
+    specs: dict[str, ArraySpec],
+    crcs: dict[str, dict[int, int]],
+    stored: dict[str, dict[int, int]],
+    documents: dict[str, list[int]],
+    compression: str | None,
+) -> dict:
+    """One writer's manifest from what it wrote (every backend builds it here).
+
+    Args:
+        groups, specs: the tree's groups and planned arrays.
+        crcs, stored: ``{key: {chunk: crc32c}}`` and ``{key: {chunk: bytes before the crc}}``
+            of the chunks this writer wrote (missing chunks: ``None``, merged later).
+        documents: ``{relative path: [crc32c, length]}`` of the ``zarr.json`` it wrote.
+        compression: the canonical codec spec or ``None``.
+    """
     arrays = {}
     for k, s in specs.items():
         arrays[k] = s.to_json() | {"crc32c": [crcs[k].get(i) for i in range(s.n_chunks)]}
-        if codec:
+        if compression:
             arrays[k]["stored_nbytes"] = [stored[k].get(i) for i in range(s.n_chunks)]
     nbytes = sum(n + 4 for per in stored.values() for n in per.values())
     return {
@@ -240,7 +260,7 @@ def write_tree(
         "arrays": arrays,
         "documents": documents,  # crc32c and length of every zarr.json: metadata is checked too
         "nbytes": nbytes,
-        "compression": spec_str,
+        "compression": compression,
     }
 
 
@@ -382,15 +402,20 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_sizes(root: Path, specs: dict[str, ArraySpec]) -> None:
-    """Before allocating anything: every chunk file exists with its recorded size (so the
-    declared shapes are backed by bytes on disk), and the whole result fits in memory."""
+def check_memory(where: object, specs: dict[str, ArraySpec]) -> None:
+    """Refuse (as corruption) a step whose declared arrays do not fit in memory."""
     total = sum(s.nbytes for s in specs.values())
     avail = _available_memory()
     if total > avail:
         raise CorruptCheckpointError(
-            f"{root}: restoring needs {total:,} bytes of memory, only {avail:,} are available"
+            f"{where}: restoring needs {total:,} bytes of memory, only {avail:,} are available"
         )
+
+
+def _check_sizes(root: Path, specs: dict[str, ArraySpec]) -> None:
+    """Before allocating anything: every chunk file exists with its recorded size (so the
+    declared shapes are backed by bytes on disk), and the whole result fits in memory."""
+    check_memory(root, specs)
     for s in specs.values():
         for i in range(s.n_chunks):
             path = root.joinpath(*s.key.split("/"), *s.chunk_key(i).split("/"))
@@ -425,21 +450,43 @@ def read_tree(
     Raises:
         CorruptCheckpointError: any metadata or chunk fails verification.
     """
-    specs = {k: s for k, s in specs_of(manifest).items() if _selected(k, only)}
+    if not isinstance(root, Path):  # an object-store step (ftrain.ckpt.objstore)
+        return root.read_tree(manifest, only=only)
+    specs = selected_specs(manifest, only)
     check_no_links(root)
     _check_sizes(root, specs)
+    out, tensors = allocate_tree(manifest, specs, only)
+    chunks = []
+    for k, s in specs.items():
+        if s.n_chunks:
+            chunks += read_chunks_into(root, s, byte_view(tensors[k]))
+    _read_jobs(root, chunks, workers)
+    return out
+
+
+def selected_specs(manifest: dict, only: tuple[str, ...] | None) -> dict[str, ArraySpec]:
+    """The validated specs of the arrays ``only`` selects (``None``: all)."""
+    return {k: s for k, s in specs_of(manifest).items() if _selected(k, only)}
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor (the destination of chunk reads)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def allocate_tree(
+    manifest: dict, specs: dict[str, ArraySpec], only: tuple[str, ...] | None
+) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+    """The result tree of a restore, with empty destination tensors (sizes already
+    checked), and ``{key: tensor}`` to read the chunks into."""
     out = TensorDict({}, batch_size=[])
     for g in manifest["groups"]:
         if g and (_selected(g, only) or any(p.startswith(g + "/") for p in only or ())):
             out[tuple(g.split("/"))] = TensorDict({}, batch_size=[])
-    chunks = []
+    tensors = {}
     for k, s in specs.items():
-        t = _empty(s.shape, parse_dtype(s.dtype))
-        if s.n_chunks:
-            chunks += read_chunks_into(root, s, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        out[tuple(k.split("/"))] = t
-    _read_jobs(root, chunks, workers)
-    return out
+        tensors[k] = out[tuple(k.split("/"))] = _empty(s.shape, parse_dtype(s.dtype))
+    return out, tensors
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -300,10 +300,11 @@ def ignored_step_dirs(cfg: DictConfig) -> list[str]:
     """``step_*`` directories in the checkpoint locations that do not count (no valid marker
     or manifest): listed so a user sees what a resume did not consider."""
     from ftrain.ckpt.commit import committed_steps
+    from ftrain.ckpt.location import parse_location
 
     out: list[str] = []
     for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
-        committed_steps(Path(d), on_invalid=lambda p, why: out.append(f"{p}: {why}"))
+        committed_steps(parse_location(d), on_invalid=lambda p, why: out.append(f"{p}: {why}"))
     return out
 
 

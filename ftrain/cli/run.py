@@ -15,7 +15,13 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from torch import nn
 
-from ftrain.ckpt import CheckpointFormatError, CheckpointManager, CheckpointNotFoundError
+from ftrain.ckpt import (
+    CheckpointFormatError,
+    CheckpointLocationError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CheckpointStoreError,
+)
 from ftrain.cli.build import (
     build_manager,
     build_model,
@@ -71,6 +77,8 @@ _STARTUP_ERRORS = (
     CheckpointNotFoundError,
     RunDirError,
     CheckpointFormatError,
+    CheckpointLocationError,  # checkpoint.dir=s3:bucket, ftp://...: names the fix
+    CheckpointStoreError,  # no such bucket, bad credentials, access denied
 )
 
 

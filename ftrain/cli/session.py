@@ -170,7 +170,8 @@ class Session:
         dirs = [self.manager.directory, getattr(self.manager, "fallback_directory", None)]
         for d in filter(None, dirs):
             try:
-                mtime = (Path(d) / step_dirname(step) / MARKER).stat().st_mtime
+                base = d if hasattr(d, "url") else Path(d)  # an ObjectRoot has stat() too
+                mtime = (base / step_dirname(step) / MARKER).stat().st_mtime
             except OSError:
                 continue
             if mtime >= started - 1.0:  # coarse file-system clocks

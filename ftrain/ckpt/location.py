@@ -1,0 +1,147 @@
+"""Where checkpoints live: a local directory, or a URL of an object store.
+
+``parse_location`` is the one place a ``checkpoint.dir`` / ``CheckpointManager(directory)``
+value is interpreted, so an object-store URL is never silently taken for a local path:
+
+- ``/abs/path``, ``rel/path``, ``./s3:odd-name``, ``file:///abs/path``: a local directory
+  (:class:`pathlib.Path`; the fast local path, :mod:`ftrain.ckpt.store`).
+- ``s3://bucket/prefix`` (also ``s3a://``), ``gs://bucket/prefix``,
+  ``az://container/prefix`` (also ``azure``, ``abfs``, ``abfss``): an object store,
+  reached through zarr-python's ``zarr.storage.ObjectStore`` over ``obstore``
+  (:mod:`ftrain.ckpt.objstore`). Credentials, region and endpoint come from the usual
+  environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+  ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP=true`` for an ``http://``
+  endpoint; ``GOOGLE_SERVICE_ACCOUNT``...; ``AZURE_STORAGE_ACCOUNT_NAME``...).
+- anything else that looks like a URL (``http://``, ``ftp://``, ``s3:/bucket``,
+  ``s3:bucket``): :class:`CheckpointLocationError`, naming the value and the fix.
+
+Requests are retried by obstore with exponential backoff on throttling (429/503), other
+5xx answers and connection errors (:data:`RETRY`); 4xx answers (no such bucket, access
+denied, bad credentials) are not retried and become :class:`CheckpointStoreError`.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from pathlib import Path
+
+__all__ = [
+    "OBJECT_SCHEMES",
+    "CheckpointLocationError",
+    "CheckpointStoreError",
+    "describe_error",
+    "is_object_url",
+    "parse_location",
+]
+
+OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "azure", "abfs", "abfss"})
+# obstore's retry policy (object_store's): up to 10 retries with exponential backoff from
+# 100 ms to 15 s, giving up on one request after 3 minutes.
+RETRY = {
+    "max_retries": 10,
+    "retry_timeout": timedelta(minutes=3),
+    "backoff": {
+        "init_backoff": timedelta(milliseconds=100),
+        "max_backoff": timedelta(seconds=15),
+        "base": 2.0,
+    },
+}
+_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_URLISH_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")  # "s3:/b", "s3:b", "http:x"
+_CODE_RE = re.compile(r"<Code>([^<]+)</Code>(?:\s*<Message>([^<]*)</Message>)?")
+
+
+class CheckpointLocationError(ValueError):
+    """A checkpoint location that is neither a local path nor a supported store URL."""
+
+
+class CheckpointStoreError(OSError):
+    """An object store refused or failed a request (no such bucket, bad credentials,
+    access denied, unreachable endpoint after retries). The message names the URL/key
+    and the store's reason. An ``OSError``: a failing primary location makes a save go
+    to the fallback location, like a full or broken disk."""
+
+
+def is_object_url(value: object) -> bool:
+    """Whether ``value`` is an object-store URL ftrain handles (``s3://``, ``gs://``, ...)."""
+    m = _URL_RE.match(value) if isinstance(value, str) else None
+    return bool(m) and m.group(1).lower() in OBJECT_SCHEMES
+
+
+def parse_location(value: str | Path):
+    """A ``Path`` for a local directory, an ``ObjectRoot`` for an object-store URL.
+
+    Args:
+        value: ``checkpoint.dir``-style text or a path.
+
+    Returns:
+        ``pathlib.Path`` or :class:`ftrain.ckpt.objstore.ObjectRoot`.
+
+    Raises:
+        CheckpointLocationError: an unknown scheme, or a local path that looks like a URL.
+
+    Example:
+        >>> parse_location("ckpt")
+        PosixPath('ckpt')
+    """
+    if isinstance(value, Path):
+        return value
+    if not isinstance(value, str) or not value:
+        raise CheckpointLocationError(f"checkpoint location must be a path or URL, got {value!r}")
+    m = _URL_RE.match(value)
+    if m:
+        scheme, rest = m.group(1).lower(), m.group(2)
+        if scheme == "file":
+            return Path("/" + rest.lstrip("/"))
+        if scheme not in OBJECT_SCHEMES:
+            raise CheckpointLocationError(
+                f"checkpoint location {value!r}: unknown scheme {scheme!r}; use a local path "
+                f"or one of {', '.join(s + '://' for s in sorted(OBJECT_SCHEMES))}"
+            )
+        if not rest.split("/")[0]:
+            raise CheckpointLocationError(
+                f"checkpoint location {value!r} names no bucket; write {scheme}://BUCKET/PREFIX"
+            )
+        try:
+            from ftrain.ckpt.objstore import ObjectRoot
+        except ImportError as e:
+            raise CheckpointLocationError(
+                f"checkpoint location {value!r} needs obstore ({e}): pip install 'ftrain[s3]'"
+            ) from e
+        return ObjectRoot.open(f"{scheme}://{rest.rstrip('/')}")
+    if _URLISH_RE.match(value):  # two or more letters: "C:" is not a scheme
+        scheme = value.split(":")[0]
+        raise CheckpointLocationError(
+            f"checkpoint location {value!r} looks like a URL but is not one (a local "
+            f"directory of that name would be created); write {scheme}://BUCKET/PREFIX for "
+            f"object storage, or ./{value} if you really mean a local directory"
+        )
+    return Path(value)
+
+
+def open_store(url: str):
+    """A writable ``zarr.storage.ObjectStore`` rooted at ``url`` (bucket + prefix).
+
+    Raises:
+        CheckpointStoreError: obstore refuses the URL or its configuration.
+    """
+    import obstore.store
+    from zarr.storage import ObjectStore
+
+    try:
+        raw = obstore.store.from_url(url, retry_config=RETRY)
+    except Exception as e:  # obstore raises its own (non-OSError) configuration errors
+        raise CheckpointStoreError(f"{url}: cannot configure the object store: {e}") from e
+    return ObjectStore(raw)
+
+
+def describe_error(err: BaseException) -> str:
+    """A one-line reason from an obstore error (the S3 error code and message when the
+    server sent one, e.g. ``NoSuchBucket: The specified bucket does not exist``)."""
+    text = str(err)
+    m = _CODE_RE.search(text)
+    if m:
+        return f"{m.group(1)}: {m.group(2)}" if m.group(2) else m.group(1)
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return first[:300]

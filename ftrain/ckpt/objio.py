@@ -1,0 +1,203 @@
+"""Upload a TensorDict to a step prefix of an object store, and download (part of) it.
+
+The objects are the local format's files, byte for byte (same planner, same documents,
+same chunk encoding: payload + zero padding or compressed frame, then the crc32c), so a
+step has one format whatever it is stored on. Encoding and verifying a chunk (crc32c,
+compression) runs in worker threads; the requests run on zarr-python's I/O event loop,
+``concurrency`` in flight, each awaited (confirmed) before the save moves on.
+
+Restore lists the step's objects once and checks every chunk's size against the manifest
+before allocating anything, then downloads chunks concurrently and verifies each crc32c
+(trailer and manifest) before copying it into the result tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import crc32c
+from tensordict import TensorDict, TensorDictBase
+
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt.codecs import parse_compression
+from ftrain.ckpt.format import (
+    ArraySpec,
+    CorruptCheckpointError,
+    _check_crc,
+    _encode,
+    array_zarr_json,
+    group_zarr_json,
+    json_bytes,
+    plan_array,
+    tensor_bytes,
+)
+from ftrain.ckpt.objstore import gather_bounded
+from ftrain.ckpt.store import (
+    allocate_tree,
+    build_manifest,
+    byte_view,
+    check_memory,
+    flatten,
+    selected_specs,
+)
+
+__all__ = ["download_tree", "upload_tree"]
+
+
+def _documents(groups: list[str], specs: dict[str, ArraySpec], attributes: dict) -> dict:
+    """``{relative key: bytes}`` of every ``zarr.json`` of the step."""
+    docs = {}
+    for g in groups:
+        doc = group_zarr_json(attributes if g == "" else None)
+        docs[f"{g}/zarr.json" if g else "zarr.json"] = json_bytes(doc)
+    for s in specs.values():
+        docs[f"{s.key}/zarr.json"] = json_bytes(array_zarr_json(s))
+    return docs
+
+
+def _chunk_object(spec: ArraySpec, payload: memoryview, pad: int) -> tuple[bytes, int, int]:
+    """``(object bytes, crc32c, bytes before the crc)`` of one chunk (in a worker thread)."""
+    parts = _encode(payload, pad, spec.codec, spec.itemsize)
+    crc = 0
+    for part in parts:
+        crc = crc32c.crc32c(part, value=crc)
+    body = b"".join(parts)
+    return body + crc.to_bytes(4, "little"), crc, len(body)
+
+
+def upload_tree(
+    step, state: TensorDictBase, attributes: dict, chunk_bytes: int, compression: str | None
+) -> dict:
+    """Upload ``state`` (CPU tensors) under the step prefix ``step`` (an ``ObjectKey``).
+
+    Args:
+        step: the step's :class:`~ftrain.ckpt.objstore.ObjectKey` (its prefix is empty).
+        state: a nested TensorDict of CPU tensors.
+        attributes: JSON metadata for the root group.
+        chunk_bytes: target chunk payload size.
+        compression: a canonical codec spec or ``None``.
+
+    Returns:
+        The manifest (as :func:`ftrain.ckpt.store.write_tree` returns it for world 1).
+
+    Raises:
+        CheckpointStoreError: a request failed (after obstore's retries).
+    """
+    codec = parse_compression(compression)
+    spec_str = codec.spec if codec else None
+    groups, leaves = flatten(state)
+    specs = {k: plan_array(k, t, chunk_bytes, spec_str) for k, t in leaves.items()}
+    docs = _documents(groups, specs, attributes)
+    jobs = []
+    for k, s in specs.items():
+        data = tensor_bytes(leaves[k]) if s.n_chunks else None
+        for i in range(s.n_chunks):
+            start, stop = s.chunk_span(i)
+            jobs.append((s, i, data[start:stop], s.chunk_nbytes - (stop - start)))
+    root, prefix = step.root, step.key
+    store = root.store
+
+    async def put_chunk(s: ArraySpec, i: int, payload: memoryview, pad: int) -> tuple:
+        obj, crc, stored = await asyncio.to_thread(_chunk_object, s, payload, pad)
+        await store.set(f"{prefix}/{s.key}/{s.chunk_key(i)}", _buffer(obj))
+        protocol._phase("object_uploaded")  # fault-injection seam (tests kill here)
+        return s.key, i, crc, stored
+
+    async def put_doc(rel: str, data: bytes) -> None:
+        await store.set(f"{prefix}/{rel}", _buffer(data))
+
+    # the largest chunks first, so the tail of the upload is small requests
+    coros = [put_chunk(*j) for j in sorted(jobs, key=lambda j: -len(j[2]))]
+    coros += [put_doc(r, d) for r, d in docs.items()]
+    results = root._run(prefix, gather_bounded, coros, root.concurrency)
+    crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
+    stored: dict[str, dict[int, int]] = {k: {} for k in specs}
+    for r in results:
+        if r is not None:
+            crcs[r[0]][r[1]], stored[r[0]][r[1]] = r[2], r[3]
+    documents = {rel: [crc32c.crc32c(d), len(d)] for rel, d in docs.items()}
+    return build_manifest(groups, specs, crcs, stored, documents, spec_str)
+
+
+def _buffer(data: bytes):
+    from zarr.core.buffer import default_buffer_prototype
+
+    return default_buffer_prototype().buffer.from_bytes(data)
+
+
+def _check_objects(step, specs: dict[str, ArraySpec]) -> None:
+    """Every chunk object exists with its recorded size (one listing), and the result fits
+    in memory — before anything is allocated."""
+    check_memory(step, specs)
+    sizes = {m["path"]: m["size"] for m in step.root.list(step.key + "/")}
+    for s in specs.values():
+        for i in range(s.n_chunks):
+            key = f"{step.key}/{s.key}/{s.chunk_key(i)}"
+            want = (s.stored[i] if s.compression else s.chunk_nbytes) + 4
+            if key not in sizes:
+                raise CorruptCheckpointError(f"{step.root.url}/{key}: chunk object is missing")
+            if sizes[key] != want:
+                raise CorruptCheckpointError(
+                    f"{step.root.url}/{key}: chunk is {sizes[key]} bytes, expected {want}"
+                )
+
+
+def _verify_into(where: str, raw: bytes, dest: memoryview, pad: int, i: int, s: ArraySpec):
+    """Check one downloaded chunk object and decode it into ``dest`` (a worker thread)."""
+    stored = s.stored[i] if s.compression else s.chunk_nbytes
+    if len(raw) != stored + 4:
+        raise CorruptCheckpointError(f"{where}: chunk is {len(raw)} bytes, expected {stored + 4}")
+    body = memoryview(raw)[:stored]
+    _check_crc(where, crc32c.crc32c(body), int.from_bytes(raw[stored:], "little"), s.crc32c[i])
+    if s.compression is None:
+        dest[:] = body[: len(dest)]
+        return
+    full = dest if not pad else memoryview(bytearray(len(dest) + pad))
+    try:
+        s.codec.decode_into(body, full, s.itemsize)  # type: ignore[union-attr]
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from e
+    if pad:
+        dest[:] = full[: len(dest)]
+
+
+def download_tree(
+    step, manifest: dict, *, only: tuple[str, ...] | None = None, concurrency: int = 8
+) -> TensorDict:
+    """Read a committed step (an ``ObjectKey``) into a nested CPU TensorDict, verifying.
+
+    Args:
+        step: the step's :class:`~ftrain.ckpt.objstore.ObjectKey`.
+        manifest: its marker-checked manifest.
+        only: key paths to read; ``None`` reads all.
+        concurrency: requests in flight.
+
+    Raises:
+        CorruptCheckpointError: a missing, wrongly sized or corrupt chunk object.
+        CheckpointStoreError: a request failed (after obstore's retries).
+    """
+    specs = selected_specs(manifest, only)
+    _check_objects(step, specs)
+    out, tensors = allocate_tree(manifest, specs, only)
+    jobs = []
+    for k, s in specs.items():
+        dest = byte_view(tensors[k]) if s.n_chunks else None
+        for i in range(s.n_chunks):
+            start, stop = s.chunk_span(i)
+            jobs.append((s, i, dest[start:stop], s.chunk_nbytes - (stop - start)))
+    root, store = step.root, step.root.store
+    from zarr.core.buffer import default_buffer_prototype
+
+    proto = default_buffer_prototype()
+
+    async def get_chunk(s: ArraySpec, i: int, dest: memoryview, pad: int) -> None:
+        key = f"{step.key}/{s.key}/{s.chunk_key(i)}"
+        buf = await store.get(key, proto)
+        if buf is None:
+            raise CorruptCheckpointError(f"{root.url}/{key}: chunk object is missing")
+        raw = buf.to_bytes()
+        await asyncio.to_thread(_verify_into, f"{root.url}/{key}", raw, dest, pad, i, s)
+
+    coros = [get_chunk(*j) for j in sorted(jobs, key=lambda j: -len(j[2]))]
+    root._run(step.key, gather_bounded, coros, concurrency)
+    return out

@@ -1,0 +1,51 @@
+"""Checks of a restored tree against what the caller asked for (``only=``, ``target=``)."""
+
+from __future__ import annotations
+
+from tensordict import TensorDictBase
+
+from ftrain.ckpt.store import flatten
+
+__all__ = ["check_only", "match_target"]
+
+
+def check_only(manifest: dict, only: tuple[str, ...] | None) -> None:
+    if only is None:
+        return
+    names = set(manifest["arrays"]) | set(manifest["groups"])
+    for p in only:
+        if not any(n == p or n.startswith(p + "/") for n in names):
+            top = sorted({n.split("/")[0] for n in names if n})
+            raise ValueError(f"only={p!r} matches nothing in the checkpoint; top-level keys: {top}")
+
+
+def match_target(
+    td: TensorDictBase, target: TensorDictBase, only: tuple[str, ...] | None
+) -> TensorDictBase:
+    """Validate ``td`` against ``target`` (all differences at once) and move to its devices."""
+    groups_c, got = flatten(td)
+    groups_t, want = flatten(target)
+    if only is not None:
+        sel = lambda k: any(k == p or k.startswith(p + "/") for p in only)  # noqa: E731
+        want = {k: v for k, v in want.items() if sel(k)}
+        groups_t = [g for g in groups_t if sel(g) or not g]
+        groups_c = [g for g in groups_c if sel(g) or not g]
+    diffs = [f"missing in checkpoint: {k}" for k in sorted(set(want) - set(got))]
+    diffs += [f"not in target: {k}" for k in sorted(set(got) - set(want))]
+    diffs += [f"group missing in checkpoint: {g}" for g in sorted(set(groups_t) - set(groups_c))]
+    diffs += [f"group not in target: {g}" for g in sorted(set(groups_c) - set(groups_t))]
+    for k in sorted(set(got) & set(want)):
+        a, b = got[k], want[k]
+        if a.shape != b.shape:
+            diffs.append(f"shape of {k}: checkpoint {tuple(a.shape)}, target {tuple(b.shape)}")
+        if a.dtype != b.dtype:
+            diffs.append(f"dtype of {k}: checkpoint {a.dtype}, target {b.dtype}")
+    if diffs:
+        raise ValueError(
+            f"checkpoint does not match the target ({len(diffs)} differences):\n  "
+            + "\n  ".join(diffs)
+        )
+    for k, t in want.items():
+        if t.device != got[k].device:
+            td[tuple(k.split("/"))] = got[k].to(t.device)
+    return td

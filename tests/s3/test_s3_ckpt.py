@@ -1,0 +1,206 @@
+"""Checkpoints on S3 (a real S3 API server on loopback, see conftest): the marker-last
+commit protocol, bit-exact round trips, fall back, retention, errors, plain zarr readers."""
+
+import json
+import warnings
+
+import moto.settings
+import obstore.store
+import pytest
+import torch
+import zarr
+from tensordict import TensorDict
+from zarr.storage import ObjectStore
+
+from ftrain.ckpt import (
+    CheckpointLocationError,
+    CheckpointManager,
+    CheckpointStoreError,
+    LatestN,
+)
+from ftrain.ckpt import objstore as objstore_mod
+from ftrain.ckpt.location import parse_location
+from ftrain.ckpt.objio import upload_tree
+from ftrain.ckpt.store import write_tree
+from ftrain.state import first_difference
+
+from .conftest import objects
+
+
+def make_state(step: int, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed + step)
+    return TensorDict(
+        {
+            "step": torch.tensor(step, dtype=torch.int64),
+            "params": {
+                "w": torch.randn(300, 17, generator=g),
+                "h": torch.randn(64, 8, generator=g).to(torch.bfloat16),
+                "f8": torch.randn(16, generator=g).to(torch.float8_e4m3fn),
+                "half": torch.randn(5, 3, generator=g).half(),
+                "empty": TensorDict({}, batch_size=[]),
+            },
+            "opt": {"count": torch.tensor(step, dtype=torch.int32), "z": torch.zeros(0, 4)},
+            "mask": torch.rand(33, generator=g) > 0.5,
+            "c": torch.randn(4, 2, generator=g, dtype=torch.complex64),
+        },
+        batch_size=[],
+    )
+
+
+@pytest.mark.parametrize("compression", [None, "zstd:1", "blosc-lz4"])
+def test_round_trip_bit_exact(bucket, compression):
+    """bf16, float8, 0-d, empty groups, zero-size arrays, bool, complex; async save; small
+    chunks so arrays span several objects."""
+    url = f"s3://{bucket}/run/ckpt"
+    m = CheckpointManager(url, chunk_bytes=1024, compression=compression)
+    for step in (1, 2):
+        assert m.save(make_state(step))
+    m.close()
+    again = CheckpointManager(url)
+    assert again.all_steps() == [1, 2]
+    assert first_difference(again.restore(), make_state(2)) is None
+    assert first_difference(again.restore(1), make_state(1)) is None
+    part = again.restore(2, only="params")
+    assert first_difference(part["params"], make_state(2)["params"]) is None
+    assert again.metadata(2)["path"] == f"{url}/step_00000002"
+
+
+def test_same_bytes_as_the_local_format(bucket, tmp_path):
+    """One format whatever the backend: every object equals the local file of that name."""
+    state, attrs = make_state(3), {"note": "same"}
+    local = tmp_path / "step"
+    local.mkdir()
+    want_manifest = write_tree(local, state, attrs, chunk_bytes=2048, compression="zstd:1")
+    root = parse_location(f"s3://{bucket}/x")
+    got_manifest = upload_tree(root / "step", state, attrs, 2048, "zstd:1")
+    assert got_manifest == want_manifest
+    files = {
+        p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()
+    }
+    objs = {k.removeprefix("x/step/"): v for k, v in objects(_s3(), bucket, "x/step/").items()}
+    assert objs == files
+
+
+def _s3():
+    import boto3
+
+    return boto3.client("s3")
+
+
+def _chunk_keys(s3, bucket, prefix):
+    return sorted(
+        (k for k in objects(s3, bucket, prefix) if "/c." in k or k.endswith("/c")),
+        key=lambda k: -len(objects(s3, bucket, k)[k]),
+    )
+
+
+def test_a_corrupted_object_falls_back(bucket, s3):
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False, chunk_bytes=1024)
+    m.save(make_state(1))
+    m.save(make_state(2))
+    key = _chunk_keys(s3, bucket, "ck/step_00000002/params/w/")[0]
+    raw = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    raw[10] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
+    with pytest.warns(RuntimeWarning, match="crc32c mismatch"):
+        got = CheckpointManager(url).restore()
+    assert first_difference(got, make_state(1)) is None
+    s3.delete_object(Bucket=bucket, Key=key)  # a missing object: the same
+    with pytest.warns(RuntimeWarning, match="missing"):
+        assert int(CheckpointManager(url).restore()["step"]) == 1
+
+
+def test_marker_last_and_uncommitted_steps_do_not_count(bucket, s3):
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False)
+    m.save(make_state(1))
+    m.save(make_state(2))
+    s3.delete_object(Bucket=bucket, Key="ck/step_00000002/COMMITTED")  # a kill before it
+    fresh = CheckpointManager(url)
+    assert fresh.all_steps() == [1]
+    assert "no such" in " ".join(fresh.invalid_steps().values()).lower() or fresh.invalid_steps()
+    # redoing step 2 replaces the partial upload (no marker: nothing committed is lost)
+    fresh.save(make_state(2))
+    fresh.wait()
+    assert CheckpointManager(url).all_steps() == [1, 2]
+    assert not CheckpointManager(url).set_aside_steps()
+
+
+def test_redoing_a_committed_step_keeps_the_old_one_aside(bucket, s3):
+    url = f"s3://{bucket}/ck"
+    CheckpointManager(url, async_save=False).save(make_state(2, seed=1))
+    m = CheckpointManager(url, async_save=False)
+    m.save(make_state(2, seed=2))  # not written nor restored by this manager: redone
+    (aside,) = m.set_aside_steps()[2]
+    assert ".replaced-" in aside.name
+    assert first_difference(m.restore(2), make_state(2, seed=2)) is None
+    assert objects(s3, bucket, f"ck/{aside.key}/COMMITTED")  # the old commit, intact
+
+
+def test_two_writers_cannot_both_commit_a_step(bucket):
+    root = parse_location(f"s3://{bucket}/ck")
+    root.put_new("step_00000005/COMMITTED", b"{}")
+    with pytest.raises(FileExistsError, match="another writer"):
+        root.put_new("step_00000005/COMMITTED", b"{}")
+
+
+def test_retention_on_the_bucket(bucket, s3):
+    url = f"s3://{bucket}/ck"
+    with CheckpointManager(url, keep_policy=LatestN(2)) as m:
+        for step in range(1, 6):
+            m.save(make_state(step))
+    assert CheckpointManager(url).all_steps() == [4, 5]
+    steps = {k.split("/")[1] for k in objects(s3, bucket, "ck/") if k.count("/") > 1}
+    assert steps == {"step_00000004", "step_00000005"}  # nothing left of deleted steps
+    index = json.loads(objects(s3, bucket, "ck/checkpoints.json")["ck/checkpoints.json"])
+    assert [e["step"] for e in index["entries"]] == [4, 5]
+
+
+def test_sweep_removes_dead_uploads_older_than_the_newest_commit(bucket, s3, monkeypatch):
+    url = f"s3://{bucket}/ck"
+    s3.put_object(Bucket=bucket, Key="ck/step_00000001/params/w/c.0.0", Body=b"dead")
+    s3.put_object(Bucket=bucket, Key="ck/step_00000009/params/w/c.0.0", Body=b"maybe live")
+    import time
+
+    time.sleep(1.1)  # S3 times have one-second resolution
+    CheckpointManager(url, async_save=False).save(make_state(2))
+    monkeypatch.setattr(objstore_mod, "SWEEP_MIN_AGE_S", 0.0)
+    CheckpointManager(url)
+    keys = objects(s3, bucket, "ck/")
+    assert not any(k.startswith("ck/step_00000001/") for k in keys)  # older: swept
+    assert "ck/step_00000009/params/w/c.0.0" in keys  # newer than the commit: kept
+
+
+def test_missing_bucket_and_bad_credentials_are_clear_errors(s3_server, bucket, monkeypatch):
+    with pytest.raises(CheckpointStoreError, match="no-such-bucket-here.*NoSuchBucket"):
+        CheckpointManager("s3://no-such-bucket-here/ck")
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto checks keys
+    with pytest.raises(CheckpointStoreError, match=f"{bucket}.*InvalidAccessKeyId"):
+        CheckpointManager(f"s3://{bucket}/ck")
+
+
+@pytest.mark.parametrize(
+    "value", ["s3:/bucket/ck", "s3:bucket", "ftp://host/ck", "http://host/ck", "s3:///ck"]
+)
+def test_unknown_schemes_and_url_like_paths_are_refused(value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointLocationError, match="s3://|scheme|bucket"):
+        CheckpointManager(value)
+    assert not any(tmp_path.iterdir()), "no local directory may be created"
+
+
+def test_plain_zarr_reads_a_committed_step(bucket):
+    url = f"s3://{bucket}/ck"
+    state = make_state(4)
+    CheckpointManager(url, async_save=False, chunk_bytes=1024).save(state)
+    store = ObjectStore(obstore.store.from_url(url), read_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # manifest.json / COMMITTED are not Zarr nodes
+        group = zarr.open_group(store=store, path="step_00000004", mode="r")
+        w = group["params/w"][...]
+        bits = group["params/h"][...]
+    assert (w == state["params", "w"].numpy()).all()
+    assert (bits == state["params", "h"].view(torch.uint16).numpy()).all()
+    assert group["params/h"].attrs["ftrain"]["dtype"] == "bfloat16"
+    assert group.attrs["step"] == 4
