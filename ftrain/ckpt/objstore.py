@@ -162,7 +162,8 @@ class ObjectRoot:
         except (CheckpointStoreError, CorruptCheckpointError, FileExistsError):
             raise
         except (obstore.exceptions.BaseError, OSError) as e:
-            raise CheckpointStoreError(f"{self.url}/{what}: {describe_error(e)}") from e
+            where = f"{self.url}/{what}" if what else self.url
+            raise CheckpointStoreError(f"{where}: {describe_error(e)}") from e
 
     def probe(self) -> None:
         """One listing request: the bucket exists and the credentials may list it.
@@ -170,7 +171,15 @@ class ObjectRoot:
         Raises:
             CheckpointStoreError: naming the URL and the store's reason.
         """
-        self.list_dir("")
+        try:
+            self.list_dir("")
+        except CheckpointStoreError as e:
+            bucket = self.url.split("://", 1)[1].split("/", 1)[0]
+            raise CheckpointStoreError(
+                f"cannot use checkpoint location {self.url} (bucket {bucket!r}): "
+                f"{str(e).split(': ', 1)[-1]}; check the bucket name, the credentials "
+                "(AWS_ACCESS_KEY_ID, ...) and the endpoint (AWS_ENDPOINT_URL)"
+            ) from e
 
     def get(self, key: str) -> bytes | None:
         buf = self._run(key, self.store.get, key, _PROTO)

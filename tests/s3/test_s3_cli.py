@@ -1,0 +1,54 @@
+"""The real CLI (``python -m ftrain``) with ``checkpoint.dir=s3://...`` on a loopback S3
+server: train, SIGKILL mid-upload, resume from the newest committed step in the bucket,
+end bit-identical to a local run; start-up errors exit 2 with the reason."""
+
+import os
+from pathlib import Path
+
+from ftrain.ckpt import CheckpointManager
+from ftrain.state import first_difference
+
+from ..integration.conftest import cache_dir, cli  # noqa: F401 - fixtures
+
+INJECT = str(Path(__file__).parent / "inject")
+SAVES = ("checkpoint.every_steps=2", "checkpoint.keep_last=3")
+
+
+def test_kill_mid_upload_then_resume_is_bit_identical_to_a_local_run(
+    cli,  # noqa: F811
+    bucket,
+    tmp_path,
+    monkeypatch,
+):
+    cli(tmp_path / "local", "trainer.max_steps=6", *SAVES, check=0)
+    want = CheckpointManager(tmp_path / "local" / "checkpoints").restore(6)
+
+    url = f"s3://{bucket}/runs/tiny"
+    run = tmp_path / "s3run"
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONPATH", os.pathsep.join([INJECT, os.environ.get("PYTHONPATH", "")]))
+        m.setenv("FTRAIN_S3_KILL", "1:3")  # after step 2 commits, 3 chunks into step 4
+        killed = cli(run, "trainer.max_steps=6", *SAVES, f"checkpoint.dir={url}")
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    mgr = CheckpointManager(url)
+    assert mgr.all_steps() == [2]
+    assert any("step_00000004" in str(p) for p in mgr.invalid_steps())  # partial upload
+
+    out = cli(run, "trainer.max_steps=6", *SAVES, f"checkpoint.dir={url}", check=0)
+    assert "resumed from step 2" in out.stdout, out.stdout
+    mgr = CheckpointManager(url)
+    assert mgr.all_steps() == [2, 4, 6]
+    assert not mgr.invalid_steps() and not mgr.set_aside_steps()
+    assert first_difference(mgr.restore(6), want) is None
+    assert not (run / "s3:").exists() and not Path("s3:").exists()  # no local look-alike
+
+
+def test_missing_bucket_or_url_like_path_exits_2_with_the_reason(
+    cli,  # noqa: F811
+    s3_server,
+    tmp_path,
+):
+    out = cli(tmp_path / "r1", "trainer.max_steps=2", "checkpoint.dir=s3://no-such-bkt/ck", check=2)
+    assert "no-such-bkt" in out.stderr + out.stdout and "NoSuchBucket" in out.stderr + out.stdout
+    out = cli(tmp_path / "r2", "trainer.max_steps=2", "checkpoint.dir=s3:bkt/ck", check=2)
+    assert "s3://BUCKET/PREFIX" in out.stderr + out.stdout
