@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
+from torch._dynamo.utils import counters
 
 import ftrain
 from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
@@ -57,14 +58,17 @@ def test_compiled_mlp_matches_eager_and_recompiles_only_for_new_shapes(capsys):
     eager = ftrain.make_step(model, mse_loss, tx)
     compiled = ftrain.make_step(model, mse_loss, tx, compile=True)
     a = b = ftrain.init_state(model, tx, seed=0)
+    graphs = []
     for i in range(3):
         a, ma = eager(a, make_data(16, seed=i))
         b, mb = compiled(b, make_data(16, seed=i))
+        graphs.append(counters["stats"]["unique_graphs"])
         assert ("compile_s" in mb.keys()) == (i == 0)  # the compile is reported once
         for name in ("loss", "grad_norm", "lr"):
             torch.testing.assert_close(mb[name], ma[name], rtol=1e-5, atol=1e-6)
     assert _max_diff(a, b) < 1e-5
     assert compiled.core.compiles == 1 and compiled.core.compile_seconds > 0
+    assert graphs[0] == graphs[-1], "Dynamo recompiled for the same shapes (lr, count changed)"
     assert capsys.readouterr().err.count("compiled the step in") == 1
     b, _ = compiled(b, make_data(8, seed=9))  # a new batch shape: one more compile
     b, _ = compiled(b, make_data(8, seed=10))
