@@ -80,13 +80,16 @@ class CheckpointManager:
     """Saves, retains and restores checkpoints of a state TensorDict under ``directory``.
 
     Args:
-        directory: the primary checkpoint directory (created on the first save).
+        directory: the primary checkpoint location: a local directory (created on the
+            first save) or an object-store URL, ``s3://bucket/prefix`` (also ``gs://``,
+            ``az://``; see :mod:`ftrain.ckpt.location` and :mod:`ftrain.ckpt.objstore`).
         save_policy: decides which offered steps are saved (``None``: every one).
         keep_policy: which committed steps to keep (``None``: all). The newest committed
             step is always kept; deletion only happens right after a newer commit.
         async_save: write in a background thread (``save`` returns once the write started).
         fallback_directory: where saves go when the primary location fails with an
-            ``OSError`` (ENOSPC, EIO, EACCES, EROFS, a vanished mount); restore uses both.
+            ``OSError`` (ENOSPC, EIO, EACCES, EROFS, a vanished mount, a store error);
+            restore uses both. A path or a URL, like ``directory``.
         chunk_bytes: target chunk size (tuning; see ``docs/checkpointing.md``).
         io_workers: I/O threads per save or restore for the large chunks (half as many
             more handle ``zarr.json`` documents and small chunks alongside them).
@@ -99,6 +102,9 @@ class CheckpointManager:
     Raises:
         CheckpointFormatError: a step under a directory was written in a format this
             ftrain cannot read (nothing is changed on disk).
+        CheckpointLocationError: ``directory`` is an unknown scheme or a URL-like path.
+        CheckpointStoreError: an object store refuses the location (no such bucket, bad
+            credentials, access denied).
 
     Example:
         >>> mgr = CheckpointManager(tmp_path, async_save=False)  # doctest: +SKIP
