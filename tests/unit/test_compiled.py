@@ -124,6 +124,16 @@ def test_compiled_fp16_loss_scale_skips_like_eager_without_a_graph_break():
     assert (out.graph_count, out.graph_break_count) == (1, 0), out.break_reasons
 
 
+def test_keyed_dropout_still_runs_compiled_with_the_eager_masks():
+    model = GPT(GPTConfig.tiny(n_layer=1), generator=torch.Generator().manual_seed(0))
+    assert model.config.dropout > 0
+    tx = ftrain.optim.adamw(1e-3)
+    state = ftrain.init_state(model, tx, seed=0)
+    a, _ = ftrain.make_step(model, lm_loss, tx)(state, _tokens(2, seed=0))
+    b, _ = ftrain.make_step(model, lm_loss, tx, compile=True)(state, _tokens(2, seed=0))
+    assert _max_diff(a, b) < 1e-5  # the same keyed masks: only rounding differs
+
+
 def test_compile_refuses_what_it_cannot_put_in_one_graph():
     model, tx = _mlp(), _tx()
     with pytest.raises(ValueError, match="compile=True"):
