@@ -14,7 +14,9 @@ the same shapes never recompile. ``donate=True`` writes the new parameters and o
 state into the donated buffers inside the graph, so the compiler can reuse them.
 
 Limits: keyed dropout (:class:`ftrain.nn.Dropout` with ``p > 0``) draws from a
-``torch.Generator``, which Dynamo cannot put in a graph; such a model still runs, eagerly.
+``torch.Generator``, which Dynamo does not put in one graph with the rest; such a model
+still runs compiled, with the eager step's masks (tested), but not as a single graph.
+``dp`` (the collective hook) and the deprecated ``clip=`` are refused.
 """
 
 from __future__ import annotations
