@@ -141,8 +141,9 @@ class Session:
         self._seen_commits()
         t0, started = time.perf_counter(), time.time()
         try:
+            extra = {"host_rng": host_rng} if host_rng is not None else {}
             saved = self.manager.save(
-                state, metrics=metrics, metadata=self.metadata, force=force, host_rng=host_rng
+                state, metrics=metrics, metadata=self.metadata, force=force, **extra
             )
         except CheckpointSaveError as err:  # an earlier background save failed
             self._failed(err)
