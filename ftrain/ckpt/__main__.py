@@ -5,12 +5,13 @@
     python -m ftrain.ckpt show ckpt 400        # metadata and arrays of one step (default: newest)
     python -m ftrain.ckpt verify ckpt [400]    # check every chunk's size and crc32c (default: all)
     python -m ftrain.ckpt diff ckpt 300 400    # arrays that differ between two steps
+    python -m ftrain.ckpt list s3://bucket/ckpt   # the same on object storage (any command)
     python -m ftrain.ckpt advise runs/x --mtbf 6h  # Young/Daly interval from the run's costs
 
 Exit status: 0 on success; 1 if the directory is missing or holds no committed step, if
 list/verify find a corrupt or marker-less step directory, or if diff finds changes; 2 on
-a usage error, a step written in a format this ftrain cannot read, or a diff of a corrupt
-step. Steps moved aside (replaced/superseded) are listed by ``list``.
+a usage error, a step written in a format this ftrain cannot read, a bad location or a
+store error (no such bucket, bad credentials), or a diff of a corrupt step. Steps moved aside (replaced/superseded) are listed by ``list``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
+from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError, parse_location
 from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.store import read_tree, specs_of, verify_tree
 
@@ -176,18 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m ftrain.ckpt", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["list", "show", "verify", "diff", "advise"])
-    p.add_argument("directory", type=Path)
+    p.add_argument("directory", help="a checkpoint directory or URL (s3://bucket/prefix)")
     p.add_argument("steps", type=int, nargs="*")
     p.add_argument("--mtbf", type=_duration, help="advise: mean time between failures (6h)")
     ns = p.parse_args(argv)
     if ns.command == "advise":
         if ns.steps:
             p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
-        return cmd_advise(ns.directory, ns.mtbf)
+        return cmd_advise(Path(ns.directory), ns.mtbf)
     cmds = {"list": cmd_list, "show": cmd_show, "verify": cmd_verify, "diff": cmd_diff}
     try:
-        return cmds[ns.command](ns.directory, ns.steps)
-    except CheckpointFormatError as e:
+        return cmds[ns.command](parse_location(ns.directory), ns.steps)
+    except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:
         print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
         return 2
 

@@ -39,7 +39,8 @@ by a newer ftrain must not be mistaken for garbage and cleaned up).
 
 Sweeping (at start-up): a ``*.tmp-*`` directory whose lock file is missing or can be
 ``flock``-ed is from a dead writer and is removed; one whose lock is held is in flight and
-is left alone. ``*.del-*`` directories and orphan lock files are removed too. The lock is
+is left alone. ``*.del-*`` directories, orphan lock files and index temporary files
+(``.checkpoints.json.<hex>``) older than a minute are removed too. The lock is
 created before the staging directory and unlinked after the rename, so a sweeper never
 sees a live staging directory without its lock. Only names that ftrain's own staging and
 deletion produce are swept; anything else in ``root`` is left alone.
@@ -57,6 +58,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
@@ -382,7 +384,36 @@ def sweep_stale(root: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             (root / f".{name}.lock").unlink(missing_ok=True)
             removed.append(path)
-        elif _is_orphan_lock(name, names) and _lock_is_free(path):
+        elif (_is_orphan_lock(name, names) and _lock_is_free(path)) or _is_dead_index_tmp(path):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+_INDEX_TMP_RE = re.compile(r"^\.checkpoints\.json\.(?:(\d+)-)?[0-9a-f]{8}$")
+_INDEX_TMP_AGE_S = 60.0  # older than any index write in flight (one small JSON file)
+
+
+def _is_dead_index_tmp(path: Path) -> bool:
+    """A temporary file of an index write that a kill interrupted (``index.write_index``
+    writes ``.checkpoints.json.<pid>-<hex>`` and renames it over the index within
+    milliseconds): its writer is gone, or it is older than any write in flight."""
+    m = _INDEX_TMP_RE.match(path.name)
+    if not m:
+        return False
+    if m.group(1) and not _pid_alive(int(m.group(1))):
+        return True
+    try:
+        return time.time() - os.lstat(path).st_mtime > _INDEX_TMP_AGE_S
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

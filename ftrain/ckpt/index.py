@@ -87,7 +87,8 @@ def write_index(index_path: Path, entries: dict[int, dict]) -> None:
     if not isinstance(index_path, Path):  # an object (ftrain.ckpt.objstore): one atomic put
         index_path.write_bytes(json.dumps(doc, indent=1).encode())
         return
-    tmp = index_path.with_name(f".{INDEX}.{secrets.token_hex(4)}")
+    # the writer's pid in the name lets a later start sweep what a killed writer left
+    tmp = index_path.with_name(f".{INDEX}.{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)

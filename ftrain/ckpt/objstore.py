@@ -123,6 +123,11 @@ class ObjectKey:
 
         return download_tree(self, manifest, only=only, concurrency=self.root.concurrency)
 
+    def verify_tree(self, manifest: dict) -> int:
+        from ftrain.ckpt.objio import verify_objects
+
+        return verify_objects(self, manifest)
+
 
 @dataclass(frozen=True)
 class ObjectRoot:
@@ -148,6 +153,12 @@ class ObjectRoot:
 
     def __truediv__(self, name: str) -> ObjectKey:
         return ObjectKey(self, name)
+
+    def is_dir(self) -> bool:
+        """Whether anything is stored under the prefix (``CheckpointStoreError`` if the
+        bucket cannot be listed)."""
+        dirs, objects = self.list_dir("")
+        return bool(dirs or objects)
 
     # ---- requests: every store error becomes CheckpointStoreError naming the key -----
     def _run(self, what: str, fn, *args, **kwargs):

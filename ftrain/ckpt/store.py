@@ -366,12 +366,20 @@ def doc_checksum(manifest: dict, rel: str) -> list | None:
 def _check_array_meta(root: Path, spec: ArraySpec, manifest: dict) -> None:
     rel = f"{spec.key}/zarr.json"
     path = root.joinpath(*spec.key.split("/"), "zarr.json")
-    doc = read_json(path, checksum=doc_checksum(manifest, rel))
+    check_array_doc(path, read_json(path, checksum=doc_checksum(manifest, rel)), spec)
+
+
+def check_array_doc(where: object, doc: dict, spec: ArraySpec) -> None:
+    """An array's ``zarr.json`` agrees with its manifest entry (what plain readers use).
+
+    Raises:
+        CorruptCheckpointError: a field differs; the message names it and both values.
+    """
     want = array_zarr_json(spec)
     for field in ("shape", "data_type", "chunk_grid", "codecs", "chunk_key_encoding"):
         if doc.get(field) != want[field]:
             raise CorruptCheckpointError(
-                f"{path}: {field} is {doc.get(field)!r}, the manifest says {want[field]!r}"
+                f"{where}: {field} is {doc.get(field)!r}, the manifest says {want[field]!r}"
             )
 
 
@@ -514,6 +522,8 @@ def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -
     Raises:
         CorruptCheckpointError: any metadata or chunk fails verification.
     """
+    if not isinstance(root, Path):  # an object-store step (ftrain.ckpt.objstore)
+        return root.verify_tree(manifest)
     specs = specs_of(manifest)
     check_no_links(root)
     for g in manifest["groups"]:
