@@ -17,13 +17,6 @@ TINY_RUN = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a SIGKILL while the checkpoint index is being replaced leaves its temporary "
-    "file .checkpoints.json.<hex> (ftrain/ckpt/index.py write_index) in the checkpoint "
-    "directory for good: sweep_stale (ftrain/ckpt/commit.py) removes only step staging, "
-    "*.del-* and step locks",
-)
 def test_a_kill_while_the_index_is_replaced_leaves_no_temporary_file(tmp_path, cache_dir):
     run, arm, log, out = (
         tmp_path / "run",
