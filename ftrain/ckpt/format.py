@@ -2,7 +2,8 @@
 
 Layout of ``step_00000400/`` (see ``docs/checkpoint-format.md``)::
 
-    zarr.json                     root group; attributes = step metadata (JSON)
+    zarr.json                     root group; attributes = step metadata (JSON), and the
+                                  consolidated metadata of every node (``documents``)
     params/zarr.json              one group per nested TensorDict (empty ones included)
     params/w/zarr.json            one array per tensor
     params/w/c/0/0 ... c/3/0      chunks along dim 0, key encoding "default" with "/"
@@ -518,8 +519,11 @@ def read_chunks_into(root: Path, spec: ArraySpec, dest: memoryview) -> list[tupl
 
 
 def json_bytes(doc: dict) -> bytes:
-    """The bytes ftrain writes for a JSON document (every backend writes the same ones)."""
-    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode()
+    """The bytes ftrain writes for a JSON document (every backend writes the same ones).
+
+    Compact: ``indent`` would switch ``json`` to its pure-Python encoder, 5x slower (63 vs
+    13 ms for the 653 documents of a GPT-2 step, whose root consolidates all the others)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 def write_json(path: Path, doc: dict, *, durable: bool = True) -> tuple[int, int]:

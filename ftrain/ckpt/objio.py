@@ -20,13 +20,12 @@ from tensordict import TensorDict, TensorDictBase
 
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.codecs import parse_compression
+from ftrain.ckpt.documents import step_documents
 from ftrain.ckpt.format import (
     ArraySpec,
     CorruptCheckpointError,
     _check_crc,
     _encode,
-    array_zarr_json,
-    group_zarr_json,
     json_bytes,
     plan_array,
     tensor_bytes,
@@ -45,17 +44,6 @@ from ftrain.ckpt.store import (
 )
 
 __all__ = ["download_tree", "upload_tree", "verify_objects"]
-
-
-def _documents(groups: list[str], specs: dict[str, ArraySpec], attributes: dict) -> dict:
-    """``{relative key: bytes}`` of every ``zarr.json`` of the step."""
-    docs = {}
-    for g in groups:
-        doc = group_zarr_json(attributes if g == "" else None)
-        docs[f"{g}/zarr.json" if g else "zarr.json"] = json_bytes(doc)
-    for s in specs.values():
-        docs[f"{s.key}/zarr.json"] = json_bytes(array_zarr_json(s))
-    return docs
 
 
 def _chunk_object(spec: ArraySpec, payload: memoryview, pad: int) -> tuple[bytes, int, int]:
@@ -90,7 +78,7 @@ def upload_tree(
     spec_str = codec.spec if codec else None
     groups, leaves = flatten(state)
     specs = {k: plan_array(k, t, chunk_bytes, spec_str) for k, t in leaves.items()}
-    docs = _documents(groups, specs, attributes)
+    docs = {rel: json_bytes(d) for rel, d in step_documents(groups, specs, attributes).items()}
     jobs = []
     for k, s in specs.items():
         data = tensor_bytes(leaves[k]) if s.n_chunks else None

@@ -35,6 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from ftrain.ckpt._threads import run_parallel, run_pools
 from ftrain.ckpt.codecs import parse_compression
+from ftrain.ckpt.documents import step_documents
 from ftrain.ckpt.format import (
     DEFAULT_CHUNK_BYTES,
     DIRECT_MIN_BYTES,
@@ -44,7 +45,6 @@ from ftrain.ckpt.format import (
     CorruptCheckpointError,
     array_zarr_json,
     check_key,
-    group_zarr_json,
     parse_dtype,
     plan_array,
     read_chunk,
@@ -175,14 +175,9 @@ def write_tree(
     dirs = _all_dirs(tmp, groups, list(specs.values()))
     mk = _Dirs(tmp)
     jobs: list = []
-    if rank == 0:
-        for g in groups:
-            doc = group_zarr_json(attributes if g == "" else None)
-            jobs.append(
-                ("json", tmp.joinpath(*g.split("/"), "zarr.json") if g else tmp / "zarr.json", doc)
-            )
-        for s in specs.values():
-            jobs.append(("json", tmp.joinpath(*s.key.split("/"), "zarr.json"), array_zarr_json(s)))
+    if rank == 0:  # the root document (consolidated, the largest) first
+        for rel, doc in step_documents(groups, specs, attributes).items():
+            jobs.append(("json", tmp.joinpath(*rel.split("/")), doc))
     for k, s in specs.items():
         if s.n_chunks:
             jobs += [

@@ -196,8 +196,9 @@ def test_plain_zarr_reads_a_committed_step(bucket):
     CheckpointManager(url, async_save=False, chunk_bytes=1024).save(state)
     store = ObjectStore(obstore.store.from_url(url), read_only=True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # manifest.json / COMMITTED are not Zarr nodes
+        warnings.simplefilter("error")  # warning-free: the root consolidates the hierarchy
         group = zarr.open_group(store=store, path="step_00000004", mode="r")
+        assert "params/f8" in dict(group.members(max_depth=None))
         w = group["params/w"][...]
         bits = group["params/h"][...]
     assert (w == state["params", "w"].numpy()).all()

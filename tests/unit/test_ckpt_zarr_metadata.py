@@ -104,3 +104,53 @@ def test_every_document_of_a_real_step_parses(tmp_path, compression):
             GroupMetadata.from_dict(doc)
         else:
             assert _canonical(doc)["shape"] == doc["shape"]
+
+
+def test_a_plain_zarr_walk_of_a_step_is_warning_free(tmp_path):
+    """The root document consolidates the hierarchy, so zarr-python never tries
+    manifest.json / COMMITTED as nodes; its consolidated metadata is what zarr-python's own
+    ``consolidate_metadata`` writes for the step."""
+    import shutil
+    import warnings
+
+    from ftrain.ckpt import CheckpointManager
+
+    state = TensorDict(
+        {
+            "step": torch.tensor(5),
+            "params": {"w": torch.randn(40, 3), "b": torch.randn(9).bfloat16(), "e": {}},
+            "opt": {"z": torch.zeros(0, 2)},
+        },
+        batch_size=[],
+    )
+    CheckpointManager(tmp_path / "ck", async_save=False, chunk_bytes=64).save(state)
+    step = tmp_path / "ck" / "step_00000005"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        group = zarr.open_group(step, mode="r")
+        members = dict(group.members(max_depth=None))
+        assert sorted(members) == [
+            "opt",
+            "opt/z",
+            "params",
+            "params/b",
+            "params/e",
+            "params/w",
+            "step",
+        ]
+        assert (group["params/w"][...] == state["params", "w"].numpy()).all()
+
+    theirs = tmp_path / "copy"
+    shutil.copytree(step, theirs)
+    for name in ("manifest.json", "COMMITTED"):
+        (theirs / name).unlink()
+    root = json.loads((theirs / "zarr.json").read_bytes())
+    del root["consolidated_metadata"]
+    (theirs / "zarr.json").write_text(json.dumps(root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "consolidated metadata is not in the v3 spec"
+        zarr.consolidate_metadata(theirs)
+    ours = json.loads((step / "zarr.json").read_bytes())
+    want = json.loads((theirs / "zarr.json").read_bytes())
+    canon = lambda d: json.loads(json.dumps(GroupMetadata.from_dict(d).to_dict()))  # noqa: E731
+    assert canon(ours) == canon(want)
