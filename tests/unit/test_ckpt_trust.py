@@ -121,9 +121,7 @@ def test_an_edited_root_attribute_is_corruption(tmp_path):
     restore_falls_back(tmp_path, 1)
 
 
-def test_an_edited_array_document_is_found_by_verify_and_not_trusted_by_restore(
-    tmp_path, capsys
-):
+def test_an_edited_array_document_is_found_by_verify_and_not_trusted_by_restore(tmp_path, capsys):
     saved(tmp_path, 1, 2)
     doc_path = tmp_path / "step_00000002" / "params" / "w" / "zarr.json"
     doc = json.loads(doc_path.read_text())
