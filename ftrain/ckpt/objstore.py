@@ -242,10 +242,20 @@ class ObjectRoot:
             CheckpointFormatError: a format this ftrain cannot read.
             CorruptCheckpointError: no marker, unreadable JSON, or a marker/manifest mismatch.
         """
-        marker = parse_json(self.get(f"{step.key}/{protocol.MARKER}"), step / protocol.MARKER)
+        return self._check_committed(step, *self._run(step.key, self._get_sealed, step.key))
+
+    async def _get_sealed(self, key: str) -> tuple[bytes | None, bytes | None]:
+        """The marker's and the manifest's bytes (``None``: missing), fetched together."""
+        marker, manifest = await asyncio.gather(
+            self.store.get(f"{key}/{protocol.MARKER}", _PROTO),
+            self.store.get(f"{key}/{protocol.MANIFEST}", _PROTO),
+        )
+        return tuple(None if b is None else b.to_bytes() for b in (marker, manifest))
+
+    def _check_committed(self, step: ObjectKey, marker_raw, manifest_raw) -> tuple[dict, dict]:
+        marker = parse_json(marker_raw, step / protocol.MARKER)
         protocol.check_format(step, marker)
-        raw = self.get(f"{step.key}/{protocol.MANIFEST}")
-        return marker, protocol.check_manifest(step, step.name, marker, raw)
+        return marker, protocol.check_manifest(step, step.name, marker, manifest_raw)
 
     def committed_steps(
         self, *, on_invalid: Callable[[object, str], None] | None = None
@@ -256,12 +266,15 @@ class ObjectRoot:
         for name in objects:
             if protocol._STEP_RE.match(name) and on_invalid is not None:
                 on_invalid(self / name, "an object, not a step prefix")
-        for name in sorted(dirs):
+        names = sorted(n for n in dirs if protocol._STEP_RE.match(n))
+        # every step's marker and manifest in one round of concurrent requests
+        sealed = self._run(
+            "", gather_bounded, [self._get_sealed(n) for n in names], self.concurrency
+        )
+        for name, raws in zip(names, sealed, strict=True):
             m = protocol._STEP_RE.match(name)
-            if not m:
-                continue
             try:
-                self.read_committed(self / name)
+                self._check_committed(self / name, *raws)
             except CorruptCheckpointError as err:
                 if on_invalid is not None:
                     on_invalid(self / name, str(err))
