@@ -2,6 +2,7 @@
 commit protocol, bit-exact round trips, fall back, retention, errors, plain zarr readers."""
 
 import json
+import time
 import warnings
 
 import moto.settings
@@ -161,8 +162,6 @@ def test_sweep_removes_dead_uploads_older_than_the_newest_commit(bucket, s3, mon
     url = f"s3://{bucket}/ck"
     s3.put_object(Bucket=bucket, Key="ck/step_00000001/params/w/c.0.0", Body=b"dead")
     s3.put_object(Bucket=bucket, Key="ck/step_00000009/params/w/c.0.0", Body=b"maybe live")
-    import time
-
     time.sleep(1.1)  # S3 times have one-second resolution
     CheckpointManager(url, async_save=False).save(make_state(2))
     monkeypatch.setattr(objstore_mod, "SWEEP_MIN_AGE_S", 0.0)
@@ -256,3 +255,29 @@ def test_large_chunks_go_up_in_multipart_uploads(bucket):
     state = TensorDict({"step": torch.tensor(7), "w": torch.randn(3 << 20)}, batch_size=[])
     CheckpointManager(url, async_save=False).save(state)
     assert first_difference(CheckpointManager(url).restore(), state) is None
+
+
+def test_retention_deletes_the_marker_first(bucket, s3, monkeypatch):
+    """A retention delete interrupted right after the marker went: the step is no longer
+    listed (never half a checkpoint), and its leftovers are swept at a later start."""
+    from ftrain.ckpt import commit as protocol
+
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False, keep_policy=LatestN(1))
+    m.save(make_state(1))
+    time.sleep(1.1)  # S3 times have one-second resolution: step 1 is older than step 2
+
+    def crash(phase):
+        if phase == "delete_marker_removed":
+            raise KeyboardInterrupt("killed mid-delete")
+
+    monkeypatch.setattr(protocol, "fault_hook", crash)
+    with pytest.raises(KeyboardInterrupt):
+        m.save(make_state(2))
+    monkeypatch.setattr(protocol, "fault_hook", None)
+    keys = objects(s3, bucket, "ck/step_00000001/")
+    assert keys and "ck/step_00000001/COMMITTED" not in keys  # data left, marker gone
+    monkeypatch.setattr(objstore_mod, "SWEEP_MIN_AGE_S", 0.0)
+    fresh = CheckpointManager(url)
+    assert fresh.all_steps() == [2]
+    assert not objects(s3, bucket, "ck/step_00000001/")  # swept: older than the commit
