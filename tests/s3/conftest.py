@@ -72,3 +72,60 @@ def objects(s3, bucket: str, prefix: str = "") -> dict[str, bytes]:
         for o in page.get("Contents", []):
             out[o["Key"]] = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
     return out
+
+
+@pytest.fixture
+def flaky_endpoint(s3_server, monkeypatch):
+    """An HTTP proxy in front of the S3 server that answers some requests with
+    ``503 SlowDown`` (S3's throttling reply) instead of forwarding them; ftrain is pointed
+    at it. Yields ``{"fail": set of request numbers to refuse, "refused": [..], "seen": n}``."""
+    import http.client
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlparse
+
+    upstream = urlparse(s3_server["endpoint"])
+    state = {"fail": set(), "refused": [], "seen": 0}
+    lock = threading.Lock()
+
+    class Proxy(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _handle(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with lock:
+                state["seen"] += 1
+                refuse = state["seen"] in state["fail"]
+            if refuse:
+                state["refused"].append(f"{self.command} {self.path}")
+                msg = b"<Error><Code>SlowDown</Code><Message>Reduce your rate</Message></Error>"
+                self.send_response(503)
+                self.send_header("Content-Length", str(len(msg)))
+                self.end_headers()
+                self.wfile.write(msg)
+                return
+            conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
+            conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+            resp = conn.getresponse()
+            data = resp.read()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            conn.close()
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()

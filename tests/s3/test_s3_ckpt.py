@@ -281,3 +281,15 @@ def test_retention_deletes_the_marker_first(bucket, s3, monkeypatch):
     fresh = CheckpointManager(url)
     assert fresh.all_steps() == [2]
     assert not objects(s3, bucket, "ck/step_00000001/")  # swept: older than the commit
+
+
+def test_throttled_and_failing_requests_are_retried(bucket, flaky_endpoint):
+    """503 SlowDown on some uploads and downloads: obstore retries with backoff, the save
+    commits and the restore is bit-exact."""
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False, chunk_bytes=1024)
+    flaky_endpoint["fail"] |= {flaky_endpoint["seen"] + n for n in (3, 4, 9, 20, 40)}
+    m.save(make_state(1))
+    flaky_endpoint["fail"] |= {flaky_endpoint["seen"] + n for n in (2, 5, 11)}
+    assert first_difference(CheckpointManager(url).restore(), make_state(1)) is None
+    assert len(flaky_endpoint["refused"]) == 8, flaky_endpoint["refused"]
