@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 
 from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
+from ftrain.ckpt.location import is_object_url, parse_location
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_int
 from ftrain.metrics import read_records
@@ -300,7 +301,6 @@ def ignored_step_dirs(cfg: DictConfig) -> list[str]:
     """``step_*`` directories in the checkpoint locations that do not count (no valid marker
     or manifest): listed so a user sees what a resume did not consider."""
     from ftrain.ckpt.commit import committed_steps
-    from ftrain.ckpt.location import parse_location
 
     out: list[str] = []
     for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
@@ -457,6 +457,14 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
         for path in sorted(run_dir.glob(pattern)):
             moved |= _move_into(path, aside / path.name)
     for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
+        if is_object_url(d):  # no rename on object stores: refuse rather than mix runs
+            if parse_location(d).committed_steps():
+                raise ResumeError(
+                    f"run.overwrite=true: {d} holds committed steps and an object store cannot "
+                    f"move them aside; point checkpoint.dir at a new prefix (e.g. {d}-2) or "
+                    "delete them first"
+                )
+            continue
         d = Path(d)
         if not (d.is_dir() and any(d.iterdir())):
             continue

@@ -68,3 +68,20 @@ def test_a_url_like_path_or_unknown_scheme_exits_2_before_anything_is_made(
     err = capsys.readouterr().err
     assert "s3://BUCKET/PREFIX" in err or "unknown scheme" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no ./s3: directory
+
+
+def test_overwrite_refuses_an_object_store_location_with_steps(bucket, tmp_path, capsys):
+    """run.overwrite=true cannot rename steps aside on an object store: it stops (exit 2)
+    rather than start a fresh run over, or resume, the committed steps there."""
+    import torch
+    from tensordict import TensorDict
+
+    from ftrain.cli.run import main
+
+    url = f"s3://{bucket}/ck"
+    state = TensorDict({"step": torch.tensor(1)}, batch_size=[])
+    CheckpointManager(url, async_save=False).save(state)
+    argv = [f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={url}", "resume=none"]
+    assert main([*argv, "run.overwrite=true"]) == 2
+    assert "cannot move them aside" in capsys.readouterr().err
+    assert CheckpointManager(url).all_steps() == [1]
