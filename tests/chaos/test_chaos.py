@@ -64,7 +64,7 @@ def test_sigkills_on_one_rank_end_bit_identical(
         work=tmp_path,
         cache_dir=cache_dir,
         overrides=["trainer.eval_every=null", "checkpoint.every_steps=1", "checkpoint.keep_last=2"],
-        max_steps=2 * kills + 10,
+        max_steps=2 * kills + 6,
     )
     assert len(report.kills) == kills
     assert report.launches == kills + 1
@@ -84,7 +84,7 @@ def test_sigkills_on_two_ranks_under_torchrun_end_bit_identical(
         work=tmp_path,
         cache_dir=cache_dir,
         overrides=["checkpoint.every_steps=2", "checkpoint.keep_last=2"],
-        max_steps=3 * kills + 10,
+        max_steps=3 * kills + 6,
         nproc=2,
     )
     assert len(report.kills) == kills
