@@ -57,7 +57,14 @@ def _chunk_object(spec: ArraySpec, payload: memoryview, pad: int) -> tuple[bytes
 
 
 def upload_tree(
-    step, state: TensorDictBase, attributes: dict, chunk_bytes: int, compression: str | None
+    step,
+    state: TensorDictBase,
+    attributes: dict,
+    chunk_bytes: int,
+    compression: str | None,
+    *,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict:
     """Upload ``state`` (CPU tensors) under the step prefix ``step`` (an ``ObjectKey``).
 
@@ -67,9 +74,13 @@ def upload_tree(
         attributes: JSON metadata for the root group.
         chunk_bytes: target chunk payload size.
         compression: a canonical codec spec or ``None``.
+        rank, world: which chunks this process uploads: chunk ``i`` of every array
+            belongs to rank ``i % world``, and only rank 0 uploads the ``zarr.json``
+            documents (the local writer's split; the coordinator merges the manifests
+            with :func:`ftrain.ckpt.store.merge_manifests`, then puts manifest and marker).
 
     Returns:
-        The manifest (as :func:`ftrain.ckpt.store.write_tree` returns it for world 1).
+        This rank's manifest (as :func:`ftrain.ckpt.store.write_tree` returns it).
 
     Raises:
         CheckpointStoreError: a request failed (after obstore's retries).
@@ -79,10 +90,11 @@ def upload_tree(
     groups, leaves = flatten(state)
     specs = {k: plan_array(k, t, chunk_bytes, spec_str) for k, t in leaves.items()}
     docs = {rel: json_bytes(d) for rel, d in step_documents(groups, specs, attributes).items()}
+    docs = docs if rank == 0 else {}
     jobs = []
     for k, s in specs.items():
         data = tensor_bytes(leaves[k]) if s.n_chunks else None
-        for i in range(s.n_chunks):
+        for i in range(rank, s.n_chunks, world):
             start, stop = s.chunk_span(i)
             jobs.append((s, i, data[start:stop], s.chunk_nbytes - (stop - start)))
     root, prefix = step.root, step.key

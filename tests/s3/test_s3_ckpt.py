@@ -332,3 +332,21 @@ def test_damaged_objects_restore_exactly_or_raise_ftrains_error(bucket, s3):
             except CheckpointNotFoundError:
                 pass
         s3.put_object(Bucket=bucket, Key=key, Body=pristine[key])
+
+
+def test_ranks_upload_their_own_chunks_and_the_coordinator_commits(bucket):
+    """The multi-rank seam on object storage: rank k uploads chunks i % 2 == k (rank 0 the
+    documents too), the coordinator merges the manifests and puts manifest, then marker."""
+    from ftrain.ckpt import commit as protocol
+    from ftrain.ckpt.format import json_bytes
+    from ftrain.ckpt.store import merge_manifests
+
+    state, attrs = make_state(8), {"format_version": 1, "step": 8, "time": 0.0}
+    root = parse_location(f"s3://{bucket}/ck")
+    step = root / "step_00000008"
+    parts = [upload_tree(step, state, attrs, 512, None, rank=r, world=2) for r in (1, 0)]
+    manifest = dict(merge_manifests([parts[1], parts[0]]), step=8)
+    raw = json_bytes(manifest)
+    root.put(f"{step.key}/manifest.json", raw)
+    root.put_new(f"{step.key}/COMMITTED", json_bytes(protocol.marker_document(8, raw)))
+    assert first_difference(CheckpointManager(root.url).restore(), state) is None
