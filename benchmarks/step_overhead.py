@@ -22,7 +22,7 @@ Workloads: ``mlp512`` (6 × Linear 512, batch 64), ``mlp1024`` (6 × 1024, batch
 ``mlp2048`` (6 × 2048, batch 256), ``gpt2tiny`` (GPT-2 tiny, dropout 0, batch 8 × 64).
 The final parameters of every variant are checked against ``imperative``.
 
-Memory (``--memory``): peak RSS (``ru_maxrss``) of a **fresh subprocess per variant**
+Memory (``--memory``): peak RSS (``VmHWM``) of a **fresh subprocess per variant**
 training GPT-2 small (vocab 256, batch 1 × 128) for a few steps, as a ratio to the
 imperative loop's.
 
@@ -234,8 +234,18 @@ def memory_worker(variant: str, model: str, steps: int) -> None:
     """One variant in this (fresh) process: train a few steps, print the peak RSS."""
     step, _ = build(variant, model)
     _run(step, make_batches(model, steps))
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    print(json.dumps({"variant": variant, "model": model, "peak_rss_kib": peak_kib}))
+    print(json.dumps({"variant": variant, "model": model, "peak_rss_kib": _peak_rss_kib()}))
+
+
+def _peak_rss_kib() -> int:
+    """This process's own peak RSS. ``ru_maxrss`` is not it: Linux carries the parent's
+    RSS at fork across ``exec`` into it, so every worker reported the parent's 4.5 GB;
+    ``VmHWM`` belongs to this process's address space alone."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def memory(variants: list[str], args) -> None:
