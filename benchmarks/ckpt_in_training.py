@@ -54,10 +54,12 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     cfg = GPTConfig(block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     model = GPT(cfg, generator=torch.Generator().manual_seed(0))
-    tx = ftrain.optim.adamw(3e-4, weight_decay=0.1)
+    tx = ftrain.optim.chain(
+        ftrain.optim.clip_by_global_norm(1.0), ftrain.optim.adamw(3e-4, weight_decay=0.1)
+    )
     state = ftrain.init_state(model, tx, seed=0)
     model.to("meta")  # the state owns the weights
-    step = ftrain.make_step(model, lm_loss, tx, clip=1.0)
+    step = ftrain.make_step(model, lm_loss, tx)
     g = torch.Generator().manual_seed(1)
     tok = torch.randint(0, 256, (args.steps + 2, args.batch, args.seq + 1), generator=g)
     batches = [{"x": t[:, :-1].contiguous(), "y": t[:, 1:].contiguous()} for t in tok]
