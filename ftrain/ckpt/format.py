@@ -52,6 +52,7 @@ __all__ = [
     "CorruptCheckpointError",
     "array_zarr_json",
     "check_key",
+    "decode_verified",
     "read_bytes_nofollow",
     "group_zarr_json",
     "plan_array",
@@ -486,13 +487,35 @@ def read_compressed_into(
         _read_exact(fd, path, memoryview(buf))
     finally:
         os.close(fd)
-    body = memoryview(buf)[:stored]
-    _check_crc(path, crc32c.crc32c(body), int.from_bytes(buf[stored:], "little"), expected_crc)
+    decode_verified(path, buf, stored, dest, pad, expected_crc, spec)
+
+
+def decode_verified(
+    where: object,
+    raw: bytes | bytearray,
+    stored: int,
+    dest: memoryview,
+    pad: int,
+    expected_crc: int,
+    spec: ArraySpec,
+) -> None:
+    """Check the crc32c trailer of one chunk's bytes (``stored`` bytes + 4) against the
+    manifest and put its payload into ``dest``: copied when raw, decoded when compressed.
+    Shared by the local reader and the object-store reader.
+
+    Raises:
+        CorruptCheckpointError: a crc mismatch, or a frame that does not decode in full.
+    """
+    body = memoryview(raw)[:stored]
+    _check_crc(where, crc32c.crc32c(body), int.from_bytes(raw[stored:], "little"), expected_crc)
+    if spec.compression is None:
+        dest[:] = body[: len(dest)]
+        return
     full = dest if not pad else memoryview(bytearray(len(dest) + pad))
     try:
         spec.codec.decode_into(body, full, spec.itemsize)  # type: ignore[union-attr]
     except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: {e}") from e
+        raise CorruptCheckpointError(f"{where}: {e}") from e
     if pad:
         dest[:] = full[: len(dest)]
 

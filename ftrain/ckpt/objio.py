@@ -24,8 +24,8 @@ from ftrain.ckpt.documents import step_documents
 from ftrain.ckpt.format import (
     ArraySpec,
     CorruptCheckpointError,
-    _check_crc,
     _encode,
+    decode_verified,
     json_bytes,
     plan_array,
     tensor_bytes,
@@ -150,18 +150,7 @@ def _verify_into(where: str, raw: bytes, dest: memoryview, pad: int, i: int, s: 
     stored = s.stored[i] if s.compression else s.chunk_nbytes
     if len(raw) != stored + 4:
         raise CorruptCheckpointError(f"{where}: chunk is {len(raw)} bytes, expected {stored + 4}")
-    body = memoryview(raw)[:stored]
-    _check_crc(where, crc32c.crc32c(body), int.from_bytes(raw[stored:], "little"), s.crc32c[i])
-    if s.compression is None:
-        dest[:] = body[: len(dest)]
-        return
-    full = dest if not pad else memoryview(bytearray(len(dest) + pad))
-    try:
-        s.codec.decode_into(body, full, s.itemsize)  # type: ignore[union-attr]
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{where}: {e}") from e
-    if pad:
-        dest[:] = full[: len(dest)]
+    decode_verified(where, raw, stored, dest, pad, s.crc32c[i], s)
 
 
 def download_tree(
