@@ -28,9 +28,10 @@ import torch
 from torch.func import functional_call, grad_and_value
 
 from ftrain.nn import use_generator
+from ftrain.optim.base import pick
 from ftrain.optim.processing import global_norm_of
 from ftrain.state.tree import Key, flatten, rebuild, structure, unflatten
-from ftrain.step import _Bound, _loss_and_aux, _merge_aux, _train_mode
+from ftrain.step import _Bound, _loss_and_aux, _merge_aux, _train_mode, carry_frozen
 
 __all__ = ["CompiledCore"]
 
@@ -52,36 +53,46 @@ class CompiledCore:
         self.compiles = 0
         self._modules: tuple = ()
 
-    def __call__(self, p, b, opt, micro, gen, scale, in_place: bool):
-        key, layout, args = self._prepare(p, b, opt, micro, scale, in_place)
+    def __call__(self, p, b, opt, micro, gen, scale, in_place: bool, keep=None):
+        key, layout, args = self._prepare(p, b, opt, micro, scale, in_place, keep)
         fn = self.cache.get(key)
         fresh = fn is None
         if fresh:
             fn = self.cache[key] = torch.compile(self._pure(key, p, b, layout), dynamic=False)
         t0 = time.perf_counter()
         with _train_mode(self._modules_now()), use_generator(gen):
-            new_p, new_b, new_o, loss, norm, aux = fn(*args)
+            new_t, new_b, new_o, loss, norm, aux = fn(*args)
         if fresh:
             self._report(time.perf_counter() - t0, aux)
+        new_p = carry_frozen(p[1], keep, new_t)
         return new_p, new_b, rebuild(layout, new_o), loss, norm, aux
 
-    def explain(self, p, b, opt, micro, scale=None, in_place: bool = False):
+    def explain(self, p, b, opt, micro, scale=None, in_place: bool = False, keep=None):
         """``torch._dynamo.explain`` of the core for these inputs (graph count, breaks)."""
-        key, layout, args = self._prepare(p, b, opt, micro, scale, in_place)
+        key, layout, args = self._prepare(p, b, opt, micro, scale, in_place, keep)
         with _train_mode(self._modules_now()):
             return torch._dynamo.explain(self._pure(key, p, b, layout))(*args)
 
-    def _prepare(self, p, b, opt, micro, scale, in_place):
+    def _prepare(self, p, b, opt, micro, scale, in_place, keep):
         (pkeys, params), (bkeys, buffers) = p, b
         layout, oleaves = structure(opt)
         mkeys, first = flatten(micro[0])
         mleaves = [first] + [flatten(mb)[1] for mb in micro[1:]]
         shapes = tuple(tuple(t.shape) for t in first)
         key = (tuple(pkeys), tuple(bkeys), layout, tuple(mkeys), shapes, len(micro), in_place)
-        return key + (scale is None,), layout, (params, buffers, oleaves, mleaves, scale)
+        key += (scale is None, None if keep is None else tuple(keep))
+        # frozen params enter the graph as inputs that are read, never differentiated
+        frozen_idx = [] if keep is None else sorted(set(range(len(params))) - set(keep))
+        trained = params if keep is None else pick(keep, params)
+        args = (trained, pick(frozen_idx, params), buffers, oleaves, mleaves, scale)
+        return key, layout, args
 
     def _pure(self, key, p, b, layout):
-        return _core(self, p[0], b[0], layout, list(key[3]), key[6])
+        keep = key[8]
+        pkeys = p[0]
+        tkeys = pkeys if keep is None else pick(list(keep), pkeys)
+        fkeys = [] if keep is None else [k for i, k in enumerate(pkeys) if i not in set(keep)]
+        return _core(self, (tkeys, fkeys), b[0], layout, list(key[3]), key[6])
 
     def _modules_now(self) -> tuple:
         mods = tuple(self.bound.modules())[1:]  # the model's, without the _Bound wrapper
@@ -96,18 +107,24 @@ class CompiledCore:
         print(f"ftrain: compiled the step in {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
-def _core(cc: CompiledCore, pkeys: list[Key], bkeys: list[Key], layout, mkeys, in_place: bool):
-    """The pure function Dynamo traces: flat leaves in, flat leaves and metrics out."""
+def _core(cc: CompiledCore, keys: tuple, bkeys: list[Key], layout, mkeys, in_place: bool):
+    """The pure function Dynamo traces: flat leaves in, flat leaves and metrics out.
+
+    ``keys`` is ``(trainable paths, frozen paths)``; only the trainable are differentiated.
+    """
+    pkeys, fkeys = keys
     pnames = ["model." + ".".join(k) for k in pkeys]
+    fnames = ["model." + ".".join(k) for k in fkeys]
     bnames = ["model." + ".".join(k) for k in bkeys]
     bound, update, autocast = cc.bound, cc.update, cc.autocast
 
-    def core(params, buffers, oleaves, micro, scale):
+    def core(params, frozen, buffers, oleaves, micro, scale):
         buffers = [t.clone() for t in buffers]  # a forward may update buffers in place
         k = len(micro)
+        constant = dict(zip(fnames, frozen, strict=True)) | dict(zip(bnames, buffers, strict=True))
 
         def loss_of(ps, mb):
-            named = dict(zip(pnames, ps, strict=True)) | dict(zip(bnames, buffers, strict=True))
+            named = dict(zip(pnames, ps, strict=True)) | constant
             device = ps[0].device.type
             with torch.autocast(device, dtype=autocast or torch.float32, enabled=bool(autocast)):
                 out = functional_call(bound, named, (mb,), tie_weights=True, strict=False)

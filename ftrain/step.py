@@ -41,7 +41,8 @@ from torch.func import functional_call
 
 from ftrain import rng
 from ftrain.nn import use_generator
-from ftrain.optim.base import flat_update, tree_get
+from ftrain.optim.base import Trainable, flat_update, pick, tree_get
+from ftrain.optim.partition import learning_rates
 from ftrain.optim.processing import clip_by_global_norm_torch, global_norm_of, mean_across_ranks
 from ftrain.state.init import check_usable, is_pinned, mark_donated
 from ftrain.state.tree import Key, flatten, new_td, unflatten
@@ -172,17 +173,30 @@ def _slots(model: nn.Module) -> dict[Key, list[tuple[dict, str]]]:
     return slots
 
 
+def _differentiated(params: list[torch.Tensor], keep: list[int] | None):
+    """``(values, leaves)``: every param as the forward sees it, and the ones differentiated
+    (all, or only the trainable indices ``keep``: frozen leaves get no gradient at all)."""
+    if keep is None:
+        leaves = [p.detach().requires_grad_() for p in params]
+        return leaves, leaves
+    values = [p.detach() for p in params]
+    for i in keep:
+        values[i].requires_grad_()
+    return values, [values[i] for i in keep]
+
+
 class _Grads:
-    """Forward + backward over the micro-batches of one step, accumulating gradients."""
+    """Forward + backward over the micro-batches of one step, accumulating gradients of the
+    trainable parameters."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, autocast: torch.dtype | None) -> None:
         self.bound = _Bound(model, loss_fn)
         self.binder = _Binder(model)
         self.autocast = autocast
 
-    def __call__(self, pkeys, params, bkeys, buffers, micro, gen, loss_scale):
-        leaves = [p.detach().requires_grad_() for p in params]
-        keys, values = pkeys + bkeys, leaves + buffers
+    def __call__(self, pkeys, params, keep, bkeys, buffers, micro, gen, loss_scale):
+        values, leaves = _differentiated(params, keep)
+        keys, values = pkeys + bkeys, values + buffers
         grads, loss_sum, aux_total = None, None, {}
         k = len(micro)
         with _train_mode(self.binder.refresh()):
@@ -216,6 +230,17 @@ class _Grads:
                 named = _named("model.", keys, values)
                 out = functional_call(self.bound, named, (mb,), tie_weights=True, strict=False)
         return _loss_and_aux(out)
+
+
+def carry_frozen(params: list[torch.Tensor], keep: list[int] | None, new: list[torch.Tensor]):
+    """The next state's params: the updated trainable ones at ``keep``, the frozen ones as
+    the same tensor objects (never copied: incremental checkpoints recognise them)."""
+    if keep is None:
+        return new
+    out = list(params)
+    for i, t in zip(keep, new, strict=True):
+        out[i] = t
+    return out
 
 
 def _apply(params: list[torch.Tensor], updates: list[torch.Tensor], in_place: bool):
@@ -278,10 +303,41 @@ def _default_rank_world(dp: bool | None) -> tuple[int, bool]:
     return rank, dp
 
 
-def _metrics(loss, grad_norm, lr, micro, aux) -> TensorDict:
+def _trainable(trainable: Trainable, pkeys: list[Key], params: list[torch.Tensor]):
+    keep = trainable.indices(pkeys, params)
+    if keep == []:
+        raise ValueError(
+            "every parameter is frozen by the optimizer (multi_transform/frozen labels): "
+            "there is nothing to train; leave at least one parameter unfrozen"
+        )
+    return keep
+
+
+def learning_rate_metrics(opt: TensorDictBase) -> dict[str, torch.Tensor]:
+    """``{"lr": ...}`` of this update; with several parameter groups (``multi_transform``)
+    also ``lr_<label>`` per group, and ``lr`` is the group ``default``'s (else the first
+    label's in sorted order)."""
+    rates = learning_rates(opt)
+    if len(rates) <= 1:
+        return {"lr": next(iter(rates.values()), _NAN)}
+    by_label = dict(zip(_group_labels(list(rates)), rates.values(), strict=True))
+    main = by_label.get("default", next(iter(by_label.values())))
+    return {"lr": main} | {f"lr_{label}": v for label, v in by_label.items()}
+
+
+def _group_labels(paths: list[str]) -> list[str]:
+    """Name each ``learning_rate`` path by the first path component where they differ:
+    the ``multi_transform`` label, wherever the multi_transform is nested."""
+    parts = [p.split(".") for p in paths]
+    depth = min(len(p) for p in parts)
+    at = next((i for i in range(depth) if len({p[i] for p in parts}) > 1), depth - 1)
+    return [p[at] for p in parts]
+
+
+def _metrics(loss, grad_norm, lrs, micro, aux) -> TensorDict:
     samples = sum(_leading(mb) for mb in micro)
-    out = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples": torch.tensor(samples)}
-    out = {k: v for k, v in out.items() if v is not None}
+    out = {"loss": loss, "grad_norm": grad_norm, "samples": torch.tensor(samples)}
+    out = {k: v for k, v in out.items() if v is not None} | (lrs or {})
     out.setdefault("tokens", aux.get("tokens", torch.tensor(samples)))
     out.update({k: v for k, v in aux.items() if k not in out})
     return new_td(out)
@@ -360,6 +416,7 @@ def make_step(
         core = CompiledCore(model, loss_fn, flat_update(tx), _AUTOCAST[precision])
     else:
         core = _EagerCore(model, loss_fn, tx, _AUTOCAST[precision], dp, clip)
+    trainable = Trainable(getattr(tx.update, "frozen_of", None))
 
     def step(state: TensorDictBase, batch) -> tuple[TensorDict, TensorDict]:
         check_usable(state, "step")
@@ -371,8 +428,9 @@ def make_step(
         scale = _loss_scale(opt, precision, clip)
         # a state an in-flight async save still reads is never overwritten
         in_place = donate and not is_pinned(state)
+        keep = _trainable(trainable, pkeys, params)
         new_params, new_buffers, new_opt, loss, grad_norm, aux = core(
-            (pkeys, params), (bkeys, buffers), opt, micro, gen, scale, in_place
+            (pkeys, params), (bkeys, buffers), opt, micro, gen, scale, in_place, keep
         )
         new_state = _new_state(
             step=state["step"] + 1,
@@ -384,8 +442,7 @@ def make_step(
         )
         if in_place:
             mark_donated(state)
-        lr = tree_get(opt, "learning_rate", None)
-        return new_state, _metrics(loss, grad_norm, _NAN if lr is None else lr, micro, aux)
+        return new_state, _metrics(loss, grad_norm, learning_rate_metrics(opt), micro, aux)
 
     step.core = core  # type: ignore[attr-defined]  # e.g. compile_seconds of a compiled step
     return step
@@ -399,19 +456,22 @@ class _EagerCore:
         self.update = flat_update(tx)
         self.collective, self.old_clip = _collective(dp), _deprecated_clip(clip)
 
-    def __call__(self, p, b, opt, micro, gen, scale, in_place):
+    def __call__(self, p, b, opt, micro, gen, scale, in_place, keep):
         (pkeys, params), (bkeys, buffers) = p, b
         buffers = [t.clone() for t in buffers]  # a forward may update buffers in place
-        grads, loss, aux = self.grads_of(pkeys, params, bkeys, buffers, micro, gen, scale)
+        grads, loss, aux = self.grads_of(pkeys, params, keep, bkeys, buffers, micro, gen, scale)
+        tkeys, tparams = (
+            (pkeys, params) if keep is None else (pick(keep, pkeys), pick(keep, params))
+        )
         with torch.no_grad():
             if self.collective is not None:
-                grads, _ = self.collective(pkeys, grads, _EMPTY, None)
+                grads, _ = self.collective(tkeys, grads, _EMPTY, None)
             grad_norm = global_norm_of(grads)
             grad_norm = grad_norm if scale is None else grad_norm / scale.to(grad_norm.device)
             if self.old_clip is not None:
-                grads, _ = self.old_clip(pkeys, grads, _EMPTY, None)
-            updates, new_opt = self.update(pkeys, grads, opt, params)
-            new_params = _apply(params, updates, in_place)
+                grads, _ = self.old_clip(tkeys, grads, _EMPTY, None)
+            updates, new_opt = self.update(tkeys, grads, opt, tparams)
+            new_params = carry_frozen(params, keep, _apply(tparams, updates, in_place))
         return new_params, buffers, new_opt, loss, grad_norm, aux
 
 
@@ -497,7 +557,7 @@ def make_eval_step(model: nn.Module, loss_fn: LossFn, *, precision: str = "fp32"
             model.train(was_training)
         aux_total: dict[str, torch.Tensor] = {}
         _merge_aux(aux_total, aux, 1)
-        return _metrics(loss.float(), None, None, micro, aux_total)
+        return _metrics(loss.float(), None, {}, micro, aux_total)
 
     return eval_step
 

@@ -22,9 +22,11 @@ from ftrain.ckpt import (
     EveryNSteps,
     LatestN,
 )
+from ftrain.cli.finetune import group_settings, labeller, lora_enabled, uses_groups
 from ftrain.config import ConfigError
 from ftrain.data import Source
 from ftrain.data.sources import source_from_config
+from ftrain.lora import apply_lora
 
 __all__ = [
     "build_manager",
@@ -90,10 +92,22 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, Callable]:
     if cfg.model.name not in _MODELS:
         raise ConfigError(f"model.name={cfg.model.name!r} is unknown; known: {sorted(_MODELS)}")
     init_key = rng.fold_in(rng.key(cfg.trainer.seed), rng.STREAM_INIT)
+    generator = rng.generator(init_key)
     try:
-        return _MODELS[cfg.model.name](cfg.model, rng.generator(init_key))
-    except ValueError as err:  # the model's own validation of its shape
+        model, loss_fn = _MODELS[cfg.model.name](cfg.model, generator)
+        if lora_enabled(cfg):  # drawn after the base weights: the base is the same either way
+            lo = cfg.model.lora
+            apply_lora(
+                model,
+                rank=int(lo.rank),
+                alpha=float(lo.alpha),
+                targets=list(lo.targets),
+                generator=generator,
+                dropout=float(lo.dropout),
+            )
+    except ValueError as err:  # the model's own validation of its shape, or LoRA's
         raise ConfigError(f"model config rejected: {err}") from None
+    return model, loss_fn
 
 
 def schedule_horizon(cfg: DictConfig, saved: int | None = None) -> int:
@@ -108,13 +122,14 @@ def schedule_horizon(cfg: DictConfig, saved: int | None = None) -> int:
     return int(saved) if saved is not None else int(cfg.trainer.max_steps)
 
 
-def build_schedule(cfg: DictConfig, horizon: int):
-    """The LR schedule of ``cfg.schedule`` over ``horizon`` steps (see :func:`schedule_horizon`).
+def build_schedule(cfg: DictConfig, horizon: int, lr: float | None = None):
+    """The LR schedule of ``cfg.schedule`` over ``horizon`` steps (see :func:`schedule_horizon`),
+    peaking at ``lr`` (default ``optim.lr``; a parameter group's own ``lr``).
 
     Raises:
         ConfigError: unknown ``schedule.name``.
     """
-    s, lr = cfg.schedule, cfg.optim.lr
+    s, lr = cfg.schedule, cfg.optim.lr if lr is None else lr
     if s.name == "constant":
         return optim.schedule.constant(lr)
     if s.name == "warmup_cosine":
@@ -125,13 +140,21 @@ def build_schedule(cfg: DictConfig, horizon: int):
 
 
 def build_tx(cfg: DictConfig, horizon: int | None = None):
-    """The whole gradient pipeline: ``optim.clip`` clipping, then the optimizer, inside fp16
+    """The whole gradient pipeline: ``optim.clip`` clipping, then the optimizer (one per
+    parameter group, frozen parameters left out: :mod:`ftrain.cli.finetune`), inside fp16
     loss scaling when ``trainer.precision=fp16``.
 
     Raises:
         ConfigError: unknown ``optim.name``.
     """
-    tx = _optimizer(cfg, horizon)
+    horizon = horizon if horizon is not None else schedule_horizon(cfg)
+    if uses_groups(cfg):
+        transforms = {"default": _optimizer(cfg, cfg.optim, horizon)}
+        transforms |= {n: _optimizer(cfg, o, horizon) for n, o in group_settings(cfg).items()}
+        transforms["frozen"] = optim.frozen()
+        tx = optim.multi_transform(transforms, labeller(cfg))
+    else:
+        tx = _optimizer(cfg, cfg.optim, horizon)
     if cfg.optim.clip is not None:
         tx = optim.chain(optim.clip_by_global_norm(cfg.optim.clip), tx)
     if cfg.trainer.precision == "fp16":
@@ -139,16 +162,14 @@ def build_tx(cfg: DictConfig, horizon: int | None = None):
     return tx
 
 
-def _optimizer(cfg: DictConfig, horizon: int | None = None):
-    """The optimizer as an ftrain.optim chain; decay only on >= 2-D weights (GPT-2 practice).
+def _optimizer(cfg: DictConfig, o: DictConfig, horizon: int):
+    """The optimizer ``o`` (the optim group, or a parameter group's merged settings) as an
+    ftrain.optim chain; decay only on >= 2-D weights (GPT-2 practice).
 
     Raises:
         ConfigError: unknown ``optim.name``.
     """
-    o, sched = (
-        cfg.optim,
-        build_schedule(cfg, horizon if horizon is not None else schedule_horizon(cfg)),
-    )
+    sched = build_schedule(cfg, horizon, o.lr)
     if o.name == "adamw":
         return optim.adamw(
             sched,

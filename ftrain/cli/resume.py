@@ -24,7 +24,7 @@ from ftrain.ckpt.location import is_object_url, parse_location
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_int
 from ftrain.metrics import read_records
-from ftrain.optim import tree_get
+from ftrain.step import learning_rate_metrics
 
 __all__ = [
     "saved_horizon",
@@ -58,6 +58,7 @@ SAFE_PREFIXES = (
     "data.path",  # where the data lives may change; the fingerprint checks what it is
     "data.cache_dir",
     "data.allow_changed",
+    "init.",  # read on a fresh start only; a resume continues its own params
     "schedule.decay_steps",
 )
 
@@ -88,12 +89,13 @@ class ResumeReport:
     ignored: list[str] = field(default_factory=list)
     world_sizes: tuple[int, int] | None = None  # (checkpoint's, this run's) when they differ
     host_rng: str | None = None  # how this rank's global RNGs were set (restored or seeded)
+    notes: list[str] = field(default_factory=list)  # init.from, parameter groups
 
     def lines(self) -> list[str]:
         ignored = [f"ignored {line}" for line in self.ignored]
         rng_line = [self.host_rng] if self.host_rng else []
         if not self.resumed:
-            return [f"starting fresh ({self.reason})", *rng_line, *ignored]
+            return [f"starting fresh ({self.reason})", *self.notes, *rng_line, *ignored]
         out = [
             f"resumed from step {self.step} ({self.reason}) in {self.restore_s or 0:.2f}s",
             f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} position={self.position}",
@@ -115,7 +117,7 @@ class ResumeReport:
                 f"world size changed: checkpoint written by {old} rank(s), resumed on {new} "
                 "(the data cursor continues the same global sample order)"
             )
-        out += rng_line + ignored
+        out += self.notes + rng_line + ignored
         out += [f"accepted change: {c}" for c in self.changes]
         return out
 
@@ -138,9 +140,22 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+# Keys added to the config after checkpoints were already being written, with the value
+# that means "as before": a checkpoint without the key is compared as if it had this value.
+ADDED_KEYS = {
+    "model.lora.rank": 0,
+    "model.lora.alpha": 16.0,
+    "model.lora.targets": ["c_attn", "c_proj"],
+    "model.lora.dropout": 0.0,
+    "optim.freeze": [],
+    "init.from": None,
+}
+
+
 def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(incompatible, safe) differences between a checkpoint's config and the current one."""
     a, b = _flat(saved), _flat(current)
+    a = {k: v for k, v in ADDED_KEYS.items() if k in b} | a
     bad, safe = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -406,7 +421,7 @@ def start_state(
         True,
         step=step,
         reason=f"resume={cfg.resume}",
-        next_lr=float(tree_get(state["opt"], "learning_rate", float("nan"))),
+        next_lr=float(learning_rate_metrics(state["opt"])["lr"]),
         epoch=int(state["data"]["epoch"]),
         position=int(state["data"]["position"]),
         redo=_redo_range(Path(cfg.run.dir), step, list(skipped)),

@@ -30,6 +30,7 @@ from ftrain.cli.build import (
     pick_device,
     schedule_horizon,
 )
+from ftrain.cli.finetune import check_patterns, describe_labels, init_from
 from ftrain.cli.resume import (
     ResumeError,
     ResumeReport,
@@ -168,11 +169,17 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     horizon = schedule_horizon(cfg, saved_horizon(cfg, manager))
     tx = build_tx(cfg, horizon)
     fresh = init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
+    check_patterns(cfg, fresh["params"])
     try:
         state, report, _ = start_state(cfg, manager, fresh, world, tx, train_src.fingerprint)
+        if not report.resumed and cfg.init["from"]:  # a resume continues its own params
+            state, line = init_from(cfg, state)
+            report.notes.append(line)
     except BaseException:
         manager.close()
         raise
+    groups = describe_labels(cfg, state["params"])
+    report.notes += [groups] if groups else []
     return _Parts(model, loss_fn, tx, train_src, val_src, manager, state, report, horizon)
 
 

@@ -19,7 +19,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from ftrain.config.schema import GROUP_SCHEMAS, register_configs
@@ -152,6 +152,9 @@ def _check_values(cfg: DictConfig) -> None:
     _check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint)
     _check_optim(cfg.optim)
+    _check_groups(cfg.optim)
+    _check_lora(cfg.model.get("lora"))
+    _check_init(cfg.get("init"))
     _check_schedule(cfg.schedule)
     _check_data(cfg.data)
 
@@ -231,6 +234,84 @@ def _check_optim(o: DictConfig) -> None:
     for name in ("weight_decay", "momentum"):
         if not o[name] >= 0:
             raise _bad(f"optim.{name}", o[name], "must be >= 0")
+
+
+_GROUP_KEYS = ("params", "lr", "b1", "b2", "eps", "weight_decay", "momentum", "nesterov")
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]*")
+
+
+def _globs(key: str, value) -> None:
+    if not isinstance(value, list | ListConfig) or not all(isinstance(p, str) and p for p in value):
+        raise _bad(
+            key,
+            value,
+            "must be a list of glob patterns over parameter paths",
+            f"e.g. {key}=[transformer.h.0.*,transformer.wpe.*]",
+        )
+
+
+def _check_groups(o: DictConfig) -> None:
+    """``optim.freeze`` and ``optim.groups``: shapes and values (see ftrain.cli.finetune)."""
+    _globs("optim.freeze", o.freeze)
+    for name, group in o.groups.items():
+        key = f"optim.groups.{name}"
+        if not _PLAIN.fullmatch(str(name)) or name in ("default", "frozen"):
+            raise _bad(key, name, "a group name is a plain name other than default/frozen")
+        if not isinstance(group, DictConfig) or "params" not in group:
+            raise _bad(
+                key,
+                group,
+                "a group needs params (globs) and its own settings",
+                f"e.g. +{key}.params=[transformer.ln_f.*] +{key}.lr=1e-3",
+            )
+        unknown = sorted(k for k in group if k not in _GROUP_KEYS)
+        if unknown:
+            raise _bad(
+                key,
+                dict(group),
+                f"unknown setting(s) {unknown}; a group may set {list(_GROUP_KEYS)}",
+            )
+        _globs(f"{key}.params", group.params)
+        merged = OmegaConf.merge(o, {k: v for k, v in group.items() if k != "params"})
+        try:
+            _check_optim(merged)
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from None
+
+
+def _check_lora(lora) -> None:
+    if lora is None:
+        return
+    if lora.rank < 0:
+        raise _bad("model.lora.rank", lora.rank, "must be >= 0", "0 turns LoRA off")
+    if not lora.alpha > 0:
+        raise _bad("model.lora.alpha", lora.alpha, "must be > 0")
+    if not 0 <= lora.dropout < 1:
+        raise _bad("model.lora.dropout", lora.dropout, "must be in [0, 1)")
+    if not lora.targets or not all(isinstance(t, str) and t for t in lora.targets):
+        raise _bad(
+            "model.lora.targets",
+            lora.targets,
+            "must name one or more Linear modules",
+            "e.g. model.lora.targets=[c_attn,c_proj]",
+        )
+
+
+def _check_init(init) -> None:
+    if not isinstance(init, DictConfig) or set(init.keys()) - {"from"}:
+        raise _bad(
+            "init",
+            init,
+            "the init group has one key, from",
+            "use init.from=RUN_DIR[:STEP] (or init.from=null)",
+        )
+    value = init.get("from")
+    if value is not None and not (isinstance(value, str) and value):
+        raise _bad(
+            "init.from",
+            value,
+            "must be a run directory, checkpoints directory or URL, optionally with :STEP",
+        )
 
 
 def _check_schedule(s: DictConfig) -> None:

@@ -23,6 +23,14 @@ class RunConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0  # 0: no adapters; > 0: LoRA on the targets, everything else frozen
+    alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
+    targets: list[str] = field(default_factory=lambda: ["c_attn", "c_proj"])
+    dropout: float = 0.0
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     block_size: int = 64
@@ -32,6 +40,7 @@ class ModelConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -45,6 +54,10 @@ class OptimConfig:
     momentum: float = 0.0
     nesterov: bool = False
     clip: float | None = 1.0
+    # globs over parameter paths that get no gradient and no optimizer state
+    freeze: list[str] = field(default_factory=list)
+    # per-group settings: {name: {params: [globs], lr: ..., weight_decay: ..., ...}}
+    groups: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +130,9 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     resume: Any = "latest"  # "latest", "none", or a step number
+    # {"from": "RUN[:STEP]"}: a fresh start takes its params from another run's checkpoint
+    # ("from" is a Python keyword, so this node is a plain dict, checked by the loader)
+    init: Any = field(default_factory=lambda: {"from": None})
 
 
 # Each config group and the dataclass its options are validated against.

@@ -19,7 +19,8 @@ An optimizer is a :class:`GradientTransformation` ``(init, update)`` of pure fun
     optim.tree_get(opt_state, "learning_rate")    # the next update's learning rate
 
 Gradient processing (clipping, fp16 loss scaling, the cross-rank mean) is transforms too
-(:mod:`ftrain.optim.processing`). See ``docs/optim.md`` for the state layouts.
+(:mod:`ftrain.optim.processing`); parameter groups and frozen leaves are
+``multi_transform`` and ``frozen`` (:mod:`ftrain.optim.partition`). See ``docs/optim.md`` for the state layouts.
 """
 
 from ftrain.optim import masks, schedule
@@ -29,11 +30,13 @@ from ftrain.optim.base import (
     GradientTransformation,
     chain,
     flatten,
+    frozen_indices,
     make_transform,
     path_str,
     tree_get,
     unflatten,
 )
+from ftrain.optim.partition import frozen, learning_rates, multi_transform
 from ftrain.optim.processing import (
     clip_by_global_norm,
     clip_by_global_norm_torch,
@@ -62,10 +65,14 @@ __all__ = [
     "clip_by_global_norm_torch",
     "dynamic_loss_scale",
     "flatten",
+    "frozen",
+    "frozen_indices",
     "global_norm",
+    "learning_rates",
     "make_transform",
     "masks",
     "mean_across_ranks",
+    "multi_transform",
     "path_str",
     "scale",
     "scale_by_adam",

@@ -35,6 +35,7 @@ from ftrain.state.tree import flatten, new_td, path_str, unflatten
 
 __all__ = [
     "FlatUpdate",
+    "FrozenFn",
     "GradientTransformation",
     "Path",
     "chain",
@@ -67,6 +68,9 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[TensorDictBase], TensorDictBase]
     update: Callable[..., tuple[TensorDictBase, TensorDictBase]]
+
+
+FrozenFn = Callable[[list[Path], list[torch.Tensor]], list[int]]
 
 
 class FlatFn(Protocol):
@@ -166,11 +170,14 @@ class FlatUpdate:
     ``None``) and the transform's own state TensorDict, and returns new leaf lists and state.
     """
 
-    __slots__ = ("flat", "name")
+    __slots__ = ("flat", "frozen_of", "name")
 
-    def __init__(self, name: str, flat: FlatFn) -> None:
+    def __init__(self, name: str, flat: FlatFn, frozen_of: FrozenFn | None = None) -> None:
         self.name = name
         self.flat = flat
+        # ``frozen_of(keys, leaves) -> indices`` this transform never updates (see
+        # :func:`frozen_indices`); None: it may update every leaf
+        self.frozen_of = frozen_of
 
     def __call__(
         self,
@@ -192,7 +199,10 @@ class FlatUpdate:
 
 
 def make_transform(
-    name: str, init: Callable[[TensorDictBase], TensorDictBase], flat: FlatFn
+    name: str,
+    init: Callable[[TensorDictBase], TensorDictBase],
+    flat: FlatFn,
+    frozen_of: FrozenFn | None = None,
 ) -> GradientTransformation:
     """Build a :class:`GradientTransformation` from an ``init`` and a flat update function.
 
@@ -201,6 +211,10 @@ def make_transform(
         init: ``init(params) -> state TensorDict``.
         flat: ``flat(keys, updates, state, params) -> (updates, state)`` over sorted leaf
             lists (see :class:`FlatUpdate`); pure.
+        frozen_of: ``frozen_of(keys, leaves) -> sorted indices`` of the leaves this
+            transform leaves unchanged whatever their gradients (``frozen`` ones); the step
+            does not differentiate them (:func:`frozen_indices`). Only for transforms that
+            give them zero updates and no state.
 
     Returns:
         The transform; its ``update`` is a :class:`FlatUpdate`.
@@ -210,7 +224,79 @@ def make_transform(
         ...     return torch._foreach_neg(u), state
         >>> negate = make_transform("negate", lambda params: TensorDict(), flat)
     """
-    return GradientTransformation(init, FlatUpdate(name, flat))
+    return GradientTransformation(init, FlatUpdate(name, flat, frozen_of))
+
+
+def frozen_indices(
+    tx: GradientTransformation, keys: list[Path], leaves: list[torch.Tensor]
+) -> list[int]:
+    """Sorted indices of the leaves ``tx`` freezes (:func:`ftrain.optim.frozen` labels).
+
+    A frozen leaf gets a zero update and no optimizer state, so the step neither
+    differentiates it nor passes it to ``tx``: it is carried into the next state as the
+    same tensor object. A user transform with a plain ``update`` freezes nothing.
+    """
+    fn = getattr(tx.update, "frozen_of", None)
+    return [] if fn is None else list(fn(keys, leaves))
+
+
+def union_frozen(transforms: Sequence[GradientTransformation]) -> FrozenFn | None:
+    """``frozen_of`` of a composition: a leaf is frozen if any member freezes it."""
+    fns = [f for tx in transforms if (f := getattr(tx.update, "frozen_of", None)) is not None]
+    if not fns:
+        return None
+
+    def frozen_of(keys: list[Path], leaves: list[torch.Tensor]) -> list[int]:
+        return sorted({i for f in fns for i in f(keys, leaves)})
+
+    return frozen_of
+
+
+class Trainable:
+    """Which leaves of a key list are trainable under ``frozen_of``, cached per structure.
+
+    Frozen-aware compositions (``chain``, ``multi_transform``) run their members on the
+    trainable leaves only: the step passes just those, while a caller with the whole tree
+    (optax style) gets zero updates back for the frozen ones.
+    """
+
+    __slots__ = ("cache", "frozen_of")
+
+    def __init__(self, frozen_of: FrozenFn | None) -> None:
+        self.frozen_of = frozen_of
+        self.cache: dict[tuple[Path, ...], list[int] | None] = {}
+
+    def indices(self, keys: list[Path], leaves: list[torch.Tensor]) -> list[int] | None:
+        """Trainable indices, or None when every leaf is trainable."""
+        if self.frozen_of is None:
+            return None
+        key = tuple(keys)
+        if key not in self.cache:
+            frozen = set(self.frozen_of(keys, leaves))
+            self.cache.clear()  # one structure at a time: keeps the cache bounded
+            self.cache[key] = [i for i in range(len(keys)) if i not in frozen] if frozen else None
+        return self.cache[key]
+
+    def params(self, params: TensorDictBase) -> TensorDictBase:
+        """The trainable part of a parameter tree (what members' ``init`` sees)."""
+        keys, leaves = flatten(params)
+        keep = self.indices(keys, leaves)
+        if keep is None:
+            return params
+        return unflatten([keys[i] for i in keep], [leaves[i] for i in keep], device=params.device)
+
+
+def pick(idx: list[int], items: list | None) -> list | None:
+    """``[items[i] for i in idx]`` (None stays None)."""
+    return None if items is None else [items[i] for i in idx]
+
+
+def with_zeros(updates: list[torch.Tensor], idx: list[int], values: list) -> list:
+    """``values`` at positions ``idx`` of ``updates``, zero updates at the other (frozen) ones."""
+    out: list = [None] * len(updates)
+    for i, v in zip(idx, values, strict=True):
+        out[i] = v
+    return [torch.zeros_like(u) if o is None else o for u, o in zip(updates, out, strict=True)]
 
 
 def flat_update(tx: GradientTransformation) -> FlatFn:
@@ -291,14 +377,24 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientT
             )
     names = _unique_names(transforms)
     members = [(n, tx, flat_update(tx)) for n, tx in zip(names, transforms, strict=True)]
+    frozen_of = union_frozen(transforms)
+    trainable = Trainable(frozen_of)
 
     def init(params: TensorDictBase) -> TensorDict:
+        params = trainable.params(params)  # members hold state for trainable leaves only
         return new_td({n: tx.init(params) for n, tx, _ in members})
 
-    def flat(keys, updates, state, params):
+    def run(keys, updates, state, params):
         new_states = {}
         for n, _, fn in members:
             updates, new_states[n] = fn(keys, updates, member_state(state, n), params)
         return updates, new_td(new_states)
 
-    return make_transform(name, init, flat)
+    def flat(keys, updates, state, params):
+        keep = trainable.indices(keys, params if params is not None else updates)
+        if keep is None:
+            return run(keys, updates, state, params)
+        out, new_state = run(pick(keep, keys), pick(keep, updates), state, pick(keep, params))
+        return with_zeros(updates, keep, out), new_state  # frozen leaves passed in: no update
+
+    return make_transform(name, init, flat, frozen_of)

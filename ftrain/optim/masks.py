@@ -20,6 +20,8 @@ Example (GPT-2 style: decay matrices, not biases/norms/embeddings)::
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Callable
 
 import torch
@@ -27,7 +29,7 @@ from tensordict import TensorDictBase
 
 from ftrain.optim.base import Path, flatten, path_str
 
-__all__ = ["Mask", "all_of", "exclude", "ndim_at_least", "resolve"]
+__all__ = ["Mask", "all_of", "exclude", "glob", "ndim_at_least", "resolve"]
 
 Predicate = Callable[[str, torch.Tensor], bool]
 Mask = Predicate | TensorDictBase
@@ -82,6 +84,36 @@ def exclude(*substrings: str) -> Predicate:
         return not any(s in path for s in substrings)
 
     predicate.__qualname__ = f"exclude{substrings!r}"
+    return predicate
+
+
+def glob(*patterns: str) -> Predicate:
+    """Select leaves whose dotted path matches any of the shell-style ``patterns``.
+
+    ``fnmatch`` rules, case-sensitive: ``*`` matches anything (dots included), ``?`` one
+    character, ``[0-5]`` a character range. The config's ``optim.freeze`` uses these.
+
+    Args:
+        *patterns: e.g. ``"transformer.h.[0-5].*"``, ``"*.lora_A"``, ``"lm_head.weight"``.
+
+    Returns:
+        A predicate ``(path, tensor) -> bool``.
+
+    Raises:
+        ValueError: if no pattern is given or one is not a non-empty string.
+
+    Example:
+        >>> glob("transformer.h.[0-1].*")("transformer.h.1.attn.c_attn.weight", torch.zeros(1))
+        True
+    """
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"glob requires one or more non-empty pattern strings, got {patterns=}")
+    compiled = [re.compile(fnmatch.translate(p)) for p in patterns]
+
+    def predicate(path: str, tensor: torch.Tensor) -> bool:
+        return any(c.match(path) for c in compiled)
+
+    predicate.__qualname__ = f"glob{patterns!r}"
     return predicate
 
 

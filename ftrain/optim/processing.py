@@ -318,7 +318,8 @@ def dynamic_loss_scale(
         out, new_inner = inner_flat(keys, unscaled, old_inner, params)
         return out, new_td({"loss_scale": new_ls, "inner": new_inner})
 
-    return make_transform(fn, init, flat)
+    # inner's frozen leaves are frozen here too: the step leaves them out of the update
+    return make_transform(fn, init, flat, getattr(inner.update, "frozen_of", None))
 
 
 def mean_across_ranks(group=None) -> GradientTransformation:

@@ -1,0 +1,73 @@
+"""Read part of another run's checkpoint without touching its directory.
+
+``CheckpointManager`` owns a directory: it sweeps dead writers' staging, maintains the
+index, retains and sets steps aside. Starting a fine-tune from a base run (``init.from``)
+or exporting must not do any of that to someone else's run, which may still be training,
+so this reader only lists committed steps and reads (and verifies) the selected arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tensordict import TensorDictBase
+
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt.format import CorruptCheckpointError
+from ftrain.ckpt.location import parse_location
+from ftrain.ckpt.meta import read_root_attributes
+from ftrain.ckpt.store import read_tree, specs_of
+from ftrain.ckpt.target import check_only
+
+__all__ = ["committed_steps_at", "read_subtree"]
+
+log = logging.getLogger("ftrain.ckpt")
+
+
+def committed_steps_at(location: str | Path) -> dict[int, object]:
+    """``{step: path}`` of the committed steps at a checkpoint location (read-only)."""
+    root = parse_location(location)
+    if isinstance(root, Path) and not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such checkpoint directory")
+    return protocol.committed_steps(root)
+
+
+def read_subtree(
+    location: str | Path, step: int | None = None, only: tuple[str, ...] = ("params",)
+) -> tuple[int, TensorDictBase, dict]:
+    """Read the subtrees ``only`` of ``step`` (default: the newest step that verifies).
+
+    Args:
+        location: a checkpoints directory or object-store URL.
+        step: the step to read; an explicit step that does not verify is an error.
+        only: key paths to read, e.g. ``("params",)``.
+
+    Returns:
+        ``(step, tree, root attributes)``; the tree holds CPU tensors, verified.
+
+    Raises:
+        FileNotFoundError: no such directory, no committed step, or not ``step``.
+        CorruptCheckpointError: the explicit ``step``, or every step, fails verification.
+        ValueError: ``only`` names nothing in the checkpoint.
+    """
+    steps = committed_steps_at(location)
+    if not steps:
+        raise FileNotFoundError(f"{location}: no committed checkpoints")
+    if step is not None and step not in steps:
+        raise FileNotFoundError(
+            f"step {step} is not committed in {location}; available: {sorted(steps)}"
+        )
+    candidates = [step] if step is not None else sorted(steps, reverse=True)
+    problems = []
+    for s in candidates:
+        try:
+            _, manifest = protocol.read_committed(steps[s])
+            specs_of(manifest)
+            attrs = read_root_attributes(steps[s], manifest)
+            check_only(manifest, only)
+            return s, read_tree(steps[s], manifest, only=only), attrs
+        except CorruptCheckpointError as e:
+            problems.append(f"step {s}: {e}")
+            log.warning("[step=%d] %s is corrupt (%s)", s, steps[s], e)
+    raise CorruptCheckpointError(f"{location}: no step verifies: " + "; ".join(problems))

@@ -1,0 +1,209 @@
+"""Fine-tuning from the config: frozen parameters, parameter groups, LoRA, ``init.from``.
+
+* ``optim.freeze=[GLOB, ...]``: those parameters get no gradient and no optimizer state.
+* ``optim.groups.NAME={params: [GLOB, ...], lr: ..., weight_decay: ...}``: a group with its
+  own optimizer settings (any of ``lr b1 b2 eps weight_decay momentum nesterov``; the
+  schedule's shape is the same, scaled to the group's ``lr``).
+* ``model.lora.rank=R``: adapters on ``model.lora.targets``; every parameter that is not
+  an adapter (and not in a group) is frozen.
+* ``init.from=RUN[:STEP]``: a fresh start takes its parameters from another run's
+  checkpoint (params only; the optimizer, step, data cursor and RNG start fresh).
+
+A parameter's label: ``frozen`` if it matches ``optim.freeze``; else the first group whose
+``params`` match; else ``frozen`` for a non-adapter under LoRA; else ``default``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDictBase
+
+from ftrain import lora, optim
+from ftrain.config import ConfigError
+from ftrain.state.tree import flatten, path_str, replace, unflatten
+
+__all__ = [
+    "GROUP_KEYS",
+    "describe_labels",
+    "init_from",
+    "labeller",
+    "lora_enabled",
+    "parse_init_from",
+]
+
+# optimizer settings a group may override (the rest are the optim group's)
+GROUP_KEYS = ("lr", "b1", "b2", "eps", "weight_decay", "momentum", "nesterov")
+_RESERVED_LABELS = ("default", "frozen")
+
+
+def lora_enabled(cfg: DictConfig) -> bool:
+    node = cfg.model.get("lora")
+    return node is not None and int(node.rank) > 0
+
+
+def uses_groups(cfg: DictConfig) -> bool:
+    """Whether the optimizer needs ``multi_transform`` (anything frozen or grouped)."""
+    return bool(cfg.optim.freeze) or bool(cfg.optim.groups) or lora_enabled(cfg)
+
+
+def group_settings(cfg: DictConfig) -> dict[str, DictConfig]:
+    """``{group: the optim config with the group's overrides}``, in config order."""
+    out = {}
+    for name, group in cfg.optim.groups.items():
+        merged = OmegaConf.to_container(cfg.optim, resolve=True)
+        merged = {k: v for k, v in merged.items() if k not in ("freeze", "groups")}
+        merged |= {k: v for k, v in group.items() if k != "params"}
+        out[name] = OmegaConf.create(merged)
+    return out
+
+
+def labeller(cfg: DictConfig):
+    """``(path, tensor) -> label`` for ``optim.multi_transform`` (rules in the module doc)."""
+    frozen = optim.masks.glob(*cfg.optim.freeze) if cfg.optim.freeze else None
+    groups = [(name, optim.masks.glob(*g.params)) for name, g in cfg.optim.groups.items()]
+    adapters_only = lora_enabled(cfg)
+
+    def label(path: str, tensor: torch.Tensor) -> str:
+        if frozen is not None and frozen(path, tensor):
+            return "frozen"
+        for name, matches in groups:
+            if matches(path, tensor):
+                return name
+        if adapters_only and not lora.is_adapter(path):
+            return "frozen"
+        return "default"
+
+    return label
+
+
+def check_patterns(cfg: DictConfig, params: TensorDictBase) -> None:
+    """Every ``optim.freeze`` / group glob must match a parameter: a typo would otherwise
+    train (or freeze) something else silently.
+
+    Raises:
+        ConfigError: naming the pattern and showing parameter paths to pick from.
+    """
+    paths = [path_str(k) for k in flatten(params)[0]]
+    patterns = [("optim.freeze", p) for p in cfg.optim.freeze]
+    patterns += [
+        (f"optim.groups.{n}.params", p) for n, g in cfg.optim.groups.items() for p in g.params
+    ]
+    for key, pattern in patterns:
+        if not any(optim.masks.glob(pattern)(p, None) for p in paths):
+            shown = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+            raise ConfigError(
+                f"{key} pattern {pattern!r} matches no parameter; parameter paths look like: "
+                f"{shown} (globs: * matches dots too, e.g. 'transformer.h.[0-5].*')"
+            )
+
+
+def describe_labels(cfg: DictConfig, params: TensorDictBase) -> str | None:
+    """One line: parameters per label (``None`` when nothing is frozen or grouped)."""
+    if not uses_groups(cfg):
+        return None
+    label = labeller(cfg)
+    counts: dict[str, list[int]] = {}
+    for k, t in zip(*flatten(params), strict=True):
+        c = counts.setdefault(label(path_str(k), t), [0, 0])
+        c[0] += 1
+        c[1] += t.numel()
+    parts = [
+        f"{name}: {n} tensors, {numel:,} params" for name, (n, numel) in sorted(counts.items())
+    ]
+    return "parameter groups: " + "; ".join(parts)
+
+
+_STEP_SUFFIX = re.compile(r"^(?P<path>.+):(?P<step>\d+)$")
+
+
+def parse_init_from(value: str) -> tuple[str, int | None]:
+    """``RUN[:STEP]`` -> ``(checkpoints location, step or None)``.
+
+    ``RUN`` is a run directory (its ``checkpoints/`` is used), a checkpoints directory, or
+    an object-store URL of one.
+    """
+    m = _STEP_SUFFIX.match(value)
+    where, step = (m["path"], int(m["step"])) if m else (value, None)
+    if "://" not in where:
+        run = Path(where)
+        if (run / "checkpoints").is_dir():
+            where = str(run / "checkpoints")
+    return where, step
+
+
+def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, str]:
+    """The fresh state with its params taken from ``init.from`` (params only).
+
+    Every parameter of the checkpoint must exist in the model with the same shape and
+    dtype. Model parameters the checkpoint lacks keep their fresh initialisation — LoRA
+    adapters, a new head — but not frozen ones: a frozen parameter that stays random is
+    a mistake, so it is an error.
+
+    Returns:
+        ``(state, report line)``.
+
+    Raises:
+        ConfigError: no such run/step, nothing verifies, or the params do not fit.
+    """
+    from ftrain.ckpt import CorruptCheckpointError
+    from ftrain.ckpt.readonly import read_subtree
+
+    where, step = parse_init_from(str(cfg.init["from"]))
+    try:
+        got_step, loaded, _ = read_subtree(where, step, only=("params",))
+    except (FileNotFoundError, CorruptCheckpointError, ValueError) as err:
+        raise ConfigError(f"init.from={cfg.init['from']!r}: {err}") from None
+    keys, leaves = flatten(fresh["params"])
+    table = dict(
+        zip(
+            (path_str(k) for k in flatten(loaded["params"])[0]),
+            flatten(loaded["params"])[1],
+            strict=True,
+        )
+    )
+    _check_fit(cfg, table, dict(zip(map(path_str, keys), leaves, strict=True)))
+    new = [table.get(path_str(k), t).to(t.device) for k, t in zip(keys, leaves, strict=True)]
+    fresh_only = [path_str(k) for k in keys if path_str(k) not in table]
+    state = replace(fresh, params=unflatten(keys, new, device=fresh["params"].device))
+    line = f"initialised params from {where} step {got_step}: {len(table)} tensors loaded"
+    if fresh_only:
+        line += f", {len(fresh_only)} new ({_sample(fresh_only)}) initialised fresh"
+    return state, line
+
+
+def _sample(paths: list[str]) -> str:
+    return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+
+
+def _check_fit(cfg: DictConfig, loaded: dict, model: dict) -> None:
+    unknown = sorted(set(loaded) - set(model))
+    wrong = [
+        f"{p}: checkpoint {tuple(loaded[p].shape)} {loaded[p].dtype}, model {tuple(model[p].shape)} {model[p].dtype}"
+        for p in sorted(set(loaded) & set(model))
+        if loaded[p].shape != model[p].shape or loaded[p].dtype != model[p].dtype
+    ]
+    label = labeller(cfg) if uses_groups(cfg) else None
+    random_frozen = [
+        p
+        for p in sorted(set(model) - set(loaded))
+        if label is not None and label(p, model[p]) == "frozen"
+    ]
+    problems = []
+    if unknown:
+        problems.append(f"parameters the model does not have: {_sample(unknown)}")
+    if wrong:
+        problems.append("shape/dtype mismatches: " + "; ".join(wrong[:3]))
+    if random_frozen:
+        problems.append(
+            f"frozen parameters missing from the checkpoint would stay random: {_sample(random_frozen)}"
+        )
+    if problems:
+        raise ConfigError(
+            f"init.from={cfg.init['from']!r} does not fit this model: "
+            + "; ".join(problems)
+            + " (the model config must match the base run's; LoRA adapters may be new)"
+        )

@@ -1,0 +1,201 @@
+"""Frozen parameters and parameter groups: ``multi_transform``, ``frozen``, the step."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import ftrain
+from ftrain import optim
+from ftrain.optim import masks
+from ftrain.state.tree import flatten, path_str
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.body = torch.nn.Linear(4, 8)
+        self.head = torch.nn.Linear(8, 1)
+        self.emb = torch.nn.Linear(4, 4, bias=False)
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.seen_requires_grad = {}
+
+    def forward(self, x):
+        self.seen_requires_grad = {
+            "emb": self.emb.weight.requires_grad,
+            "body": self.body.weight.requires_grad,
+        }
+        return self.head(torch.tanh(self.body(self.emb(x))))
+
+
+def mse(m, b):
+    return ((m(b["x"]) - b["y"]) ** 2).mean()
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return {"x": torch.randn(16, 4, generator=g), "y": torch.randn(16, 1, generator=g)}
+
+
+def frozen_emb_tx(lr=0.05):
+    return optim.multi_transform(
+        {"train": optim.adamw(lr, weight_decay=0.1), "frozen": optim.frozen()},
+        {"frozen": masks.glob("emb.*"), "train": None},
+    )
+
+
+def _opt_paths(opt):
+    return [path_str(k) for k in flatten(opt)[0]]
+
+
+def test_frozen_leaves_get_no_grad_no_state_and_stay_the_same_objects():
+    model = Net()
+    tx = frozen_emb_tx()
+    state = ftrain.init_state(model, tx, seed=0)
+    assert not any("emb" in p for p in _opt_paths(state["opt"]))  # no moments for emb
+    assert any(p.endswith("mu.body.weight") for p in _opt_paths(state["opt"]))
+    step = ftrain.make_step(model, mse, tx)
+    s = state
+    for i in range(3):
+        new, _ = step(s, batch(i))
+        assert new["params", "emb", "weight"] is s["params", "emb", "weight"]
+        assert not torch.equal(new["params", "body", "weight"], s["params", "body", "weight"])
+        s = new
+    # the frozen weight was not differentiated at all; the trainable one was
+    assert model.seen_requires_grad == {"emb": False, "body": True}
+    assert torch.equal(s["params", "emb", "weight"], state["params", "emb", "weight"])
+
+
+def test_multi_transform_equals_per_label_reference_on_identical_gradients():
+    """optax's definition: each label's transform on its own leaves, nothing shared."""
+    g = torch.Generator().manual_seed(1)
+    params = TensorDict(
+        {"head": {"w": torch.randn(3, 3, generator=g)}, "body": {"w": torch.randn(5, generator=g)}},
+        batch_size=[],
+    )
+    grads = [params.apply(lambda t: torch.randn(t.shape, generator=g)) for _ in range(4)]
+    head_tx, body_tx = optim.adamw(1e-2, weight_decay=0.1), optim.sgd(0.1, momentum=0.9)
+    tx = optim.multi_transform(
+        {"head": head_tx, "body": body_tx}, {"head": masks.glob("head.*"), "body": None}
+    )
+    state = tx.init(params)
+    ref = {"head": head_tx.init(params.select("head")), "body": body_tx.init(params.select("body"))}
+    p = params
+    for grad in grads:
+        updates, state = tx.update(grad, state, p)
+        for label, sub_tx in (("head", head_tx), ("body", body_tx)):
+            ref_u, ref[label] = sub_tx.update(grad.select(label), ref[label], p.select(label))
+            assert torch.equal(updates[label, "w"], ref_u[label, "w"])
+        p = p + updates
+    assert float(optim.learning_rates(state)["head.scale_by_learning_rate.learning_rate"]) == 1e-2
+
+
+def test_frozen_leaves_given_to_update_get_zero_updates():
+    params = TensorDict({"a": torch.ones(2), "b": torch.ones(3)}, batch_size=[])
+    tx = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.multi_transform(
+            {"t": optim.sgd(0.1, momentum=0.9), "f": optim.frozen()},
+            {"f": masks.glob("b"), "t": None},
+        ),
+        optim.trace(0.5),  # stateful, outside the multi_transform: state for "a" only
+    )
+    state = tx.init(params)
+    paths = _opt_paths(state)
+    assert "trace.trace.a" in paths and "multi_transform.t.trace.trace.a" in paths
+    assert not [p for p in paths if p.endswith(".b")]  # no state for the frozen leaf
+    updates, state = tx.update(params.clone(), state, params)
+    assert torch.equal(updates["b"], torch.zeros(3))
+    assert not torch.equal(updates["a"], torch.zeros(2))
+    assert optim.frozen_indices(tx, *flatten(params)) == [1]
+
+
+def test_global_norm_clip_sees_trainable_leaves_only():
+    model = Net()
+    tx = optim.chain(optim.clip_by_global_norm(1e9), frozen_emb_tx())
+    state = ftrain.init_state(model, tx, seed=0)
+    _, m = ftrain.make_step(model, mse, tx)(state, batch(0))
+    # the reference: autograd over the trainable parameters only
+    ref = Net()
+    loss = mse(ref, batch(0))
+    trainable = [p for n, p in ref.named_parameters() if not n.startswith("emb")]
+    norm = torch.linalg.vector_norm(
+        torch.stack([g.norm() for g in torch.autograd.grad(loss, trainable)])
+    )
+    torch.testing.assert_close(m["grad_norm"], norm, rtol=1e-6, atol=0)
+
+
+def test_groups_have_their_own_learning_rates_in_the_metrics():
+    model = Net()
+    tx = optim.multi_transform(
+        {"default": optim.adamw(1e-3), "head": optim.adamw(1e-2), "frozen": optim.frozen()},
+        {"frozen": masks.glob("emb.*"), "head": masks.glob("head.*"), "default": None},
+    )
+    state = ftrain.init_state(model, tx, seed=0)
+    _, m = ftrain.make_step(model, mse, tx)(state, batch(0))
+    assert float(m["lr"]) == 1e-3 and float(m["lr_default"]) == 1e-3
+    assert float(m["lr_head"]) == 1e-2
+
+
+def test_donate_and_dynamic_loss_scale_with_frozen_leaves():
+    model = Net()
+    tx = optim.dynamic_loss_scale(frozen_emb_tx())
+    ref_tx = optim.dynamic_loss_scale(frozen_emb_tx())
+    state = ftrain.init_state(model, tx, seed=0, precision="fp16")
+    ref_state = ftrain.init_state(model, ref_tx, seed=0, precision="fp16")
+    emb = state["params", "emb", "weight"]
+    donated = ftrain.make_step(model, mse, tx, donate=True, precision="fp16")
+    pure = ftrain.make_step(model, mse, ref_tx, precision="fp16")
+    for i in range(3):
+        state, _ = donated(state, batch(i))
+        ref_state, _ = pure(ref_state, batch(i))
+    assert state["params", "emb", "weight"] is emb
+    assert ftrain.tree_equal(state["params"], ref_state["params"])
+
+
+def test_every_parameter_frozen_is_a_clear_error():
+    model = Net()
+    tx = optim.multi_transform({"f": optim.frozen()}, {"f": None})
+    state = ftrain.init_state(model, tx, seed=0)
+    with pytest.raises(ValueError, match="every parameter is frozen"):
+        ftrain.make_step(model, mse, tx)(state, batch(0))
+
+
+def test_label_errors_name_the_parameter_and_the_fix():
+    params = TensorDict({"a": torch.ones(2), "b": torch.ones(2)}, batch_size=[])
+    tx = optim.multi_transform({"x": optim.sgd(0.1)}, {"x": masks.glob("a")})
+    with pytest.raises(ValueError, match="'b' matches no label.*catch-all"):
+        tx.init(params)
+    with pytest.raises(ValueError, match=r"labels \['y'\] have no transform"):
+        optim.multi_transform({"x": optim.sgd(0.1)}, {"y": None})
+    with pytest.raises(ValueError, match="got label 'z'"):
+        optim.multi_transform({"x": optim.sgd(0.1)}, lambda p, t: "z").init(params)
+    with pytest.raises(ValueError, match="plain name"):
+        optim.multi_transform({"a.b": optim.sgd(0.1)}, {"a.b": None})
+
+
+def test_compiled_step_with_frozen_leaves_matches_eager():
+    model = Net()
+    tx = frozen_emb_tx()
+    state = ftrain.init_state(model, tx, seed=0)
+    eager = ftrain.make_step(model, mse, tx)
+    compiled = ftrain.make_step(model, mse, tx, compile=True)
+    a, b = state, state
+    for i in range(3):
+        a, _ = eager(a, batch(i))
+        b, _ = compiled(b, batch(i))
+    assert b["params", "emb", "weight"] is state["params", "emb", "weight"]
+    (keys, xs), ys = flatten(a["params"]), flatten(b["params"])[1]
+    for k, x, y in zip(keys, xs, ys, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=path_str(k))
+
+
+def test_glob_mask():
+    m = masks.glob("transformer.h.[0-1].*", "*.lora_A")
+    assert m("transformer.h.1.attn.c_attn.weight", None)
+    assert not m("transformer.h.2.attn.c_attn.weight", None)
+    assert m("transformer.h.7.attn.c_attn.lora_A", None)
+    with pytest.raises(ValueError, match="pattern"):
+        masks.glob()
