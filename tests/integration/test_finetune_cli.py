@@ -1,0 +1,173 @@
+"""Fine-tuning through the real CLI: init.from a base run, LoRA, frozen globs, groups, export."""
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftrain import lora
+from ftrain.ckpt import CheckpointManager
+from ftrain.config import load_config
+from ftrain.state import first_difference
+from ftrain.state.tree import flatten, path_str
+
+from .conftest import TINY
+from .test_cli import _committed, _wait_for_step
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
+
+
+def _restore(run_dir, step=None):
+    return CheckpointManager(Path(run_dir) / "checkpoints", async_save=False).restore(step)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, cache_dir):
+    """A base run of 4 steps, committed at step 4."""
+    import os
+
+    run = tmp_path_factory.mktemp("base") / "run"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir)
+    cmd = [sys.executable, "-m", "ftrain", f"run.dir={run}", *TINY, "trainer.max_steps=4"]
+    proc = subprocess.run(
+        cmd + ["checkpoint.every_steps=4"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    return run
+
+
+def test_lora_from_a_base_run_trains_adapters_only(cli, base_run, tmp_path):
+    run = tmp_path / "lora"
+    out = cli(
+        run,
+        *LORA,
+        f"init.from={base_run}:4",
+        "trainer.max_steps=4",
+        "checkpoint.every_steps=2",
+        check=0,
+    )
+    assert f"initialised params from {base_run / 'checkpoints'} step 4" in out.stdout
+    assert "initialised fresh" in out.stdout and "parameter groups: default:" in out.stdout
+    base, tuned = _restore(base_run, 4), _restore(run, 4)
+    bkeys, bleaves = flatten(base["params"])
+    tuned_params = dict(
+        zip(map(path_str, flatten(tuned["params"])[0]), flatten(tuned["params"])[1], strict=True)
+    )
+    for k, t in zip(bkeys, bleaves, strict=True):  # the base weights are untouched
+        assert torch.equal(tuned_params[path_str(k)], t), path_str(k)
+    adapters = [p for p in tuned_params if lora.is_adapter(p)]
+    assert len(adapters) == 2 * 12 and any(
+        tuned_params[p].abs().sum() > 0 for p in adapters if p.endswith("lora_B")
+    )
+    moments = [path_str(k) for k in flatten(tuned["opt"])[0] if k[-1] != "count" and "mu" in k]
+    assert moments and all(lora.is_adapter(m) for m in moments)  # no moments for the base
+
+
+def test_lora_run_stopped_and_resumed_is_bit_identical(cli, base_run, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = [*LORA, f"init.from={base_run}", "checkpoint.every_steps=3"]
+    cli(whole, *common, "trainer.max_steps=6", check=0)
+    cli(split, *common, "trainer.max_steps=3", check=0)
+    out = cli(split, *common, "trainer.max_steps=6", check=0)
+    assert "resumed from step 3" in out.stdout and "initialised params" not in out.stdout
+    assert first_difference(_restore(whole, 6), _restore(split, 6)) is None
+
+
+@pytest.mark.slow
+def test_lora_run_sigkilled_and_resumed_is_bit_identical(cli, popen_cli, base_run, tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    common = [*LORA, f"init.from={base_run}", "checkpoint.every_steps=4"]
+    cli(whole, *common, "trainer.max_steps=12", check=0)
+    proc = popen_cli(killed, *common, "trainer.max_steps=400", "checkpoint.async_save=false")
+    _wait_for_step(killed, proc, 6)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _committed(killed) and max(_committed(killed)) < 12
+    cli(killed, *common, "trainer.max_steps=12", check=0)
+    assert first_difference(_restore(whole, 12), _restore(killed, 12)) is None
+
+
+def _model(overrides):
+    from ftrain.cli.build import build_model
+
+    return build_model(load_config([*TINY, *overrides]))[0]
+
+
+def test_merge_lora_export_loads_into_the_plain_model_with_equal_logits(cli, base_run, tmp_path):
+    from safetensors.torch import load_model
+
+    run = tmp_path / "lora"
+    cli(
+        run,
+        *LORA,
+        f"init.from={base_run}",
+        "trainer.max_steps=3",
+        "checkpoint.every_steps=3",
+        check=0,
+    )
+    out = tmp_path / "merged.safetensors"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ftrain.ckpt",
+        "export",
+        str(run / "checkpoints"),
+        str(out),
+        "--merge-lora",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "exported step 3" in done.stdout and "12 LoRA modules merged" in done.stdout
+    plain = _model([])
+    load_model(plain, str(out), strict=True)  # every name of the plain model, nothing more
+    adapted = _model(LORA)
+    _restore(run, 3)["params"].to_module(adapted)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(x), adapted.eval()(x), rtol=1e-5, atol=1e-5)
+    again = subprocess.run(cmd, capture_output=True, text=True)  # never overwrites
+    assert again.returncode == 2 and "exists" in again.stderr
+    plain_run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ftrain.ckpt",
+            "export",
+            str(base_run / "checkpoints"),
+            str(tmp_path / "b.safetensors"),
+            "--merge-lora",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert plain_run.returncode == 2 and "no LoRA adapters" in plain_run.stderr
+
+
+def test_freeze_globs_groups_and_their_errors(cli, base_run, tmp_path):
+    run = tmp_path / "frozen"
+    out = cli(
+        run,
+        "optim.freeze=[transformer.wte.*,transformer.h.0.*]",
+        "+optim.groups.top.params=[transformer.h.3.*]",
+        "+optim.groups.top.lr=1e-3",
+        "trainer.max_steps=2",
+        "checkpoint.every_steps=2",
+        check=0,
+    )
+    assert "frozen: 13 tensors" in out.stdout and "top: 12 tensors" in out.stdout
+    opt_paths = [path_str(k) for k in flatten(_restore(run, 2)["opt"])[0]]
+    assert not [p for p in opt_paths if ".wte." in p or ".h.0." in p]
+    assert [p for p in opt_paths if p.startswith("multi_transform.top.") or p.startswith("top.")]
+    typo = cli(tmp_path / "typo", "optim.freeze=[transformer.h0.*]", "trainer.max_steps=1", check=2)
+    assert "optim.freeze pattern 'transformer.h0.*' matches no parameter" in typo.stderr
+    missing = cli(
+        tmp_path / "missing", f"init.from={tmp_path / 'nope'}", "trainer.max_steps=1", check=2
+    )
+    assert "init.from=" in missing.stderr and "no such checkpoint directory" in missing.stderr
+    bad_group = cli(
+        tmp_path / "g", "+optim.groups.default.params=[x]", "trainer.max_steps=1", check=2
+    )
+    assert "plain name other than default/frozen" in bad_group.stderr
