@@ -15,11 +15,19 @@ The whole training state is one immutable TensorDict advanced by a pure step::
 
 Modules: :mod:`ftrain.optim` (optax-style optimizers and schedules), :mod:`ftrain.rng`
 (the key chain), :mod:`ftrain.data` (sources, elastic cursor, loader), :mod:`ftrain.ckpt`
-(checkpoints), :mod:`ftrain.state` (tree helpers), :mod:`ftrain.nn` (keyed dropout).
+(checkpoints), :mod:`ftrain.state` (tree helpers), :mod:`ftrain.nn` (keyed dropout),
+:mod:`ftrain.lora` (LoRA adapters; freeze the rest with ``optim.multi_transform``)::
+
+    ftrain.lora.apply_lora(model, rank=8, alpha=16, targets=["c_attn"], generator=g)
+    tx = ftrain.optim.multi_transform(
+        {"lora": ftrain.optim.adamw(1e-3), "frozen": ftrain.optim.frozen()},
+        {"lora": ftrain.lora.is_adapter, "frozen": None},
+    )
+
 The command line: ``python -m ftrain +recipe=gpt2``; ``python -m ftrain.ckpt``.
 """
 
-from ftrain import ckpt, data, nn, optim, rng, state
+from ftrain import ckpt, data, lora, nn, optim, rng, state
 from ftrain.ckpt import (
     AnyOf,
     BestN,
@@ -73,6 +81,7 @@ __all__ = [
     "first_difference",
     "init_cursor",
     "init_state",
+    "lora",
     "make_eval_step",
     "make_step",
     "nn",

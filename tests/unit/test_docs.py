@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNNABLE = ["README.md", "docs/custom-step.md", "docs/concepts.md"]
+RUNNABLE = ["README.md", "docs/custom-step.md", "docs/concepts.md", "docs/fine-tuning.md"]
 
 
 def _python_blocks(path: Path) -> str:
