@@ -349,8 +349,9 @@ def group_zarr_json(attributes: dict | None = None) -> dict:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy little-endian byte view of a CPU tensor (copies only if non-contiguous)."""
-    t = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    """A zero-copy little-endian byte view of a CPU tensor (copies only if non-contiguous,
+    or to the host if the tensor is on another device)."""
+    t = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 

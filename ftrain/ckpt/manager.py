@@ -4,7 +4,10 @@ Async saves hold a *reference* to the (immutable) state: no staging copy is made
 tensors; tensors on other devices are copied to the host before ``save`` returns. At most
 one save is in flight: a second ``save`` blocks until the first has committed (it is never
 silently dropped, so a forced or final save always lands; the wait shows up in the
-recorded blocking time). A background failure is raised by the next ``save``,
+recorded blocking time). Saves are incremental: a leaf that is the same, unchanged tensor
+object as in the step this manager last committed is hard-linked (or, on object stores,
+server-side copied) from that step instead of rewritten (:mod:`ftrain.ckpt.incremental`,
+which also states what is checked). A background failure is raised by the next ``save``,
 ``restore``, ``wait`` or ``close`` as :class:`CheckpointSaveError`. The writer is a
 non-daemon thread, so a normal interpreter exit finishes the save in flight; a kill leaves
 only a staging directory, which is never mistaken for a checkpoint and is swept later.
@@ -33,6 +36,7 @@ from tensordict import TensorDictBase
 
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt import hostrng
+from ftrain.ckpt import incremental as incr
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.format import (
     DEFAULT_CHUNK_BYTES,
@@ -69,13 +73,6 @@ class CheckpointNotFoundError(FileNotFoundError):
     """No committed checkpoint (or none that verifies) matches the request."""
 
 
-def _to_host(state: TensorDictBase) -> TensorDictBase:
-    _, leaves = flatten(state)
-    if all(t.device.type == "cpu" for t in leaves.values()):
-        return state  # immutable: the writer just holds the reference
-    return state.to("cpu")
-
-
 class CheckpointManager:
     """Saves, retains and restores checkpoints of a state TensorDict under ``directory``.
 
@@ -98,6 +95,10 @@ class CheckpointManager:
             :mod:`ftrain.ckpt.codecs`. Restore reads compressed and raw steps alike.
         rank: this process's rank: the key under which saves record its host RNG states
             and from which ``restore(host_rng=True)`` puts them back.
+        incremental: link (or server-side copy) the chunks of leaves that are the same,
+            unchanged tensor objects as in the step this manager last committed, instead
+            of rewriting them (:mod:`ftrain.ckpt.incremental`). ``False``: every save
+            writes every byte (each step then has its own copy of every chunk).
 
     Raises:
         CheckpointFormatError: a step under a directory was written in a format this
@@ -124,6 +125,7 @@ class CheckpointManager:
         io_workers: int = DEFAULT_WORKERS,
         compression: str | None = None,
         rank: int = 0,
+        incremental: bool = True,
     ) -> None:
         codec = parse_compression(compression)  # ValueError for an unknown codec, now
         self.compression = codec.spec if codec else None
@@ -135,6 +137,11 @@ class CheckpointManager:
         self.async_save = async_save
         self.chunk_bytes = chunk_bytes
         self.io_workers = io_workers
+        self.incremental = incremental
+        # the step this manager last committed, its leaves' identities and entries: set
+        # only after a commit succeeds, so a failed save never makes the next one link to
+        # an uncommitted step
+        self._last_commit: incr.LastCommit | None = None
         self._dirs = [self.directory] + (
             [self.fallback_directory] if self.fallback_directory else []
         )
@@ -209,7 +216,8 @@ class CheckpointManager:
             )
         marker, manifest = protocol.read_committed(paths[0])
         attrs = read_root_attributes(paths[0], manifest)
-        save = {k: marker.get(k) for k in ("bytes", "blocking_seconds", "write_seconds")}
+        facts = ("bytes", "written_bytes", "linked_bytes", "blocking_seconds", "write_seconds")
+        save = {k: marker.get(k) for k in facts}
         return attrs | {"save": save, "path": str(paths[0])}
 
     # ---- saving ----------------------------------------------------------------
@@ -244,6 +252,9 @@ class CheckpointManager:
         Raises:
             CheckpointSaveError: a previous background save failed, or (sync) this one
                 failed in every location.
+            LeafChangedError: a leaf that would be reused (same object, same version
+                counter) was changed behind PyTorch's back (a ``ValueError``; nothing is
+                saved; see :mod:`ftrain.ckpt.incremental`).
             ValueError: the state or metadata cannot be stored.
         """
         t0 = time.perf_counter()
@@ -255,11 +266,16 @@ class CheckpointManager:
             return False
         self.wait()  # at most one save in flight
         attrs = self._attributes(step, now, metrics, metadata, host_rng)
-        snapshot = _to_host(state)
-        flatten(snapshot)  # raises ValueError now, not in the background
+        _, leaves = flatten(state)  # raises ValueError now, not in the background
+        plan = (
+            incr.plan_save(self._last_commit, leaves, self.chunk_bytes, self.compression)
+            if self.incremental
+            else incr.NO_REUSE
+        )  # identities from the caller's tensors now; LeafChangedError before anything
+        snapshot = incr.host_snapshot(state, leaves, plan.reuse)
         self._last_step, self._last_time = step, now
         if not self.async_save:
-            self._write(snapshot, step, attrs, t0, time.perf_counter() - t0)
+            self._write(snapshot, step, attrs, t0, time.perf_counter() - t0, plan)
             return True
         blocking = time.perf_counter() - t0
         # The writer reads the caller's tensors (no copy): pin the state so a donate=True
@@ -267,7 +283,7 @@ class CheckpointManager:
         pin(state)
         self._thread = threading.Thread(
             target=self._run_background,
-            args=(state, snapshot, step, attrs, t0, blocking),
+            args=(state, snapshot, step, attrs, t0, blocking, plan),
             name=f"ftrain-ckpt-{step}",
         )
         self._thread.start()
@@ -337,12 +353,18 @@ class CheckpointManager:
             unpin(state)
 
     def _write(
-        self, snapshot: TensorDictBase, step: int, attrs: dict, t0: float, blocking: float
+        self,
+        snapshot: TensorDictBase,
+        step: int,
+        attrs: dict,
+        t0: float,
+        blocking: float,
+        plan: incr.SavePlan,
     ) -> None:
         errors = []
         for i, root in enumerate(self._dirs):
             try:
-                final = self._write_to(root, snapshot, step, attrs, t0, blocking)
+                final, manifest = self._write_to(root, snapshot, step, attrs, t0, blocking, plan)
                 break
             except OSError as e:
                 errors.append(f"{root}: {e}")
@@ -356,7 +378,9 @@ class CheckpointManager:
             raise CheckpointSaveError(
                 f"[step={step}] save failed in every location: " + "; ".join(errors)
             )
-        self._after_commit(step, final, time.perf_counter() - t0)
+        last, written = self._last_commit, flatten(snapshot)[1]
+        self._last_commit = incr.remember(last, step, final, manifest, written, plan)
+        self._after_commit(step, final, time.perf_counter() - t0, manifest)
 
     def _write_to(
         self,
@@ -366,7 +390,8 @@ class CheckpointManager:
         attrs: dict,
         t0: float,
         blocking: float,
-    ) -> Path:
+        plan: incr.SavePlan,
+    ) -> tuple[Path, dict]:
         if not isinstance(root, Path):  # object store: no staging, the marker commits
             return root.write_step(
                 step,
@@ -375,6 +400,7 @@ class CheckpointManager:
                 chunk_bytes=self.chunk_bytes,
                 compression=self.compression,
                 marker_extra=lambda m: _marker_extra(m, attrs, blocking, t0),
+                reuse=plan.reuse,
             )
         staging = protocol.begin(root, step)
         try:
@@ -385,8 +411,10 @@ class CheckpointManager:
                 chunk_bytes=self.chunk_bytes,
                 workers=self.io_workers,
                 compression=self.compression,
+                reuse=plan.reuse,
             )
-            return protocol.commit(staging, manifest, _marker_extra(manifest, attrs, blocking, t0))
+            extra = _marker_extra(manifest, attrs, blocking, t0)
+            return protocol.commit(staging, manifest, extra), manifest
         except BaseException:
             protocol.abort(staging)
             raise
@@ -399,10 +427,18 @@ class CheckpointManager:
                 return load_or_rebuild(d / INDEX, steps)
         return load_or_rebuild(self.directory / INDEX, steps)
 
-    def _after_commit(self, step: int, final: Path, total: float) -> None:
+    def _after_commit(self, step: int, final: Path, total: float, manifest: dict) -> None:
         self._committed_last = (step, self._last_time if self._last_step == step else time.time())
         with self._lock:
-            log.info("[step=%d] committed %s in %.2fs", step, final, total)
+            linked = manifest.get("linked_bytes", 0)
+            log.info(
+                "[step=%d] committed %s in %.2fs (%d bytes written, %d linked)",
+                step,
+                final,
+                total,
+                manifest["nbytes"] - linked,
+                linked,
+            )
             self._written.add(step)
             self._set_aside_other_histories(step, final)
             locations = self._locations()
@@ -567,9 +603,14 @@ class CheckpointManager:
 
 
 def _marker_extra(manifest: dict, attrs: dict, blocking: float, t0: float) -> dict:
-    """The save facts recorded in the marker (bytes written, time, blocking and total)."""
+    """The save facts recorded in the marker: the step's chunk bytes, how many of them this
+    save wrote and how many it linked (or server-side copied) from the previous step,
+    time, blocking and total seconds."""
+    linked = manifest.get("linked_bytes", 0)
     return {
         "bytes": manifest["nbytes"],
+        "written_bytes": manifest["nbytes"] - linked,
+        "linked_bytes": linked,
         "blocking_seconds": blocking,
         "time": attrs["time"],
         "write_seconds": time.perf_counter() - t0,

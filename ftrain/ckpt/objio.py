@@ -6,6 +6,15 @@ step has one format whatever it is stored on. Encoding and verifying a chunk (cr
 compression) runs in worker threads; the requests run on zarr-python's I/O event loop,
 ``concurrency`` in flight, each awaited (confirmed) before the save moves on.
 
+Reused leaves (:mod:`ftrain.ckpt.incremental`: the same, unchanged tensor as in the
+step last committed to this location) are not uploaded: each of their chunk objects is a
+server-side copy (``CopyObject``) of the previous step's, so no data leaves this process
+and every step still owns all its objects: deleting an older step never touches a newer
+one. The store keeps both copies (object stores have no hard links; a manifest that
+referred to another step's objects would make deleting that step break this one). A copy
+that fails (the source was deleted, the store refuses copies, an object over the store's
+copy limit) is replaced by a normal upload of the chunk.
+
 Restore lists the step's objects once and checks every chunk's size against the manifest
 before allocating anything, then downloads chunks concurrently and verifies each crc32c
 (trailer and manifest) before copying it into the result tensor.
@@ -16,6 +25,7 @@ from __future__ import annotations
 import asyncio
 
 import crc32c
+import obstore
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain.ckpt import commit as protocol
@@ -30,7 +40,8 @@ from ftrain.ckpt.format import (
     plan_array,
     tensor_bytes,
 )
-from ftrain.ckpt.objstore import gather_bounded
+from ftrain.ckpt.incremental import FallbackBytes, Reuse
+from ftrain.ckpt.objstore import ObjectKey, gather_bounded
 from ftrain.ckpt.store import (
     allocate_tree,
     build_manifest,
@@ -65,6 +76,7 @@ def upload_tree(
     *,
     rank: int = 0,
     world: int = 1,
+    reuse: dict[str, Reuse] | None = None,
 ) -> dict:
     """Upload ``state`` (CPU tensors) under the step prefix ``step`` (an ``ObjectKey``).
 
@@ -78,48 +90,72 @@ def upload_tree(
             belongs to rank ``i % world``, and only rank 0 uploads the ``zarr.json``
             documents (the local writer's split; the coordinator merges the manifests
             with :func:`ftrain.ckpt.store.merge_manifests`, then puts manifest and marker).
+        reuse: leaves whose chunk objects are server-side copied from a committed step
+            of the same location (see the module docstring); their ``state`` entry only
+            gives shape and dtype.
 
     Returns:
-        This rank's manifest (as :func:`ftrain.ckpt.store.write_tree` returns it).
+        This rank's manifest (as :func:`ftrain.ckpt.store.write_tree` returns it;
+        ``linked_bytes`` counts the copied chunk objects).
 
     Raises:
         CheckpointStoreError: a request failed (after obstore's retries).
     """
     codec = parse_compression(compression)
     spec_str = codec.spec if codec else None
+    reuse = reuse or {}
     groups, leaves = flatten(state)
-    specs = {k: plan_array(k, t, chunk_bytes, spec_str) for k, t in leaves.items()}
+    specs = {
+        k: reuse[k].spec if k in reuse else plan_array(k, t, chunk_bytes, spec_str)
+        for k, t in leaves.items()
+    }
     docs = {rel: json_bytes(d) for rel, d in step_documents(groups, specs, attributes).items()}
     docs = docs if rank == 0 else {}
-    jobs = []
+    root, prefix = step.root, step.key
+    jobs, copies = [], []
     for k, s in specs.items():
-        data = tensor_bytes(leaves[k]) if s.n_chunks else None
+        source = reuse[k].source if k in reuse else None
+        if isinstance(source, ObjectKey) and source.root == root:  # same location: copy
+            copies += [(s, i, source.key) for i in range(rank, s.n_chunks, world)]
+            continue
+        data = tensor_bytes(reuse[k].tensor if k in reuse else leaves[k]) if s.n_chunks else None
         for i in range(rank, s.n_chunks, world):
             start, stop = s.chunk_span(i)
             jobs.append((s, i, data[start:stop], s.chunk_nbytes - (stop - start)))
-    root, prefix = step.root, step.key
     store = root.store
+    fallback = FallbackBytes(reuse)
 
     async def put_chunk(s: ArraySpec, i: int, payload: memoryview, pad: int) -> tuple:
         obj, crc, stored = await asyncio.to_thread(_chunk_object, s, payload, pad)
         await store.set(f"{prefix}/{s.key}/{s.chunk_key(i)}", _buffer(obj))
         protocol._phase("object_uploaded")  # fault-injection seam (tests kill here)
-        return s.key, i, crc, stored
+        return s.key, i, crc, stored, False
+
+    async def copy_chunk(s: ArraySpec, i: int, source: str) -> tuple:
+        rel = f"{s.key}/{s.chunk_key(i)}"
+        try:
+            await obstore.copy_async(store.store, f"{source}/{rel}", f"{prefix}/{rel}")
+        except (obstore.exceptions.BaseError, OSError):  # gone, refused, too large: upload
+            return await put_chunk(s, i, *fallback.chunk(s.key, s, i))
+        protocol._phase("object_uploaded")
+        return s.key, i, s.crc32c[i], s.stored[i] if s.compression else s.chunk_nbytes, True
 
     async def put_doc(rel: str, data: bytes) -> None:
         await store.set(f"{prefix}/{rel}", _buffer(data))
 
     # the largest chunks first, so the tail of the upload is small requests
     coros = [put_chunk(*j) for j in sorted(jobs, key=lambda j: -len(j[2]))]
-    coros += [put_doc(r, d) for r, d in docs.items()]
+    coros += [copy_chunk(*c) for c in copies] + [put_doc(r, d) for r, d in docs.items()]
     results = root._run(prefix, gather_bounded, coros, root.concurrency)
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     stored: dict[str, dict[int, int]] = {k: {} for k in specs}
+    copied = 0
     for r in results:
         if r is not None:
             crcs[r[0]][r[1]], stored[r[0]][r[1]] = r[2], r[3]
+            copied += r[3] + 4 if r[4] else 0
     documents = {rel: [crc32c.crc32c(d), len(d)] for rel, d in docs.items()}
-    return build_manifest(groups, specs, crcs, stored, documents, spec_str)
+    return build_manifest(groups, specs, crcs, stored, documents, spec_str, copied)
 
 
 def _buffer(data: bytes):

@@ -361,8 +361,9 @@ class ObjectRoot:
         chunk_bytes: int,
         compression: str | None,
         marker_extra: Callable[[dict], dict],
-    ) -> ObjectKey:
-        """Steps 1-4 of the protocol; returns the committed step.
+        reuse: dict | None = None,
+    ) -> tuple[ObjectKey, dict]:
+        """Steps 1-4 of the protocol; returns the committed step and its manifest.
 
         Args:
             step: the step number.
@@ -371,6 +372,8 @@ class ObjectRoot:
             chunk_bytes: target chunk size.
             compression: canonical codec spec or ``None``.
             marker_extra: ``marker_extra(manifest)`` gives the marker's extra fields.
+            reuse: leaves to server-side copy from the previous step instead of uploading
+                (:class:`ftrain.ckpt.incremental.Reuse`; see :mod:`ftrain.ckpt.objio`).
 
         Raises:
             CheckpointStoreError: a request failed; FileExistsError: another writer
@@ -382,9 +385,10 @@ class ObjectRoot:
         key = self / protocol.step_dirname(step)
         committed = False
         try:
-            manifest = upload_tree(key, state, attributes, chunk_bytes, compression)
+            manifest = upload_tree(key, state, attributes, chunk_bytes, compression, reuse=reuse)
             protocol._phase("data_written")
-            raw = json_bytes(dict(manifest, step=step))
+            manifest = dict(manifest, step=step)
+            raw = json_bytes(manifest)
             self.put(f"{key.key}/{protocol.MANIFEST}", raw)
             protocol._phase("manifest_written")
             marker = protocol.marker_document(step, raw, marker_extra(manifest))
@@ -394,7 +398,7 @@ class ObjectRoot:
         finally:
             if not committed:
                 self._abort(key)
-        return key
+        return key, manifest
 
     def _abort(self, key: ObjectKey) -> None:
         """Best effort: delete what a failed save uploaded (never a marker in place)."""

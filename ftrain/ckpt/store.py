@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -54,6 +55,7 @@ from ftrain.ckpt.format import (
     write_chunk,
     write_json,
 )
+from ftrain.ckpt.incremental import FallbackBytes, Reuse
 
 __all__ = ["flatten", "merge_manifests", "read_tree", "verify_tree", "write_tree"]
 
@@ -147,6 +149,7 @@ def write_tree(
     world: int = 1,
     compression: str | None = None,
     direct: bool = True,
+    reuse: dict[str, Reuse] | None = None,
 ) -> dict:
     """Write ``state`` (CPU tensors) into the existing directory ``tmp``.
 
@@ -160,35 +163,49 @@ def write_tree(
         rank, world: which chunks this process writes (see the module docstring).
         compression: a codec spec (:func:`ftrain.ckpt.codecs.parse_compression`) or None.
         direct: write large raw chunks with O_DIRECT where supported (see ``_direct``).
+        reuse: leaves whose chunk files are hard-linked from a committed step instead of
+            written (:mod:`ftrain.ckpt.incremental`); a chunk that cannot be linked is
+            written from ``Reuse.tensor``. Their ``state`` entry only gives shape and dtype.
 
     Returns:
         This rank's manifest: ``{"format_version", "groups", "arrays", "nbytes",
-        "compression"}`` (``nbytes``: bytes on disk written by this rank).
+        "linked_bytes", "compression"}`` (``nbytes``: bytes of this rank's chunk files,
+        ``linked_bytes`` of them hard-linked rather than written).
 
     Raises:
         OSError: from the file system; ValueError for a state the format cannot hold.
     """
     codec = parse_compression(compression)
     spec_str = codec.spec if codec else None
+    reuse = reuse or {}
     groups, leaves = flatten(state)
-    specs = {k: plan_array(k, t, chunk_bytes, spec_str) for k, t in leaves.items()}
+    specs = {
+        k: reuse[k].spec if k in reuse else plan_array(k, t, chunk_bytes, spec_str)
+        for k, t in leaves.items()
+    }
     dirs = _all_dirs(tmp, groups, list(specs.values()))
     mk = _Dirs(tmp)
+    fallback = FallbackBytes(reuse)
     jobs: list = []
+    links: list = []
     if rank == 0:  # the root document (consolidated, the largest) first
         for rel, doc in step_documents(groups, specs, attributes).items():
             jobs.append(("json", tmp.joinpath(*rel.split("/")), doc))
     for k, s in specs.items():
-        if s.n_chunks:
-            jobs += [
-                ("chunk", *j) for j in _chunk_jobs(tmp, s, tensor_bytes(leaves[k]), rank, world)
-            ]
+        if not s.n_chunks:
+            continue
+        if k in reuse and isinstance(reuse[k].source, Path):
+            links += _link_jobs(tmp, s, reuse[k].source, rank, world)
+        else:
+            data = tensor_bytes(reuse[k].tensor if k in reuse else leaves[k])
+            jobs += [("chunk", *j) for j in _chunk_jobs(tmp, s, data, rank, world)]
     # Two pools side by side: large chunks (disk-bound, O_DIRECT) largest first, and the
     # metadata-bound rest (zarr.json documents, small chunks, the directories they need).
     # Creating ~800 directories and ~1,100 small files costs about as long as writing the
     # data on this VM; overlapping the two hides most of it.
     big = [j for j in jobs if j[0] == "chunk" and len(j[4]) + j[5] >= DIRECT_MIN_BYTES]
     big.sort(key=lambda j: -len(j[4]))
+    big += links  # metadata work, but the data pool is idle when most leaves are linked
     small = [j for j in jobs if j[0] == "chunk" and len(j[4]) + j[5] < DIRECT_MIN_BYTES]
     meta = [j for j in jobs if j[0] == "json"] + small
 
@@ -199,13 +216,21 @@ def write_tree(
             mk.ensure(job[1].parent)
             crc, length = write_json(job[1], job[2], durable=per_file)
             return "doc", job[1].relative_to(tmp).as_posix(), crc, length
+        if job[0] == "link":
+            _, key, i, src, path = job
+            mk.ensure(path.parent)
+            s = specs[key]
+            stored = s.stored[i] if s.compression else s.chunk_nbytes
+            if _link(src, path, stored + 4):
+                return "chunk", key, i, s.crc32c[i], stored, True
+            job = ("chunk", key, i, path, *fallback.chunk(key, s, i))
         _, key, i, path, payload, pad = job
         mk.ensure(path.parent)
         size = specs[key].itemsize
         crc, stored = write_chunk(
             path, payload, pad, durable=per_file, codec=codec, itemsize=size, direct=direct
         )
-        return "chunk", key, i, crc, stored
+        return "chunk", key, i, crc, stored, False
 
     # ``workers`` threads for the data, half as many again for metadata (4 + 2 measured
     # best on 2 cores: 3 + 1, 4 + 1 and 5 + 2 were slower).
@@ -213,17 +238,45 @@ def write_tree(
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     stored: dict[str, dict[int, int]] = {k: {} for k in specs}
     documents: dict[str, list[int]] = {}
+    linked = 0
     for r in results[0] + results[1]:
         if r[0] == "doc":
             documents[r[1]] = [r[2], r[3]]
         else:
             crcs[r[1]][r[2]] = r[3]
             stored[r[1]][r[2]] = r[4]
+            linked += r[4] + 4 if r[5] else 0
     if per_file:
         run_parallel(fsync_dir, reversed(dirs), workers)
     elif durable:
         syncfs(tmp)
-    return build_manifest(groups, specs, crcs, stored, documents, spec_str)
+    return build_manifest(groups, specs, crcs, stored, documents, spec_str, linked)
+
+
+def _link_jobs(tmp: Path, spec: ArraySpec, source: Path, rank: int, world: int) -> list:
+    jobs = []
+    for i in range(rank, spec.n_chunks, world):
+        rel = (*spec.key.split("/"), *spec.chunk_key(i).split("/"))
+        jobs.append(("link", spec.key, i, source.joinpath(*rel), tmp.joinpath(*rel)))
+    return jobs
+
+
+def _link(src: Path, dst: Path, size: int) -> bool:
+    """Hard-link a committed step's chunk file into the staging directory. False (the
+    caller writes the chunk instead) where that cannot work: another file system
+    (``EXDEV``, e.g. a save that went to the fallback directory), no hard links (``EPERM``,
+    ``EMLINK``: too many links), or a source that vanished, was set aside, or is not the
+    regular file of the expected size. Durability: the file's data is already durable
+    (it is committed); the new name is made durable with the directory (``syncfs`` or
+    the per-directory fsync)."""
+    try:
+        st = os.lstat(src)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return False
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def build_manifest(
@@ -233,6 +286,7 @@ def build_manifest(
     stored: dict[str, dict[int, int]],
     documents: dict[str, list[int]],
     compression: str | None,
+    linked_bytes: int = 0,
 ) -> dict:
     """One writer's manifest from what it wrote (every backend builds it here).
 
@@ -242,6 +296,8 @@ def build_manifest(
             of the chunks this writer wrote (missing chunks: ``None``, merged later).
         documents: ``{relative path: [crc32c, length]}`` of the ``zarr.json`` it wrote.
         compression: the canonical codec spec or ``None``.
+        linked_bytes: bytes of those chunk files that were linked or copied from an
+            earlier step instead of written (:mod:`ftrain.ckpt.incremental`).
     """
     arrays = {}
     for k, s in specs.items():
@@ -255,6 +311,7 @@ def build_manifest(
         "arrays": arrays,
         "documents": documents,  # crc32c and length of every zarr.json: metadata is checked too
         "nbytes": nbytes,
+        "linked_bytes": linked_bytes,
         "compression": compression,
     }
 
@@ -263,6 +320,7 @@ def merge_manifests(parts: list[dict]) -> dict:
     """Merge per-rank manifests (each holds crc values for its own chunks only)."""
     merged = parts[0] | {"arrays": {k: dict(v) for k, v in parts[0]["arrays"].items()}}
     merged["nbytes"] = sum(p["nbytes"] for p in parts)
+    merged["linked_bytes"] = sum(p.get("linked_bytes", 0) for p in parts)
     merged["documents"] = {k: v for p in parts for k, v in p.get("documents", {}).items()}
     for part in parts[1:]:
         for k, v in part["arrays"].items():

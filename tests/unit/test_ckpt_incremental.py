@@ -1,0 +1,446 @@
+"""Incremental checkpoints: unchanged leaves (the same tensor objects) are hard-linked from
+the step last committed, every step stays complete; what is checked, what falls back."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from ftrain.ckpt import CheckpointManager, CheckpointSaveError, LatestN, store
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt import incremental as incr
+from ftrain.ckpt.format import plan_array
+from ftrain.ckpt.incremental import LeafChangedError
+
+CHUNK = 16 << 10  # small chunks: the frozen leaves span several files
+
+
+def frozen_base(seed: int = 0) -> TensorDict:
+    """A 'pretrained' subtree, carried into every state as the same objects."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict(
+        {
+            "wte": torch.randn(256, 64, generator=g),  # 64 KiB: 4 chunks
+            "h": {"0": {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}},
+            "ln": torch.randn(64, generator=g).bfloat16(),
+        },
+        [],
+    )
+
+
+def state_at(step: int, base: TensorDict) -> TensorDict:
+    """A fine-tuning state: ``base`` carried as is, a small adapter and its moments new."""
+    g = torch.Generator().manual_seed(1000 + step)
+    adapter = {"A": torch.randn(8, 64, generator=g), "B": torch.randn(64, 8, generator=g)}
+    return TensorDict(
+        {
+            "step": torch.tensor(step),
+            "params": {"base": base, "lora": adapter},
+            "opt": {"mu": {k: v * 0.1 for k, v in adapter.items()}, "count": torch.tensor(step)},
+            "rng": torch.tensor([7, 1]),
+        },
+        [],
+    )
+
+
+def chunk_files(step_dir: Path, prefix: str) -> dict[str, Path]:
+    """``{relative path: file}`` of every chunk file under ``step_dir/prefix``."""
+    root = step_dir / prefix
+    return {str(p.relative_to(step_dir)): p for p in root.rglob("c*") if p.is_file()}
+
+
+def inode(p: Path) -> int:
+    return os.stat(p).st_ino
+
+
+def same(a: TensorDict, b: TensorDict) -> bool:
+    fa, fb = a.flatten_keys("/"), b.flatten_keys("/")
+    return set(fa.keys()) == set(fb.keys()) and all(
+        fa[k].dtype == fb[k].dtype
+        and torch.equal(fa[k].reshape(-1).view(torch.uint8), fb[k].reshape(-1).view(torch.uint8))
+        for k in fa.keys()
+    )
+
+
+def verify_ok(directory: Path, *steps: int) -> None:
+    from ftrain.ckpt.__main__ import main
+
+    assert main(["verify", str(directory), *map(str, steps)]) == 0
+
+
+def manager(tmp_path: Path, **kw) -> CheckpointManager:
+    return CheckpointManager(tmp_path / "ckpt", chunk_bytes=CHUNK, **kw)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_unchanged_leaves_are_hard_linked_and_changed_ones_written(tmp_path, async_save):
+    base = frozen_base()
+    s1, s2 = state_at(1, base), state_at(2, base)
+    with manager(tmp_path, async_save=async_save) as m:
+        m.save(s1)
+        m.save(s2)
+    d1, d2 = tmp_path / "ckpt" / "step_00000001", tmp_path / "ckpt" / "step_00000002"
+    frozen1, frozen2 = chunk_files(d1, "params/base"), chunk_files(d2, "params/base")
+    assert len(frozen1) == 7 and frozen1.keys() == frozen2.keys()
+    assert all(inode(frozen1[k]) == inode(frozen2[k]) for k in frozen1)  # linked
+    for prefix in ("params/lora", "opt/mu", "step"):
+        new1, new2 = chunk_files(d1, prefix), chunk_files(d2, prefix)
+        assert new2 and all(inode(new1[k]) != inode(new2[k]) for k in new2)  # written
+    assert inode(d1 / "rng" / "c.0") != inode(d2 / "rng" / "c.0")  # a new (equal) tensor
+    m = manager(tmp_path)
+    save1, save2 = m.metadata(1)["save"], m.metadata(2)["save"]
+    linked = sum(p.stat().st_size for p in frozen2.values())
+    assert save1["linked_bytes"] == 0 and save1["written_bytes"] == save1["bytes"]
+    assert save2["linked_bytes"] == linked and save2["bytes"] == save1["bytes"]
+    assert save2["written_bytes"] == save2["bytes"] - linked
+    assert same(m.restore(1), s1) and same(m.restore(2), s2)
+    verify_ok(tmp_path / "ckpt")
+
+
+def test_a_constant_leaf_carried_across_states_is_linked(tmp_path):
+    """Identity, not a flag: any leaf carried as the same object (a base key) is linked."""
+    key = torch.tensor([7, 1])
+    with manager(tmp_path, async_save=False) as m:
+        for step in (1, 2):
+            m.save(TensorDict({"step": torch.tensor(step), "rng": key}, []))
+    d = tmp_path / "ckpt"
+    assert inode(d / "step_00000001/rng/c.0") == inode(d / "step_00000002/rng/c.0")
+
+
+def test_retention_deleting_the_older_step_leaves_the_newer_one_complete(tmp_path):
+    base = frozen_base()
+    s2 = state_at(2, base)
+    with manager(tmp_path, keep_policy=LatestN(1), async_save=False) as m:
+        m.save(state_at(1, base))
+        m.save(s2)
+        assert m.all_steps() == [2]
+        d2 = tmp_path / "ckpt" / "step_00000002"
+        assert all(p.stat().st_nlink == 1 for p in chunk_files(d2, "params/base").values())
+        verify_ok(tmp_path / "ckpt")
+        assert same(m.restore(2), s2)
+        s3 = state_at(3, base)
+        m.save(s3)  # links from step 2 now
+    d3 = tmp_path / "ckpt" / "step_00000003"
+    assert not d2.exists() and manager(tmp_path).metadata(3)["save"]["linked_bytes"] > 0
+    assert same(manager(tmp_path).restore(3), s3)
+    verify_ok(tmp_path / "ckpt")
+    assert all(p.stat().st_nlink == 1 for p in chunk_files(d3, "params/base").values())
+
+
+def test_in_place_update_with_a_version_bump_is_rewritten(tmp_path):
+    base = frozen_base()
+    with manager(tmp_path, async_save=False) as m:
+        m.save(state_at(1, base))
+        base["wte"].add_(1.0)  # a tracked in-place op: _version moves
+        s2 = state_at(2, base)
+        m.save(s2)
+    d = tmp_path / "ckpt"
+    one, two = (
+        chunk_files(d / "step_00000001", "params/base"),
+        chunk_files(d / "step_00000002", "params/base"),
+    )
+    wte = [k for k in one if "/wte/" in k]
+    assert wte and all(inode(one[k]) != inode(two[k]) for k in wte)
+    assert all(inode(one[k]) == inode(two[k]) for k in one if k not in wte)
+    assert same(manager(tmp_path).restore(2), s2)
+    verify_ok(d)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda b: b["wte"].data.mul_(2), id="data-whole-leaf"),
+        pytest.param(lambda b: b["wte"].numpy().__setitem__((0, 0), 5.0), id="numpy-first-byte"),
+        pytest.param(lambda b: b["h", "0", "b"].data.__setitem__(10, 0.5), id="data-small-leaf"),
+        pytest.param(lambda b: b["ln"].data.zero_(), id="data-bf16"),
+    ],
+)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_change_behind_pytorchs_back_is_refused_at_save(tmp_path, mutate, async_save):
+    base = frozen_base()
+    with manager(tmp_path, async_save=async_save) as m:
+        m.save(state_at(1, base))
+        m.wait()
+        versions = {k: t._version for k, t in base.flatten_keys("/").items()}
+        mutate(base)
+        assert versions == {k: t._version for k, t in base.flatten_keys("/").items()}
+        with pytest.raises(LeafChangedError, match=r"'params/base/.*' is the same tensor") as e:
+            m.save(state_at(2, base))
+        assert "Make a new tensor instead" in str(e.value) and "Nothing was saved" in str(e.value)
+        assert isinstance(e.value, ValueError) and m.all_steps() == [1]
+        # a new tensor in its place is fine, and the policy clock was not moved
+        base = base.clone()
+        assert m.save(state_at(2, base))
+    assert manager(tmp_path).all_steps() == [1, 2]
+
+
+def test_a_change_outside_the_sample_windows_is_found_by_the_chunk_audit(tmp_path):
+    """The guarantee's bound: any change is caught within 1/AUDIT_FRACTION saves."""
+    big = torch.randn(64 * 1024, 16)  # 4 MiB, 64 chunks of 64 KiB
+    with CheckpointManager(tmp_path, chunk_bytes=64 << 10, async_save=False) as m:
+        m.save(TensorDict({"step": torch.tensor(0), "frozen": big}, []))
+        row = 64 * 1024 * 33 // 64 + 100  # in chunk 33, far from every window
+        big.data[row, 3] += 1.0
+        n = int(1 / incr.AUDIT_FRACTION)
+        with pytest.raises(LeafChangedError, match=r"'frozen' .* its chunk 33 differs"):
+            for step in range(1, n + 2):
+                m.save(TensorDict({"step": torch.tensor(step), "frozen": big}, []))
+        assert step <= n
+
+
+def test_the_checks_hash_a_sample_of_the_bytes(tmp_path, monkeypatch):
+    """Per save: each reused leaf's 32 KiB of windows, plus 1/32 of the reused bytes."""
+    seen = []
+    real = incr._crc
+    monkeypatch.setattr(incr, "_crc", lambda b, value=0: seen.append(b.numel()) or real(b, value))
+    big = torch.randn(1 << 20)  # 4 MiB in 64 chunks
+    with CheckpointManager(tmp_path, chunk_bytes=64 << 10, async_save=False) as m:
+        m.save(TensorDict({"step": torch.tensor(1), "frozen": big}, []))
+        seen.clear()
+        m.save(TensorDict({"step": torch.tensor(2), "frozen": big}, []))
+    step_leaf = 8  # the new step counter is fingerprinted after its write
+    assert sum(seen) == incr.WINDOW * incr.WINDOWS + (4 << 20) * incr.AUDIT_FRACTION + step_leaf
+
+
+def test_a_different_object_with_the_same_storage_is_not_reused(tmp_path):
+    base = frozen_base()
+    with manager(tmp_path, async_save=False) as m:
+        m.save(state_at(1, base))
+        alias = base.apply(lambda t: t.detach())  # same data_ptr and version, new objects
+        assert alias["wte"].data_ptr() == base["wte"].data_ptr()
+        m.save(state_at(2, alias))
+    assert manager(tmp_path).metadata(2)["save"]["linked_bytes"] == 0
+
+
+def test_identity_is_held_by_weak_reference(tmp_path):
+    """The record keeps nothing alive, and a collected tensor never matches again (an
+    ``id()`` or address compare would be unsafe once memory is reused)."""
+    base = frozen_base()
+    with manager(tmp_path, async_save=True) as m:
+        m.save(state_at(1, base))
+        m.wait()
+        ref = m._last_commit.leaves["params/base/wte"].identity.ref
+        assert ref() is base["wte"]
+        del base
+        gc.collect()
+        assert ref() is None
+        fresh = frozen_base()  # equal bytes, new objects (possibly at the same addresses)
+        m.save(state_at(2, fresh))
+    assert manager(tmp_path).metadata(2)["save"]["linked_bytes"] == 0
+
+
+def test_full_training_reuses_nothing_and_the_identity_check_is_cheap():
+    leaves = {f"p/{i}": torch.randn(4) for i in range(2000)}
+    last = incr.LastCommit(1, Path("/nowhere"), {})
+    t0 = time.perf_counter()
+    plan = incr.plan_save(last, leaves, 32 << 20, None)
+    elapsed = time.perf_counter() - t0
+    assert plan.reuse == {} and len(plan.identities) == 2000
+    assert elapsed < 0.2  # ~2 us a leaf; a loose bound for a loaded CI machine
+
+
+def test_a_failed_save_does_not_poison_the_record(tmp_path, monkeypatch):
+    """An OSError after the links were made: the staging directory is removed (only its
+    own names: the committed step keeps its files), the next save links from the last
+    *committed* step."""
+    base = frozen_base()
+    with manager(tmp_path, async_save=True) as m:
+        m.save(state_at(1, base))
+        m.wait()
+
+        def fail(phase):
+            if phase == "data_written":
+                raise OSError(errno.EIO, "injected I/O error")
+
+        monkeypatch.setattr(protocol, "fault_hook", fail)
+        m.save(state_at(2, base))
+        with pytest.raises(CheckpointSaveError, match="injected"):
+            m.wait()
+        monkeypatch.setattr(protocol, "fault_hook", None)
+        d1 = tmp_path / "ckpt" / "step_00000001"
+        assert all(p.stat().st_nlink == 1 for p in chunk_files(d1, "params/base").values())
+        assert m._last_commit.step == 1
+        verify_ok(tmp_path / "ckpt", 1)
+        s3 = state_at(3, base)
+        m.save(s3)
+    d3 = tmp_path / "ckpt" / "step_00000003"
+    one, three = chunk_files(d1, "params/base"), chunk_files(d3, "params/base")
+    assert all(inode(one[k]) == inode(three[k]) for k in one)
+    assert manager(tmp_path).all_steps() == [1, 3]
+    assert same(manager(tmp_path).restore(3), s3)
+
+
+def test_a_dead_writers_staging_with_links_is_swept_without_touching_the_step(tmp_path):
+    base = frozen_base()
+    with manager(tmp_path, async_save=False) as m:
+        m.save(state_at(1, base))
+        plan = incr.plan_save(m._last_commit, store.flatten(state_at(2, base))[1], CHUNK, None)
+    staging = protocol.begin(tmp_path / "ckpt", 2)
+    store.write_tree(staging.path, state_at(2, base), {}, chunk_bytes=CHUNK, reuse=plan.reuse)
+    staging.release()  # the writer "dies": its lock is free, the staging dir stays
+    d1 = tmp_path / "ckpt" / "step_00000001"
+    assert all(p.stat().st_nlink == 2 for p in chunk_files(d1, "params/base").values())
+    m = manager(tmp_path)  # the start-up sweep
+    assert not staging.path.exists() and m.all_steps() == [1]
+    assert all(p.stat().st_nlink == 1 for p in chunk_files(d1, "params/base").values())
+    verify_ok(tmp_path / "ckpt")
+
+
+def save_to_fallback(monkeypatch, primary: Path, fallback: Path, base: TensorDict) -> None:
+    """Step 1 in ``primary``; then the primary is full, so step 2 goes to ``fallback``."""
+    with CheckpointManager(
+        primary, fallback_directory=fallback, chunk_bytes=CHUNK, async_save=False
+    ) as m:
+        m.save(state_at(1, base))
+        real = protocol.begin
+
+        def begin(root, step):
+            if root == primary:
+                raise OSError(errno.ENOSPC, "No space left on device", str(root))
+            return real(root, step)
+
+        monkeypatch.setattr(protocol, "begin", begin)
+        with pytest.warns(RuntimeWarning, match="saving to fallback"):
+            m.save(state_at(2, base))
+
+
+def test_fallback_directory_on_the_same_file_system_links_across(tmp_path, monkeypatch):
+    base = frozen_base()
+    primary, fallback = tmp_path / "ckpt", tmp_path / "fallback"
+    save_to_fallback(monkeypatch, primary, fallback, base)
+    one = chunk_files(primary / "step_00000001", "params/base")
+    two = chunk_files(fallback / "step_00000002", "params/base")
+    assert all(inode(one[k]) == inode(two[k]) for k in one)
+    assert same(
+        CheckpointManager(primary, fallback_directory=fallback).restore(2), state_at(2, base)
+    )
+    verify_ok(fallback)
+
+
+@pytest.mark.skipif(
+    not Path("/dev/shm").is_dir() or os.stat("/dev/shm").st_dev == os.stat("/tmp").st_dev,
+    reason="needs /dev/shm on another file system than /tmp",
+)
+def test_fallback_on_another_file_system_writes_instead_of_linking(tmp_path, monkeypatch):
+    import tempfile
+
+    base = frozen_base()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        fallback = Path(shm) / "fallback"
+        save_to_fallback(monkeypatch, tmp_path / "ckpt", fallback, base)
+        meta = CheckpointManager(fallback).metadata(2)
+        assert meta["save"]["linked_bytes"] == 0  # EXDEV: every chunk written
+        assert same(CheckpointManager(fallback).restore(2), state_at(2, base))
+        verify_ok(fallback)
+
+
+@pytest.mark.parametrize(
+    "obstacle",
+    [
+        pytest.param("eperm", id="link-refused"),
+        pytest.param("set-aside", id="previous-step-set-aside"),
+        pytest.param("deleted", id="previous-step-deleted"),
+        pytest.param("chunk-bytes", id="other-chunk-size"),
+        pytest.param("compression", id="other-compression"),
+    ],
+)
+def test_whatever_prevents_linking_the_leaf_is_written(tmp_path, monkeypatch, obstacle):
+    base = frozen_base()
+    s2 = state_at(2, base)
+    with manager(tmp_path, async_save=False) as m:
+        m.save(state_at(1, base))
+        d1 = tmp_path / "ckpt" / "step_00000001"
+        if obstacle == "eperm":
+            monkeypatch.setattr(
+                os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EPERM, "no"))
+            )
+        elif obstacle == "set-aside":
+            protocol.set_aside(d1, "superseded")
+        elif obstacle == "deleted":
+            protocol.delete_step(d1)
+        elif obstacle == "chunk-bytes":
+            m.chunk_bytes = CHUNK * 2  # wte's chunks change; one-chunk leaves do not
+        else:
+            m.compression = "zstd:1"
+        assert m.save(s2)
+    meta = manager(tmp_path).metadata(2)["save"]
+    wte = chunk_files(tmp_path / "ckpt" / "step_00000002", "params/base/wte").values()
+    assert all(p.stat().st_nlink == 1 for p in wte)
+    if obstacle != "chunk-bytes":
+        assert meta["linked_bytes"] == 0 and meta["written_bytes"] == meta["bytes"]
+    assert same(manager(tmp_path).restore(2), s2)
+    verify_ok(tmp_path / "ckpt", 2)
+
+
+def test_incremental_false_writes_every_byte(tmp_path):
+    base = frozen_base()
+    with manager(tmp_path, async_save=False, incremental=False) as m:
+        m.save(state_at(1, base))
+        m.save(state_at(2, base))
+    d = tmp_path / "ckpt"
+    one, two = chunk_files(d / "step_00000001", ""), chunk_files(d / "step_00000002", "")
+    assert all(inode(one[k]) != inode(two[k]) for k in one)
+    assert manager(tmp_path).metadata(2)["save"]["linked_bytes"] == 0
+
+
+def test_compressed_leaves_are_linked_too(tmp_path):
+    base = frozen_base()
+    s2 = state_at(2, base)
+    with manager(tmp_path, async_save=False, compression="blosc-lz4") as m:
+        m.save(state_at(1, base))
+        m.save(s2)
+    meta = manager(tmp_path).metadata(2)["save"]
+    assert meta["linked_bytes"] > 0
+    assert same(manager(tmp_path).restore(2), s2)
+    verify_ok(tmp_path / "ckpt")
+
+
+def test_redone_steps_after_a_resume_from_an_earlier_step(tmp_path):
+    """A run at 3 resumes from 1 and redoes 2 and 3: the old 2 and 3 (which share linked
+    chunks with 1) are moved aside and still verify; the new 3 links from the new 2."""
+    with manager(tmp_path, async_save=False) as m:
+        base = frozen_base()
+        for step in (1, 2, 3):
+            m.save(state_at(step, base))
+    with manager(tmp_path, async_save=False) as m:
+        base = m.restore(1)["params"]["base"]  # new objects, the same bytes
+        redo = {s: state_at(s, base) for s in (2, 3)}
+        for s in (2, 3):
+            m.save(redo[s])
+    d = tmp_path / "ckpt"
+    two, three = (
+        chunk_files(d / "step_00000002", "params/base"),
+        chunk_files(d / "step_00000003", "params/base"),
+    )
+    assert all(inode(two[k]) == inode(three[k]) for k in two)
+    m = manager(tmp_path)
+    aside = m.set_aside_steps()
+    assert sorted(aside) == [2, 3]  # the old 2 replaced, the old 3 superseded
+    for (p,) in aside.values():
+        assert store.verify_tree(p, json.loads((p / "manifest.json").read_bytes())) > 0
+    assert same(m.restore(2), redo[2]) and same(m.restore(3), redo[3])
+    verify_ok(d)
+
+
+def test_host_snapshot_does_not_copy_reused_device_leaves():
+    """Leaves on another device ("meta" stands in for an accelerator here) that are reused
+    become shape-only placeholders; the tree keeps its groups, CPU leaves are kept."""
+    dev = torch.empty(4, 3, device="meta")
+    cpu = torch.randn(2)
+    state = TensorDict({"a": {"dev": dev, "cpu": cpu}, "empty": {}}, []).lock_()
+    spec = plan_array("a/dev", dev)
+    reuse = {"a/dev": incr.Reuse(Path("/prev"), spec, dev)}
+    host = incr.host_snapshot(state, store.flatten(state)[1], reuse)
+    groups, leaves = store.flatten(host)
+    assert groups == ["", "a", "empty"] and set(leaves) == {"a/dev", "a/cpu"}
+    assert leaves["a/dev"].device.type == "meta" and leaves["a/dev"].shape == (4, 3)
+    assert torch.equal(leaves["a/cpu"], cpu)
+    assert incr.host_snapshot(TensorDict({"x": cpu}, []), {"x": cpu}, {}) is not None
