@@ -303,6 +303,32 @@ def _default_rank_world(dp: bool | None) -> tuple[int, bool]:
     return rank, dp
 
 
+def _sharder(shard: str, **settings):
+    """The :class:`ftrain.sharding.Sharder` for ``shard="optimizer"`` (None for ``"none"``)."""
+    if shard == "none":
+        return None
+    if shard != "optimizer":
+        raise ValueError(f"shard must be 'none' or 'optimizer', got shard={shard!r}")
+    refused = [k for k, v in settings.items() if v and (k != "precision" or v == "fp16")]
+    if refused:
+        raise ValueError(
+            f"shard='optimizer' does not combine with {refused} yet; drop them "
+            "(fp16's skip decision and donation are per-rank, compile needs one graph)"
+        )
+    from ftrain.sharding import Sharder
+
+    return Sharder()
+
+
+def _check_sharded(opt: TensorDictBase) -> None:
+    leaves = [t for t in flatten(opt)[1] if t.ndim > 0]
+    if leaves and not hasattr(leaves[0], "to_local"):
+        raise ValueError(
+            "make_step(shard='optimizer') needs a sharded optimizer state: "
+            "state = ftrain.sharding.shard_state(state, step.sharder) before the first step"
+        )
+
+
 def _trainable(trainable: Trainable, pkeys: list[Key], params: list[torch.Tensor]):
     keep = trainable.indices(pkeys, params)
     if keep == []:
@@ -359,6 +385,7 @@ def make_step(
     dp: bool | None = None,
     compile: bool = False,
     clip: float | None = None,
+    shard: str = "none",
 ) -> Step:
     """Build the pure training step for ``model`` trained with ``loss_fn`` and optimizer ``tx``.
 
@@ -383,6 +410,10 @@ def make_step(
             of each shape compiles (logged once, and ``step.core.compile_seconds``); results
             match the eager step to ~1e-6. Not with ``dp`` or ``clip=``.
         clip: deprecated; put ``clip_by_global_norm`` in ``tx`` instead.
+        shard: ``"none"`` or ``"optimizer"``: each rank keeps only its dim-0 shard of the
+            optimizer state (ZeRO-1, :mod:`ftrain.sharding`; shard the state with
+            ``ftrain.sharding.shard_state`` first). Needs ``torch.distributed``; not with
+            ``compile``, ``donate``, ``fp16`` or ``clip=``.
 
     Returns:
         ``step(state, batch) -> (new_state, metrics)``. ``batch`` is a TensorDict (or mapping);
@@ -405,6 +436,7 @@ def make_step(
     """
     _check_args(grad_accum, precision, clip)
     rank, dp = _default_rank_world(dp)
+    sharder = _sharder(shard, compile=compile, donate=donate, precision=precision, clip=clip)
     if compile:
         from ftrain.compiled import CompiledCore
 
@@ -415,7 +447,7 @@ def make_step(
             )
         core = CompiledCore(model, loss_fn, flat_update(tx), _AUTOCAST[precision])
     else:
-        core = _EagerCore(model, loss_fn, tx, _AUTOCAST[precision], dp, clip)
+        core = _EagerCore(model, loss_fn, tx, _AUTOCAST[precision], dp, clip, sharder)
     trainable = Trainable(getattr(tx.update, "frozen_of", None))
 
     def step(state: TensorDictBase, batch) -> tuple[TensorDict, TensorDict]:
@@ -425,6 +457,8 @@ def make_step(
         bkeys, buffers = flatten(state["buffers"])
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
         opt = state["opt"]
+        if sharder is not None:
+            _check_sharded(opt)
         scale = _loss_scale(opt, precision, clip)
         # a state an in-flight async save still reads is never overwritten
         in_place = donate and not is_pinned(state)
@@ -445,16 +479,22 @@ def make_step(
         return new_state, _metrics(loss, grad_norm, learning_rate_metrics(opt), micro, aux)
 
     step.core = core  # type: ignore[attr-defined]  # e.g. compile_seconds of a compiled step
+    step.sharder = sharder  # type: ignore[attr-defined]  # for shard_state / gather_state
     return step
 
 
 class _EagerCore:
-    """Gradients, the collective hook, the grad-norm metric, ``tx.update``, apply: eagerly."""
+    """Gradients, the collective hook, the grad-norm metric, ``tx.update``, apply: eagerly.
 
-    def __init__(self, model, loss_fn, tx, autocast, dp: bool, clip: float | None) -> None:
+    With a :class:`ftrain.sharding.Sharder` (``shard="optimizer"``) the collective hook is a
+    reduce-scatter, ``tx`` runs on this rank's rows and the new rows are all-gathered.
+    """
+
+    def __init__(self, model, loss_fn, tx, autocast, dp: bool, clip: float | None, sharder=None):
         self.grads_of = _Grads(model, loss_fn, autocast)
         self.update = flat_update(tx)
-        self.collective, self.old_clip = _collective(dp), _deprecated_clip(clip)
+        self.collective, self.old_clip = _collective(dp and sharder is None), _deprecated_clip(clip)
+        self.sharder = sharder
 
     def __call__(self, p, b, opt, micro, gen, scale, in_place, keep):
         (pkeys, params), (bkeys, buffers) = p, b
@@ -464,15 +504,27 @@ class _EagerCore:
             (pkeys, params) if keep is None else (pick(keep, pkeys), pick(keep, params))
         )
         with torch.no_grad():
-            if self.collective is not None:
+            if self.sharder is not None:
+                grads = self.sharder.reduce_scatter_mean(grads)
+                tparams = [self.sharder.shard(t, copy=False) for t in tparams]
+            elif self.collective is not None:
                 grads, _ = self.collective(tkeys, grads, _EMPTY, None)
-            grad_norm = global_norm_of(grads)
+            grad_norm = _local(global_norm_of(grads))
             grad_norm = grad_norm if scale is None else grad_norm / scale.to(grad_norm.device)
             if self.old_clip is not None:
                 grads, _ = self.old_clip(tkeys, grads, _EMPTY, None)
             updates, new_opt = self.update(tkeys, grads, opt, tparams)
-            new_params = carry_frozen(params, keep, _apply(tparams, updates, in_place))
+            if self.sharder is not None:
+                new = self.sharder.all_gather(torch._foreach_add(tparams, updates))
+            else:
+                new = _apply(tparams, updates, in_place)
+            new_params = carry_frozen(params, keep, new)
         return new_params, buffers, new_opt, loss, grad_norm, aux
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor result (the sharded step's norm) as a plain tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 _EMPTY = TensorDict(batch_size=[])
