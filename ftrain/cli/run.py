@@ -45,6 +45,7 @@ from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Lo
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.runlock import RunDirError, claim_run_dir
+from ftrain.sharding import shard_state
 from ftrain.signals import (
     EXIT_CONFIG,
     EXIT_ERROR,
@@ -201,7 +202,11 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
             precision=t.precision,
             donate=t.donate,
             compile=t.compile,
+            shard=_shard_mode(cfg, world),
         )
+        if step.sharder is not None:  # each rank keeps its rows of the optimizer state
+            state = shard_state(state, step.sharder)
+            session.sharded = True
         loader = Loader(
             p.train,
             global_batch=t.batch_size,
@@ -237,6 +242,14 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
             return _diverged(err, p.manager)
         session.finish(result)
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
+
+
+def _shard_mode(cfg: DictConfig, world: World) -> str:
+    """``dist.shard``, except on one rank, where there is nothing to shard."""
+    if cfg.dist.shard != "none" and world.size < 2:
+        print(f"dist.shard={cfg.dist.shard} on one rank: nothing to shard, the state stays whole")
+        return "none"
+    return cfg.dist.shard
 
 
 def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:

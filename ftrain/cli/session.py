@@ -27,6 +27,7 @@ from ftrain.data import val_batches
 from ftrain.dist import World, agree_any, all_mean, broadcast_int, gather_json
 from ftrain.loop import LoopResult
 from ftrain.metrics import Heartbeat, MetricsWriter, Progress
+from ftrain.sharding import gather_state
 from ftrain.step import evaluate, make_eval_step
 
 __all__ = ["Session"]
@@ -50,6 +51,7 @@ class Session:
         self.metadata: dict = {}
         # saves accepted by the manager whose commit is not yet known: {step: wall start}
         self._pending: dict[int, float] = {}
+        self.sharded = False  # the optimizer state is sharded over the ranks (dist.shard)
 
     # -- lifecycle --------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -130,12 +132,21 @@ class Session:
         gathered into the checkpoint when the coordinator's manager wants the step."""
         host_rng = None
         # emergency and hang saves happen on one rank alone: no collective may run there
+        if self.sharded and reason in _LOCAL_REASONS:
+            self._say(
+                int(state["step"]),
+                f"{reason} save skipped: the optimizer state is sharded over every rank and "
+                "one rank cannot gather it; the last committed step stands",
+            )
+            return False
         if self.world.active and reason not in _LOCAL_REASONS:
             if not broadcast_int(int(self.manager.wants(state, force=force))):
                 return False
             force = True  # decided above for every rank: the save below must not re-decide
             gathered = gather_json(hostrng.capture())
             host_rng = dict(enumerate(gathered)) if gathered is not None else None
+            if self.sharded:  # whole tensors: a checkpoint restores on any world size
+                state = gather_state(state)
         if not self.world.is_coordinator:
             return False
         self._seen_commits()

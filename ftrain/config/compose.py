@@ -157,6 +157,7 @@ def _check_values(cfg: DictConfig) -> None:
     _check_init(cfg.get("init"))
     _check_schedule(cfg.schedule)
     _check_data(cfg.data)
+    _check_shard(cfg)
 
 
 def _check_trainer(t: DictConfig) -> None:
@@ -311,6 +312,22 @@ def _check_init(init) -> None:
             "init.from",
             value,
             "must be a run directory, checkpoints directory or URL, optionally with :STEP",
+        )
+
+
+def _check_shard(cfg: DictConfig) -> None:
+    shard, t = cfg.dist.shard, cfg.trainer
+    if shard not in ("none", "optimizer"):
+        raise _bad("dist.shard", shard, "must be none or optimizer")
+    clash = [
+        f"{k}={v}" for k, v in (("trainer.donate", t.donate), ("trainer.compile", t.compile)) if v
+    ] + (["trainer.precision=fp16"] if t.precision == "fp16" else [])
+    if shard == "optimizer" and clash:
+        raise _bad(
+            "dist.shard",
+            shard,
+            f"a sharded optimizer state does not combine with {', '.join(clash)} yet",
+            "drop those settings or use dist.shard=none",
         )
 
 

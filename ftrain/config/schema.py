@@ -117,6 +117,7 @@ class TrainerConfig:
 class DistConfig:
     backend: str = "auto"
     timeout_s: int = 600
+    shard: str = "none"  # none | optimizer (ZeRO-1: ftrain.sharding)
 
 
 @dataclass

@@ -2,11 +2,13 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -28,3 +30,42 @@ def test_sharded_optimizer_matches_unsharded_and_halves_the_optimizer_state(tmp_
     # per-parameter moments are split in two; only the 0-d counters stay whole
     assert r["opt_bytes_sharded"] <= r["opt_bytes_plain"] / 2 + 64, r
     assert r["sharded_leaves"] > 0
+
+
+def _torchrun(run_dir, cache_dir, *overrides, nproc=2):
+    from .test_torchrun import _finish
+    from .test_torchrun import _torchrun as launch
+
+    rc, out = _finish(launch(run_dir, cache_dir, *overrides, nproc=nproc))
+    assert rc == 0, out
+    return out
+
+
+def test_cli_sharded_run_resumes_bit_exact_and_on_another_world_size(cli, cache_dir, tmp_path):
+    from ftrain.ckpt import CheckpointManager
+    from ftrain.state import first_difference
+
+    from .conftest import records
+
+    whole, split, elastic = tmp_path / "whole", tmp_path / "split", tmp_path / "elastic"
+    common = ["dist.shard=optimizer", "checkpoint.every_steps=3", "model.dropout=0"]
+    _torchrun(whole, cache_dir, *common, "trainer.max_steps=6")
+    _torchrun(split, cache_dir, *common, "trainer.max_steps=3")
+    out = _torchrun(split, cache_dir, *common, "trainer.max_steps=6")
+    assert "resumed from step 3" in out
+
+    def state(run, step):
+        return CheckpointManager(Path(run) / "checkpoints", async_save=False).restore(step)
+
+    # the same world size: bit for bit, as without sharding
+    assert first_difference(state(whole, 6), state(split, 6)) is None
+    # the checkpoint holds whole tensors (2 ranks wrote it): it resumes on one rank
+    shutil.copytree(
+        split / "checkpoints" / "step_00000003", elastic / "checkpoints" / "step_00000003"
+    )
+    out = cli(elastic, *common, "trainer.max_steps=6", "trainer.eval_every=null", check=0).stdout
+    assert "world size changed: checkpoint written by 2 rank(s), resumed on 1" in out
+    assert "dist.shard=optimizer on one rank: nothing to shard" in out
+    assert records(elastic, "resume")[-1]["position"] == 12  # the global sample order goes on
+    a, b = state(whole, 6), state(elastic, 6)
+    assert torch.equal(a["data"]["position"], b["data"]["position"])
