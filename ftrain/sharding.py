@@ -72,9 +72,11 @@ class Sharder:
 
     Args:
         mesh: a 1-D device mesh (default: every rank of the default group).
+        full: the params are sharded too (``shard="full"``), not only the optimizer state.
     """
 
-    def __init__(self, mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, mesh: DeviceMesh | None = None, *, full: bool = False) -> None:
+        self.full = full
         if mesh is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError(
@@ -204,20 +206,34 @@ def is_sharded(tree: TensorDictBase) -> bool:
     return any(isinstance(t, DTensor) for t in flatten(tree)[1])
 
 
+def _sharded_parts(sharder: Sharder) -> tuple[str, ...]:
+    return ("opt", "params") if sharder.full else ("opt",)
+
+
 def shard_state(state: TensorDictBase, sharder: Sharder) -> TensorDictBase:
     """The state with this rank's ``Shard(0)`` rows of every optimizer leaf of ndim >= 1
-    (counts, learning rates and loss scales stay plain); params stay whole."""
-    layout, leaves = structure(state["opt"])  # keeps stateless members' empty entries
-    sharded = [sharder.shard(t) if t.ndim > 0 else t for t in leaves]
-    return replace(state, opt=rebuild(layout, sharded, device=state["opt"].device))
+    (counts, learning rates and loss scales stay plain), and of every param for a ``full``
+    sharder (0-d params: ``Replicate``)."""
+    parts = {}
+    for part in _sharded_parts(sharder):
+        layout, leaves = structure(state[part])  # keeps stateless members' empty entries
+        sharded = [sharder.shard(t) if t.ndim > 0 or part == "params" else t for t in leaves]
+        parts[part] = rebuild(layout, sharded, device=state[part].device)
+    return replace(state, **parts)
 
 
-def gather_state(state: TensorDictBase) -> TensorDictBase:
+def gather_state(
+    state: TensorDictBase, parts: tuple[str, ...] = ("opt", "params")
+) -> TensorDictBase:
     """The state with whole tensors in place of DTensor shards (a collective: every rank
     calls it). What a checkpoint holds, whatever the world size."""
-    layout, leaves = structure(state["opt"])
-    whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in leaves]
-    return replace(state, opt=rebuild(layout, whole, device=state["opt"].device))
+    out = {}
+    for part in parts:
+        layout, leaves = structure(state[part])
+        if any(isinstance(t, DTensor) for t in leaves):
+            whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in leaves]
+            out[part] = rebuild(layout, whole, device=state[part].device)
+    return replace(state, **out) if out else state
 
 
 def local_bytes(tree: TensorDictBase) -> int:

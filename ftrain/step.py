@@ -307,17 +307,17 @@ def _sharder(shard: str, **settings):
     """The :class:`ftrain.sharding.Sharder` for ``shard="optimizer"`` (None for ``"none"``)."""
     if shard == "none":
         return None
-    if shard != "optimizer":
-        raise ValueError(f"shard must be 'none' or 'optimizer', got shard={shard!r}")
+    if shard not in ("optimizer", "full"):
+        raise ValueError(f"shard must be 'none', 'optimizer' or 'full', got shard={shard!r}")
     refused = [k for k, v in settings.items() if v and (k != "precision" or v == "fp16")]
     if refused:
         raise ValueError(
-            f"shard='optimizer' does not combine with {refused} yet; drop them "
+            f"shard={shard!r} does not combine with {refused} yet; drop them "
             "(fp16's skip decision and donation are per-rank, compile needs one graph)"
         )
     from ftrain.sharding import Sharder
 
-    return Sharder()
+    return Sharder(full=shard == "full")
 
 
 def _check_sharded(opt: TensorDictBase) -> None:
@@ -410,10 +410,11 @@ def make_step(
             of each shape compiles (logged once, and ``step.core.compile_seconds``); results
             match the eager step to ~1e-6. Not with ``dp`` or ``clip=``.
         clip: deprecated; put ``clip_by_global_norm`` in ``tx`` instead.
-        shard: ``"none"`` or ``"optimizer"``: each rank keeps only its dim-0 shard of the
-            optimizer state (ZeRO-1, :mod:`ftrain.sharding`; shard the state with
-            ``ftrain.sharding.shard_state`` first). Needs ``torch.distributed``; not with
-            ``compile``, ``donate``, ``fp16`` or ``clip=``.
+        shard: ``"none"``, ``"optimizer"`` (each rank keeps only its dim-0 shard of the
+            optimizer state: ZeRO-1) or ``"full"`` (of the params too: ZeRO-3, whole params
+            gathered for the step's forward and backward); :mod:`ftrain.sharding`. Shard
+            the state with ``ftrain.sharding.shard_state(state, step.sharder)`` first.
+            Needs ``torch.distributed``; not with ``compile``, ``donate``, ``fp16``, ``clip=``.
 
     Returns:
         ``step(state, batch) -> (new_state, metrics)``. ``batch`` is a TensorDict (or mapping);
@@ -458,7 +459,7 @@ def make_step(
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
         opt = state["opt"]
         if sharder is not None:
-            _check_sharded(opt)
+            _check_sharded(opt if not sharder.full else state["params"])
         scale = _loss_scale(opt, precision, clip)
         # a state an in-flight async save still reads is never overwritten
         in_place = donate and not is_pinned(state)
@@ -499,6 +500,11 @@ class _EagerCore:
     def __call__(self, p, b, opt, micro, gen, scale, in_place, keep):
         (pkeys, params), (bkeys, buffers) = p, b
         buffers = [t.clone() for t in buffers]  # a forward may update buffers in place
+        # shard="full": the state holds rows; the forward and backward need whole params
+        held = params
+        if self.sharder is not None and self.sharder.full:
+            with torch.no_grad():
+                params = self.sharder.all_gather(held)
         grads, loss, aux = self.grads_of(pkeys, params, keep, bkeys, buffers, micro, gen, scale)
         tkeys, tparams = (
             (pkeys, params) if keep is None else (pick(keep, pkeys), pick(keep, params))
@@ -506,7 +512,8 @@ class _EagerCore:
         with torch.no_grad():
             if self.sharder is not None:
                 grads = self.sharder.reduce_scatter_mean(grads)
-                tparams = [self.sharder.shard(t, copy=False) for t in tparams]
+                own = held if keep is None else pick(keep, held)
+                tparams = [self.sharder.shard(t, copy=False) for t in own]
             elif self.collective is not None:
                 grads, _ = self.collective(tkeys, grads, _EMPTY, None)
             grad_norm = _local(global_norm_of(grads))
@@ -514,11 +521,13 @@ class _EagerCore:
             if self.old_clip is not None:
                 grads, _ = self.old_clip(tkeys, grads, _EMPTY, None)
             updates, new_opt = self.update(tkeys, grads, opt, tparams)
-            if self.sharder is not None:
-                new = self.sharder.all_gather(torch._foreach_add(tparams, updates))
-            else:
+            if self.sharder is None:
                 new = _apply(tparams, updates, in_place)
-            new_params = carry_frozen(params, keep, new)
+            elif self.sharder.full:  # the new rows are the state: nothing to gather
+                new = torch._foreach_add(tparams, updates)
+            else:
+                new = self.sharder.all_gather(torch._foreach_add(tparams, updates))
+            new_params = carry_frozen(held, keep, new)
         return new_params, buffers, new_opt, loss, grad_norm, aux
 
 

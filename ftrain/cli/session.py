@@ -245,6 +245,8 @@ class Session:
                 self.world.size,
                 device=device,
             )
+            if self.sharded:  # shard=full: every rank gathers whole params (collective)
+                state = gather_state(state, ("params",))
             out = evaluate(eval_step, state, batches)
             return all_mean({"val_loss": out["loss"]})
 

@@ -317,12 +317,12 @@ def _check_init(init) -> None:
 
 def _check_shard(cfg: DictConfig) -> None:
     shard, t = cfg.dist.shard, cfg.trainer
-    if shard not in ("none", "optimizer"):
-        raise _bad("dist.shard", shard, "must be none or optimizer")
+    if shard not in ("none", "optimizer", "full"):
+        raise _bad("dist.shard", shard, "must be none, optimizer or full")
     clash = [
         f"{k}={v}" for k, v in (("trainer.donate", t.donate), ("trainer.compile", t.compile)) if v
     ] + (["trainer.precision=fp16"] if t.precision == "fp16" else [])
-    if shard == "optimizer" and clash:
+    if shard != "none" and clash:
         raise _bad(
             "dist.shard",
             shard,

@@ -117,7 +117,7 @@ class TrainerConfig:
 class DistConfig:
     backend: str = "auto"
     timeout_s: int = 600
-    shard: str = "none"  # none | optimizer (ZeRO-1: ftrain.sharding)
+    shard: str = "none"  # none | optimizer (ZeRO-1) | full (ZeRO-3): ftrain.sharding
 
 
 @dataclass

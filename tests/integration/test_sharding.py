@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("sharding_worker.py")
 
 
-def test_sharded_optimizer_matches_unsharded_and_halves_the_optimizer_state(tmp_path):
+def test_sharded_state_matches_unsharded_and_halves_what_each_rank_holds(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
@@ -23,13 +23,16 @@ def test_sharded_optimizer_matches_unsharded_and_halves_the_optimizer_state(tmp_
         [*cmd, str(WORKER), str(out)], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    r = json.loads(out.read_text())
-    assert r["params_rel"] <= 1e-5 and r["opt_rel"] <= 1e-5, r  # 50 steps, clipping active
-    assert r["norm_rel"] <= 1e-9, r  # the global norm over shards is the whole norm
-    assert r["params_identical_across_ranks"] and r["roundtrip_bit_exact"], r
-    # per-parameter moments are split in two; only the 0-d counters stay whole
-    assert r["opt_bytes_sharded"] <= r["opt_bytes_plain"] / 2 + 64, r
-    assert r["sharded_leaves"] > 0
+    report = json.loads(out.read_text())
+    for mode in ("optimizer", "full"):
+        r = report[mode]
+        assert r["params_rel"] <= 1e-5 and r["opt_rel"] <= 1e-5, (mode, r)  # 50 steps, clipped
+        assert r["norm_rel"] <= 1e-9, (mode, r)  # the norm over shards is the whole norm
+        assert r["params_identical_across_ranks"] and r["roundtrip_bit_exact"], (mode, r)
+        # per-parameter moments are split in two; only 0-d counters stay whole
+        assert r["opt_bytes"] <= report["opt_bytes_plain"] / 2 + 64, (mode, r)
+    assert report["optimizer"]["param_bytes"] == report["param_bytes_plain"]
+    assert report["full"]["param_bytes"] <= report["param_bytes_plain"] / 2 + 64
 
 
 def _torchrun(run_dir, cache_dir, *overrides, nproc=2):
@@ -41,15 +44,19 @@ def _torchrun(run_dir, cache_dir, *overrides, nproc=2):
     return out
 
 
-def test_cli_sharded_run_resumes_bit_exact_and_on_another_world_size(cli, cache_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_cli_sharded_run_resumes_bit_exact_and_on_another_world_size(
+    cli, cache_dir, tmp_path, mode
+):
     from ftrain.ckpt import CheckpointManager
     from ftrain.state import first_difference
 
     from .conftest import records
 
     whole, split, elastic = tmp_path / "whole", tmp_path / "split", tmp_path / "elastic"
-    common = ["dist.shard=optimizer", "checkpoint.every_steps=3", "model.dropout=0"]
-    _torchrun(whole, cache_dir, *common, "trainer.max_steps=6")
+    common = [f"dist.shard={mode}", "checkpoint.every_steps=3", "model.dropout=0"]
+    out = _torchrun(whole, cache_dir, *common, "trainer.max_steps=6", "trainer.eval_every=3")
+    assert "val_loss" in out  # evaluation gathers whole params under shard=full
     _torchrun(split, cache_dir, *common, "trainer.max_steps=3")
     out = _torchrun(split, cache_dir, *common, "trainer.max_steps=6")
     assert "resumed from step 3" in out
@@ -65,7 +72,7 @@ def test_cli_sharded_run_resumes_bit_exact_and_on_another_world_size(cli, cache_
     )
     out = cli(elastic, *common, "trainer.max_steps=6", "trainer.eval_every=null", check=0).stdout
     assert "world size changed: checkpoint written by 2 rank(s), resumed on 1" in out
-    assert "dist.shard=optimizer on one rank: nothing to shard" in out
+    assert f"dist.shard={mode} on one rank: nothing to shard" in out
     assert records(elastic, "resume")[-1]["position"] == 12  # the global sample order goes on
     a, b = state(whole, 6), state(elastic, 6)
     assert torch.equal(a["data"]["position"], b["data"]["position"])
