@@ -7,7 +7,10 @@ Protocol for one step (``root/step_00000400``), one writer per step:
    the lock until it has committed or aborted; the kernel drops it if the writer dies.
 2. Write every chunk and ``zarr.json`` into the staging directory and make them durable
    (one ``syncfs`` on Linux; elsewhere fsync every file, then every directory bottom-up).
-   Any error aborts: the staging directory is removed.
+   Chunks and documents of leaves unchanged since the previous commit are hard links to
+   that step's files instead (:mod:`ftrain.ckpt.incremental`): already durable, only
+   their names are new. Any error aborts: the staging directory is removed (its names
+   only: a linked file lives on in the committed step).
 3. Write ``manifest.json`` (groups, arrays, shapes, dtypes, chunk shapes, per-chunk
    crc32c, bytes) and fsync it.
 4. Write ``COMMITTED`` last: JSON with the step, the format version and the crc32c and

@@ -195,14 +195,24 @@ def _crc(b: torch.Tensor, value: int = 0) -> int:
     return crc32c.crc32c(memoryview(b.cpu().numpy()), value=value)
 
 
+def _windows(n: int) -> list[tuple[int, int]]:
+    """The fingerprint's byte ranges in a leaf of ``n`` bytes (all of it if small)."""
+    if n <= WINDOW * WINDOWS:
+        return [(0, n)]
+    return [(s, s + WINDOW) for s in (j * (n - WINDOW) // (WINDOWS - 1) for j in range(WINDOWS))]
+
+
 def sample_fingerprint(t: torch.Tensor) -> int:
-    """The crc32c of the leaf's sample windows (the whole leaf if it is 32 KiB or less)."""
+    """The crc32c of the leaf's sample windows, end to end (the whole leaf if it is 32 KiB
+    or less). On the CPU straight from the tensor's memory; elsewhere the windows are
+    gathered on the device and copied to the host together."""
+    if t.device.type == "cpu":
+        view, crc = tensor_bytes(t), 0
+        for start, stop in _windows(len(view)):
+            crc = crc32c.crc32c(view[start:stop], value=crc)
+        return crc
     flat = _flat_bytes(t)
-    n = flat.numel()
-    if n > WINDOW * WINDOWS:
-        starts = [j * (n - WINDOW) // (WINDOWS - 1) for j in range(WINDOWS)]
-        flat = torch.cat([flat[s : s + WINDOW] for s in starts])
-    return _crc(flat)
+    return _crc(torch.cat([flat[a:b] for a, b in _windows(flat.numel())]))
 
 
 def _chunk_crc(t: torch.Tensor, spec: ArraySpec, i: int) -> int:
@@ -326,12 +336,15 @@ def remember(
         return None
     leaves = {}
     for key, ident in plan.identities.items():
-        if key in plan.reuse:
-            fingerprint = last.leaves[key].fingerprint
+        entry = manifest["arrays"][key]
+        if key in plan.reuse:  # its bytes were checked against the old fingerprint
+            prev = last.leaves[key]
+            same = list(prev.spec.crc32c) == entry["crc32c"]  # else a link failed: rewritten
+            spec = prev.spec if same else ArraySpec.from_json(key, entry)
+            leaves[key] = CommittedLeaf(ident, spec, prev.fingerprint)
         else:
-            fingerprint = sample_fingerprint(written[key])
-        spec = ArraySpec.from_json(key, manifest["arrays"][key])
-        leaves[key] = CommittedLeaf(ident, spec, fingerprint)
+            spec = ArraySpec.from_json(key, entry)
+            leaves[key] = CommittedLeaf(ident, spec, sample_fingerprint(written[key]))
     return LastCommit(step, step_dir, leaves, plan.cursor)
 
 

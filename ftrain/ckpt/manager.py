@@ -440,8 +440,7 @@ class CheckpointManager:
                 linked,
             )
             self._written.add(step)
-            self._set_aside_other_histories(step, final)
-            locations = self._locations()
+            locations = self._set_aside_other_histories(step, final)
             entries = {s: e for s, e in self._entries.items() if s in locations}
             for s, paths in locations.items():
                 if s not in entries or entries[s]["path"] != str(paths[0]):
@@ -462,16 +461,20 @@ class CheckpointManager:
             self._entries = entries
             self._store_index()
 
-    def _set_aside_other_histories(self, step: int, final: Path) -> None:
+    def _set_aside_other_histories(self, step: int, final: Path) -> dict[int, list[Path]]:
         """After committing ``step``: copies of it elsewhere (the other location) and steps
         newer than the branch point that this manager did not write are moved aside, so a
-        resume never mixes two histories (they stay on disk; ``ckpt list`` shows them)."""
-        for s, paths in self._locations().items():
+        resume never mixes two histories (they stay on disk; ``ckpt list`` shows them).
+        Returns the committed steps left (listed again only if something moved)."""
+        locations, moved = self._locations(), False
+        for s, paths in locations.items():
             newer = self._restored_from is not None and s > self._restored_from
             for p in paths:
                 if (s == step and p != final) or (newer and s not in self._written):
-                    moved = protocol.set_aside(p, "replaced" if s == step else "superseded")
-                    log.warning("[step=%d] moved %s aside to %s (another history)", s, p, moved)
+                    aside = protocol.set_aside(p, "replaced" if s == step else "superseded")
+                    log.warning("[step=%d] moved %s aside to %s (another history)", s, p, aside)
+                    moved = True
+        return self._locations() if moved else locations
 
     def _store_index(self) -> None:
         for d in self._dirs:

@@ -18,7 +18,10 @@ Protocol for one step (one writer per step: the run lock of ``run.dir`` ensures 
    at a time, and retries
    throttling, 5xx and connection errors with backoff: :data:`ftrain.ckpt.location.RETRY`).
    Every request is confirmed (awaited) before the next phase; any error aborts: the
-   objects uploaded so far are deleted (best effort; a leftover is swept later).
+   objects uploaded so far are deleted (best effort; a leftover is swept later). Chunks
+   of leaves unchanged since the previous commit (:mod:`ftrain.ckpt.incremental`) are
+   server-side copies of that step's objects instead of uploads: the new step still owns
+   every object it lists, so deleting the older step never breaks it.
 3. Put ``manifest.json`` (every array, shape, dtype, chunk crc32c, document checksums).
 4. Put ``COMMITTED`` *last*, with ``If-None-Match: *`` (obstore ``mode="create"``): the
    step exists from this moment. If a marker appeared meanwhile (a second writer committed

@@ -31,6 +31,7 @@ import stat
 import sys
 from pathlib import Path
 
+import crc32c
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -46,6 +47,7 @@ from ftrain.ckpt.format import (
     CorruptCheckpointError,
     array_zarr_json,
     check_key,
+    json_bytes,
     parse_dtype,
     plan_array,
     read_chunk,
@@ -103,7 +105,7 @@ def _chunk_jobs(tmp: Path, spec: ArraySpec, data: memoryview, rank: int, world: 
         start, stop = spec.chunk_span(i)
         pad = spec.chunk_nbytes - (stop - start)
         path = tmp.joinpath(*spec.key.split("/"), *spec.chunk_key(i).split("/"))
-        jobs.append((spec.key, i, path, data[start:stop], pad))
+        jobs.append((path, spec.key, i, data[start:stop], pad))
     return jobs
 
 
@@ -183,14 +185,8 @@ def write_tree(
         k: reuse[k].spec if k in reuse else plan_array(k, t, chunk_bytes, spec_str)
         for k, t in leaves.items()
     }
-    dirs = _all_dirs(tmp, groups, list(specs.values()))
-    mk = _Dirs(tmp)
-    fallback = FallbackBytes(reuse)
-    jobs: list = []
+    jobs = _document_jobs(tmp, groups, specs, attributes, reuse) if rank == 0 else []
     links: list = []
-    if rank == 0:  # the root document (consolidated, the largest) first
-        for rel, doc in step_documents(groups, specs, attributes).items():
-            jobs.append(("json", tmp.joinpath(*rel.split("/")), doc))
     for k, s in specs.items():
         if not s.n_chunks:
             continue
@@ -203,38 +199,15 @@ def write_tree(
     # metadata-bound rest (zarr.json documents, small chunks, the directories they need).
     # Creating ~800 directories and ~1,100 small files costs about as long as writing the
     # data on this VM; overlapping the two hides most of it.
-    big = [j for j in jobs if j[0] == "chunk" and len(j[4]) + j[5] >= DIRECT_MIN_BYTES]
-    big.sort(key=lambda j: -len(j[4]))
+    is_big = [j[0] == "chunk" and len(j[4]) + j[5] >= DIRECT_MIN_BYTES for j in jobs]
+    big = sorted((j for j, b in zip(jobs, is_big, strict=True) if b), key=lambda j: -len(j[4]))
     big += links  # metadata work, but the data pool is idle when most leaves are linked
-    small = [j for j in jobs if j[0] == "chunk" and len(j[4]) + j[5] < DIRECT_MIN_BYTES]
-    meta = [j for j in jobs if j[0] == "json"] + small
-
+    meta = [j for j, b in zip(jobs, is_big, strict=True) if not b]  # documents first
     per_file = durable and not _HAVE_SYNCFS
-
-    def do(job: tuple) -> tuple:
-        if job[0] == "json":
-            mk.ensure(job[1].parent)
-            crc, length = write_json(job[1], job[2], durable=per_file)
-            return "doc", job[1].relative_to(tmp).as_posix(), crc, length
-        if job[0] == "link":
-            _, key, i, src, path = job
-            mk.ensure(path.parent)
-            s = specs[key]
-            stored = s.stored[i] if s.compression else s.chunk_nbytes
-            if _link(src, path, stored + 4):
-                return "chunk", key, i, s.crc32c[i], stored, True
-            job = ("chunk", key, i, path, *fallback.chunk(key, s, i))
-        _, key, i, path, payload, pad = job
-        mk.ensure(path.parent)
-        size = specs[key].itemsize
-        crc, stored = write_chunk(
-            path, payload, pad, durable=per_file, codec=codec, itemsize=size, direct=direct
-        )
-        return "chunk", key, i, crc, stored, False
-
+    w = _Writer(tmp, specs, FallbackBytes(reuse), codec, durable=per_file, direct=direct)
     # ``workers`` threads for the data, half as many again for metadata (4 + 2 measured
     # best on 2 cores: 3 + 1, 4 + 1 and 5 + 2 were slower).
-    results = run_pools([(do, big, workers), (do, meta, max(1, workers // 2))])
+    results = run_pools([(w.do, big, workers), (w.do, meta, max(1, workers // 2))])
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     stored: dict[str, dict[int, int]] = {k: {} for k in specs}
     documents: dict[str, list[int]] = {}
@@ -247,21 +220,94 @@ def write_tree(
             stored[r[1]][r[2]] = r[4]
             linked += r[4] + 4 if r[5] else 0
     if per_file:
-        run_parallel(fsync_dir, reversed(dirs), workers)
+        run_parallel(fsync_dir, reversed(_all_dirs(tmp, groups, list(specs.values()))), workers)
     elif durable:
         syncfs(tmp)
     return build_manifest(groups, specs, crcs, stored, documents, spec_str, linked)
 
 
-def _link_jobs(tmp: Path, spec: ArraySpec, source: Path, rank: int, world: int) -> list:
+class _Writer:
+    """Runs one job of :func:`write_tree` (from any thread): writes a ``zarr.json``, writes
+    a chunk, or hard-links a chunk or document of the step the reused leaves come from
+    (writing it instead where the link is impossible)."""
+
+    def __init__(self, tmp, specs, fallback, codec, *, durable: bool, direct: bool) -> None:
+        self.tmp, self.specs, self.fallback, self.codec = tmp, specs, fallback, codec
+        self.durable, self.direct = durable, direct
+        self.mk = _Dirs(tmp)
+
+    def do(self, job: tuple) -> tuple:
+        """``job`` = ``(kind, destination path, ...)``; returns what was recorded."""
+        kind, path = job[0], job[1]
+        self.mk.ensure(path.parent)
+        if kind == "json":
+            return self._document(*job[1:])
+        if kind == "link":
+            _, path, key, i, src = job
+            s = self.specs[key]
+            stored = s.stored[i] if s.compression else s.chunk_nbytes
+            if _link(src, path, stored + 4):
+                return "chunk", key, i, s.crc32c[i], stored, True
+            job = ("chunk", path, key, i, *self.fallback.chunk(key, s, i))
+        _, path, key, i, payload, pad = job
+        crc, stored = write_chunk(
+            path,
+            payload,
+            pad,
+            durable=self.durable,
+            codec=self.codec,
+            itemsize=self.specs[key].itemsize,
+            direct=self.direct,
+        )
+        return "chunk", key, i, crc, stored, False
+
+    def _document(self, path: Path, doc: dict, src: str | None) -> tuple:
+        rel = path.relative_to(self.tmp).as_posix()
+        if src is not None:
+            data = json_bytes(doc)
+            if _link(src, path, len(data)):
+                return "doc", rel, crc32c.crc32c(data), len(data)
+        crc, length = write_json(path, doc, durable=self.durable)
+        return "doc", rel, crc, length
+
+
+def _document_jobs(
+    tmp: Path, groups: list[str], specs: dict[str, ArraySpec], attributes: dict, reuse: dict
+) -> list:
+    """The ``zarr.json`` jobs, the root (consolidated, the largest) first. A document of
+    a reused array, or of a group holding only reused arrays (a frozen subtree), has the
+    same bytes as in the step they come from (documents depend only on the layout, which
+    reuse requires to be the same; groups carry no attributes): it is hard-linked from
+    there, like the chunks. The root's attributes change every step: always written."""
+    sources = {r.source for r in reuse.values()}
+    source = sources.pop() if len(sources) == 1 else None
+    same = _unchanged_nodes(groups, specs, reuse) if isinstance(source, Path) else set()
     jobs = []
-    for i in range(rank, spec.n_chunks, world):
-        rel = (*spec.key.split("/"), *spec.chunk_key(i).split("/"))
-        jobs.append(("link", spec.key, i, source.joinpath(*rel), tmp.joinpath(*rel)))
+    for rel, doc in step_documents(groups, specs, attributes).items():
+        src = f"{source}/{rel}" if rel.rpartition("/")[0] in same else None
+        jobs.append(("json", tmp.joinpath(*rel.split("/")), doc, src))
     return jobs
 
 
-def _link(src: Path, dst: Path, size: int) -> bool:
+def _unchanged_nodes(groups: list[str], specs: dict, reuse: dict) -> set[str]:
+    """The reused arrays and the groups with nothing but reused arrays below them."""
+    changed = {""}
+    for key in specs:
+        if key not in reuse:
+            parts = key.split("/")
+            changed.update("/".join(parts[:j]) for j in range(1, len(parts)))
+    return set(reuse) | {g for g in groups if g not in changed}
+
+
+def _link_jobs(tmp: Path, spec: ArraySpec, source: Path, rank: int, world: int) -> list:
+    jobs = []
+    for i in range(rank, spec.n_chunks, world):
+        rel = f"{spec.key}/{spec.chunk_key(i)}"  # the source as a string: no Path to parse
+        jobs.append(("link", tmp.joinpath(*rel.split("/")), spec.key, i, f"{source}/{rel}"))
+    return jobs
+
+
+def _link(src: str, dst: Path, size: int) -> bool:
     """Hard-link a committed step's chunk file into the staging directory. False (the
     caller writes the chunk instead) where that cannot work: another file system
     (``EXDEV``, e.g. a save that went to the fallback directory), no hard links (``EPERM``,

@@ -95,6 +95,11 @@ def test_unchanged_leaves_are_hard_linked_and_changed_ones_written(tmp_path, asy
         new1, new2 = chunk_files(d1, prefix), chunk_files(d2, prefix)
         assert new2 and all(inode(new1[k]) != inode(new2[k]) for k in new2)  # written
     assert inode(d1 / "rng" / "c.0") != inode(d2 / "rng" / "c.0")  # a new (equal) tensor
+    # documents of the frozen subtree (arrays and groups) are linked; the rest written
+    for doc in ("params/base/wte", "params/base/h/0/b", "params/base/h", "params/base"):
+        assert inode(d1 / doc / "zarr.json") == inode(d2 / doc / "zarr.json")
+    for doc in ("params/lora/A", "params/lora", "params", "."):
+        assert inode(d1 / doc / "zarr.json") != inode(d2 / doc / "zarr.json")
     m = manager(tmp_path)
     save1, save2 = m.metadata(1)["save"], m.metadata(2)["save"]
     linked = sum(p.stat().st_size for p in frozen2.values())
@@ -198,16 +203,19 @@ def test_a_change_outside_the_sample_windows_is_found_by_the_chunk_audit(tmp_pat
 
 def test_the_checks_hash_a_sample_of_the_bytes(tmp_path, monkeypatch):
     """Per save: each reused leaf's 32 KiB of windows, plus 1/32 of the reused bytes."""
-    seen = []
-    real = incr._crc
-    monkeypatch.setattr(incr, "_crc", lambda b, value=0: seen.append(b.numel()) or real(b, value))
     big = torch.randn(1 << 20)  # 4 MiB in 64 chunks
+    leaves = {"step": torch.tensor(2), "frozen": big}
     with CheckpointManager(tmp_path, chunk_bytes=64 << 10, async_save=False) as m:
         m.save(TensorDict({"step": torch.tensor(1), "frozen": big}, []))
-        seen.clear()
-        m.save(TensorDict({"step": torch.tensor(2), "frozen": big}, []))
-    step_leaf = 8  # the new step counter is fingerprinted after its write
-    assert sum(seen) == incr.WINDOW * incr.WINDOWS + (4 << 20) * incr.AUDIT_FRACTION + step_leaf
+        seen = []
+        real = incr.crc32c.crc32c
+        monkeypatch.setattr(
+            incr.crc32c, "crc32c", lambda b, value=0: seen.append(len(b)) or real(b, value)
+        )
+        plan = incr.plan_save(m._last_commit, leaves, 64 << 10, None)
+        monkeypatch.undo()
+    assert set(plan.reuse) == {"frozen"}
+    assert sum(seen) == incr.WINDOW * incr.WINDOWS + (4 << 20) * incr.AUDIT_FRACTION
 
 
 def test_a_different_object_with_the_same_storage_is_not_reused(tmp_path):
@@ -444,3 +452,13 @@ def test_host_snapshot_does_not_copy_reused_device_leaves():
     assert leaves["a/dev"].device.type == "meta" and leaves["a/dev"].shape == (4, 3)
     assert torch.equal(leaves["a/cpu"], cpu)
     assert incr.host_snapshot(TensorDict({"x": cpu}, []), {"x": cpu}, {}) is not None
+
+
+def test_inference_tensors_have_no_version_counter_and_are_always_written(tmp_path):
+    with torch.inference_mode():
+        frozen = torch.randn(64, 64)
+    with manager(tmp_path, async_save=False) as m:
+        for step in (1, 2):
+            m.save(TensorDict({"step": torch.tensor(step), "frozen": frozen}, []))
+    assert manager(tmp_path).metadata(2)["save"]["linked_bytes"] == 0
+    assert torch.equal(manager(tmp_path).restore(2)["frozen"], frozen)

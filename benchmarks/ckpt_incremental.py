@@ -1,0 +1,226 @@
+"""Incremental checkpoints: LoRA fine-tuning saves vs full saves, and full training.
+
+LoRA rows: GPT-2 small (124M, vocab 50304) with rank-8 LoRA on every ``c_attn``
+(``ftrain.lora.apply_lora``), AdamW on the adapters and ``optim.frozen()`` on the rest
+(``optim.multi_transform``), real steps (``ftrain.make_step``, one 1x64-token batch) between
+saves, so the frozen base is carried by the step itself as the same tensor objects. Each
+round runs one step and saves its state twice, durably (sync), in alternating order: with
+``incremental=False`` (a full save, the previous behaviour) and with the default
+incremental manager (the base hard-linked from its previous step). ``du`` of the
+incremental directory's two newest steps (hard links counted once) is compared with one
+full step plus the adapters and their optimizer state.
+
+Full-training rows: the GPT-2 + AdamW state of ``benchmarks/ckpt_io.py`` (1.49 GB), every
+leaf a new tensor in every round (nothing can be reused), saved by the incremental and the
+non-incremental manager in alternating order: the identity check, fingerprints and record
+must cost nothing measurable. Medians over ``--reps`` rounds; results go to
+docs/benchmarks.md ("Incremental checkpoints").
+
+    .venv/bin/python -W ignore benchmarks/ckpt_incremental.py --dir /tmp/ckpt_incr --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+# the state of the checkpoint I/O benchmark (this script's directory is on sys.path)
+from ckpt_io import gpt2_adamw_state
+from tensordict import TensorDict
+
+import ftrain
+from ftrain import lora, optim
+from ftrain.ckpt import CheckpointManager, LatestN
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt import incremental as incr
+from ftrain.ckpt.store import flatten
+from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
+
+
+def lora_run(vocab: int):
+    """``(state, step, batch)`` of a rank-8 LoRA fine-tune on GPT-2 small's c_attn."""
+    g = torch.Generator().manual_seed(0)
+    model = GPT(GPTConfig.gpt2(vocab_size=vocab, dropout=0.0), generator=g)
+    lora.apply_lora(model, rank=8, alpha=16, targets=("c_attn",), generator=g)
+    tx = optim.multi_transform(
+        {"lora": optim.adamw(1e-3), "frozen": optim.frozen()},
+        {"lora": lora.is_adapter, "frozen": None},
+    )
+    state = ftrain.init_state(model, tx, seed=0)
+    tokens = torch.randint(0, vocab, (1, 65), generator=g)
+    return state, ftrain.make_step(model, lm_loss, tx), {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+def du(*paths: Path) -> int:
+    """Bytes on disk of ``paths`` together, hard links counted once (``du -scb``)."""
+    out = subprocess.run(["du", "-scb", *map(str, paths)], capture_output=True, text=True)
+    return int(out.stdout.strip().splitlines()[-1].split()[0])
+
+
+def timed_save(m: CheckpointManager, state: TensorDict) -> dict:
+    t0 = time.perf_counter()
+    m.save(state, force=True)
+    seconds = time.perf_counter() - t0
+    save = m.metadata(int(state["step"]))["save"]
+    return {"seconds": seconds, "written": save["written_bytes"], "linked": save["linked_bytes"]}
+
+
+def adapter_bytes(state: TensorDict) -> int:
+    """The adapters and their optimizer state (what changes in a LoRA step)."""
+    _, leaves = flatten(state)
+    return sum(t.numel() * t.element_size() for k, t in leaves.items() if "lora" in k)
+
+
+def bench_lora(root: Path, reps: int, vocab: int) -> dict:
+    """Saves of every step (kept: retention's deletes are timed on their own, after)."""
+    state, step, batch = lora_run(vocab)
+    full = CheckpointManager(root / "full", async_save=False, incremental=False)
+    inc = CheckpointManager(root / "incr", async_save=False)
+    res: dict = {"full": [], "incr": [], "first": None}
+    for rep in range(reps + 1):
+        state, _ = step(state, batch)
+        order = [("full", full), ("incr", inc)] if rep % 2 else [("incr", inc), ("full", full)]
+        for name, m in order:
+            r = timed_save(m, state)
+            if name == "incr" and rep == 0:
+                res["first"] = r  # the first save has nothing to link from
+            elif rep:
+                res[name].append(r)
+        if rep:
+            print(f"  round {rep}: " + _times(res, ("full", "incr")), flush=True)
+    dirs = [root / "incr" / f"step_{s:08d}" for s in inc.all_steps()[-2:]]
+    res |= {
+        "state_bytes": sum(t.numel() * t.element_size() for t in flatten(state)[1].values()),
+        "adapter_bytes": adapter_bytes(state),
+        "du_two": du(*dirs),
+        "du_one_full": du(root / "full" / f"step_{full.all_steps()[-1]:08d}"),
+    }
+    for name, m in (("full", full), ("incr", inc)):  # what LatestN's delete of a step costs
+        res[f"delete_{name}"] = _delete_oldest(m, reps - 1)
+    return res
+
+
+def _delete_oldest(m: CheckpointManager, n: int) -> float:
+    """Median seconds of deleting the oldest step, ``n`` times (the newest is kept)."""
+    times = []
+    for s in m.all_steps()[:n]:
+        path = m._locations()[s][0]
+        t0 = time.perf_counter()
+        protocol.delete_step(path)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _times(res: dict, names) -> str:
+    return "  ".join(f"{n} {res[n][-1]['seconds']:.3f} s" for n in names)
+
+
+def new_leaves(state: TensorDict) -> TensorDict:
+    """The same values in new tensors: what a full training step hands the manager."""
+    return state.apply(lambda t: t.clone())
+
+
+def bench_full_training(root: Path, reps: int) -> dict:
+    state = gpt2_adamw_state()
+    keep = LatestN(1)
+    managers = {
+        "previous (incremental=False)": CheckpointManager(
+            root / "ft_off", async_save=False, incremental=False, keep_policy=keep
+        ),
+        "incremental": CheckpointManager(root / "ft_on", async_save=False, keep_policy=keep),
+    }
+    res: dict = {n: [] for n in managers}
+    checks = []
+    for rep in range(reps):
+        state = new_leaves(state)
+        state["step"] = torch.tensor(1000 + rep)
+        names = list(managers) if rep % 2 else list(reversed(managers))
+        for name in names:
+            res[name].append(timed_save(managers[name], state))
+        t0 = time.perf_counter()  # the synchronous part of the check, on its own
+        incr.plan_save(managers["incremental"]._last_commit, flatten(state)[1], 32 << 20, None)
+        checks.append(time.perf_counter() - t0)
+        print(f"  round {rep}: " + _times(res, names), flush=True)
+    res["check_seconds"] = checks
+    res["leaves"] = len(flatten(state)[1])
+    res["linked"] = [r["linked"] for r in res["incremental"]]
+    return res
+
+
+def med(rows: list[dict], field: str) -> float:
+    return statistics.median(r[field] for r in rows)
+
+
+def report_lora(lo: dict, reps: int) -> None:
+    full_s, inc_s = med(lo["full"], "seconds"), med(lo["incr"], "seconds")
+    full_b, inc_b = med(lo["full"], "written"), med(lo["incr"], "written")
+    mb = 1e6
+    print(
+        f"\nLoRA state: {lo['state_bytes'] / mb:.1f} MB, adapters + their AdamW state "
+        f"{lo['adapter_bytes'] / mb:.2f} MB; medians of {reps} rounds"
+    )
+    print("| save | seconds | written | linked | bytes vs full | time vs full |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| full (incremental=False) | {full_s:.3f} | {full_b / mb:.1f} MB | 0 | 1 | 1 |")
+    first = lo["first"]
+    print(f"| incremental, first save | {first['seconds']:.3f} | {first['written'] / mb:.1f} MB |")
+    linked = med(lo["incr"], "linked")
+    print(
+        f"| incremental, later saves | {inc_s:.3f} | {inc_b / mb:.2f} MB | {linked / mb:.1f} MB"
+        f" | {inc_b / full_b:.4f} | {inc_s / full_s:.3f} |"
+    )
+    print(
+        f"retention's delete of one step: full {lo['delete_full'] * 1e3:.0f} ms, "
+        f"incremental {lo['delete_incr'] * 1e3:.0f} ms"
+    )
+    want = lo["du_one_full"] + lo["adapter_bytes"]
+    print(
+        f"du of two consecutive incremental steps {lo['du_two'] / mb:.1f} MB; one full step "
+        f"{lo['du_one_full'] / mb:.1f} MB + adapters and state {lo['adapter_bytes'] / mb:.2f} MB"
+        f" = {want / mb:.1f} MB (ratio {lo['du_two'] / want:.3f})"
+    )
+
+
+def report_full_training(ft: dict, reps: int) -> None:
+    off, on = med(ft["previous (incremental=False)"], "seconds"), med(ft["incremental"], "seconds")
+    print(f"\nFull training: {ft['leaves']} leaves, all new every round; medians of {reps} rounds")
+    print("| manager | save s | ratio |")
+    print("|---|---:|---:|")
+    print(f"| previous (incremental=False) | {off:.3f} | 1 |")
+    print(f"| incremental | {on:.3f} | {on / off:.3f} |")
+    check = statistics.median(ft["check_seconds"]) * 1e3
+    print(f"identity check in save(): median {check:.2f} ms; linked bytes: {ft['linked']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/ckpt_incr"))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--vocab", type=int, default=50304, help="256: ftrain's byte-level GPT-2")
+    ap.add_argument("--skip-full-training", action="store_true")
+    args = ap.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    torch.set_num_threads(2)
+    print("LoRA fine-tune (GPT-2 small, rank 8 on c_attn)", flush=True)
+    lo = bench_lora(args.dir, args.reps, args.vocab)
+    shutil.rmtree(args.dir / "full")
+    shutil.rmtree(args.dir / "incr")
+    ft = None
+    if not args.skip_full_training:
+        print("full training (every leaf new)", flush=True)
+        ft = bench_full_training(args.dir, args.reps)
+    report_lora(lo, args.reps)
+    if ft is not None:
+        report_full_training(ft, args.reps)
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
