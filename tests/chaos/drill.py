@@ -10,7 +10,7 @@ Kills come in three kinds, drawn from a seeded plan (``random.Random(seed)``):
   land in the interpreter start, config, restore, the stale-staging sweep or early steps;
 - ``step``: a random moment after the heartbeat shows training running (in a step, or
   while an async save writes in the background);
-- a commit-protocol or retention-delete phase (``inject/sitecustomize.py``): the process
+- a commit-protocol or retention-delete phase (``ftrain/faults/sitecustomize.py``): the process
   SIGKILLs itself at that exact point, e.g. after ``COMMITTED`` was written but before the
   rename, or after a retention delete renamed a step to ``*.del-*``.
 
@@ -31,9 +31,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftrain.faults import inject_dir
 from tests.integration.conftest import TINY
 
-INJECT_DIR = Path(__file__).resolve().parent / "inject"
+INJECT_DIR = inject_dir()  # the shipped injector: ftrain/faults/sitecustomize.py
 REPO = Path(__file__).resolve().parents[2]
 
 COMMIT_PHASES = ("begun", "data_written", "manifest_written", "marker_written", "renamed")

@@ -1,0 +1,380 @@
+"""``python -m ftrain.drill [options] [hydra overrides]``: the fault drill, end to end.
+
+Runs the real CLI under ``torchrun`` (gloo on CPU) and checks what the fault-tolerance
+playbook promises, printing one line per scenario and a one-line verdict (exit 0 only on
+pass)::
+
+    python -m ftrain.drill                                   # gpt2_tiny, 2 ranks
+    python -m ftrain.drill dist.nproc=2 dist.shard=optimizer model=gpt2_tiny
+    python -m ftrain.drill drill.steps=40 drill.commit_every=10 drill.kill_at=15
+
+Scenarios (``S`` steps, a commit every ``C``, a kill at ``K``, ``C < K < 2C <= S``):
+
+1. ``reference``: an uninterrupted run of ``S`` steps.
+2. ``machine``: the same run; every rank is SIGKILLed at once when step ``K`` is reached
+   (the machine dies, the torchrun agent survives); torchrun (``--max-restarts``)
+   restarts the group, every rank resumes from ``C``, step ``C+1`` has the reference's
+   loss (the same batch) and learning rate, and the run ends bit-identical to the
+   reference; the steps redone are counted.
+3. ``kill``: one rank SIGKILLed at ``K``: the survivors' next collective fails and they
+   make a one-rank emergency save of the last finished step before the restart (a
+   sharded state cannot: then the last commit is used); the resume is from that step and
+   the run ends bit-identical.
+4. ``kill_during_save``: rank 0 SIGKILLs itself while writing step ``2C`` (after its data,
+   before the manifest); that step is not committed, the restart resumes from ``C``, and
+   the run ends bit-identical to the reference.
+5. ``corrupt_newest``: one chunk of the newest checkpoint of (2) is flipped; a re-run
+   detects it, rejects that step, resumes from the previous one and ends bit-identical.
+6. ``world_size``: the reference's step ``C`` resumed on ``N-1`` ranks (1 for 2) continues
+   the same global sample order to ``S`` (results equal up to reduction rounding).
+
+Options (``drill.*`` and ``dist.nproc`` are the drill's; everything else goes to ftrain):
+``drill.steps`` (12), ``drill.commit_every`` (4), ``drill.kill_at`` (6), ``drill.dir``
+(a temporary directory, removed on pass), ``dist.nproc`` (2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftrain.faults import inject_dir
+
+__all__ = ["main"]
+
+_DEFAULTS = {"drill.steps": 12, "drill.commit_every": 4, "drill.kill_at": 6, "dist.nproc": 2}
+_TIMEOUT_S = 900.0
+
+
+@dataclass
+class Plan:
+    steps: int
+    commit: int
+    kill: int
+    nproc: int
+    root: Path
+    overrides: list[str]
+    keep: bool
+
+
+class DrillFailed(Exception):
+    """A scenario did not hold; the message says what was seen."""
+
+
+def _parse(argv: list[str]) -> Plan:
+    opts, rest, root = dict(_DEFAULTS), [], None
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if key == "drill.dir" and eq:
+            root = value
+        elif key in opts and eq:
+            if not value.isdigit():
+                raise SystemExit(f"{key}={value!r} must be a positive integer")
+            opts[key] = int(value)
+        else:
+            rest.append(arg)
+    plan = Plan(
+        opts["drill.steps"],
+        opts["drill.commit_every"],
+        opts["drill.kill_at"],
+        opts["dist.nproc"],
+        Path(root or tempfile.mkdtemp(prefix="ftrain-drill-")),
+        rest,
+        keep=root is not None,
+    )
+    if not 0 < plan.commit < plan.kill < 2 * plan.commit <= plan.steps:
+        raise SystemExit(
+            f"need 0 < drill.commit_every < drill.kill_at < 2 * drill.commit_every <= drill.steps, "
+            f"got steps={plan.steps} commit_every={plan.commit} kill_at={plan.kill}"
+        )
+    if plan.nproc < 2:
+        raise SystemExit(f"dist.nproc={plan.nproc}: the drill kills one rank of several; use >= 2")
+    _check_overrides(plan)
+    return plan
+
+
+def _check_overrides(plan: Plan) -> None:
+    from ftrain.config import ConfigError, load_config
+
+    try:
+        load_config(_overrides(plan, plan.root / "check"))
+    except ConfigError as err:
+        raise SystemExit(f"ftrain.drill: {err}") from None
+
+
+def _overrides(plan: Plan, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"run.dir={run_dir}",
+        "run.plot=false",
+        "trainer.eval_every=null",
+        *plan.overrides,
+        f"trainer.max_steps={plan.steps}",
+        f"checkpoint.every_steps={plan.commit}",
+        "checkpoint.keep_last=null",
+        *extra,
+    ]
+
+
+def _env(arm: Path | None = None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("FTRAIN_CHAOS_ARM", None)
+    if arm is not None:  # the shipped injector: the process kills itself at a protocol phase
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(inject_dir()), env.get("PYTHONPATH")])
+        )
+        env["FTRAIN_CHAOS_ARM"] = str(arm)
+    return env
+
+
+def _torchrun(plan: Plan, run_dir: Path, *extra: str, nproc: int | None = None, arm=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc or plan.nproc}"]
+    cmd += ["--standalone", "--max-restarts=2", "-m", "ftrain", *_overrides(plan, run_dir, *extra)]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(arm)
+    )
+
+
+def _single(plan: Plan, run_dir: Path, *extra: str):
+    cmd = [sys.executable, "-m", "ftrain", *_overrides(plan, run_dir, *extra)]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+    )
+
+
+def _finish(proc, what: str) -> str:
+    try:
+        out, _ = proc.communicate(timeout=_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise DrillFailed(f"{what}: timed out\n{out[-2000:]}") from None
+    if proc.returncode != 0:
+        raise DrillFailed(f"{what}: exit {proc.returncode}\n{out[-3000:]}")
+    return out
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if r.get("kind") == kind]
+
+
+def _state(run_dir: Path, step: int):
+    from ftrain.ckpt.readonly import read_subtree
+
+    return read_subtree(
+        run_dir / "checkpoints", step, only=("step", "params", "opt", "data", "rng")
+    )[1]
+
+
+def _same(a: Path, b: Path, step: int) -> str | None:
+    from ftrain.state import first_difference
+
+    return first_difference(_state(a, step), _state(b, step))
+
+
+def _steps_by_number(run_dir: Path) -> dict[int, dict]:
+    """The last record of each step (a redone step's record replaces the first one)."""
+    return {r["step"]: r for r in _records(run_dir, "step")}
+
+
+# -- scenarios --------------------------------------------------------------------
+
+
+def reference(plan: Plan) -> str:
+    _finish(_torchrun(plan, plan.root / "reference"), "reference run")
+    return f"{plan.steps} steps on {plan.nproc} ranks, commits every {plan.commit}"
+
+
+def machine(plan: Plan) -> str:
+    """Every rank SIGKILLed at once (a machine dies; the agent restarts the group)."""
+    run = plan.root / "machine"
+    proc = _torchrun(plan, run)
+    killed_at = _kill_at(run, proc, plan.kill, ranks=range(plan.nproc))
+    _finish(proc, "machine-death run")
+    _resumed_from(run, plan.commit)
+    _same_next_step(plan, run)
+    _bit_identical(plan, run)
+    return (
+        f"all {plan.nproc} ranks SIGKILLed at step {killed_at}, restarted, resumed from "
+        f"{plan.commit} on every rank, step {plan.commit + 1} same batch and lr, "
+        f"{killed_at - plan.commit} step(s) redone, bit-identical"
+    )
+
+
+def kill(plan: Plan) -> str:
+    """One rank SIGKILLed: the survivors' next collective fails, and each makes a one-rank
+    emergency save of the last finished step (the state is replicated) before torchrun
+    restarts the group; with a sharded state they cannot, and the last commit is used."""
+    run = plan.root / "kill"
+    proc = _torchrun(plan, run)
+    killed_at = _kill_at(run, proc, plan.kill, ranks=[plan.nproc - 1])
+    _finish(proc, "kill run")
+    resume = _records(run, "resume")
+    start = resume[-1].get("from_step") if resume else None
+    if not isinstance(start, int) or not plan.commit <= start <= killed_at:
+        raise DrillFailed(
+            f"expected a resume from a step in {plan.commit}..{killed_at}, got {resume[-1:]}"
+        )
+    _bit_identical(plan, run)
+    how = "an emergency save of the survivors" if start > plan.commit else "the last commit"
+    return (
+        f"rank {plan.nproc - 1} SIGKILLed at step {killed_at}, restarted, resumed from {start} "
+        f"({how}), {killed_at - start} step(s) redone, bit-identical"
+    )
+
+
+def _resumed_from(run: Path, step: int) -> None:
+    resume = _records(run, "resume")
+    if not resume or resume[-1].get("from_step") != step:
+        raise DrillFailed(f"expected a resume from step {step}, got {resume[-1:]}")
+
+
+def _bit_identical(plan: Plan, run: Path) -> None:
+    diff = _same(plan.root / "reference", run, plan.steps)
+    if diff:
+        raise DrillFailed(f"final state differs from the reference: {diff}")
+
+
+def _kill_at(run: Path, proc, step: int, ranks) -> int:
+    """SIGKILL the given ranks (pids from their heartbeats) once the first reached ``step``."""
+    beats = [run / (f"heartbeat.rank{r}.json" if r else "heartbeat.json") for r in ranks]
+    deadline = time.time() + _TIMEOUT_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise DrillFailed(f"the run ended before step {step}:\n{proc.stdout.read()[-2000:]}")
+        infos = [_beat(b) for b in beats]
+        if all(infos) and infos[0].get("step", -1) >= step:
+            for info in infos:
+                os.kill(int(info["pid"]), signal.SIGKILL)
+            return int(infos[0]["step"])
+        time.sleep(0.005)
+    raise DrillFailed(f"ranks {list(ranks)} never reached step {step}")
+
+
+def _beat(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _same_next_step(plan: Plan, run: Path) -> None:
+    ref, got = _steps_by_number(plan.root / "reference"), _steps_by_number(run)
+    n = plan.commit + 1
+    for key in ("loss", "lr"):
+        if ref[n].get(key) != got[n].get(key):
+            raise DrillFailed(
+                f"step {n} after the restart: {key}={got[n].get(key)} != reference {ref[n].get(key)}"
+            )
+
+
+def kill_during_save(plan: Plan) -> str:
+    run = plan.root / "kill_during_save"
+    run.mkdir(parents=True, exist_ok=True)
+    arm = run / "arm.json"  # the 2nd save's data is written, the manifest is not
+    arm.write_text(json.dumps({"id": "drill", "phase": "data_written", "count": 2, "rank": 0}))
+    _finish(_torchrun(plan, run, "checkpoint.async_save=false", arm=arm), "kill-during-save run")
+    if not (run / "arm.json.fired").exists():
+        raise DrillFailed("the injected kill did not fire")
+    resume = _records(run, "resume")
+    if not resume or resume[-1].get("from_step") != plan.commit:
+        raise DrillFailed(
+            f"expected step {2 * plan.commit} uncommitted and a resume from {plan.commit}, got {resume[-1:]}"
+        )
+    diff = _same(plan.root / "reference", run, plan.steps)
+    if diff:
+        raise DrillFailed(f"final state differs from the reference: {diff}")
+    return f"rank 0 killed while writing step {2 * plan.commit}: not committed, resumed from {plan.commit}, bit-identical"
+
+
+def corrupt_newest(plan: Plan) -> str:
+    run = plan.root / "corrupt_newest"
+    shutil.copytree(plan.root / "machine", run, ignore=shutil.ignore_patterns("heartbeat*"))
+    newest = run / "checkpoints" / f"step_{plan.steps:08d}"
+    chunks = [p for p in (newest / "params").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    chunk = max(chunks, key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    out = _finish(_torchrun(plan, run), "corrupt-newest run")
+    previous = plan.steps - plan.commit
+    if "corrupt" not in out or _records(run, "resume")[-1].get("from_step") != previous:
+        raise DrillFailed(
+            f"the flipped byte in {chunk} was not detected and rejected:\n{out[-2000:]}"
+        )
+    diff = _same(plan.root / "reference", run, plan.steps)
+    if diff:
+        raise DrillFailed(f"final state differs from the reference: {diff}")
+    return f"a flipped byte in step {plan.steps} ({chunk.relative_to(run)}) rejected, resumed from {previous}, bit-identical"
+
+
+def world_size(plan: Plan) -> str:
+    import torch
+
+    run = plan.root / "world_size"
+    src = plan.root / "reference" / "checkpoints" / f"step_{plan.commit:08d}"
+    shutil.copytree(src, run / "checkpoints" / src.name)
+    n = plan.nproc - 1
+    out = _finish(_torchrun(plan, run, nproc=n) if n > 1 else _single(plan, run), "world-size run")
+    if f"checkpoint written by {plan.nproc} rank(s), resumed on {n}" not in out:
+        raise DrillFailed(f"the resume did not report the world-size change:\n{out[-2000:]}")
+    ref, got = _state(plan.root / "reference", plan.steps), _state(run, plan.steps)
+    if not torch.equal(ref["data", "position"], got["data", "position"]):
+        raise DrillFailed("the data cursor did not continue the same global sample order")
+    worst = max(
+        float((a - b).abs().max() / a.abs().max().clamp_min(1e-12))
+        for a, b in zip(
+            ref["params"].flatten_keys().values(),
+            got["params"].flatten_keys().values(),
+            strict=True,
+        )
+    )
+    return f"step {plan.commit} of {plan.nproc} ranks resumed on {n}: same sample order, params within {worst:.1e} (reduction rounding)"
+
+
+SCENARIOS = (reference, machine, kill, kill_during_save, corrupt_newest, world_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the drill; returns 0 when every scenario passed."""
+    plan = _parse(list(sys.argv[1:] if argv is None else argv))
+    print(
+        f"ftrain drill in {plan.root}: steps={plan.steps} commit_every={plan.commit} kill_at={plan.kill} ranks={plan.nproc} {' '.join(plan.overrides)}",
+        flush=True,
+    )
+    failed = 0
+    for scenario in SCENARIOS:
+        t0 = time.perf_counter()
+        try:
+            detail = scenario(plan)
+            print(
+                f"  PASS {scenario.__name__:<17} {time.perf_counter() - t0:5.0f}s  {detail}",
+                flush=True,
+            )
+        except (DrillFailed, OSError, KeyError, ValueError) as err:
+            failed += 1
+            print(
+                f"  FAIL {scenario.__name__:<17} {time.perf_counter() - t0:5.0f}s  {err}",
+                flush=True,
+            )
+            if scenario is reference:
+                break
+    verdict = "PASS" if not failed else f"FAIL ({failed} scenario(s))"
+    print(f"verdict: {verdict}")
+    if not failed and not plan.keep:
+        shutil.rmtree(plan.root, ignore_errors=True)
+    elif failed:
+        print(f"(runs kept in {plan.root})")
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
