@@ -15,10 +15,17 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("sharding_worker.py")
 
 
-def test_sharded_state_matches_unsharded_and_halves_what_each_rank_holds(tmp_path):
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_sharded_state_matches_unsharded_and_splits_what_each_rank_holds(tmp_path, nproc):
     out = tmp_path / "report.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--standalone",
+    ]
     proc = subprocess.run(
         [*cmd, str(WORKER), str(out)], capture_output=True, text=True, env=env, timeout=300
     )
@@ -29,10 +36,11 @@ def test_sharded_state_matches_unsharded_and_halves_what_each_rank_holds(tmp_pat
         assert r["params_rel"] <= 1e-5 and r["opt_rel"] <= 1e-5, (mode, r)  # 50 steps, clipped
         assert r["norm_rel"] <= 1e-9, (mode, r)  # the norm over shards is the whole norm
         assert r["params_identical_across_ranks"] and r["roundtrip_bit_exact"], (mode, r)
-        # per-parameter moments are split in two; only 0-d counters stay whole
-        assert r["opt_bytes"] <= report["opt_bytes_plain"] / 2 + 64, (mode, r)
+        # per-parameter moments are split N ways; only 0-d counters stay whole
+        assert r["opt_bytes"] <= report["opt_bytes_plain"] / nproc + 64, (mode, r)
     assert report["optimizer"]["param_bytes"] == report["param_bytes_plain"]
-    assert report["full"]["param_bytes"] <= report["param_bytes_plain"] / 2 + 64
+    # rows are split with torch.chunk's rule: a 1-row-per-rank tail may round up
+    assert report["full"]["param_bytes"] <= report["param_bytes_plain"] / nproc * 1.05
 
 
 def _torchrun(run_dir, cache_dir, *overrides, nproc=2):
@@ -76,3 +84,35 @@ def test_cli_sharded_run_resumes_bit_exact_and_on_another_world_size(
     assert records(elastic, "resume")[-1]["position"] == 12  # the global sample order goes on
     a, b = state(whole, 6), state(elastic, 6)
     assert torch.equal(a["data"]["position"], b["data"]["position"])
+
+
+@pytest.mark.long
+def test_two_nodes_on_one_machine_train_like_one_node_of_two(cli, cache_dir, tmp_path):
+    """Multi-node launch with torchrun's c10d rendezvous: two torchrun processes
+    (``--nnodes=2``, one rank each) on 127.0.0.1 against one ``--standalone`` of two ranks."""
+    from ftrain.ckpt import CheckpointManager
+    from ftrain.state import first_difference
+
+    from .conftest import TINY
+
+    nodes, single = tmp_path / "nodes", tmp_path / "single"
+    common = ["trainer.max_steps=4", "checkpoint.every_steps=4", "model.dropout=0"]
+    _torchrun(single, cache_dir, *common)
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    rdzv = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-id=ftrain-2nodes"]
+    rdzv += ["--rdzv-endpoint=127.0.0.1:29577"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, "-m", "ftrain", f"run.dir={nodes}"]
+    cmd += [*TINY, "trainer.eval_every=null", *common]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    meta = CheckpointManager(nodes / "checkpoints", async_save=False).metadata(4)
+    assert meta["world_size"] == 2
+
+    def state(run):
+        return CheckpointManager(run / "checkpoints", async_save=False).restore(4)
+
+    assert first_difference(state(nodes), state(single)) is None
