@@ -1,6 +1,6 @@
 """``python -m ftrain.ckpt list|show|verify|diff DIR [STEP...]``: inspect checkpoints.
 ``python -m ftrain.ckpt advise RUN_DIR [--mtbf 6h]``: advise a checkpoint interval.
-``python -m ftrain.ckpt export DIR OUT [--step N] [--merge-lora]``: params to safetensors.
+``python -m ftrain.ckpt export DIR OUT [--step N] [--format safetensors|hf] [--merge-lora]``.
 
     python -m ftrain.ckpt list ckpt            # committed steps, bytes, metrics
     python -m ftrain.ckpt show ckpt 400        # metadata and arrays of one step (default: newest)
@@ -9,6 +9,7 @@
     python -m ftrain.ckpt list s3://bucket/ckpt   # the same on object storage (any command)
     python -m ftrain.ckpt advise runs/x --mtbf 6h  # Young/Daly interval from the run's costs
     python -m ftrain.ckpt export ckpt out.safetensors --step 400 --merge-lora
+    python -m ftrain.ckpt export ckpt hf-out --format hf  # GPT2LMHeadModel.from_pretrained
 
 Exit status: 0 on success; 1 if the directory is missing or holds no committed step, if
 list/verify find a corrupt or marker-less step directory, or if diff finds changes; 2 on
@@ -177,23 +178,29 @@ def _duration(text: str) -> float:
 
 
 def cmd_export(argv: list[str]) -> int:
-    """``export DIR OUT [--step N] [--format safetensors] [--merge-lora] [--lora-alpha A]``."""
+    """``export DIR OUT [--step N] [--format safetensors|hf] [--merge-lora] [--lora-alpha A]``."""
     from ftrain.ckpt.export import ExportError, export_params
 
     p = argparse.ArgumentParser(
         prog="python -m ftrain.ckpt export",
-        description="write a step's params (only) to a safetensors file",
+        description="write a step's params (only) to a safetensors file, or (--format hf) "
+        "to a directory transformers.GPT2LMHeadModel.from_pretrained loads",
     )
     p.add_argument("directory", help="a checkpoint directory or URL (s3://bucket/prefix)")
-    p.add_argument("out", help="the .safetensors file to write (must not exist)")
+    p.add_argument("out", help="the .safetensors file or (hf) directory to write (must not exist)")
     p.add_argument("--step", type=int, help="the step (default: the newest that verifies)")
-    p.add_argument("--format", choices=["safetensors"], default="safetensors")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
     p.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into W")
     p.add_argument("--lora-alpha", type=float, help="alpha when the run recorded none")
     ns = p.parse_args(argv)
     try:
         done = export_params(
-            ns.directory, ns.out, step=ns.step, merge_lora=ns.merge_lora, lora_alpha=ns.lora_alpha
+            ns.directory,
+            ns.out,
+            step=ns.step,
+            merge_lora=ns.merge_lora,
+            lora_alpha=ns.lora_alpha,
+            format=ns.format,
         )
     except (ExportError, FileNotFoundError, CorruptCheckpointError) as e:
         print(f"python -m ftrain.ckpt export: {e}", file=sys.stderr)
