@@ -24,7 +24,8 @@ Modules: :mod:`ftrain.optim` (optax-style optimizers and schedules), :mod:`ftrai
         {"lora": ftrain.lora.is_adapter, "frozen": None},
     )
 
-The command line: ``python -m ftrain +recipe=gpt2``; ``python -m ftrain.ckpt``.
+The command line: ``python -m ftrain +recipe=gpt2``; ``python -m ftrain.ckpt``;
+``python -m ftrain.eval RUN``.
 """
 
 from ftrain import ckpt, data, lora, nn, optim, rng, state
@@ -51,6 +52,7 @@ from ftrain.state import (
     count_params,
     first_difference,
     init_state,
+    load_params,
     replace,
     tree_equal,
 )
@@ -81,6 +83,7 @@ __all__ = [
     "first_difference",
     "init_cursor",
     "init_state",
+    "load_params",
     "lora",
     "make_eval_step",
     "make_step",

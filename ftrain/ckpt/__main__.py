@@ -1,14 +1,17 @@
-"""``python -m ftrain.ckpt list|show|verify|diff DIR [STEP...]``: inspect checkpoints.
+"""``python -m ftrain.ckpt list|show|verify|diff DIR [STEP...]``: inspect checkpoints;
+``python -m ftrain.ckpt diff DIR_A[:STEP] DIR_B[:STEP]``: compare two runs.
 ``python -m ftrain.ckpt advise RUN_DIR [--mtbf 6h]``: advise a checkpoint interval.
-``python -m ftrain.ckpt export DIR OUT [--step N] [--merge-lora]``: params to safetensors.
+``python -m ftrain.ckpt export DIR OUT [--step N] [--format safetensors|hf] [--merge-lora]``.
 
     python -m ftrain.ckpt list ckpt            # committed steps, bytes, metrics
     python -m ftrain.ckpt show ckpt 400        # metadata and arrays of one step (default: newest)
     python -m ftrain.ckpt verify ckpt [400]    # check every chunk's size and crc32c (default: all)
     python -m ftrain.ckpt diff ckpt 300 400    # arrays that differ between two steps
+    python -m ftrain.ckpt diff runs/a:300 runs/b:300  # ... of two runs (default: newest step)
     python -m ftrain.ckpt list s3://bucket/ckpt   # the same on object storage (any command)
     python -m ftrain.ckpt advise runs/x --mtbf 6h  # Young/Daly interval from the run's costs
     python -m ftrain.ckpt export ckpt out.safetensors --step 400 --merge-lora
+    python -m ftrain.ckpt export ckpt hf-out --format hf  # GPT2LMHeadModel.from_pretrained
 
 Exit status: 0 on success; 1 if the directory is missing or holds no committed step, if
 list/verify find a corrupt or marker-less step directory, or if diff finds changes; 2 on
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -130,34 +134,67 @@ def _bits(t):
     return t.reshape(-1).view(torch.uint8)
 
 
-def cmd_diff(root: Path, args: list[int]) -> int:
-    if len(args) != 2:
-        raise SystemExit("diff needs two steps: python -m ftrain.ckpt diff DIR STEP_A STEP_B")
-    (sa, pa), (sb, pb) = _pick(root, args[0]), _pick(root, args[1])
+_SIDE = re.compile(r"^(?P<where>.+):(?P<step>\d+)$")
+
+
+def _side(spec: str) -> tuple[Path, int | None]:
+    """``DIR[:STEP]`` -> (checkpoint location, step); a run directory means its checkpoints/."""
+    m = _SIDE.match(spec)
+    where, step = (m["where"], int(m["step"])) if m else (spec, None)
+    root = parse_location(where)
+    if isinstance(root, Path) and (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    return root, step
+
+
+def _diff_args(args: list[str]) -> tuple[tuple[Path, int | None], tuple[Path, int | None]]:
+    """``DIR A B`` (two steps of one directory) or ``DIR_A[:STEP] DIR_B[:STEP]``."""
+    if len(args) == 3 and all(a.isdigit() for a in args[1:]):
+        root = parse_location(args[0])
+        return (root, int(args[1])), (root, int(args[2]))
+    if len(args) == 2 and not (args[1].isdigit() and not Path(args[1]).exists()):
+        return _side(args[0]), _side(args[1])
+    raise SystemExit(
+        "diff needs two steps of one directory or two directories: python -m ftrain.ckpt "
+        "diff DIR STEP_A STEP_B, or diff DIR_A[:STEP] DIR_B[:STEP] (default: newest step)"
+    )
+
+
+def _label(root: Path, step: int, other: Path) -> str:
+    return str(step) if root == other else f"{root}:{step}"
+
+
+def cmd_diff(argv: list[str]) -> int:
+    (ra, sa), (rb, sb) = _diff_args(argv)
+    (sa, pa), (sb, pb) = _pick(ra, sa), _pick(rb, sb)
     try:
         a = read_tree(pa, protocol.read_committed(pa)[1]).flatten_keys("/")
         b = read_tree(pb, protocol.read_committed(pb)[1]).flatten_keys("/")
     except CorruptCheckpointError as e:
         print(f"cannot diff: CORRUPT: {e}")
         return 2
-    changed = 0
-    for k in sorted(set(a.keys()) | set(b.keys())):
-        if k not in a or k not in b:
-            print(f"{'+' if k in b else '-'} {k}")
-        elif a[k].shape != b[k].shape or a[k].dtype != b[k].dtype:
-            print(f"~ {k}: {a[k].dtype}{tuple(a[k].shape)} -> {b[k].dtype}{tuple(b[k].shape)}")
-        elif not _bits(a[k]).equal(_bits(b[k])):
-            diff = (
-                (a[k].double() - b[k].double()).abs().max().item()
-                if a[k].is_floating_point()
-                else "-"
-            )
-            print(f"~ {k}: values differ (max abs diff {diff})")
-        else:
-            continue
-        changed += 1
-    print(f"{changed} of {len(set(a.keys()) | set(b.keys()))} arrays differ between {sa} and {sb}")
+    changed = sum(_diff_line(k, a, b) for k in sorted(set(a.keys()) | set(b.keys())))
+    total = len(set(a.keys()) | set(b.keys()))
+    print(
+        f"{changed} of {total} arrays differ between {_label(ra, sa, rb)} and {_label(rb, sb, ra)}"
+    )
     return 1 if changed else 0
+
+
+def _diff_line(k: str, a, b) -> bool:
+    """Print how array ``k`` differs between trees ``a`` and ``b``; whether it does."""
+    if k not in a or k not in b:
+        print(f"{'+' if k in b else '-'} {k}")
+    elif a[k].shape != b[k].shape or a[k].dtype != b[k].dtype:
+        print(f"~ {k}: {a[k].dtype}{tuple(a[k].shape)} -> {b[k].dtype}{tuple(b[k].shape)}")
+    elif not _bits(a[k]).equal(_bits(b[k])):
+        diff = (
+            (a[k].double() - b[k].double()).abs().max().item() if a[k].is_floating_point() else "-"
+        )
+        print(f"~ {k}: values differ (max abs diff {diff})")
+    else:
+        return False
+    return True
 
 
 def cmd_advise(run_dir: Path, mtbf_s: float | None) -> int:
@@ -177,23 +214,29 @@ def _duration(text: str) -> float:
 
 
 def cmd_export(argv: list[str]) -> int:
-    """``export DIR OUT [--step N] [--format safetensors] [--merge-lora] [--lora-alpha A]``."""
+    """``export DIR OUT [--step N] [--format safetensors|hf] [--merge-lora] [--lora-alpha A]``."""
     from ftrain.ckpt.export import ExportError, export_params
 
     p = argparse.ArgumentParser(
         prog="python -m ftrain.ckpt export",
-        description="write a step's params (only) to a safetensors file",
+        description="write a step's params (only) to a safetensors file, or (--format hf) "
+        "to a directory transformers.GPT2LMHeadModel.from_pretrained loads",
     )
     p.add_argument("directory", help="a checkpoint directory or URL (s3://bucket/prefix)")
-    p.add_argument("out", help="the .safetensors file to write (must not exist)")
+    p.add_argument("out", help="the .safetensors file or (hf) directory to write (must not exist)")
     p.add_argument("--step", type=int, help="the step (default: the newest that verifies)")
-    p.add_argument("--format", choices=["safetensors"], default="safetensors")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
     p.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into W")
     p.add_argument("--lora-alpha", type=float, help="alpha when the run recorded none")
     ns = p.parse_args(argv)
     try:
         done = export_params(
-            ns.directory, ns.out, step=ns.step, merge_lora=ns.merge_lora, lora_alpha=ns.lora_alpha
+            ns.directory,
+            ns.out,
+            step=ns.step,
+            merge_lora=ns.merge_lora,
+            lora_alpha=ns.lora_alpha,
+            format=ns.format,
         )
     except (ExportError, FileNotFoundError, CorruptCheckpointError) as e:
         print(f"python -m ftrain.ckpt export: {e}", file=sys.stderr)
@@ -208,9 +251,9 @@ def cmd_export(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["export"]:
+    if argv[:1] in (["export"], ["diff"]):
         try:
-            return cmd_export(argv[1:])
+            return cmd_export(argv[1:]) if argv[0] == "export" else cmd_diff(argv[1:])
         except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:
             print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
             return 2
@@ -224,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.steps:
             p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
         return cmd_advise(Path(ns.directory), ns.mtbf)
-    cmds = {"list": cmd_list, "show": cmd_show, "verify": cmd_verify, "diff": cmd_diff}
+    cmds = {"list": cmd_list, "show": cmd_show, "verify": cmd_verify}
     try:
         return cmds[ns.command](parse_location(ns.directory), ns.steps)
     except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:

@@ -1,4 +1,4 @@
-"""Export a checkpoint's parameters to a safetensors file (``python -m ftrain.ckpt export``).
+"""Export a checkpoint's parameters to safetensors or an HF directory (``ckpt export``).
 
 Params only (no optimizer state, step, cursor or RNG), named by their dotted paths, which
 are the model's ``state_dict()`` names (a tied weight appears once, under its first name,
@@ -9,15 +9,27 @@ back into a model with the tie). Dtypes are kept: bf16 stays bf16.
 :func:`ftrain.lora.merge`) and leaves them out, so the file loads into the plain model.
 ``alpha`` is the run's recorded ``model.lora.alpha`` unless given; ``rank`` is read from
 the adapters' shapes. The checkpoint is only read: its directory is never changed.
+
+``format="hf"`` (gpt2 recipe) writes a directory that ``transformers``'
+``GPT2LMHeadModel.from_pretrained`` loads: ``config.json`` built from the run's recorded
+``model.*`` numbers (never code) and ``model.safetensors`` in HF's names and Conv1D layout
+(:mod:`ftrain.recipes.gpt2.hf`; the tied ``lm_head`` is left out, HF re-ties it). LoRA
+runs need ``merge_lora=True`` here: HF GPT-2 has no place for adapters.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 from pathlib import Path
+
+import torch
 
 from ftrain.ckpt.readonly import read_subtree
 from ftrain.lora import merge
+from ftrain.recipes.gpt2.hf import HFFormatError, hf_config, to_hf_names
 from ftrain.state.tree import flatten, path_str
 
 __all__ = ["ExportError", "export_params"]
@@ -56,27 +68,8 @@ def _scalings(params, alpha: float) -> dict[str, float]:
     }
 
 
-def export_params(
-    location: str | Path,
-    out: str | Path,
-    *,
-    step: int | None = None,
-    merge_lora: bool = False,
-    lora_alpha: float | None = None,
-) -> dict:
-    """Write ``step``'s params (default: the newest that verifies) to ``out`` (safetensors).
-
-    Returns:
-        ``{"step", "tensors", "bytes", "merged"}`` (``merged``: adapted modules folded).
-
-    Raises:
-        ExportError: nothing to merge, no alpha known, safetensors missing, ``out`` exists.
-        FileNotFoundError / CorruptCheckpointError: as :func:`read_subtree`.
-    """
-    save_file = _safetensors()
-    out = Path(out)
-    if out.exists():
-        raise ExportError(f"{out} exists; export never overwrites, pick another path")
+def _params(location, step, merge_lora, lora_alpha) -> tuple[int, dict, dict, list[str]]:
+    """``(step, {name: tensor}, root attributes, merged modules)`` of the step to export."""
     got, tree, attrs = read_subtree(location, step, only=("params",))
     params = tree["params"]
     merged = []
@@ -92,6 +85,88 @@ def export_params(
         params, merged = merge(params, scalings), sorted(scalings)
     keys, leaves = flatten(params)
     tensors = {path_str(k): t.contiguous() for k, t in zip(keys, leaves, strict=True)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={"format": "pt", "ftrain_step": str(got)})
-    return {"step": got, "tensors": len(tensors), "bytes": out.stat().st_size, "merged": merged}
+    return got, tensors, attrs, merged
+
+
+def export_params(
+    location: str | Path,
+    out: str | Path,
+    *,
+    step: int | None = None,
+    merge_lora: bool = False,
+    lora_alpha: float | None = None,
+    format: str = "safetensors",
+) -> dict:
+    """Write ``step``'s params (default: the newest that verifies) to ``out``.
+
+    Args:
+        format: ``"safetensors"`` (one file, the model's ``state_dict()`` names) or ``"hf"``
+            (a directory ``GPT2LMHeadModel.from_pretrained`` loads; gpt2 recipe only).
+
+    Returns:
+        ``{"step", "tensors", "bytes", "merged"}`` (``merged``: adapted modules folded).
+
+    Raises:
+        ExportError: nothing to merge, no alpha known, safetensors missing, ``out`` exists,
+            or (``hf``) a run that is not the gpt2 recipe, has unmerged adapters or no biases.
+        FileNotFoundError / CorruptCheckpointError: as :func:`read_subtree`.
+
+    Example:
+        >>> export_params("runs/x/checkpoints", "x.safetensors", step=400)  # doctest: +SKIP
+    """
+    if format not in ("safetensors", "hf"):
+        raise ExportError(f"format={format!r} is unknown; use safetensors or hf")
+    save_file = _safetensors()
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"{out} exists; export never overwrites, pick another path")
+    got, tensors, attrs, merged = _params(location, step, merge_lora, lora_alpha)
+    if format == "hf":
+        nbytes = _write_hf(out, tensors, attrs, got, save_file)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out), metadata={"format": "pt", "ftrain_step": str(got)})
+        nbytes = out.stat().st_size
+    return {"step": got, "tensors": len(tensors), "bytes": nbytes, "merged": merged}
+
+
+def _recorded_model(attrs: dict, step: int) -> dict:
+    model = (attrs.get("config") or {}).get("model")
+    if not isinstance(model, dict) or model.get("name") != "gpt2":
+        name = model.get("name") if isinstance(model, dict) else None
+        raise ExportError(
+            f"--format hf writes GPT2LMHeadModel directories for the gpt2 recipe; step {step} "
+            f"records model.name={name!r}: export with --format safetensors"
+        )
+    return model
+
+
+def _write_hf(out: Path, tensors: dict, attrs: dict, step: int, save_file) -> int:
+    """``out/config.json`` + ``out/model.safetensors`` (HF names, Conv1D layout); returns
+    their bytes. Written into a staging directory renamed at the end: no half an export."""
+    adapters = [k for k in tensors if ".lora_" in k]
+    if adapters:
+        raise ExportError(
+            f"step {step} has LoRA adapters ({adapters[0]}, ...), which GPT2LMHeadModel has "
+            "no place for: add --merge-lora"
+        )
+    wte = tensors.get("transformer.wte.weight")
+    try:
+        config = hf_config(_recorded_model(attrs, step), getattr(wte, "dtype", torch.float32))
+    except HFFormatError as err:
+        raise ExportError(f"--format hf: {err}") from None
+    stage = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    stage.mkdir(parents=True)
+    try:
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(
+            to_hf_names(tensors),
+            str(stage / "model.safetensors"),
+            metadata={"format": "pt", "ftrain_step": str(step)},
+        )
+        nbytes = sum(f.stat().st_size for f in stage.iterdir())
+        stage.rename(out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return nbytes

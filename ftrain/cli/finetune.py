@@ -157,29 +157,40 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
         got_step, loaded, _ = read_subtree(where, step, only=("params",))
     except (FileNotFoundError, CorruptCheckpointError, ValueError) as err:
         raise ConfigError(f"init.from={cfg.init['from']!r}: {err}") from None
-    keys, leaves = flatten(fresh["params"])
-    table = dict(
-        zip(
-            (path_str(k) for k in flatten(loaded["params"])[0]),
-            flatten(loaded["params"])[1],
-            strict=True,
-        )
-    )
-    _check_fit(cfg, table, dict(zip(map(path_str, keys), leaves, strict=True)))
-    new = [table.get(path_str(k), t).to(t.device) for k, t in zip(keys, leaves, strict=True)]
-    fresh_only = [path_str(k) for k in keys if path_str(k) not in table]
-    state = replace(fresh, params=unflatten(keys, new, device=fresh["params"].device))
+    table = dict(zip(*_named(loaded["params"]), strict=True))
+    state, fresh_only = load_into(cfg, fresh, table, f"init.from={cfg.init['from']!r}")
     line = f"initialised params from {where} step {got_step}: {len(table)} tensors loaded"
     if fresh_only:
         line += f", {len(fresh_only)} new ({_sample(fresh_only)}) initialised fresh"
     return state, line
 
 
+def _named(params: TensorDictBase) -> tuple[list[str], list[torch.Tensor]]:
+    keys, leaves = flatten(params)
+    return [path_str(k) for k in keys], leaves
+
+
+def load_into(
+    cfg: DictConfig, fresh: TensorDictBase, table: dict[str, torch.Tensor], what: str
+) -> tuple[TensorDictBase, list[str]]:
+    """``fresh`` with its params replaced by ``table`` (``{dotted path: tensor}``), after
+    :func:`_check_fit`; returns the state and the paths that kept their fresh values.
+
+    Raises:
+        ConfigError: ``table`` does not fit the model (the message starts with ``what``).
+    """
+    keys, leaves = flatten(fresh["params"])
+    _check_fit(cfg, table, dict(zip(map(path_str, keys), leaves, strict=True)), what)
+    new = [table.get(path_str(k), t).to(t.device) for k, t in zip(keys, leaves, strict=True)]
+    fresh_only = [path_str(k) for k in keys if path_str(k) not in table]
+    return replace(fresh, params=unflatten(keys, new, device=fresh["params"].device)), fresh_only
+
+
 def _sample(paths: list[str]) -> str:
     return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
 
 
-def _check_fit(cfg: DictConfig, loaded: dict, model: dict) -> None:
+def _check_fit(cfg: DictConfig, loaded: dict, model: dict, what: str) -> None:
     unknown = sorted(set(loaded) - set(model))
     wrong = [
         f"{p}: checkpoint {tuple(loaded[p].shape)} {loaded[p].dtype}, model {tuple(model[p].shape)} {model[p].dtype}"
@@ -203,7 +214,7 @@ def _check_fit(cfg: DictConfig, loaded: dict, model: dict) -> None:
         )
     if problems:
         raise ConfigError(
-            f"init.from={cfg.init['from']!r} does not fit this model: "
+            f"{what} does not fit this model: "
             + "; ".join(problems)
             + " (the model config must match the base run's; LoRA adapters may be new)"
         )

@@ -149,6 +149,7 @@ ADDED_KEYS = {
     "model.lora.dropout": 0.0,
     "optim.freeze": [],
     "init.from": None,
+    "init.from_hf": None,
 }
 
 

@@ -31,6 +31,7 @@ from ftrain.cli.build import (
     schedule_horizon,
 )
 from ftrain.cli.finetune import check_patterns, describe_labels, init_from
+from ftrain.cli.pretrained import init_from_hf
 from ftrain.cli.resume import (
     ResumeError,
     ResumeReport,
@@ -173,8 +174,9 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_patterns(cfg, fresh["params"])
     try:
         state, report, _ = start_state(cfg, manager, fresh, world, tx, train_src.fingerprint)
-        if not report.resumed and cfg.init["from"]:  # a resume continues its own params
-            state, line = init_from(cfg, state)
+        if not report.resumed and (cfg.init["from"] or cfg.init["from_hf"]):  # a resume
+            # continues its own params
+            state, line = (init_from if cfg.init["from"] else init_from_hf)(cfg, state)
             report.notes.append(line)
     except BaseException:
         manager.close()

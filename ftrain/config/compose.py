@@ -299,12 +299,12 @@ def _check_lora(lora) -> None:
 
 
 def _check_init(init) -> None:
-    if not isinstance(init, DictConfig) or set(init.keys()) - {"from"}:
+    if not isinstance(init, DictConfig) or set(init.keys()) - {"from", "from_hf"}:
         raise _bad(
             "init",
             init,
-            "the init group has one key, from",
-            "use init.from=RUN_DIR[:STEP] (or init.from=null)",
+            "the init group has two keys, from and from_hf",
+            "use init.from=RUN_DIR[:STEP] or init.from_hf=HF_DIR (or null)",
         )
     value = init.get("from")
     if value is not None and not (isinstance(value, str) and value):
@@ -312,6 +312,14 @@ def _check_init(init) -> None:
             "init.from",
             value,
             "must be a run directory, checkpoints directory or URL, optionally with :STEP",
+        )
+    hf = init.get("from_hf")
+    if hf is not None and not (isinstance(hf, str) and hf):
+        raise _bad("init.from_hf", hf, "must be a local HF model directory or .safetensors file")
+    if value is not None and hf is not None:
+        raise ConfigError(
+            f"init.from={value!r} and init.from_hf={hf!r} both give a fresh start its params; "
+            "set only one (init.from=null or init.from_hf=null)"
         )
 
 

@@ -131,9 +131,10 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     resume: Any = "latest"  # "latest", "none", or a step number
-    # {"from": "RUN[:STEP]"}: a fresh start takes its params from another run's checkpoint
+    # {"from": "RUN[:STEP]"}: a fresh start takes its params from another run's checkpoint;
+    # {"from_hf": PATH}: from a local Hugging Face GPT-2 (directory or .safetensors file)
     # ("from" is a Python keyword, so this node is a plain dict, checked by the loader)
-    init: Any = field(default_factory=lambda: {"from": None})
+    init: Any = field(default_factory=lambda: {"from": None, "from_hf": None})
 
 
 # Each config group and the dataclass its options are validated against.

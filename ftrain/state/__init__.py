@@ -10,6 +10,7 @@ from ftrain.state.init import (
     place,
     unpin,
 )
+from ftrain.state.load import load_params
 from ftrain.state.tree import (
     cast,
     count_params,
@@ -31,6 +32,7 @@ __all__ = [
     "flatten",
     "init_state",
     "is_pinned",
+    "load_params",
     "map_leaves",
     "mark_donated",
     "path_str",

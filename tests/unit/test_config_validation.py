@@ -63,3 +63,13 @@ def test_valid_edges_and_null_are_accepted():
         ]
     )
     assert cfg.checkpoint.every_steps == 1 and cfg.my_recipe_key == 1
+
+
+def test_init_from_and_from_hf_are_exclusive_and_checked():
+    assert load_config(["init.from_hf=models/gpt2"]).init.from_hf == "models/gpt2"
+    with pytest.raises(ConfigError, match="set only one"):
+        load_config(["init.from=runs/base", "init.from_hf=models/gpt2"])
+    with pytest.raises(ConfigError, match="init.from_hf=''"):
+        load_config(["init.from_hf=''"])
+    with pytest.raises(ConfigError, match="two keys, from and from_hf"):
+        load_config(["+init.frm=x"])

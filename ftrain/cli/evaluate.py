@@ -1,0 +1,200 @@
+"""``python -m ftrain.eval RUN [--step N] [--json] [KEY=VALUE ...]``: val loss and perplexity.
+
+    python -m ftrain.eval runs/x                      # the newest step that verifies
+    python -m ftrain.eval runs/x --step 400           # exactly step 400
+    python -m ftrain.eval runs/x data.path=other/ trainer.eval_batches=50 --json
+
+Loads the step's params (and buffers) only, read-only (:mod:`ftrain.ckpt.readonly`: no
+sweep, no index, no lock: the run may still be training), so no optimizer state is needed.
+The model and the validation data are rebuilt from the config the run recorded in that
+checkpoint, merged with the overrides. Only ``data.*`` and ``trainer.{eval_batches,
+batch_size,device,precision}`` may be overridden: the model is the checkpoint's. The
+recorded config is data (numbers and names looked up in ftrain's registries); a config
+that names code (``_target_``) is refused, never imported. The batches are the training
+run's evaluator's (:func:`ftrain.data.val_batches` of ``trainer.eval_batches`` x
+``trainer.batch_size``), so with no data override the result reproduces the ``val_loss``
+the run recorded at that step.
+
+A separate entry point rather than ``python -m ftrain mode=eval``: evaluating takes a run
+and a step, not a training config; it must never claim, resume or write the run directory
+that ``python -m ftrain`` owns; and the training CLI stays one thing.
+
+Exit status: 0 done; 1 no such run, step or checkpoint; 2 a bad override, a config this
+ftrain cannot rebuild, a corrupt step, or data that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from tensordict import TensorDict
+
+from ftrain.ckpt import CorruptCheckpointError
+from ftrain.ckpt.format import CheckpointFormatError
+from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
+from ftrain.ckpt.readonly import read_subtree
+from ftrain.cli.build import build_model, pick_device
+from ftrain.cli.finetune import parse_init_from
+from ftrain.config import ConfigError
+from ftrain.config.schema import GROUP_SCHEMAS
+from ftrain.data import DataFormatError, DataPathError, val_batches
+from ftrain.data.sources import source_from_config
+from ftrain.state import place
+from ftrain.step import evaluate, make_eval_step
+
+__all__ = ["evaluate_run", "main"]
+
+# what an evaluation may change: the data it reads and how it batches/runs them
+ALLOWED = ("data.", "trainer.eval_batches", "trainer.batch_size", "trainer.device")
+ALLOWED += ("trainer.precision",)
+
+
+def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
+    """The run's recorded config with ``overrides`` (``KEY=VALUE``), checked by the schema.
+
+    Raises:
+        ConfigError: an override outside :data:`ALLOWED`, an unknown key or a bad type, or a
+            recorded config that names code (``_target_``).
+    """
+    _refuse_code(recorded, "")
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+")
+        if "=" not in item or not key.startswith(ALLOWED):
+            raise ConfigError(
+                f"ftrain.eval override {item!r}: only data.* and trainer.eval_batches, "
+                "trainer.batch_size, trainer.device, trainer.precision may change (the model "
+                "is the checkpoint's), as KEY=VALUE"
+            )
+    try:
+        cfg = OmegaConf.create(recorded)
+        for group in ("data", "trainer"):  # validate (types, unknown keys) by the schema
+            cfg[group] = OmegaConf.merge(OmegaConf.structured(GROUP_SCHEMAS[group]), cfg[group])
+        given = OmegaConf.from_dotlist(overrides)
+        for group in ("data", "trainer"):
+            if group in given:
+                cfg[group] = OmegaConf.merge(cfg[group], given[group])
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"bad override or recorded config: {err}".splitlines()[0]) from None
+    if not cfg.trainer.eval_batches >= 1 or not cfg.trainer.batch_size >= 1:
+        raise ConfigError("trainer.eval_batches and trainer.batch_size must be >= 1")
+    return cfg
+
+
+def _refuse_code(node, where: str) -> None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "_target_":
+                raise ConfigError(
+                    f"the run's recorded config names code ({where}_target_={v!r}); "
+                    "ftrain.eval never imports what checkpoint metadata names: evaluate in "
+                    "Python with ftrain.make_eval_step and ftrain.evaluate"
+                )
+            _refuse_code(v, f"{where}{k}.")
+
+
+def _read(where: str, step: int | None):
+    """``(step, params/buffers tree, attributes)``; buffers when the checkpoint has them."""
+    try:
+        return read_subtree(where, step, only=("params", "buffers"))
+    except ValueError:  # no buffers group: params alone
+        return read_subtree(where, step, only=("params",))
+
+
+def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict:
+    """Val loss and perplexity of a run's checkpoint (see the module doc).
+
+    Args:
+        run: a run directory (its ``checkpoints/``), a checkpoints directory or URL,
+            optionally ``:STEP``.
+        step: the step (default: ``:STEP`` of ``run``, else the newest that verifies).
+        overrides: ``KEY=VALUE`` strings (:data:`ALLOWED` keys).
+
+    Returns:
+        ``{"step", "val_loss", "perplexity", "batches", "samples", "tokens", "data"}``.
+
+    Raises:
+        FileNotFoundError: no such run or step. CorruptCheckpointError: it does not verify.
+        ConfigError: see :func:`eval_config`; no recorded config; a model that rejects it.
+
+    Example:
+        >>> evaluate_run("runs/x", 400, ["trainer.eval_batches=8"])  # doctest: +SKIP
+        {'step': 400, 'val_loss': 1.92, 'perplexity': 6.8, ...}
+    """
+    where, at = parse_init_from(str(run))
+    got, tree, attrs = _read(where, step if step is not None else at)
+    recorded = attrs.get("config")
+    if not isinstance(recorded, dict) or "model" not in recorded:
+        raise ConfigError(
+            f"step {got} of {where} records no run config (not written by python -m ftrain); "
+            "evaluate it in Python with ftrain.make_eval_step"
+        )
+    cfg = eval_config(recorded, list(overrides))
+    device = pick_device(cfg.trainer.device)
+    model, loss_fn = build_model(cfg)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    val = source_from_config(data, split="val")
+    state = TensorDict(
+        params=tree["params"], buffers=tree.get("buffers", TensorDict()), batch_size=[]
+    )
+    t = cfg.trainer
+    out = evaluate(
+        make_eval_step(model.to(device), loss_fn, precision=t.precision),
+        place(state, device),
+        val_batches(val, t.eval_batches, t.batch_size, device=device),
+    )
+    loss = out["loss"]
+    return {
+        "step": got,
+        "val_loss": loss,
+        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "batches": int(t.eval_batches),
+        "samples": int(out["samples"]),
+        "tokens": int(out["tokens"]),
+        "data": val.describe(),
+    }
+
+
+_ERRORS = (
+    ConfigError,
+    CorruptCheckpointError,
+    CheckpointFormatError,
+    CheckpointLocationError,
+    CheckpointStoreError,
+    DataPathError,
+    DataFormatError,
+    FileNotFoundError,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    p = argparse.ArgumentParser(
+        prog="python -m ftrain.eval",
+        description="val loss and perplexity of a run's checkpoint (params only, read-only)",
+    )
+    p.add_argument("run", help="a run directory, checkpoints directory or URL, [:STEP]")
+    p.add_argument("--step", type=int, help="the step (default: the newest that verifies)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("overrides", nargs="*", help="data.* / trainer.eval_batches=... overrides")
+    ns = p.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    try:
+        r = evaluate_run(ns.run, ns.step, ns.overrides)
+    except _ERRORS as err:
+        print(f"python -m ftrain.eval: {err}", file=sys.stderr)
+        not_found = isinstance(err, FileNotFoundError) and not isinstance(err, DataPathError)
+        return 1 if not_found else 2
+    if ns.json:
+        print(json.dumps(r))
+    else:
+        print(
+            f"step {r['step']}: val_loss {r['val_loss']:.4f} perplexity {r['perplexity']:.2f} "
+            f"({r['batches']} batches, {r['samples']} samples, {r['tokens']:,} tokens)"
+        )
+    return 0
