@@ -3,7 +3,7 @@
 The state is immutable, so a step that does not update a leaf (a frozen base model, the
 base weights under LoRA adapters, a constant key) carries the *same tensor object* into the
 new state. :class:`~ftrain.ckpt.manager.CheckpointManager` records, for every leaf of the
-step it last committed, who the tensor was (:class:`Identity`) and what was stored
+step it last committed (or restored, when it resumes a run), who the tensor was (:class:`Identity`) and what was stored
 (its manifest entry and a sample fingerprint, :class:`CommittedLeaf`). A leaf of the next
 save that is the same object, unchanged, is *reused*: its chunk files are hard-linked
 from the previous step (local file systems) or server-side copied (object stores) instead

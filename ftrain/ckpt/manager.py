@@ -564,8 +564,21 @@ class CheckpointManager:
                 _restore_host_rng(rng_states, s, self.rank)
             if only_t is None:
                 self._restored_from = s
+                self._remember_restored(s, path, manifest, out)
             return out
         raise CheckpointNotFoundError("no checkpoint verifies:\n  " + "\n  ".join(problems))
+
+    def _remember_restored(self, step: int, path: Path, manifest: dict, out) -> None:
+        """A whole-state restore by a manager that has committed nothing yet (a resume) is
+        a commit it knows: leaves of the restored tree carried into later states as the
+        same objects (a resumed fine-tune's frozen base) link from the restored step, so
+        the first save after a resume does not rewrite them. Fingerprints come from the
+        restored bytes (just verified). A restore later on (e.g. to evaluate an old step)
+        leaves the record of this manager's own last commit alone."""
+        if self.incremental and self._last_commit is None:
+            leaves = flatten(out)[1]
+            plan = incr.SavePlan(incr.identify(leaves), {})
+            self._last_commit = incr.remember(None, step, path, manifest, leaves, plan)
 
     # ---- lifecycle -------------------------------------------------------------
     def _check_usable(self) -> None:

@@ -462,3 +462,33 @@ def test_inference_tensors_have_no_version_counter_and_are_always_written(tmp_pa
             m.save(TensorDict({"step": torch.tensor(step), "frozen": frozen}, []))
     assert manager(tmp_path).metadata(2)["save"]["linked_bytes"] == 0
     assert torch.equal(manager(tmp_path).restore(2)["frozen"], frozen)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_resumed_run_links_the_restored_leaves_it_carries(tmp_path, async_save):
+    """After a whole-state restore, the first save links what the run carries over from
+    the restored tree (a resumed fine-tune's frozen base) from the restored step."""
+    with manager(tmp_path, async_save=False) as m:
+        m.save(state_at(1, frozen_base()))
+    with manager(tmp_path, async_save=async_save) as m:
+        base = m.restore(target=state_at(1, frozen_base()))["params"]["base"]
+        s2 = state_at(2, base)
+        m.save(s2)
+    d = tmp_path / "ckpt"
+    one, two = (
+        chunk_files(d / "step_00000001", "params/base"),
+        chunk_files(d / "step_00000002", "params/base"),
+    )
+    assert all(inode(one[k]) == inode(two[k]) for k in one)
+    assert same(manager(tmp_path).restore(2), s2)
+    verify_ok(d)
+
+
+def test_a_partial_restore_records_nothing(tmp_path):
+    with manager(tmp_path, async_save=False) as m:
+        m.save(state_at(1, frozen_base()))
+    with manager(tmp_path, async_save=False) as m:
+        base = m.restore(only="params")["params"]["base"]
+        assert m._last_commit is None
+        m.save(state_at(2, base))
+    assert manager(tmp_path).metadata(2)["save"]["linked_bytes"] == 0
