@@ -289,6 +289,49 @@ class CheckpointManager:
         self._thread.start()
         return True
 
+    def save_sharded(
+        self,
+        state: TensorDictBase,
+        *,
+        metrics: dict | None = None,
+        metadata: dict | None = None,
+        host_rng: dict[int, dict] | None = None,
+    ) -> bool:
+        """Save a sharded state (DTensor leaves) with every rank writing its own rows into
+        one store (:mod:`ftrain.ckpt.sharded`); every rank calls it, synchronously, once
+        all ranks decided to save this step (no policy check here). Local directories
+        only; a failure raises on every rank and commits nothing.
+
+        Raises:
+            CheckpointSaveError: a rank could not write its part, or the commit failed.
+        """
+        from ftrain.ckpt.sharded import save_all_ranks
+
+        t0 = time.perf_counter()
+        self._check_usable()
+        step, now = self._read_step(state), time.time()
+        if not isinstance(self.directory, Path):
+            raise ValueError(
+                "a sharded save writes into a local (or mounted) directory; for an object "
+                "store gather the state (ftrain.sharding.gather_state) and save() it"
+            )
+        self.wait()
+        attrs = self._attributes(step, now, metrics, metadata, host_rng)
+        self._last_step, self._last_time = step, now
+        try:
+            done = save_all_ranks(
+                self, state, step, attrs, lambda m: _marker_extra(m, attrs, 0.0, t0)
+            )
+        except OSError as e:
+            self._last_step, self._last_time = self._committed_last
+            raise CheckpointSaveError(f"[step={step}] sharded save failed: {e}") from e
+        if done is not None:  # the coordinator: retention, index
+            final, manifest = done
+            self._after_commit(step, final, time.perf_counter() - t0, manifest)
+        else:
+            self._written.add(step)
+        return True
+
     def wants(self, state: TensorDictBase, *, force: bool = False) -> bool:
         """Whether ``save(state, force=force)`` would write now (the save policy and the
         already-saved check), without saving: lets every rank of a data-parallel run take

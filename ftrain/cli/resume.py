@@ -524,5 +524,6 @@ def checkpoint_metadata(
         "data_fingerprint": data_fp,
         "data": data_desc,
         "world_size": world.size,
-        "layout": "replicated",
+        # every store holds global shapes; "rows:N" = written by N ranks, each its own rows
+        "layout": "replicated" if cfg.dist.shard == "none" else f"rows:{world.size}",
     }

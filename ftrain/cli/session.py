@@ -145,8 +145,8 @@ class Session:
             force = True  # decided above for every rank: the save below must not re-decide
             gathered = gather_json(hostrng.capture())
             host_rng = dict(enumerate(gathered)) if gathered is not None else None
-            if self.sharded:  # whole tensors: a checkpoint restores on any world size
-                state = gather_state(state)
+            if self.sharded:  # every rank writes its own rows into one store
+                return self._save_sharded(state, metrics, host_rng, reason)
         if not self.world.is_coordinator:
             return False
         self._seen_commits()
@@ -175,6 +175,36 @@ class Session:
             if not self.cfg.checkpoint.async_save:
                 self._committed([step])  # a sync save returns once committed
         return saved
+
+    def _save_sharded(self, state, metrics: dict, host_rng, reason: str) -> bool:
+        """All ranks: the multi-writer two-phase save (sync); rank 0 records it."""
+        t0, started = time.perf_counter(), time.time()
+        if not isinstance(self.manager.directory, Path):  # object store: gather, rank 0 puts
+            state = gather_state(state)
+            if not self.world.is_coordinator:
+                return False
+            return self.manager.save(
+                state, metrics=metrics, metadata=self.metadata, force=True, host_rng=host_rng
+            )
+        try:
+            self.manager.save_sharded(
+                state, metrics=metrics, metadata=self.metadata, host_rng=host_rng
+            )
+        except CheckpointSaveError as err:
+            self._failed(err)
+            raise
+        if self.world.is_coordinator:
+            step = int(state["step"])
+            self.record(
+                "save_started",
+                step=step,
+                reason=reason,
+                blocking_s=round(time.perf_counter() - t0, 4),
+                async_save=False,
+            )
+            self._pending[step] = started
+            self._committed([step])
+        return True
 
     def _marker_time(self, step: int, started: float) -> float | None:
         """When ``step``'s marker was committed, if one is in place written after ``started``

@@ -19,6 +19,7 @@ __all__ = [
     "agree_any",
     "all_mean",
     "broadcast_int",
+    "broadcast_json",
     "gather_json",
     "init_world",
     "local_device",
@@ -129,6 +130,23 @@ def broadcast_int(value: int | None, src: int = 0) -> int | None:
     dist.broadcast(t, src)
     v = int(t.item())
     return None if v == -1 else v
+
+
+def broadcast_json(value: object, src: int = 0) -> object:
+    """Rank ``src``'s JSON-able ``value`` on every rank (UTF-8 bytes in a uint8 tensor; no
+    pickle). Outside a process group: ``value``."""
+    import json
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    dev = _device()
+    raw = json.dumps(value).encode() if dist.get_rank() == src else b""
+    n = broadcast_int(len(raw), src)
+    buf = torch.zeros(n, dtype=torch.uint8, device=dev)
+    if dist.get_rank() == src:
+        buf[:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
+    dist.broadcast(buf, src)
+    return json.loads(bytes(buf.cpu().numpy()))
 
 
 def all_mean(values: dict[str, float]) -> dict[str, float]:

@@ -11,6 +11,7 @@ steps. float64 keeps that noise below Adam's eps, so what is compared is the alg
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,7 @@ def main(out_path: str) -> None:
     report["param_bytes_plain"] = sharding.local_bytes(a["params"])
     for mode, run in runs.items():
         report[mode] = run.report(a)
+        report[mode]["store"] = _check_store(run.state, Path(out_path).with_name(mode), rank, world)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(report, f)
@@ -97,6 +99,53 @@ class _Run:
             "sharded_leaves": sum(hasattr(t, "to_local") for t in flatten(b)[1]),
             "params_identical_across_ranks": _same_on_every_rank(whole["params"]),
         }
+
+
+def _check_store(state, where: Path, rank: int, world: int) -> dict:
+    """Save with every rank writing its own rows; check the store from outside."""
+    from ftrain.ckpt import CheckpointManager
+    from ftrain.ckpt import commit as protocol
+    from ftrain.ckpt.sharded import read_rows, write_part
+    from ftrain.ckpt.store import specs_of
+
+    mgr = CheckpointManager(where / "ckpt", async_save=False)
+    mgr.save_sharded(state)
+    whole = sharding.gather_state(state)
+    step_dir = protocol.committed_steps(where / "ckpt")[int(state["step"])]
+    specs = specs_of(protocol.read_committed(step_dir)[1])
+    # this rank's rows, read back from the chunks that hold them only
+    rows_ok = True
+    for key, t in zip(*_flat_keys(state), strict=True):
+        if hasattr(t, "to_local") and t.ndim > 0:
+            n, c = t.shape[0], -(-t.shape[0] // world)
+            start, length = min(rank * c, n), max(0, min((rank + 1) * c, n) - rank * c)
+            rows_ok &= torch.equal(read_rows(step_dir, specs[key], start, length), t.to_local())
+    # each rank's part alone: the chunk files of its own rows and nothing of the others'
+    part_dir = where / f"part{rank}"
+    part_dir.mkdir(parents=True)
+    write_part(part_dir, state, {}, rank=rank, world=world, chunk_bytes=4096, workers=2)
+    files = sorted(str(p.relative_to(part_dir)) for p in part_dir.rglob("c.*"))
+    every = [None] * world
+    dist.all_gather_object(every, files)  # test-only: plain lists of strings
+    union = set().union(*map(set, every))
+    disjoint = sum(len(f) for f in every) == len(union)
+    restored = mgr.restore() if rank == 0 else None
+    same = rank != 0 or all(
+        torch.equal(x, y) for x, y in zip(flatten(restored)[1], flatten(whole)[1], strict=True)
+    )
+    return {
+        "rows_ok": bool(rows_ok),
+        "parts_disjoint": disjoint,
+        "restore_whole": bool(same),
+        "files_per_rank": [len(f) for f in every],
+    }
+
+
+def _flat_keys(state):
+    from ftrain.ckpt.store import flatten as store_flatten
+
+    _, leaves = store_flatten(state)
+    return list(leaves), list(leaves.values())
 
 
 def _local(t):

@@ -38,6 +38,9 @@ def test_sharded_state_matches_unsharded_and_splits_what_each_rank_holds(tmp_pat
         assert r["params_identical_across_ranks"] and r["roundtrip_bit_exact"], (mode, r)
         # per-parameter moments are split N ways; only 0-d counters stay whole
         assert r["opt_bytes"] <= report["opt_bytes_plain"] / nproc + 64, (mode, r)
+        store = r["store"]  # one store, every rank writing its own rows
+        assert store["rows_ok"] and store["parts_disjoint"] and store["restore_whole"], store
+        assert min(store["files_per_rank"]) > 0, store
     assert report["optimizer"]["param_bytes"] == report["param_bytes_plain"]
     # rows are split with torch.chunk's rule: a 1-row-per-rank tail may round up
     assert report["full"]["param_bytes"] <= report["param_bytes_plain"] / nproc * 1.05
