@@ -1,7 +1,10 @@
 """Turn a resolved config into the run's parts: model, optimizer, data, checkpoint manager.
 
-Each builder reads one config section. Models and sources are looked up in small
-registries so a recipe can add its own (``register_model``; ``ftrain.data.register_source``).
+Each builder reads one config section. Models, optimizers, schedules and data sources
+are the ``_target_`` of their config option (:mod:`ftrain.cli.targets`); a script that
+calls :func:`ftrain.cli.run.main` itself may also ``register_model`` a builder under a
+``model.name`` (it takes precedence over ``_target_``), and data sources registered with
+``ftrain.data.register_source`` are picked by ``data.name`` in a data option without one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ftrain.ckpt import (
     LatestN,
 )
 from ftrain.cli.finetune import group_settings, labeller, lora_enabled, uses_groups
+from ftrain.cli.targets import call_target, gpt2, instantiate_model, resolve_loss
 from ftrain.config import ConfigError
 from ftrain.data import Source
 from ftrain.data.sources import source_from_config
@@ -42,7 +46,9 @@ _MODELS: dict[str, ModelBuilder] = {}
 
 
 def register_model(name: str):
-    """Register ``builder(model_cfg, generator) -> (module, loss_fn)`` under ``model.name``."""
+    """Register ``builder(model_cfg, generator) -> (module, loss_fn)`` under ``model.name``
+    (for a script that calls :func:`ftrain.cli.run.main` itself; ``python -m ftrain`` takes
+    a model YAML with ``_target_`` instead). A registered name wins over ``_target_``."""
 
     def add(builder: ModelBuilder) -> ModelBuilder:
         _MODELS[name] = builder
@@ -51,15 +57,12 @@ def register_model(name: str):
     return add
 
 
-@register_model("gpt2")
 def _gpt2(model_cfg: DictConfig, generator: torch.Generator):
-    from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
+    """The GPT-2 recipe as a ``register_model`` builder (to wrap it in a script)."""
+    from ftrain.recipes.gpt2 import lm_loss
 
-    fields = {
-        k: model_cfg[k]
-        for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
-    }
-    return GPT(GPTConfig(**fields), generator=generator), lm_loss
+    shape = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
+    return gpt2(**{k: model_cfg[k] for k in shape}, generator=generator), lm_loss
 
 
 def pick_device(name: str) -> torch.device:
@@ -87,14 +90,13 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, Callable]:
     """The model (initialised from the run's init key, never global RNG) and its loss.
 
     Raises:
-        ConfigError: unknown ``model.name`` or a shape the model rejects.
+        ConfigError: no ``model._target_`` (nor a registered ``model.name``), a target that
+            cannot be built, or a shape the model rejects.
     """
-    if cfg.model.name not in _MODELS:
-        raise ConfigError(f"model.name={cfg.model.name!r} is unknown; known: {sorted(_MODELS)}")
     init_key = rng.fold_in(rng.key(cfg.trainer.seed), rng.STREAM_INIT)
     generator = rng.generator(init_key)
     try:
-        model, loss_fn = _MODELS[cfg.model.name](cfg.model, generator)
+        model, loss_fn = _make_model(cfg.model, generator)
         if lora_enabled(cfg):  # drawn after the base weights: the base is the same either way
             lo = cfg.model.lora
             apply_lora(
@@ -110,6 +112,13 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, Callable]:
     return model, loss_fn
 
 
+def _make_model(node: DictConfig, generator: torch.Generator) -> tuple[nn.Module, Callable]:
+    name = node.get("name")
+    if name in _MODELS:  # registered by the script that runs ftrain: explicit, so it wins
+        return _MODELS[name](node, generator)
+    return instantiate_model(node, generator), resolve_loss(node)
+
+
 def schedule_horizon(cfg: DictConfig, saved: int | None = None) -> int:
     """Steps the LR schedule decays over: ``schedule.decay_steps`` if set, else the horizon a
     checkpoint of this run recorded, else ``trainer.max_steps``.
@@ -117,8 +126,9 @@ def schedule_horizon(cfg: DictConfig, saved: int | None = None) -> int:
     Taking the recorded horizon keeps a run's LR curve fixed when a resume only extends
     ``trainer.max_steps``, so the continued run matches one that never stopped.
     """
-    if cfg.schedule.decay_steps is not None:
-        return int(cfg.schedule.decay_steps)
+    decay_steps = cfg.schedule.get("decay_steps")
+    if decay_steps is not None:
+        return int(decay_steps)
     return int(saved) if saved is not None else int(cfg.trainer.max_steps)
 
 
@@ -127,16 +137,10 @@ def build_schedule(cfg: DictConfig, horizon: int, lr: float | None = None):
     peaking at ``lr`` (default ``optim.lr``; a parameter group's own ``lr``).
 
     Raises:
-        ConfigError: unknown ``schedule.name``.
+        ConfigError: no ``schedule._target_`` or one that cannot be built.
     """
-    s, lr = cfg.schedule, cfg.optim.lr if lr is None else lr
-    if s.name == "constant":
-        return optim.schedule.constant(lr)
-    if s.name == "warmup_cosine":
-        return optim.schedule.warmup_cosine(
-            lr, s.warmup_steps, max(horizon, s.warmup_steps + 1), lr * s.end_factor
-        )
-    raise ConfigError(f"schedule.name={s.name!r} is unknown; use warmup_cosine or constant")
+    lr = cfg.optim.lr if lr is None else lr
+    return call_target("schedule", cfg.schedule, float(lr), int(horizon))
 
 
 def build_tx(cfg: DictConfig, horizon: int | None = None):
@@ -145,7 +149,7 @@ def build_tx(cfg: DictConfig, horizon: int | None = None):
     loss scaling when ``trainer.precision=fp16``.
 
     Raises:
-        ConfigError: unknown ``optim.name``.
+        ConfigError: no ``optim._target_`` or one that cannot be built.
     """
     horizon = horizon if horizon is not None else schedule_horizon(cfg)
     if uses_groups(cfg):
@@ -155,35 +159,22 @@ def build_tx(cfg: DictConfig, horizon: int | None = None):
         tx = optim.multi_transform(transforms, labeller(cfg))
     else:
         tx = _optimizer(cfg, cfg.optim, horizon)
-    if cfg.optim.clip is not None:
-        tx = optim.chain(optim.clip_by_global_norm(cfg.optim.clip), tx)
+    clip = cfg.optim.get("clip")
+    if clip is not None:
+        tx = optim.chain(optim.clip_by_global_norm(clip), tx)
     if cfg.trainer.precision == "fp16":
         tx = optim.dynamic_loss_scale(tx)
     return tx
 
 
 def _optimizer(cfg: DictConfig, o: DictConfig, horizon: int):
-    """The optimizer ``o`` (the optim group, or a parameter group's merged settings) as an
-    ftrain.optim chain; decay only on >= 2-D weights (GPT-2 practice).
+    """The optimizer ``o`` (the optim group, or a parameter group's merged settings):
+    ``o._target_(schedule, **o's other keys)``.
 
     Raises:
-        ConfigError: unknown ``optim.name``.
+        ConfigError: no ``optim._target_`` or one that cannot be built.
     """
-    sched = build_schedule(cfg, horizon, o.lr)
-    if o.name == "adamw":
-        return optim.adamw(
-            sched,
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            mask=optim.masks.ndim_at_least(2),
-        )
-    if o.name == "sgd":
-        return optim.sgd(
-            sched, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay
-        )
-    raise ConfigError(f"optim.name={o.name!r} is unknown; use adamw or sgd")
+    return call_target("optim", o, build_schedule(cfg, horizon, o.lr))
 
 
 def build_sources(cfg: DictConfig) -> tuple[Source, Source]:

@@ -140,9 +140,27 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _builtin(group: str, key: str = "_target_"):
+    """What a built-in option of ``group`` (by its recorded ``name``) meant for ``key``
+    before options named it: the value its YAML sets now."""
+    from ftrain.cli.targets import BUILTIN_TARGETS
+
+    loss = {"gpt2": "ftrain.recipes.gpt2.lm_loss"}
+    table = loss if key == "loss" else BUILTIN_TARGETS[group]
+    return lambda saved: table.get(saved.get(f"{group}.name"))
+
+
 # Keys added to the config after checkpoints were already being written, with the value
-# that means "as before": a checkpoint without the key is compared as if it had this value.
+# that means "as before": a checkpoint without the key is compared as if it had this value
+# (a function of the checkpoint's flat config where it depends on the option: the target
+# of the built-in option the checkpoint recorded by name). The target itself is only ever
+# compared, never imported: a checkpoint's recorded config runs no code.
 ADDED_KEYS = {
+    "model._target_": _builtin("model"),
+    "model.loss": _builtin("model", "loss"),
+    "optim._target_": _builtin("optim"),
+    "schedule._target_": _builtin("schedule"),
+    "data._target_": _builtin("data"),
     "model.lora.rank": 0,
     "model.lora.alpha": 16.0,
     "model.lora.targets": ["c_attn", "c_proj"],
@@ -156,7 +174,7 @@ ADDED_KEYS = {
 def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(incompatible, safe) differences between a checkpoint's config and the current one."""
     a, b = _flat(saved), _flat(current)
-    a = {k: v for k, v in ADDED_KEYS.items() if k in b} | a
+    a = {k: v(a) if callable(v) else v for k, v in ADDED_KEYS.items() if k in b} | a
     bad, safe = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):

@@ -18,13 +18,23 @@ from importlib import resources
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.utils import setup_globals
 from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from ftrain.config.schema import GROUP_SCHEMAS, register_configs
 
-__all__ = ["ConfigError", "config_hash", "load_config", "to_plain"]
+__all__ = [
+    "ConfigError",
+    "check_hydra_overrides",
+    "compose_raw",
+    "config_hash",
+    "finish_config",
+    "group_options",
+    "load_config",
+    "to_plain",
+]
 
 
 class ConfigError(ValueError):
@@ -44,77 +54,197 @@ def _device_pick(cpu_value, gpu_value, *, _root_):
 
 
 def _register_resolvers() -> None:
+    setup_globals()  # Hydra's ${now:...} (used in sweep dirs), as under @hydra.main
     if not OmegaConf.has_resolver("ftrain_device"):
         OmegaConf.register_new_resolver("ftrain_device", _device_pick)
 
 
-def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+def load_config(
+    overrides: list[str] | tuple[str, ...] = (), *, config_name: str = "config"
+) -> DictConfig:
     """Compose ``conf/config.yaml`` with Hydra ``overrides`` and resolve it.
 
     Args:
-        overrides: Hydra override strings, e.g. ``["+recipe=gpt2", "trainer.max_steps=10"]``.
+        overrides: Hydra override strings, e.g. ``["+recipe=gpt2", "trainer.max_steps=10"]``;
+            ``hydra.searchpath=[file://DIR]`` adds a config directory of the user's,
+            ``hydra.run.dir=DIR`` is ``run.dir=DIR``.
+        config_name: the primary config (``--config-name``).
 
     Returns:
         The resolved, read-only config.
 
     Raises:
-        ConfigError: unknown key, wrong type, missing group option, bad ``resume`` value.
+        ConfigError: unknown key, wrong type, missing group option, bad ``resume`` value, a
+            ``hydra.*`` override ftrain does not act on.
 
     Example:
         >>> cfg = load_config(["trainer.max_steps=3"])
         >>> cfg.trainer.max_steps
         3
     """
+    check_hydra_overrides(overrides, multirun=False)
+    raw = compose_raw(overrides, config_name=config_name)
+    if any(o.startswith("hydra.run.dir=") for o in overrides):
+        _honour_run_dir(raw, overrides)
+    return finish_config(raw, overrides)
+
+
+def compose_raw(overrides, *, config_name: str = "config") -> DictConfig:
+    """Hydra's composition with its ``hydra`` node, unresolved (see :func:`finish_config`).
+
+    Raises:
+        ConfigError: the composition failed (unknown group option, key, type).
+    """
     register_configs()
     _register_resolvers()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="ftrain.conf", version_base="1.3"):
-            cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-        choices = dict(cfg.hydra.runtime.choices)
-        with open_dict(cfg):
-            del cfg["hydra"]  # Hydra's own settings are not part of the run's config
-        OmegaConf.resolve(cfg)
+            return compose(
+                config_name=config_name, overrides=list(overrides), return_hydra_config=True
+            )
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
-    _check_choices(choices)
+
+
+def finish_config(raw: DictConfig, overrides=()) -> DictConfig:
+    """Drop the ``hydra`` node, fill ftrain's own keys of options without a schema, resolve
+    and validate: the run's read-only config.
+
+    Raises:
+        ConfigError: an interpolation fails, or a value a run cannot use.
+    """
+    cfg = raw.copy()
+    try:
+        with open_dict(cfg):
+            del cfg["hydra"]  # Hydra's own settings are not part of the run's config
+            _fill_own_defaults(cfg)
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(_explain(err, overrides)) from None
     _check_keys(cfg)
     _check_values(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
 
+# The hydra.* settings ftrain acts on; any other is refused rather than silently ignored.
+RUN_HYDRA_KEYS = ("hydra.run.dir", "hydra.searchpath")
+SWEEP_HYDRA_KEYS = (
+    "hydra.sweep.dir",
+    "hydra.sweep.subdir",
+    "hydra.searchpath",
+    "hydra.job.config.override_dirname.",
+)
+
+
+def check_hydra_overrides(overrides, *, multirun: bool) -> None:
+    """Refuse a ``hydra.*`` override (or ``hydra/GROUP=``) that ftrain would not act on.
+
+    Raises:
+        ConfigError: the override and the keys that do apply.
+    """
+    allowed = SWEEP_HYDRA_KEYS if multirun else RUN_HYDRA_KEYS
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0]
+        if not (key.startswith("hydra.") or key.startswith("hydra/")):
+            continue
+        if key in allowed or any(a.endswith(".") and key.startswith(a) for a in allowed):
+            continue
+        raise ConfigError(_hydra_refusal(o, key, multirun))
+
+
+def _hydra_refusal(override: str, key: str, multirun: bool) -> str:
+    if key == "hydra.run.dir":
+        why = "a sweep puts each job in hydra.sweep.dir/hydra.sweep.subdir"
+    elif key.startswith("hydra.sweep."):
+        why = "it applies to sweeps only; add -m (--multirun), or set run.dir for one run"
+    elif key == "hydra.job.chdir":
+        why = "ftrain never changes the working directory (paths stay relative to where you run)"
+    else:
+        why = (
+            "ftrain composes its config with Hydra but runs its jobs itself, one after another "
+            "in this process (no outputs/ dir, no launcher or logging plugins)"
+        )
+    keys = ", ".join(
+        k.rstrip(".") + ("*" if k.endswith(".") else "")
+        for k in (SWEEP_HYDRA_KEYS if multirun else RUN_HYDRA_KEYS)
+    )
+    return (
+        f"{override} is not used by ftrain: {why}; the hydra settings ftrain acts on here: {keys}"
+    )
+
+
+def _honour_run_dir(raw: DictConfig, overrides) -> None:
+    """``hydra.run.dir=DIR`` is ``run.dir=DIR`` (refused if both name different dirs)."""
+    wanted = str(raw.hydra.run.dir)
+    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("run.dir=")]
+    if given and given[-1] != wanted:
+        raise ConfigError(
+            f"hydra.run.dir={wanted} and run.dir={given[-1]} name different run directories; "
+            "give one of them (they mean the same: where the run's checkpoints and records go)"
+        )
+    raw.run.dir = wanted
+
+
+def _fill_own_defaults(cfg: DictConfig) -> None:
+    """An option without its group's schema (a user's ``_target_`` YAML) gets the keys ftrain
+    reads itself from the schema's defaults (``optim.clip``, ``model.lora``, ...)."""
+    for group, keys in OWN_DEFAULTS.items():
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is GROUP_SCHEMAS[group]:
+            continue
+        defaults = OmegaConf.structured(GROUP_SCHEMAS[group])
+        for key in keys:
+            if key not in node:
+                node[key] = defaults[key]
+            elif isinstance(node[key], DictConfig):  # e.g. +model.lora.rank=8 alone
+                node[key] = OmegaConf.merge(defaults[key], node[key])
+
+
+# per group: the keys ftrain itself reads, filled in for options without the group's schema
+OWN_DEFAULTS = {
+    "model": ("lora",),
+    "optim": ("clip", "freeze", "groups"),
+    "schedule": ("decay_steps",),
+    "data": ("shuffle", "drop_last", "prefetch", "allow_changed", "val_fraction"),
+}
+
+
+_NOT_FOUND = re.compile(r"Could not find '(\w+)/([\w.\-]+)'")
+
+
 def _explain(err: Exception, overrides) -> str:
-    # the typed schemas live in each group's namespace (so YAML can extend them) but are
-    # not choices: leave them out of Hydra's "Available options" lists
-    msg = re.sub(r"\n\t\w+_schema(?=\n|$)", "", str(err).strip())
+    msg = str(err).strip()
     cause = err.__cause__ or err.__context__
     if cause is not None and str(cause).strip() not in msg:
         msg += "\n  " + str(cause).strip().replace("\n", "\n  ")
     hint = (
-        "check the key against `python -m ftrain --cfg` (keys: run, model, optim, schedule, data, "
-        "checkpoint, trainer, dist, resume); +key=value adds a key only outside those groups, "
-        "for a recipe that reads it"
+        "check the key against `python -m ftrain --cfg job` or `--help` (keys: run, model, optim, "
+        "schedule, data, checkpoint, trainer, dist, resume, init); +key=value adds a key only "
+        "outside those groups, for a recipe that reads it"
     )
+    missing = _NOT_FOUND.search(msg)
+    if missing:
+        hint = _option_hint(*missing.groups())
     return f"invalid config from overrides {list(overrides)}:\n  {msg}\n  fix: {hint}"
 
 
-def _group_options(group: str) -> list[str]:
+def _option_hint(group: str, option: str) -> str:
+    choices = ", ".join(f"{group}={o}" for o in group_options(group))
+    if option == f"{group}_schema":
+        return f"{group}={option} is the typed schema of the {group} group, not an option; pick one of: {choices}"
+    return f"{group}={option} is not an option; pick one of: {choices} (or add DIR/{group}/{option}.yaml with --config-dir DIR)"
+
+
+def group_options(group: str) -> list[str]:
     """The YAML options of a group in ftrain's own config package."""
     folder = resources.files("ftrain.conf") / group
+    if not folder.is_dir():
+        return []
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
-def _check_choices(choices: dict) -> None:
-    """Refuse a schema picked as a group option: it has no values (``model=model_schema``)."""
-    for group, option in choices.items():
-        if isinstance(option, str) and option.endswith("_schema") and "/" not in group:
-            raise ConfigError(
-                f"{group}={option} is the typed schema of the {group} group, not an option; "
-                f"pick one of: {', '.join(f'{group}={o}' for o in _group_options(group))}"
-            )
 
 
 def _check_keys(cfg: DictConfig) -> None:
@@ -122,7 +252,7 @@ def _check_keys(cfg: DictConfig) -> None:
 
     Hydra lets ``+trainer.max_step=10`` into a typed node; we do not: a typo must not be
     accepted silently. A group option that does not extend its schema (a user's own model
-    YAML without ``model_schema`` in its defaults) may carry any keys.
+    YAML with a ``_target_`` of its own) may carry any keys.
     """
     for group, schema in GROUP_SCHEMAS.items():
         node = cfg.get(group)
@@ -218,8 +348,14 @@ def _check_checkpoint(c: DictConfig) -> None:
 
 
 def _check_optim(o: DictConfig) -> None:
-    if not (math.isfinite(o.lr) and o.lr > 0):
-        raise _bad("optim.lr", o.lr, "the learning rate must be a finite number > 0")
+    lr = o.get("lr")
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise _bad(
+            "optim.lr",
+            lr,
+            "the learning rate (the schedule's peak) must be a finite number > 0",
+            "set optim.lr (an optimizer YAML of your own needs an lr key)",
+        )
     if o.clip is not None and not (o.clip > 0):
         raise _bad(
             "optim.clip",
@@ -228,12 +364,12 @@ def _check_optim(o: DictConfig) -> None:
             "use optim.clip=null for no clipping",
         )
     for name in ("b1", "b2"):
-        if not 0 <= o[name] < 1:
+        if name in o and not 0 <= o[name] < 1:
             raise _bad(f"optim.{name}", o[name], "must be in [0, 1)")
-    if not o.eps > 0:
+    if "eps" in o and not o.eps > 0:
         raise _bad("optim.eps", o.eps, "must be > 0")
     for name in ("weight_decay", "momentum"):
-        if not o[name] >= 0:
+        if name in o and not o[name] >= 0:
             raise _bad(f"optim.{name}", o[name], "must be >= 0")
 
 
@@ -340,7 +476,7 @@ def _check_shard(cfg: DictConfig) -> None:
 
 
 def _check_schedule(s: DictConfig) -> None:
-    if s.warmup_steps < 0:
+    if s.get("warmup_steps", 0) < 0:
         raise _bad("schedule.warmup_steps", s.warmup_steps, "must be >= 0")
     if s.decay_steps is not None and s.decay_steps < 1:
         raise _bad(
@@ -349,7 +485,7 @@ def _check_schedule(s: DictConfig) -> None:
             "must be >= 1",
             "use schedule.decay_steps=null to decay over trainer.max_steps",
         )
-    if not 0 <= s.end_factor <= 1:
+    if not 0 <= s.get("end_factor", 0) <= 1:
         raise _bad("schedule.end_factor", s.end_factor, "must be in [0, 1]")
 
 
@@ -365,7 +501,7 @@ def _check_data(d: DictConfig) -> None:
         raise _bad(
             "data.val_fraction", d.val_fraction, "must be in [0, 1) (a share of the data held out)"
         )
-    if d.name in _NEEDS_PATH and not d.path:
+    if d.get("name") in _NEEDS_PATH and not d.get("path"):
         raise ConfigError(
             f"data={d.name} needs data.path: set data.path=PATH to {_NEEDS_PATH[d.name]}"
         )

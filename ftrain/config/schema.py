@@ -32,6 +32,11 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    """``model=gpt2``/``gpt2_tiny``: the GPT-2 recipe. A user's own model YAML need not use
+    this schema: ``_target_`` (the nn.Module, built with its YAML's other keys) and ``loss``."""
+
+    _target_: str | None = None  # called with the shape keys (ftrain.cli.targets.gpt2)
+    loss: str | None = None  # dotted path of loss_fn(model, batch) -> loss | (loss, aux)
     name: str = MISSING
     block_size: int = 64
     vocab_size: int = 256
@@ -45,6 +50,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    _target_: str | None = None  # _target_(schedule, **other keys) -> GradientTransformation
     name: str = "adamw"
     lr: float = 6e-4
     b1: float = 0.9
@@ -62,6 +68,7 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
+    _target_: str | None = None  # _target_(lr, horizon, **other keys) -> count -> lr
     name: str = "warmup_cosine"
     warmup_steps: int = 10
     decay_steps: int | None = None  # None: decay over trainer.max_steps
@@ -70,6 +77,7 @@ class ScheduleConfig:
 
 @dataclass
 class DataConfig:
+    _target_: str | None = None  # the source factory; None: the source registered as name
     name: str = "stdlib"
     path: str | None = None
     block_size: int = "${model.block_size}"  # type: ignore[assignment]
@@ -123,10 +131,12 @@ class DistConfig:
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    # typed by each option's own defaults (/model_schema@_here_ ...): a user's option with
+    # a _target_ of its own may carry other keys
+    model: Any = MISSING
+    optim: Any = MISSING
+    schedule: Any = MISSING
+    data: Any = MISSING
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -153,12 +163,12 @@ GROUP_SCHEMAS: dict[str, type] = {
 def register_configs() -> None:
     """Register the schemas so YAML groups are validated (idempotent).
 
-    Each schema is stored as ``GROUP/GROUP_schema`` so a group's YAML can name it in its
-    defaults list; it is not a choice of its own (``model=model_schema`` is refused by
-    :func:`ftrain.config.load_config`).
+    Each schema is stored at the top level as ``GROUP_schema``, outside its group, so a
+    group's YAML extends it with ``- /GROUP_schema@_here_`` in its defaults list while it is
+    never a choice: ``model=`` lists, completes and accepts only real options.
     """
     cs = ConfigStore.instance()
     cs.store(name="ftrain_schema", node=Config)
     for group, node in GROUP_SCHEMAS.items():
         if group != "run":  # run has no group directory: its keys live in config.yaml
-            cs.store(group=group, name=f"{group}_schema", node=node)
+            cs.store(name=f"{group}_schema", node=node)

@@ -359,13 +359,14 @@ def make_source(name: str, /, **kwargs: Any) -> Source:
     return _REGISTRY[name](**kwargs)
 
 
-_LOADER_KEYS = frozenset({"name", "shuffle", "drop_last", "prefetch", "allow_changed"})
+_LOADER_KEYS = frozenset({"_target_", "name", "shuffle", "drop_last", "prefetch", "allow_changed"})
 
 
 def source_from_config(cfg: Mapping[str, Any], *, split: str = "train") -> Source:
     """Build the ``split`` source described by a ``data`` config (``conf/data/*.yaml``).
 
-    ``cfg["name"]`` picks the registered factory; the keys it accepts are passed on
+    ``cfg["_target_"]`` (a dotted path, as in Hydra's ``instantiate``) names the factory;
+    without one, ``cfg["name"]`` picks a registered factory. The keys it accepts are passed on
     (``path``/``cache_dir`` only when set); loader and resume keys (``shuffle``,
     ``drop_last``, ``prefetch``, ``allow_changed``) are not source arguments.
 
@@ -374,10 +375,7 @@ def source_from_config(cfg: Mapping[str, Any], *, split: str = "train") -> Sourc
         >>> len(src)
         2
     """
-    name = cfg.get("name")
-    if name not in _REGISTRY:
-        return make_source(str(name))  # raises the listing error
-    factory = _REGISTRY[name]
+    factory = _factory(cfg)
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {
@@ -390,6 +388,24 @@ def source_from_config(cfg: Mapping[str, Any], *, split: str = "train") -> Sourc
     if takes_any or "split" in params:
         kwargs["split"] = split
     return factory(**kwargs)
+
+
+def _factory(cfg: Mapping[str, Any]) -> Callable[..., Source]:
+    target = cfg.get("_target_")
+    if target:
+        from hydra.utils import get_method
+
+        try:
+            return get_method(str(target))
+        except Exception as err:  # not importable: the message names the path
+            raise KeyError(
+                f"data._target_={target!r} cannot be imported ({err}); check the dotted path "
+                "and that its package is importable"
+            ) from None
+    name = cfg.get("name")
+    if name not in _REGISTRY:
+        make_source(str(name))  # raises the listing error
+    return _REGISTRY[name]
 
 
 def source_names() -> list[str]:

@@ -1,0 +1,231 @@
+"""The ``_target_`` of each of ftrain's own config options, and how a target is called.
+
+Every option of the ``model``, ``optim``, ``schedule`` and ``data`` groups names the
+callable that builds it with ``_target_`` (Hydra's ``instantiate``), so a user's own option
+is one YAML file in a config directory of theirs (``--config-dir DIR`` or
+``hydra.searchpath=[file://DIR]``), with no Python wrapper around ftrain:
+
+* ``model``: ``_target_(**keys) -> nn.Module`` (``generator=`` is passed when the target
+  takes it, else it is built under a forked torch RNG seeded from the run's init key),
+  plus ``loss``: the dotted path of ``loss_fn(model, batch) -> loss | (loss, aux)``.
+* ``optim``: ``_target_(schedule, **keys) -> GradientTransformation``.
+* ``schedule``: ``_target_(lr, horizon, **keys) -> (count -> lr)``.
+* ``data``: ``_target_(split=..., **the keys it accepts) -> Source``.
+
+The keys ftrain itself reads (``OWN_KEYS``: ``name``, ``lr``, ``clip``, ...) are not passed.
+Targets are only ever taken from the config composed from the user's command line and
+config files, never from a checkpoint's recorded config (loading a checkpoint runs no code).
+
+The factories below are the built-in options' targets: they take exactly the keys of
+their group's schema (:mod:`ftrain.config.schema`), so the recorded config of a run keeps
+the same keys as before targets existed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import get_method, instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ftrain import optim
+from ftrain.config import ConfigError
+
+__all__ = [
+    "BUILTIN_TARGETS",
+    "OWN_KEYS",
+    "adamw",
+    "call_target",
+    "constant",
+    "gpt2",
+    "instantiate_model",
+    "resolve_loss",
+    "sgd",
+    "warmup_cosine",
+]
+
+# The keys of each group that ftrain reads itself: never passed to the group's target.
+OWN_KEYS = {
+    "model": ("_target_", "name", "loss", "lora"),
+    "optim": ("_target_", "name", "lr", "clip", "freeze", "groups"),
+    "schedule": ("_target_", "name", "decay_steps"),
+}
+
+# ``(group, name) -> _target_`` of the built-in options: what a checkpoint written before
+# options had targets meant (ftrain.cli.resume.ADDED_KEYS).
+BUILTIN_TARGETS = {
+    "model": {"gpt2": "ftrain.cli.targets.gpt2"},
+    "optim": {"adamw": "ftrain.cli.targets.adamw", "sgd": "ftrain.cli.targets.sgd"},
+    "schedule": {
+        "warmup_cosine": "ftrain.cli.targets.warmup_cosine",
+        "constant": "ftrain.cli.targets.constant",
+    },
+    "data": {
+        "stdlib": "ftrain.data.corpus.stdlib_corpus",
+        "text": "ftrain.data.text.TextCorpusSource",
+        "tokens": "ftrain.data.sources.TokenFileSource",
+    },
+}
+
+
+def gpt2(
+    *,
+    block_size: int,
+    vocab_size: int,
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    dropout: float,
+    bias: bool,
+    generator: torch.Generator,
+) -> nn.Module:
+    """``model=gpt2``/``gpt2_tiny``: the GPT-2 recipe's model of this shape.
+
+    Example:
+        >>> m = gpt2(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8,
+        ...          dropout=0.0, bias=True, generator=torch.Generator().manual_seed(0))
+        >>> type(m).__name__
+        'GPT'
+    """
+    from ftrain.recipes.gpt2 import GPT, GPTConfig
+
+    shape = GPTConfig(
+        block_size=block_size,
+        vocab_size=vocab_size,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        dropout=dropout,
+        bias=bias,
+    )
+    return GPT(shape, generator=generator)
+
+
+def adamw(lr, *, b1, b2, eps, weight_decay, momentum=0.0, nesterov=False):
+    """``optim=adamw``: decay only on >= 2-D weights (GPT-2 practice). ``momentum`` and
+    ``nesterov`` are the optim schema's SGD settings, unused here."""
+    del momentum, nesterov
+    mask = optim.masks.ndim_at_least(2)
+    return optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+
+
+def sgd(lr, *, momentum, nesterov, weight_decay, b1=0.9, b2=0.95, eps=1e-8):
+    """``optim=sgd``: SGD with optional (Nesterov) momentum. ``b1``, ``b2``, ``eps`` are the
+    optim schema's Adam settings, unused here."""
+    del b1, b2, eps
+    return optim.sgd(lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+
+
+def warmup_cosine(lr: float, horizon: int, *, warmup_steps: int, end_factor: float):
+    """``schedule=warmup_cosine``: linear warmup to ``lr``, cosine decay to
+    ``end_factor * lr`` at step ``horizon``."""
+    return optim.schedule.warmup_cosine(
+        lr, warmup_steps, max(horizon, warmup_steps + 1), lr * end_factor
+    )
+
+
+def constant(lr: float, horizon: int, *, warmup_steps: int = 0, end_factor: float = 0.1):
+    """``schedule=constant``: ``lr`` at every step (the schema's warmup and end settings
+    do not apply)."""
+    del horizon, warmup_steps, end_factor
+    return optim.schedule.constant(lr)
+
+
+def _spec(group: str, node: Mapping) -> dict:
+    plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    target = plain.get("_target_")
+    name = plain.get("name", "?")
+    if not target:
+        raise ConfigError(
+            f"{group}={name} has no {group}._target_: set it to the dotted path of the callable "
+            f"that builds it (see docs/configuration.md, 'Your own model, optimizer, data')"
+        )
+    own = OWN_KEYS.get(group, ("_target_", "name"))
+    return {"_target_": target, **{k: v for k, v in plain.items() if k not in own}}
+
+
+def call_target(group: str, node: Mapping, *args, **kwargs):
+    """Instantiate ``node._target_`` with ``args``, ``kwargs`` and the node's other keys
+    (those ftrain reads itself, ``OWN_KEYS[group]``, left out).
+
+    Raises:
+        ConfigError: no ``_target_``, it cannot be imported, or it rejects the keys.
+    """
+    spec = _spec(group, node)
+    try:
+        return instantiate(spec, *args, _convert_="all", **kwargs)
+    except InstantiationException as err:
+        raise _target_error(group, spec["_target_"], err) from None
+
+
+def _target_error(group: str, target: str, err: Exception) -> ConfigError:
+    cause = err.__cause__ or err
+    return ConfigError(
+        f"{group}._target_={target!r} could not be built: {str(err).splitlines()[0]}"
+        f"\n  cause: {type(cause).__name__}: {cause}"
+        f"\n  fix: check that {target.rsplit('.', 1)[0]} is importable (on PYTHONPATH or "
+        f"installed) and that its arguments match the {group} config's keys"
+    )
+
+
+def _takes(target: str, name: str) -> bool:
+    fn = get_method(target)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def instantiate_model(node: Mapping, generator: torch.Generator) -> nn.Module:
+    """The ``model`` option's module, its weights drawn from ``generator``'s stream.
+
+    A target without a ``generator`` argument is built under ``torch.random.fork_rng``
+    seeded from ``generator`` (the run's init key), so its init is reproducible and the
+    global RNG is as it was afterwards.
+
+    Raises:
+        ConfigError: see :func:`call_target`; the target did not return an ``nn.Module``.
+    """
+    target = _spec("model", node)["_target_"]
+    try:
+        takes_generator = _takes(target, "generator")
+    except Exception as err:  # not importable: reported like an instantiate failure
+        raise _target_error("model", target, err) from None
+    if takes_generator:
+        module = call_target("model", node, generator=generator)
+    else:
+        seed = int(torch.randint(0, 2**62, (), generator=generator))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = call_target("model", node)
+    if not isinstance(module, nn.Module):
+        raise ConfigError(
+            f"model._target_={target!r} returned a {type(module).__name__}, not a torch.nn.Module"
+        )
+    return module
+
+
+def resolve_loss(node: Mapping) -> Callable:
+    """``model.loss``: a dotted path (``mypkg.my_loss``) or a ``_target_`` node (use
+    ``_partial_: true`` for a function with settings).
+
+    Raises:
+        ConfigError: no loss, or it cannot be imported.
+    """
+    loss = node.get("loss")
+    if loss is None:
+        raise ConfigError(
+            f"model={node.get('name', node.get('_target_'))} has no model.loss: set it to the "
+            "dotted path of loss_fn(model, batch) -> loss or (loss, {'tokens': n})"
+        )
+    try:
+        return get_method(loss) if isinstance(loss, str) else call_target("loss", loss)
+    except Exception as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise _target_error("model.loss", str(loss), err) from None
