@@ -1,4 +1,4 @@
-"""``python -m ftrain [+recipe=NAME] [overrides]``: compose the config, start or resume, train.
+"""``python -m ftrain [-m] [+recipe=NAME] [overrides]``: compose the config, start or resume, train.
 
 Kept short on purpose (the logic lives in library functions): build the parts, restore
 or init the state, run :func:`ftrain.loop.train_loop`, close the checkpoint manager
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torch import nn
 
@@ -41,7 +41,7 @@ from ftrain.cli.resume import (
     start_state,
 )
 from ftrain.cli.session import Session
-from ftrain.config import ConfigError, load_config
+from ftrain.config import ConfigError
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import NonFiniteError, train_loop
@@ -59,15 +59,7 @@ from ftrain.state import init_state, place
 from ftrain.step import make_step
 from ftrain.watchdog import Watchdog
 
-__all__ = ["main"]
-
-USAGE = """usage: python -m ftrain [+recipe=NAME] [KEY=VALUE ...]
-       python -m ftrain --cfg [overrides]    print the composed config and exit
-
-Re-running the same command resumes from the newest committed checkpoint in run.dir.
-resume=none starts fresh; resume=STEP resumes exactly at STEP. See docs/configuration.md.
-Exit codes: 0 done, 1 error (or a non-finite loss), 2 bad config, 3 stopped by a signal
-after saving, 4 hung (trainer.hang_timeout_s), 130 forced. See docs/fault-tolerance.md."""
+__all__ = ["console_main", "main"]
 
 # Errors that mean "this run cannot start as configured": reported in one paragraph, exit 2.
 # Anything else during setup is a bug and keeps its traceback.
@@ -104,20 +96,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(USAGE)
-        return EXIT_OK
-    show_cfg = "--cfg" in argv
-    try:
-        cfg = load_config([a for a in argv if a != "--cfg"])
-    except ConfigError as err:
-        print(f"ftrain: {err}", file=sys.stderr)
-        return EXIT_CONFIG
-    if show_cfg:
-        print(OmegaConf.to_yaml(cfg))
-        return EXIT_OK
-    return train_from_config(cfg)
+    from ftrain.cli.app import run_app  # Hydra's flags, --help, -m sweeps
+
+    return run_app(list(sys.argv[1:] if argv is None else argv), train_from_config)
+
+
+def console_main() -> None:
+    """The ``ftrain`` console script (``ftrain -sc install=bash`` completes ``ftrain ...``)."""
+    sys.exit(main())
 
 
 def train_from_config(cfg: DictConfig) -> int:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import fields
 from importlib import resources
 
@@ -32,7 +33,9 @@ __all__ = [
     "config_hash",
     "finish_config",
     "group_options",
+    "hydra_session",
     "load_config",
+    "register_all",
     "to_plain",
 ]
 
@@ -51,6 +54,12 @@ def _device_pick(cpu_value, gpu_value, *, _root_):
     if wanted == "auto":
         return gpu_value if torch.cuda.is_available() else cpu_value
     return gpu_value if wanted.startswith("cuda") else cpu_value
+
+
+def register_all() -> None:
+    """ftrain's schemas in Hydra's ConfigStore and its resolvers (idempotent)."""
+    register_configs()
+    _register_resolvers()
 
 
 def _register_resolvers() -> None:
@@ -95,14 +104,24 @@ def compose_raw(overrides, *, config_name: str = "config") -> DictConfig:
     Raises:
         ConfigError: the composition failed (unknown group option, key, type).
     """
-    register_configs()
-    _register_resolvers()
+    with hydra_session(overrides):
+        return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+
+
+@contextmanager
+def hydra_session(overrides=()):
+    """Hydra initialised on ``ftrain.conf`` (schemas and resolvers registered) for the
+    block, cleared after it; its errors become one :class:`ConfigError`.
+
+    Example:
+        >>> with hydra_session():
+        ...     loader = GlobalHydra.instance().config_loader()
+    """
+    register_all()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="ftrain.conf", version_base="1.3"):
-            return compose(
-                config_name=config_name, overrides=list(overrides), return_hydra_config=True
-            )
+            yield
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err, overrides)) from None
     finally:
@@ -229,6 +248,11 @@ def _explain(err: Exception, overrides) -> str:
     missing = _NOT_FOUND.search(msg)
     if missing:
         hint = _option_hint(*missing.groups())
+    elif "Interpolation key 'model.block_size' not found" in msg:
+        hint = (
+            "the data option reads its sample length from model.block_size, which this model "
+            "has not: give the model YAML a block_size key, or set data.block_size=N"
+        )
     return f"invalid config from overrides {list(overrides)}:\n  {msg}\n  fix: {hint}"
 
 

@@ -1,0 +1,160 @@
+"""``python -m ftrain -m KEY=A,B ...``: a Hydra sweep, one training job per combination.
+
+The overrides are expanded by Hydra's own override grammar and basic sweeper
+(``a,b``, ``range(1,4)``, ``choice(...)``, ``glob(*)``), in Hydra's order. Each job is an
+ordinary run whose ``run.dir`` is ``hydra.sweep.dir/hydra.sweep.subdir`` (by default
+``runs/${run.name}/multirun/${hydra.job.override_dirname}``: the job's own overrides, less
+the settings a resume may change such as ``trainer.max_steps``), so re-running the same
+sweep resumes every job where it stopped, and a longer ``trainer.max_steps`` extends them.
+
+Every job's config is composed and checked before the first one starts (a bad value in
+any job: exit 2, nothing run). Jobs run one after another in this process; a failed job
+(exit 1, 2, 4) is reported and the next one starts; a job stopped by a signal (exit 3,
+130) ends the sweep there (re-run it to continue). The exit status is the first failed
+job's, 0 when all succeeded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, open_dict
+
+from ftrain.config import ConfigError
+from ftrain.config.compose import (
+    check_hydra_overrides,
+    compose_raw,
+    finish_config,
+    hydra_session,
+)
+from ftrain.signals import EXIT_FORCED, EXIT_OK, EXIT_PREEMPTED
+
+__all__ = ["Job", "expand", "plan_jobs", "run_sweep"]
+
+_STOP_SWEEP = (EXIT_PREEMPTED, EXIT_FORCED)  # a signal: the user wants the sweep to stop
+
+
+@dataclass
+class Job:
+    """One combination of a sweep: its number, its overrides and its checked config."""
+
+    num: int
+    overrides: list[str]
+    cfg: DictConfig
+
+
+def expand(overrides: list[str]) -> list[list[str]]:
+    """The jobs' override lists, as Hydra's basic sweeper expands them.
+
+    Example:
+        >>> expand(["optim.lr=1e-3,3e-3", "trainer.max_steps=5"])
+        [['optim.lr=0.001', 'trainer.max_steps=5'], ['optim.lr=0.003', 'trainer.max_steps=5']]
+
+    Raises:
+        ConfigError: an override that does not parse, or a sweep kind the basic sweeper
+            cannot expand (intervals need an optimizing sweeper).
+    """
+    with hydra_session(overrides):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        parsed = parser.parse_overrides(list(overrides))
+        return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
+
+
+def _refuse_fixed_dirs(overrides: list[str]) -> None:
+    for o in overrides:
+        key = o.lstrip("+").split("=", 1)[0]
+        if key == "run.dir":
+            raise ConfigError(
+                f"{o}: in a sweep every job has its own run.dir "
+                "(hydra.sweep.dir/hydra.sweep.subdir); set hydra.sweep.dir=DIR instead"
+            )
+
+
+def _in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def plan_jobs(overrides: list[str], *, config_name: str = "config") -> list[Job]:
+    """Every job of the sweep with its composed, checked config (nothing is run).
+
+    Raises:
+        ConfigError: under torchrun, a bad override or value in any job, a fixed
+            ``run.dir``, or two jobs that would share a run or checkpoint directory.
+    """
+    if _in_torchrun():
+        raise ConfigError(
+            "-m/--multirun runs its jobs one after another in one process and cannot run "
+            "under torchrun; launch one torchrun command per job instead, e.g. "
+            "torchrun --nproc-per-node=2 -m ftrain optim.lr=1e-3 run.dir=runs/lr1e-3"
+        )
+    check_hydra_overrides(overrides, multirun=True)
+    _refuse_fixed_dirs(overrides)
+    jobs = [_job(n, o, config_name) for n, o in enumerate(expand(overrides))]
+    _check_distinct(jobs)
+    return jobs
+
+
+def _job(num: int, overrides: list[str], config_name: str) -> Job:
+    raw = compose_raw(overrides, config_name=config_name)
+    with open_dict(raw):
+        raw.hydra.job.num = num
+        raw.hydra.job.id = str(num)
+        try:
+            job_dir = Path(str(raw.hydra.sweep.dir)) / str(raw.hydra.sweep.subdir)
+        except Exception as err:  # an interpolation in hydra.sweep.* that does not resolve
+            raise ConfigError(
+                f"hydra.sweep.dir/subdir do not resolve for job {num}: {err}"
+            ) from None
+        raw.run.dir = str(job_dir)
+    return Job(num, overrides, finish_config(raw, overrides))
+
+
+def _check_distinct(jobs: list[Job]) -> None:
+    seen: dict[str, Job] = {}
+    for job in jobs:
+        for d in {str(job.cfg.run.dir), str(job.cfg.checkpoint.dir)}:
+            other = seen.setdefault(os.path.normpath(d), job)
+            if other is not job:
+                raise ConfigError(
+                    f"sweep jobs {other.num} ({' '.join(other.overrides)}) and {job.num} "
+                    f"({' '.join(job.overrides)}) would share the directory {d}: the keys that "
+                    "differ are left out of hydra.job.override_dirname (resume-safe settings "
+                    "such as trainer.max_steps, data.path) or checkpoint.dir is fixed; make it "
+                    "per job (hydra.sweep.subdir=job${hydra.job.num}, or leave checkpoint.dir "
+                    "at its default)"
+                )
+
+
+def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
+    """Run ``train(job.cfg)`` for each job in order; return the sweep's exit status."""
+    results: list[tuple[Job, int]] = []
+    for job in jobs:
+        print(
+            f"[sweep] job {job.num} ({job.num + 1} of {len(jobs)}): "
+            f"{' '.join(job.overrides) or '(no overrides)'}"
+            f" -> run.dir={job.cfg.run.dir}",
+            flush=True,
+        )
+        rc = train(job.cfg)
+        results.append((job, rc))
+        if rc in _STOP_SWEEP:
+            print(f"[sweep] job {job.num} was stopped (exit {rc}): stopping the sweep")
+            break
+    _summary(jobs, results)
+    failed = [rc for _, rc in results if rc != EXIT_OK]
+    return failed[0] if failed else EXIT_OK
+
+
+def _summary(jobs: list[Job], results: list[tuple[Job, int]]) -> None:
+    done = {job.num: rc for job, rc in results}
+    print(f"[sweep] {sum(rc == EXIT_OK for rc in done.values())}/{len(jobs)} jobs succeeded")
+    for job in jobs:
+        rc = done.get(job.num)
+        status = "not started" if rc is None else ("ok" if rc == EXIT_OK else f"exit {rc}")
+        print(f"[sweep]   job {job.num}: {status:<11} {job.cfg.run.dir}", flush=True)
