@@ -1,0 +1,237 @@
+"""``python -m ftrain`` as a Hydra app: sweeps, --help and Hydra's flags, a user's own model
+from a config directory, and a checkpoint's recorded ``_target_`` never imported."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from ftrain.ckpt import CheckpointManager
+
+from .conftest import SMALL_CORPUS, TINY, records
+
+
+# run from other directories (a user's), the subprocess must still import this checkout
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def _ftrain(*args, cache_dir, cwd=None, env=None, timeout=300):
+    path = os.pathsep.join(filter(None, [(env or {}).get("PYTHONPATH"), ROOT]))
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1", **(env or {}))
+    env["PYTHONPATH"] = path
+    return subprocess.run(
+        [sys.executable, "-m", "ftrain", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def _committed(ckpt_dir):
+    return CheckpointManager(Path(ckpt_dir), async_save=False).all_steps()
+
+
+def _job_dirs(sweep_dir):
+    return sorted(p for p in Path(sweep_dir).iterdir() if (p / "checkpoints").is_dir())
+
+
+def test_multirun_runs_one_job_per_value_and_a_rerun_resumes_each(cache_dir, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *TINY, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"]
+    first = _ftrain(*args, "trainer.max_steps=2", cache_dir=cache_dir, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    jobs = _job_dirs(sweep)
+    assert [d.name.split("optim.lr=")[1].split(",")[0] for d in jobs] == ["0.001", "0.003"]
+    assert all(_committed(d / "checkpoints") == [2] for d in jobs)
+    assert "[sweep] 2/2 jobs succeeded" in first.stdout
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+    peak = {d.name: records(d, "step")[1]["lr"] for d in jobs}  # warmup: lr/2 at step 2
+    assert sorted(peak.values()) == [0.0005, 0.0015]
+
+    # the same sweep with a longer max_steps continues both jobs (max_steps is not in the
+    # job's directory name)
+    again = _ftrain(*args, "trainer.max_steps=3", cache_dir=cache_dir, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _job_dirs(sweep) == jobs
+    assert again.stdout.count("resumed from step 2") == 2
+    assert all(_committed(d / "checkpoints")[-1] == 3 for d in jobs)
+
+
+def test_multirun_exit_status_reflects_a_failed_job(cache_dir, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _ftrain(
+        "-m",
+        *TINY,
+        "trainer.max_steps=1",
+        f"init.from=null,{tmp_path / 'no-such-run'}",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=job${hydra.job.num}",
+        cache_dir=cache_dir,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "[sweep] 1/2 jobs succeeded" in proc.stdout
+    assert "job 1: exit 2" in proc.stdout and "no-such-run" in proc.stderr
+    assert _committed(sweep / "job0" / "checkpoints") == [1]
+
+
+def test_multirun_config_errors_and_torchrun_are_refused_before_any_job(cache_dir, tmp_path):
+    bad = _ftrain("-m", *TINY, "optim.lr=1e-3,-1", cache_dir=cache_dir, cwd=tmp_path)
+    assert bad.returncode == 2 and "optim.lr=-1.0" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "runs").exists()
+    ranks = _ftrain(
+        "-m", "optim.lr=1e-3,3e-3", cache_dir=cache_dir, cwd=tmp_path, env={"WORLD_SIZE": "2"}
+    )
+    assert ranks.returncode == 2 and "torchrun" in ranks.stderr
+
+
+def test_help_and_hydra_flags(cache_dir, tmp_path):
+    helped = _ftrain("--help", cache_dir=cache_dir, cwd=tmp_path)
+    assert helped.returncode == 0, helped.stderr
+    assert "== Configuration groups ==" in helped.stdout
+    assert "model: gpt2, gpt2_tiny*" in helped.stdout and "optim: adamw*, sgd" in helped.stdout
+    assert "max_steps=200" in helped.stdout and "-m" in helped.stdout
+    assert "_schema" not in helped.stdout
+
+    shown = _ftrain("--cfg", "hydra", cache_dir=cache_dir, cwd=tmp_path)
+    assert shown.returncode == 0 and "override_dirname" in shown.stdout, shown.stderr
+    info = _ftrain("--info", "searchpath", cache_dir=cache_dir, cwd=tmp_path)
+    assert info.returncode == 0 and "pkg://ftrain.conf" in info.stdout, info.stderr
+    hydra_help = _ftrain("--hydra-help", cache_dir=cache_dir, cwd=tmp_path)
+    assert hydra_help.returncode == 0 and "Hydra (1." in hydra_help.stdout
+
+    install = _ftrain("-sc", "install=bash", cache_dir=cache_dir, cwd=tmp_path)
+    assert install.returncode == 0 and "hydra_bash_completion" in install.stdout
+    query = _ftrain(
+        "-sc", "query=bash", cache_dir=cache_dir, cwd=tmp_path, env={"COMP_LINE": "ftrain model="}
+    )
+    assert query.returncode == 0 and query.stdout.split() == ["model=gpt2", "model=gpt2_tiny"]
+    assert not list(tmp_path.iterdir()), "no outputs/ or .hydra/ is written"
+
+
+def test_hydra_run_dir_is_honoured_and_other_hydra_settings_refused(cache_dir, tmp_path):
+    shown = _ftrain("--cfg", "job", f"hydra.run.dir={tmp_path}/r", cache_dir=cache_dir)
+    assert shown.returncode == 0, shown.stderr
+    assert f"dir: {tmp_path}/r/checkpoints" in shown.stdout
+    for override, needle in [
+        ("hydra.sweep.dir=x", "add -m"),
+        ("hydra.job.chdir=true", "never changes the working directory"),
+        ("hydra/launcher=basic", "hydra.run.dir"),
+    ]:
+        proc = _ftrain(override, cache_dir=cache_dir, cwd=tmp_path)
+        assert proc.returncode == 2 and needle in proc.stderr, (override, proc.stderr)
+
+
+USER_MODEL = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class TinyLM(nn.Module):
+    """Embedding -> linear next-token model; initialised from torch's global RNG."""
+
+    def __init__(self, vocab_size, n_embd, block_size):
+        super().__init__()
+        self.block_size = block_size
+        self.emb = nn.Embedding(vocab_size, n_embd)
+        self.out = nn.Linear(n_embd, vocab_size)
+
+    def forward(self, idx):
+        return self.out(self.emb(idx))
+
+
+def loss(model, batch):
+    logits = model(batch["x"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+'''
+
+USER_YAML = """\
+# my own model: no Python wrapper around ftrain
+_target_: mypkg.TinyLM
+loss: mypkg.loss
+vocab_size: 256
+n_embd: 16
+block_size: 16
+"""
+
+
+def test_user_model_from_a_config_dir_trains_and_resumes(cache_dir, tmp_path):
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text(textwrap.dedent(USER_MODEL))
+    (tmp_path / "my_conf" / "model").mkdir(parents=True)
+    (tmp_path / "my_conf" / "model" / "tiny_lm.yaml").write_text(USER_YAML)
+    common = [
+        "--config-dir",
+        str(tmp_path / "my_conf"),
+        "model=tiny_lm",
+        "data=text",
+        f"data.path={SMALL_CORPUS}",
+        "trainer.batch_size=4",
+        "trainer.eval_every=null",
+        "run.plot=false",
+        "checkpoint.every_steps=2",
+    ]
+    env = {"PYTHONPATH": str(tmp_path)}
+    whole = _ftrain(
+        *common, "run.dir=whole", "trainer.max_steps=4", cache_dir=cache_dir, cwd=tmp_path, env=env
+    )
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    assert _committed(tmp_path / "whole" / "checkpoints") == [2, 4]
+    # the same through hydra.searchpath, stopped at 2 and resumed: the same numbers
+    common[:2] = [f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]"]
+    for steps in (2, 4):
+        split = _ftrain(
+            *common, "run.dir=split", f"trainer.max_steps={steps}", cache_dir=cache_dir,
+            cwd=tmp_path, env=env,
+        )  # fmt: skip
+        assert split.returncode == 0, split.stdout + split.stderr
+    assert "resumed from step 2" in split.stdout
+    losses = [
+        {r["step"]: r["loss"] for r in records(tmp_path / d, "step")} for d in ("whole", "split")
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+FORGE = """
+import sys
+from ftrain.ckpt import CheckpointManager
+src, dst = sys.argv[1], sys.argv[2]
+mgr = CheckpointManager(src, async_save=False)
+state, meta = mgr.restore(2), mgr.metadata(2)
+run_keys = ("config", "config_hash", "data_fingerprint", "data", "world_size", "layout",
+            "schedule_horizon")
+keep = {k: meta[k] for k in run_keys}
+keep["config"]["model"]["_target_"] = "forged_evil.Boom"
+keep["config"]["model"]["loss"] = "forged_evil.loss"
+with CheckpointManager(dst, async_save=False) as out:
+    out.save(state, metadata=keep, force=True)
+"""
+
+
+def test_a_checkpoints_recorded_target_is_never_imported(cli, tmp_path, monkeypatch):
+    """Loading a checkpoint runs no code: a forged ``_target_`` in its recorded config is
+    compared as a string (and refused as a change), never imported or instantiated."""
+    (tmp_path / "forged_evil.py").write_text(
+        f"open({str(tmp_path / 'IMPORTED')!r}, 'w').write('x')\nBoom = loss = None\n"
+    )
+    base, forged = tmp_path / "base", tmp_path / "forged"
+    cli(base, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
+    subprocess.run(
+        [sys.executable, "-c", FORGE, str(base / "checkpoints"), str(forged / "checkpoints")],
+        check=True,
+    )
+    meta = CheckpointManager(forged / "checkpoints", async_save=False).metadata(2)
+    assert meta["config"]["model"]["_target_"] == "forged_evil.Boom"
+    # the forged module is importable by the resuming process: only never importing it helps
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    refused = cli(forged, "trainer.max_steps=3", check=2)
+    assert "model._target_: 'forged_evil.Boom' -> 'ftrain.cli.targets.gpt2'" in refused.stderr
+    accepted = cli(forged, "trainer.max_steps=3", "run.allow_config_change=true", check=0)
+    assert "resumed from step 2" in accepted.stdout
+    assert not (tmp_path / "IMPORTED").exists(), "the checkpoint's _target_ was imported"
+    assert json.loads((forged / "heartbeat.json").read_text())["step"] == 3
