@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_method, instantiate
+from hydra._internal.utils import _locate  # instantiate's own lookup (no error logging)
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -173,7 +174,7 @@ def _target_error(group: str, target: str, err: Exception) -> ConfigError:
 
 
 def _takes(target: str, name: str) -> bool:
-    fn = get_method(target)
+    fn = _locate(target)
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -224,7 +225,7 @@ def resolve_loss(node: Mapping) -> Callable:
             "dotted path of loss_fn(model, batch) -> loss or (loss, {'tokens': n})"
         )
     try:
-        return get_method(loss) if isinstance(loss, str) else call_target("loss", loss)
+        return _locate(loss) if isinstance(loss, str) else call_target("loss", loss)
     except Exception as err:
         if isinstance(err, ConfigError):
             raise

@@ -393,10 +393,10 @@ def source_from_config(cfg: Mapping[str, Any], *, split: str = "train") -> Sourc
 def _factory(cfg: Mapping[str, Any]) -> Callable[..., Source]:
     target = cfg.get("_target_")
     if target:
-        from hydra.utils import get_method
+        from hydra._internal.utils import _locate  # as instantiate looks targets up
 
         try:
-            return get_method(str(target))
+            return _locate(str(target))
         except Exception as err:  # not importable: the message names the path
             raise KeyError(
                 f"data._target_={target!r} cannot be imported ({err}); check the dotted path "

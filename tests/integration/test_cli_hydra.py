@@ -12,7 +12,6 @@ from ftrain.ckpt import CheckpointManager
 
 from .conftest import SMALL_CORPUS, TINY, records
 
-
 # run from other directories (a user's), the subprocess must still import this checkout
 ROOT = str(Path(__file__).resolve().parents[2])
 

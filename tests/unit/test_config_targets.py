@@ -1,0 +1,155 @@
+"""Options built by ``_target_``, user config directories, hydra.* overrides, sweep plans,
+and old checkpoints (recorded before options had targets) still comparing equal."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from ftrain.cli.app import app_help
+from ftrain.cli.build import build_model, build_sources, build_tx
+from ftrain.cli.resume import compat_diff
+from ftrain.cli.sweep import expand, plan_jobs
+from ftrain.config import ConfigError, load_config, to_plain
+from ftrain.optim import tree_get
+
+USER_OPTIM = """\
+_target_: ftrain.optim.sgd  # any callable(schedule, **keys) -> GradientTransformation
+lr: 0.5
+momentum: 0.0
+"""
+
+USER_SCHEDULE = """\
+_target_: my_targets.halving
+every: 2
+"""
+
+USER_TARGETS = """\
+def halving(lr, horizon, *, every):
+    return lambda count: lr * 0.5 ** (count // every)
+"""
+
+
+@pytest.fixture
+def user_conf(tmp_path, monkeypatch):
+    (tmp_path / "conf" / "optim").mkdir(parents=True)
+    (tmp_path / "conf" / "schedule").mkdir()
+    (tmp_path / "conf" / "optim" / "plain_sgd.yaml").write_text(USER_OPTIM)
+    (tmp_path / "conf" / "schedule" / "halving.yaml").write_text(USER_SCHEDULE)
+    (tmp_path / "my_targets.py").write_text(USER_TARGETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
+
+
+def test_a_users_optimizer_and_schedule_are_yaml_files_with_a_target(user_conf):
+    cfg = load_config([user_conf, "optim=plain_sgd", "schedule=halving"])
+    assert cfg.optim.clip == 1.0 and list(cfg.optim.freeze) == []  # ftrain's own keys filled
+    model, _ = build_model(cfg)
+    params = TensorDict.from_module(model).detach()
+    tx = build_tx(cfg)
+    opt = tx.init(params)
+    grads = params.apply(torch.ones_like)
+    lrs = []
+    for _ in range(4):
+        _, opt = tx.update(grads, opt, params)
+        lrs.append(float(tree_get(opt, "learning_rate")))
+    assert lrs == [0.5, 0.25, 0.25, 0.125]  # lr at counts 0..3 of halving(every=2), then +1
+
+
+def test_user_options_are_listed_in_help(user_conf):
+    text = app_help([user_conf])
+    assert "optim: adamw*, plain_sgd, sgd" in text and "schedule: constant, halving," in text
+    assert "_schema" not in text
+
+
+def test_a_target_that_cannot_be_built_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"model._target_='nopkg.Model' could not be built"):
+        build_model(load_config(["model._target_=nopkg.Model"]))
+    with pytest.raises(ConfigError, match=r"optim._target_=.*bogus"):
+        build_tx(load_config(["optim.b1=0.5", "optim._target_=ftrain.optim.bogus"]))
+    with pytest.raises(ConfigError, match="data._target_='nopkg.Source' cannot be imported"):
+        build_sources(load_config(["data._target_=nopkg.Source"]))
+
+
+def test_builtin_options_build_the_same_objects_as_before():
+    cfg = load_config(["optim=sgd", "schedule=constant", "optim.lr=0.2"])
+    model, _ = build_model(cfg)
+    opt = build_tx(cfg).init(TensorDict.from_module(model).detach())
+    assert float(tree_get(opt, "learning_rate")) == pytest.approx(0.2)
+    ref, _ = build_model(load_config([]))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["optim=sgd", "schedule=constant"], ["data=text", "data.path=/tmp"], ["+recipe=gpt2"]],
+)
+def test_a_checkpoint_recorded_before_targets_is_compatible(overrides):
+    current = to_plain(load_config(overrides))
+    old = to_plain(load_config(overrides))
+    for group in ("model", "optim", "schedule", "data"):
+        del old[group]["_target_"]
+    del old["model"]["loss"]
+    assert compat_diff(old, current) == ([], [])
+
+
+def test_a_changed_or_forged_target_is_an_incompatible_change():
+    current = to_plain(load_config([]))
+    forged = to_plain(load_config([]))
+    forged["model"]["_target_"] = "evil.Model"
+    bad, _ = compat_diff(forged, current)
+    assert bad == ["model._target_: 'evil.Model' -> 'ftrain.cli.targets.gpt2'"]
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("hydra.sweep.dir=x", "applies to sweeps only"),
+        ("hydra.job.chdir=true", "never changes the working directory"),
+        ("hydra/launcher=basic", "runs its jobs itself"),
+        ("hydra.output_subdir=.hydra", "hydra.run.dir, hydra.searchpath"),
+    ],
+)
+def test_hydra_settings_ftrain_does_not_act_on_are_refused(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config([override])
+
+
+def test_hydra_run_dir_is_run_dir():
+    cfg = load_config(["hydra.run.dir=/tmp/elsewhere"])
+    assert cfg.run.dir == "/tmp/elsewhere" and cfg.checkpoint.dir == "/tmp/elsewhere/checkpoints"
+    with pytest.raises(ConfigError, match="different run directories"):
+        load_config(["hydra.run.dir=/tmp/a", "run.dir=/tmp/b"])
+
+
+def test_schema_is_never_an_option():
+    with pytest.raises(ConfigError) as info:
+        load_config(["optim=optim_schema"])
+    assert "optim=optim_schema is the typed schema" in str(info.value)
+    assert "Available options in 'optim':\n\tadamw\n\tsgd" in str(info.value)
+
+
+def test_sweep_expansion_and_job_dirs():
+    assert expand(["trainer.seed=range(2)", "+recipe=gpt2"]) == [
+        ["trainer.seed=0", "+recipe=gpt2"],
+        ["trainer.seed=1", "+recipe=gpt2"],
+    ]
+    jobs = plan_jobs(["optim=glob(*)", "trainer.max_steps=7"])
+    assert [j.cfg.optim.name for j in jobs] == ["adamw", "sgd"]
+    assert [j.cfg.run.dir for j in jobs] == [
+        "runs/default/multirun/optim=adamw",
+        "runs/default/multirun/optim=sgd",
+    ]
+    assert jobs[1].cfg.checkpoint.dir == "runs/default/multirun/optim=sgd/checkpoints"
+    custom = plan_jobs(
+        ["optim.lr=1e-3,2e-3", "hydra.sweep.dir=/tmp/s", "hydra.sweep.subdir=${hydra.job.num}"]
+    )
+    assert [j.cfg.run.dir for j in custom] == ["/tmp/s/0", "/tmp/s/1"]
+
+
+def test_sweep_refusals():
+    with pytest.raises(ConfigError, match="would share the directory"):
+        plan_jobs(["trainer.max_steps=1,2"])  # max_steps is not part of a job's dir name
+    with pytest.raises(ConfigError, match="hydra.sweep.dir=DIR instead"):
+        plan_jobs(["run.dir=x", "optim.lr=1e-3,2e-3"])
+    with pytest.raises(ConfigError, match="hydra.sweep.dir/hydra.sweep.subdir"):
+        plan_jobs(["hydra.run.dir=x", "optim.lr=1e-3,2e-3"])
