@@ -27,8 +27,8 @@ import inspect
 from collections.abc import Callable, Mapping
 
 import torch
-from hydra.errors import InstantiationException
 from hydra._internal.utils import _locate  # instantiate's own lookup (no error logging)
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
