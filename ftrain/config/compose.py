@@ -3,7 +3,10 @@
 We call ``hydra.compose`` ourselves rather than decorating ``main`` with ``@hydra.main``:
 the run directory is ours (``run.dir``), Hydra neither changes the working directory nor
 creates ``outputs/``, it works the same under ``torchrun``, and every composition error
-becomes one clear :class:`ConfigError` instead of a stack trace.
+becomes one clear :class:`ConfigError` instead of a stack trace. Hydra's flags, sweeps and
+shows are in :mod:`ftrain.cli.app` and :mod:`ftrain.cli.sweep`; the ``hydra.*`` settings
+ftrain acts on are honoured here (``hydra.run.dir``, ``hydra.searchpath``) and any other is
+refused (:func:`check_hydra_overrides`).
 """
 
 from __future__ import annotations
