@@ -9,8 +9,9 @@ sweep, no index, no lock: the run may still be training), so no optimizer state 
 The model and the validation data are rebuilt from the config the run recorded in that
 checkpoint, merged with the overrides. Only ``data.*`` and ``trainer.{eval_batches,
 batch_size,device,precision}`` may be overridden: the model is the checkpoint's. The
-recorded config is data (numbers and names looked up in ftrain's registries); a config
-that names code (``_target_``) is refused, never imported. The batches are the training
+recorded config is data: its ``_target_``s must be ftrain's built-in options' (compared as
+strings; a checkpoint from before options had targets gets them by ``name``); any other
+target is refused, never imported. The batches are the training
 run's evaluator's (:func:`ftrain.data.val_batches` of ``trainer.eval_batches`` x
 ``trainer.batch_size``), so with no data override the result reproduces the ``val_loss``
 the run recorded at that step.
@@ -41,6 +42,7 @@ from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.readonly import read_subtree
 from ftrain.cli.build import build_model, pick_device
 from ftrain.cli.finetune import parse_init_from
+from ftrain.cli.targets import check_recorded_targets
 from ftrain.config import ConfigError
 from ftrain.config.schema import GROUP_SCHEMAS
 from ftrain.data import DataFormatError, DataPathError, val_batches
@@ -60,9 +62,9 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
 
     Raises:
         ConfigError: an override outside :data:`ALLOWED`, an unknown key or a bad type, or a
-            recorded config that names code (``_target_``).
+            recorded config that names code other than a built-in option's ``_target_``.
     """
-    _refuse_code(recorded, "")
+    recorded = check_recorded_targets(recorded)  # only ftrain's built-in options' targets
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+")
         if "=" not in item or not key.startswith(ALLOWED):
@@ -85,18 +87,6 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
     if not cfg.trainer.eval_batches >= 1 or not cfg.trainer.batch_size >= 1:
         raise ConfigError("trainer.eval_batches and trainer.batch_size must be >= 1")
     return cfg
-
-
-def _refuse_code(node, where: str) -> None:
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k == "_target_":
-                raise ConfigError(
-                    f"the run's recorded config names code ({where}_target_={v!r}); "
-                    "ftrain.eval never imports what checkpoint metadata names: evaluate in "
-                    "Python with ftrain.make_eval_step and ftrain.evaluate"
-                )
-            _refuse_code(v, f"{where}{k}.")
 
 
 def _read(where: str, step: int | None):

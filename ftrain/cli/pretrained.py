@@ -43,9 +43,9 @@ def init_from_hf(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase
     """
     where = str(cfg.init["from_hf"])
     what = f"init.from_hf={where!r}"
-    if cfg.model.name != "gpt2":
+    if cfg.model.get("name") != "gpt2":
         raise ConfigError(
-            f"{what} loads HF GPT-2 weights into model.name=gpt2, not {cfg.model.name!r}"
+            f"{what} loads HF GPT-2 weights into model.name=gpt2, not {cfg.model.get('name')!r}"
         )
     try:
         tensors, hf = read_hf(where)

@@ -41,6 +41,7 @@ __all__ = [
     "OWN_KEYS",
     "adamw",
     "call_target",
+    "check_recorded_targets",
     "constant",
     "gpt2",
     "instantiate_model",
@@ -71,6 +72,58 @@ BUILTIN_TARGETS = {
         "tokens": "ftrain.data.sources.TokenFileSource",
     },
 }
+
+
+_BUILTIN_LOSSES = {"gpt2": "ftrain.recipes.gpt2.lm_loss"}
+
+
+def check_recorded_targets(recorded: dict) -> dict:
+    """A checkpoint's recorded config, for tools that rebuild a model from it (eval): the
+    ``_target_``/``loss`` of each group must be one of ftrain's built-in options' (compared
+    as strings, never imported); one recorded before options had targets gets its
+    built-in option's target by ``name``. Returns a copy.
+
+    Raises:
+        ConfigError: a target (anywhere) that is not a built-in option's: checkpoint
+            metadata never decides what code runs.
+
+    Example:
+        >>> check_recorded_targets({"model": {"name": "gpt2"}})["model"]["_target_"]
+        'ftrain.cli.targets.gpt2'
+    """
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in recorded.items()}
+    for group, table in BUILTIN_TARGETS.items():
+        node = out.get(group)
+        if not isinstance(node, dict):
+            continue
+        name = node.get("name")
+        expected = {"_target_": table.get(name)}
+        if group == "model":
+            expected["loss"] = _BUILTIN_LOSSES.get(name)
+        for key, value in expected.items():
+            node.setdefault(key, value)
+            if node[key] != value or value is None:
+                raise ConfigError(
+                    f"the run's recorded config names code ({group}.{key}={node[key]!r}, "
+                    f"{group}.name={name!r}), not one of ftrain's built-in options; a "
+                    "checkpoint's metadata never decides what is imported: rebuild the model "
+                    "in Python (ftrain.make_eval_step, ftrain.evaluate)"
+                )
+    _refuse_nested_targets(out, "")
+    return out
+
+
+def _refuse_nested_targets(node, where: str) -> None:
+    if not isinstance(node, dict):
+        return
+    for k, v in node.items():
+        top = where.count(".") == 1 and k in ("_target_", "loss")  # checked above
+        if k == "_target_" and not top:
+            raise ConfigError(
+                f"the run's recorded config names code ({where}_target_={v!r}); a checkpoint's "
+                "metadata never decides what is imported"
+            )
+        _refuse_nested_targets(v, f"{where}{k}.")
 
 
 def gpt2(

@@ -153,3 +153,25 @@ def test_sweep_refusals():
         plan_jobs(["run.dir=x", "optim.lr=1e-3,2e-3"])
     with pytest.raises(ConfigError, match="hydra.sweep.dir/hydra.sweep.subdir"):
         plan_jobs(["hydra.run.dir=x", "optim.lr=1e-3,2e-3"])
+
+
+def test_tools_rebuilding_from_a_checkpoint_accept_only_builtin_targets():
+    from ftrain.cli.targets import check_recorded_targets
+
+    recorded = to_plain(load_config(["optim=sgd"]))
+    assert check_recorded_targets(recorded) == recorded
+    old = {"model": {"name": "gpt2"}, "data": {"name": "text"}}
+    filled = check_recorded_targets(old)
+    assert filled["model"]["loss"] == "ftrain.recipes.gpt2.lm_loss"
+    assert (
+        filled["data"]["_target_"] == "ftrain.data.text.TextCorpusSource"
+        and "_target_" not in old["model"]
+    )
+    for forged in (
+        {"model": {**recorded["model"], "_target_": "evil.Model"}},
+        {"model": {**recorded["model"], "loss": "evil.loss"}},
+        {"model": {"name": "mine", "_target_": "mypkg.Model"}},
+        {"data": {**recorded["data"], "cache_dir": {"_target_": "evil.f"}}},
+    ):
+        with pytest.raises(ConfigError, match="names code"):
+            check_recorded_targets(forged)
