@@ -51,3 +51,17 @@ def test_data_md_evaluation_example_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert float(proc.stdout.strip()) > 0
+
+
+def test_gpu_check_skips_cleanly_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: run benchmarks/gpu_check.py itself")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "no CUDA device is visible" in proc.stdout, proc.stderr
