@@ -60,7 +60,8 @@ SaveFn = Callable[..., bool]
 
 @dataclass
 class LoopResult:
-    """How the loop ended: ``finished`` (max_steps reached) or ``stopped`` (a stop request)."""
+    """How the loop ended: ``finished`` (max_steps reached, ``reason="done"``) or ``stopped``
+    (a stop request; ``reason`` names it, e.g. ``"SIGTERM"``)."""
 
     state: TensorDictBase
     status: str
@@ -69,20 +70,35 @@ class LoopResult:
 
 
 class _Meter:
-    """Tokens/s over the steps since the last log line; sums on-device, syncs only when logging."""
+    """Throughput over the steps since the last log line; sums on-device, syncs only when logging.
+
+    Counts ``tokens`` when the step's metrics carry them (the loss returned a token count),
+    else ``samples``: the rate is named for what was counted (``tokens_per_s`` or
+    ``samples_per_s``), never samples under the name of tokens.
+    """
 
     def __init__(self) -> None:
-        self.tokens: torch.Tensor | int = 0
+        self.count: torch.Tensor | int = 0
+        self.steps = 0
+        self.unit: str | None = None
         self.t0 = time.perf_counter()
 
-    def add(self, tokens: torch.Tensor) -> None:
-        self.tokens = self.tokens + tokens
+    def add(self, metrics: Mapping) -> None:
+        self.steps += 1
+        keys = metrics.keys()
+        unit = "tokens" if "tokens" in keys else "samples" if "samples" in keys else None
+        if unit is not None:
+            self.unit = unit
+            self.count = self.count + metrics[unit]
 
-    def rate(self) -> float:
+    def rates(self) -> dict[str, float]:
         now = time.perf_counter()
-        rate = float(self.tokens) / max(now - self.t0, 1e-9)
-        self.tokens, self.t0 = 0, now
-        return rate
+        elapsed = max(now - self.t0, 1e-9)
+        out = {"steps_per_s": self.steps / elapsed}
+        if self.unit is not None:
+            out[f"{self.unit}_per_s"] = float(self.count) / elapsed
+        self.count, self.steps, self.t0 = 0, 0, now
+        return out
 
 
 def _host(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -240,7 +256,7 @@ class _Run:
             raise
         wd.phase("save", state, self.current, safe=True)
         self.save(state, self.current, force=True, reason="final")
-        return LoopResult(state, "finished", None, self.last)
+        return LoopResult(state, "finished", "done", self.last)
 
     def _one_step(self, state, batch):
         """Step, check, record, evaluate, offer a save; returns the state to continue from."""
@@ -249,12 +265,12 @@ class _Run:
         logged = n % self.log_every == 0 or n == self.max_steps
         host = _host(metrics) if logged else None
         bad = _nonfinite(state, new, metrics, host)
-        self.meter.add(metrics["tokens"])
+        self.meter.add(metrics)
         if bad:
             self._on_bad(n, bad)
         if logged:
             self.last = dict(host)
-            self.last["tokens_per_s"] = self.meter.rate()
+            self.last.update(self.meter.rates())
             self.record("step", step=n, **self.last)
         if bad and self.on_nonfinite == "skip":
             new = _skipped(state, new)  # keep the metrics of the params we keep

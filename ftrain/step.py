@@ -364,7 +364,6 @@ def _metrics(loss, grad_norm, lrs, micro, aux) -> TensorDict:
     samples = sum(_leading(mb) for mb in micro)
     out = {"loss": loss, "grad_norm": grad_norm, "samples": torch.tensor(samples)}
     out = {k: v for k, v in out.items() if v is not None} | (lrs or {})
-    out.setdefault("tokens", aux.get("tokens", torch.tensor(samples)))
     out.update({k: v for k, v in aux.items() if k not in out})
     return new_td(out)
 
@@ -420,8 +419,8 @@ def make_step(
         ``step(state, batch) -> (new_state, metrics)``. ``batch`` is a TensorDict (or mapping);
         its optional ``cursor`` entry (from ``ftrain.data``) becomes ``new_state["data"]``.
         ``metrics`` holds ``loss``, ``grad_norm`` (of the unscaled, averaged gradients, before
-        ``tx``), ``lr`` (of this update), ``samples``, ``tokens`` and ``loss_fn``'s aux
-        metrics, as tensors (no host sync).
+        ``tx``), ``lr`` (of this update), ``samples`` and ``loss_fn``'s aux metrics (e.g.
+        ``tokens``, when the loss counts them), as tensors (no host sync).
 
     Example:
         >>> import ftrain, torch
@@ -588,7 +587,7 @@ def make_eval_step(model: nn.Module, loss_fn: LossFn, *, precision: str = "fp32"
         >>> state = ftrain.init_state(model, ftrain.optim.sgd(0.1), seed=0)
         >>> ev = make_eval_step(model, lambda m, b: m(b["x"]).pow(2).mean())
         >>> sorted(ev(state, {"x": torch.ones(2, 3)}).keys())
-        ['loss', 'samples', 'tokens']
+        ['loss', 'samples']
     """
     _check_args(1, precision, None)
     bound = _Bound(model, loss_fn)

@@ -28,6 +28,7 @@ from ftrain.step import learning_rate_metrics
 
 __all__ = [
     "saved_horizon",
+    "schedule_line",
     "ResumeError",
     "ResumeReport",
     "checkpoint_metadata",
@@ -60,6 +61,7 @@ SAFE_PREFIXES = (
     "data.allow_changed",
     "init.",  # read on a fresh start only; a resume continues its own params
     "schedule.decay_steps",
+    "logger",  # where metrics are shown, not what a step computes
 )
 
 
@@ -90,18 +92,22 @@ class ResumeReport:
     world_sizes: tuple[int, int] | None = None  # (checkpoint's, this run's) when they differ
     host_rng: str | None = None  # how this rank's global RNGs were set (restored or seeded)
     notes: list[str] = field(default_factory=list)  # init.from, parameter groups
+    schedule: str | None = None  # the LR schedule's horizon as used (see schedule_line)
 
     def lines(self) -> list[str]:
         ignored = [f"ignored {line}" for line in self.ignored]
         rng_line = [self.host_rng] if self.host_rng else []
         if not self.resumed:
-            return [f"starting fresh ({self.reason})", *self.notes, *rng_line, *ignored]
+            schedule = [self.schedule] if self.schedule else []
+            return [f"starting fresh ({self.reason})", *schedule, *self.notes, *rng_line, *ignored]
         out = [
             f"resumed from step {self.step} ({self.reason}) in {self.restore_s or 0:.2f}s",
             f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} position={self.position}",
             f"checkpoint config hash={self.fingerprints.get('config_hash')} data={self.fingerprints.get('data')}",
         ]
-        if self.horizon is not None:
+        if self.schedule:
+            out.append(self.schedule)
+        elif self.horizon is not None:
             out.append(
                 f"lr schedule decays over {self.horizon} steps (as recorded; set schedule.decay_steps to change it)"
             )
@@ -365,6 +371,30 @@ def host_rng_start(cfg: DictConfig, world: World, meta: dict | None) -> str:
     return f"host RNGs of rank {world.rank} seeded from trainer.seed ({where}step {step})"
 
 
+def schedule_line(cfg: DictConfig, horizon: int, saved: int | None) -> str:
+    """What the LR schedule of this start does, with the horizon it actually uses and why.
+
+    Args:
+        horizon: from :func:`ftrain.cli.build.schedule_horizon`.
+        saved: the horizon the resumed checkpoint recorded (``None``: fresh, or not recorded).
+    """
+    s = cfg.schedule
+    if s.name == "constant":
+        return f"lr schedule: constant at {cfg.optim.lr:g}"
+    used = max(horizon, s.warmup_steps + 1) if s.name == "warmup_cosine" else horizon
+    if s.decay_steps is not None:
+        why = "schedule.decay_steps"
+        if saved is not None and saved != horizon:
+            why += f"; the checkpoint had recorded {saved}"
+    elif saved is not None:
+        why = "as recorded; set schedule.decay_steps to change it"
+    else:
+        why = "trainer.max_steps of this first start, kept on resume"
+    if used != horizon:
+        why += f"; at least schedule.warmup_steps + 1 = {used}"
+    return f"lr schedule decays over {used} steps ({why})"
+
+
 def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     """The LR-schedule horizon recorded by the checkpoint a resume would start from."""
     if cfg.resume == "none":
@@ -471,7 +501,16 @@ def move_aside(directory: Path) -> Path | None:
 
 
 # What a run writes into run.dir besides checkpoints: moved aside together on overwrite.
-RUN_RECORDS = ("metrics.jsonl", "heartbeat*.json", "heartbeat*.json.tmp", "training.png", "hang-*")
+RUN_RECORDS = (
+    "metrics.jsonl",
+    "heartbeat*.json",
+    "heartbeat*.json.tmp",
+    "training.png",
+    "hang-*",
+    "metrics.csv",  # the default places of the logger group's files (ftrain/conf/logger)
+    "tensorboard",
+    "wandb",
+)
 
 
 def move_run_aside(cfg: DictConfig) -> Path | None:
@@ -479,10 +518,10 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
     together, so resume reports, the plot and the advisor never mix two runs. Never deletes.
 
     Everything goes into ``RUN_DIR/overwritten-<time>/`` (``metrics.jsonl``, heartbeats,
-    ``training.png``, hang dumps and ``checkpoint.dir`` when it lies inside ``run.dir``); a
-    checkpoint or fallback directory elsewhere is renamed beside itself to
-    ``NAME.overwritten-<time>``. The run lock stays. Returns the folder, or None if nothing
-    was there.
+    ``training.png``, hang dumps, the loggers' ``metrics.csv``, ``tensorboard/``, ``wandb/``,
+    and ``checkpoint.dir`` when it lies inside ``run.dir``); a checkpoint or fallback
+    directory elsewhere is renamed beside itself to ``NAME.overwritten-<time>``. The run
+    lock stays. Returns the folder, or None if nothing was there.
     """
     run_dir = Path(cfg.run.dir)
     aside = _free(run_dir / f"overwritten-{_stamp()}")

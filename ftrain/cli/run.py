@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
@@ -38,13 +39,15 @@ from ftrain.cli.resume import (
     checkpoint_metadata,
     move_run_aside,
     saved_horizon,
+    schedule_line,
     start_state,
 )
 from ftrain.cli.session import Session
-from ftrain.config import ConfigError
+from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import NonFiniteError, train_loop
+from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
 from ftrain.runlock import RunDirError, claim_run_dir
 from ftrain.sharding import shard_state
 from ftrain.signals import (
@@ -74,6 +77,7 @@ _STARTUP_ERRORS = (
     CheckpointFormatError,
     CheckpointLocationError,  # checkpoint.dir=s3:bucket, ftp://...: names the fix
     CheckpointStoreError,  # no such bucket, bad credentials, access denied
+    LoggerError,  # logger=tensorboard without its extra, an unknown logger key
 )
 
 
@@ -142,6 +146,7 @@ class _Parts:
     state: TensorDictBase
     report: ResumeReport
     horizon: int
+    loggers: LoggerSet
 
 
 def _setup(cfg: DictConfig, device, world: World) -> _Parts:
@@ -151,10 +156,12 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         if moved:
             print(f"run.overwrite=true: moved the old run's records and checkpoints to {moved}")
     agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
+    check_loggers(cfg.logger)  # every rank: a missing extra stops all of them before training
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)
     manager = build_manager(cfg)
-    horizon = schedule_horizon(cfg, saved_horizon(cfg, manager))
+    saved = saved_horizon(cfg, manager)
+    horizon = schedule_horizon(cfg, saved)
     tx = build_tx(cfg, horizon)
     fresh = init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
     check_patterns(cfg, fresh["params"])
@@ -164,19 +171,36 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
             # continues its own params
             state, line = (init_from if cfg.init["from"] else init_from_hf)(cfg, state)
             report.notes.append(line)
+        loggers = _loggers(cfg, world, report)
     except BaseException:
         manager.close()
         raise
+    report.schedule = schedule_line(cfg, horizon, saved if report.resumed else None)
     groups = describe_labels(cfg, state["params"])
     report.notes += [groups] if groups else []
-    return _Parts(model, loss_fn, tx, train_src, val_src, manager, state, report, horizon)
+    return _Parts(model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers)
+
+
+def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
+    """The ``logger=`` group's loggers, on the coordinator only (built from this start's
+    composed config, never from checkpoint metadata)."""
+    if not world.is_coordinator:
+        return LoggerSet()
+    info = RunInfo(
+        run_dir=Path(cfg.run.dir),
+        name=str(cfg.run.name),
+        start_step=int(report.step) if report.resumed else 0,
+        resumed=report.resumed,
+        config=to_plain(cfg),
+    )
+    return build_loggers(cfg.logger, info)
 
 
 def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
     t = cfg.trainer
     # The stop flag is outermost: a signal while the final save commits is still honoured
     # (the save completes, then the process exits) instead of killing the commit.
-    with StopFlag() as stop, Session(cfg, world, p.manager) as session:
+    with StopFlag() as stop, Session(cfg, world, p.manager, p.loggers) as session:
         session.resumed(p.report)
         session.metadata = checkpoint_metadata(
             cfg, p.train.fingerprint, p.train.describe(), world, p.horizon
@@ -207,7 +231,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
             device=device,
         )
         evaluate = session.evaluator(p.model, p.loss_fn, p.val, device) if t.eval_every else None
-        session.start_progress(int(state["step"]))
+        session.start_progress(int(state["step"]), device)
         try:
             with loader, loader.iter_from(state["data"].cpu()) as batches:
                 result = train_loop(

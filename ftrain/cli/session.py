@@ -26,21 +26,37 @@ from ftrain.ckpt.commit import MARKER, step_dirname
 from ftrain.data import val_batches
 from ftrain.dist import World, agree_any, all_mean, broadcast_int, gather_json
 from ftrain.loop import LoopResult
-from ftrain.metrics import Heartbeat, MetricsWriter, Progress
+from ftrain.metrics import (
+    Heartbeat,
+    LoggerSet,
+    MetricsWriter,
+    Progress,
+    format_field,
+    memory_fields,
+)
 from ftrain.sharding import gather_state
 from ftrain.step import evaluate, make_eval_step
 
 __all__ = ["Session"]
 
 _LOCAL_REASONS = ("emergency", "hang")
-_SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s")
+# per-rank throughput: the run's is the sum over ranks
+_THROUGHPUT = ("tokens_per_s", "samples_per_s")
 
 
 class Session:
     """Context manager around one run; closing it waits for the last checkpoint commit."""
 
-    def __init__(self, cfg: DictConfig, world: World, manager: CheckpointManager) -> None:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        world: World,
+        manager: CheckpointManager,
+        loggers: LoggerSet | None = None,
+    ) -> None:
         self.cfg, self.world, self.manager = cfg, world, manager
+        self.loggers = loggers or LoggerSet()  # the logger= group's, on the coordinator only
+        self.device = None
         self.run_dir = Path(cfg.run.dir)
         lead = world.is_coordinator
         self.writer = MetricsWriter(self.run_dir, enabled=lead)
@@ -63,9 +79,11 @@ class Session:
         finally:
             if self.progress is not None:
                 self.progress.close()
+            self.loggers.close()
             self.writer.close()
 
-    def start_progress(self, start_step: int) -> None:
+    def start_progress(self, start_step: int, device=None) -> None:
+        self.device = device  # whose peak memory the step records show
         self.progress = Progress(
             self.cfg.trainer.max_steps, start_step, rank=self.world.rank, world=self.world.size
         )
@@ -113,17 +131,27 @@ class Session:
             self.heartbeat.beat(step)
             return
         if kind == "step":
-            if self.world.active:  # log the global mean loss, not this rank's share
-                fields |= all_mean({"loss": fields["loss"]})
+            fields = self._step_fields(fields)
             self.writer.write("step", **fields)
+            self.loggers.log_metrics("step", step, fields)
             if self.progress is not None:
-                self.progress.step(step, {k: fields[k] for k in _SHOWN if k in fields})
+                self.progress.step(step, fields)
             return
         if kind == "emergency_save" and "saved" in fields:
             fields = self._emergency_fields(dict(fields))
         self.writer.write(kind, **fields)
-        shown = " ".join(f"{k}={v}" for k, v in fields.items() if k != "step")
+        if kind == "eval":
+            self.loggers.log_metrics("eval", step, fields)
+        shown = " ".join(format_field(k, v) for k, v in fields.items() if k != "step")
         self._say(step, f"{kind} {shown}")
+
+    def _step_fields(self, fields: dict) -> dict:
+        """A step record as the run sees it: the global mean loss and the summed throughput
+        in a data-parallel run (not this rank's share), plus this process's peak memory."""
+        if self.world.active:
+            shared = all_mean({k: fields[k] for k in ("loss", *_THROUGHPUT) if k in fields})
+            fields |= {k: v * self.world.size if k in _THROUGHPUT else v for k, v in shared.items()}
+        return fields | {k: round(v, 1) for k, v in memory_fields(self.device).items()}
 
     # -- saving and evaluating ---------------------------------------------------
     def save(self, state, metrics: dict, *, force: bool, reason: str) -> bool:
@@ -290,16 +318,17 @@ class Session:
             self.manager.wait()
         agree_any(False)  # a barrier: no rank reports the end before the coordinator committed
         kind = "stop" if result.status == "stopped" else "end"
-        self.record(kind, step=step, reason=result.reason, committed=self.manager.latest_step())
+        reason = result.reason or ("done" if kind == "end" else "stopped")
+        self.record(kind, step=step, reason=reason, committed=self.manager.latest_step())
         if self.cfg.run.plot and self.world.is_coordinator:
-            self._plot()
+            self._plot(step)
 
-    def _plot(self) -> None:
+    def _plot(self, step: int) -> None:
         try:
             from ftrain.plot import plot_run
 
             path = plot_run(self.run_dir)
-            self._say(0, f"plot written to {path}")
+            self._say(step, f"plot written to {path}")
         except ImportError:
             print(
                 "ftrain: matplotlib is not installed; skipping the plot (pip install matplotlib)",

@@ -145,6 +145,9 @@ class Config:
     # {"from_hf": PATH}: from a local Hugging Face GPT-2 (directory or .safetensors file)
     # ("from" is a Python keyword, so this node is a plain dict, checked by the loader)
     init: Any = field(default_factory=lambda: {"from": None, "from_hf": None})
+    # {NAME: {_target_: ..., **kwargs}} from the logger group (ftrain.metrics.loggers);
+    # metrics.jsonl is always written and needs no entry
+    logger: Any = field(default_factory=dict)
 
 
 # Each config group and the dataclass its options are validated against.

@@ -1,0 +1,435 @@
+"""Metric loggers beside ``metrics.jsonl``: TensorBoard, Weights & Biases, CSV (``logger=``).
+
+``metrics.jsonl`` is the run's own record and is always written (resume reports, redo
+ranges, :mod:`ftrain.plot` and ``ftrain.ckpt advise`` read it). The ``logger`` config group
+adds other sinks: each entry of ``cfg.logger`` with a ``_target_`` is built by Hydra's
+``instantiate`` from the *composed* config of this start (never from checkpoint metadata)
+and called with one more keyword, ``run`` (a :class:`RunInfo`). A logger is any object with
+
+- ``log_metrics(kind, step, values)``: ``kind`` is ``"step"`` (a training step record) or
+  ``"eval"``; ``values`` maps the record's names (``loss``, ``lr``, ``tokens_per_s``,
+  ``val_loss``, ...) to floats;
+- ``close()``.
+
+Loggers run on the coordinator only. Like ``metrics.jsonl`` they are advisory: one that
+raises while training is warned about once and dropped; training goes on.
+
+On resume a logger continues where the restored step left off. Steps after it that ran
+before a crash are redone and logged again: :class:`TensorBoardLogger` opens its writer
+with ``purge_step=start + 1`` so TensorBoard discards the orphaned events of the first
+attempt, :class:`WandbLogger` logs them again on the same run (its charts use ftrain's
+``step`` as the x axis, so a redone step is a second point at the same x) and
+:class:`CsvLogger` appends them again (the later row of a step is the one that counts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib.util
+import inspect
+import logging
+import math
+import netrc
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "CsvLogger",
+    "LoggerError",
+    "LoggerSet",
+    "RunInfo",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "build_loggers",
+    "check_loggers",
+]
+
+log = logging.getLogger(__name__)
+
+
+class LoggerError(ValueError):
+    """A ``logger=`` entry cannot be used: a missing extra, an unknown key, a bad target."""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a logger is told about the run it logs.
+
+    Attributes:
+        run_dir: ``run.dir``.
+        name: ``run.name``.
+        start_step: the step training starts from (0 fresh, N after a resume from step N).
+        resumed: whether this start restored a checkpoint.
+        config: the resolved config, plain data (for wandb's run config).
+    """
+
+    run_dir: Path
+    name: str
+    start_step: int = 0
+    resumed: bool = False
+    config: dict = field(default_factory=dict)
+
+
+class Logger(Protocol):
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def tag(kind: str, name: str) -> str:
+    """A chart name grouped by kind: ``train/loss``, ``train/lr``, ``val/loss``."""
+    if kind == "eval":
+        return f"val/{name[4:]}" if name.startswith("val_") else f"val/{name}"
+    return f"train/{name}"
+
+
+# -- TensorBoard -----------------------------------------------------------------------------
+
+
+class TensorBoardLogger:
+    """Event files under ``log_dir`` via ``torch.utils.tensorboard.SummaryWriter``.
+
+    Scalars are tagged ``train/NAME`` and ``val/NAME`` at ftrain's step. On every start the
+    writer gets ``purge_step=start_step + 1``: TensorBoard then drops events of earlier files
+    in ``log_dir`` at or after that step — the redone steps' first attempt after a resume,
+    an old run's curves after ``resume=none``.
+
+    Example:
+        >>> # logger=tensorboard; then: tensorboard --logdir runs/NAME/tensorboard
+    """
+
+    requires = ("tensorboard", "tensorboard")  # (module, ftrain extra)
+
+    def __init__(self, *, run: RunInfo, log_dir: str | None = None, flush_secs: float = 30) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(log_dir) if log_dir else run.run_dir / "tensorboard"
+        self.writer = SummaryWriter(
+            str(self.log_dir), purge_step=run.start_step + 1, flush_secs=flush_secs
+        )
+
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(tag(kind, name), value, global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# -- Weights & Biases --------------------------------------------------------------------------
+
+_RUN_ID_FILE = "ftrain-run-id"
+
+
+class WandbLogger:
+    """A Weights & Biases run, one per run directory, continued on every resume.
+
+    The run id is kept in ``DIR/wandb/ftrain-run-id`` (``DIR`` is ``dir``, default the run
+    directory), so each start opens the same run (``resume="allow"``). ftrain's step is
+    logged as the metric ``step`` and every chart uses it as x axis (``define_metric``);
+    wandb's own ``_step`` keeps counting, so steps redone after a crash are logged again and
+    show as a second point at the same ``step``.
+
+    ``mode``: ``online``, ``offline`` or ``disabled``; ``None`` takes ``WANDB_MODE``, else
+    ``online`` when an API key is configured (``WANDB_API_KEY`` or ``wandb login``), else
+    ``offline`` (with one line saying so) — there is never a login prompt. An offline run is
+    uploaded later with ``wandb sync DIR/wandb/offline-run-*``.
+    """
+
+    requires = ("wandb", "wandb")
+
+    def __init__(
+        self,
+        *,
+        run: RunInfo,
+        project: str = "ftrain",
+        name: str | None = None,
+        entity: str | None = None,
+        group: str | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+        mode: str | None = None,
+        dir: str | None = None,  # noqa: A002 - wandb's own name for it
+    ) -> None:
+        import wandb
+
+        if mode not in (None, "online", "offline", "disabled"):
+            raise LoggerError(
+                f"logger.wandb.mode={mode!r} is invalid: use online, offline, disabled or null"
+            )
+        root = Path(dir) if dir else run.run_dir
+        (root / "wandb").mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project,
+            name=name or run.name,
+            entity=entity,
+            group=group,
+            tags=list(tags) or None,
+            dir=str(root),
+            id=_run_id(root / "wandb" / _RUN_ID_FILE),
+            resume="allow",
+            mode=_wandb_mode(mode),
+            config=run.config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+        self.run.log({"step": step, **{tag(kind, k): v for k, v in values.items()}})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _run_id(path: Path) -> str:
+    """This run directory's wandb run id: read from ``path``, or made and written there."""
+    with contextlib.suppress(FileNotFoundError):
+        existing = path.read_text().strip()
+        if existing:
+            return existing
+    new = secrets.token_hex(4)
+    path.write_text(new + "\n")
+    return new
+
+
+def _wandb_mode(mode: str | None) -> str:
+    if mode is not None:
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if _has_wandb_key():
+        return "online"
+    print(
+        "ftrain: wandb has no API key (WANDB_API_KEY or `wandb login`): logging offline; "
+        "upload later with `wandb sync RUN_DIR/wandb/offline-run-*`",
+        flush=True,
+    )
+    return "offline"
+
+
+def _has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
+    try:
+        return netrc.netrc().authenticators(host.rstrip("/")) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+# -- CSV ---------------------------------------------------------------------------------------
+
+
+class CsvLogger:
+    """``metrics.csv``: one row per step record and per eval, columns ``step, time, kind`` and
+    the metric names of ``metrics.jsonl`` (``loss``, ``lr``, ..., ``val_loss``).
+
+    A metric that appears later (the first ``val_loss``) widens the header: the file is
+    rewritten once with the new column. On resume rows are appended; a step that was redone
+    appears twice and its later row counts (pandas: ``drop_duplicates("step", keep="last")``).
+    """
+
+    requires = None
+
+    def __init__(self, *, run: RunInfo, path: str | None = None) -> None:
+        self.path = Path(path) if path else run.run_dir / "metrics.csv"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.columns = self._existing_header()
+        self._file = open(self.path, "a", newline="")  # noqa: SIM115 - held open for the run
+
+    def _existing_header(self) -> list[str]:
+        try:
+            with open(self.path, newline="") as f:
+                return next(csv.reader(f), [])
+        except FileNotFoundError:
+            return []
+
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+        row = {"step": step, "time": round(time.time(), 3), "kind": kind, **values}
+        new = [k for k in row if k not in self.columns]
+        if new or not self.columns:
+            self._widen(self.columns + new)
+        csv.DictWriter(self._file, self.columns, restval="").writerow(
+            {k: _cell(v) for k, v in row.items()}
+        )
+        self._file.flush()
+
+    def _widen(self, columns: list[str]) -> None:
+        """Rewrite the file with ``columns`` as its header (old rows keep their values)."""
+        self._file.close()
+        with open(self.path, newline="") as f:
+            old = list(csv.DictReader(f)) if self.columns else []
+        tmp = self.path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, columns, restval="")
+            w.writeheader()
+            w.writerows(old)
+        os.replace(tmp, self.path)
+        self.columns = columns
+        self._file = open(self.path, "a", newline="")  # noqa: SIM115
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _cell(value: Any) -> Any:
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
+# -- building them from the config ---------------------------------------------------------------
+
+
+def _entries(node) -> dict[str, Any]:
+    """The ``logger`` node's entries that name a ``_target_`` (``jsonl`` is built in)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if node is None:
+        return {}
+    if not isinstance(node, DictConfig | Mapping):
+        raise LoggerError(
+            f"logger={node!r} is invalid: pick options of the logger group, e.g. "
+            "logger=tensorboard or 'logger=[jsonl,tensorboard,csv]'"
+        )
+    out = {}
+    for name, entry in node.items():
+        if isinstance(entry, DictConfig):
+            entry = OmegaConf.to_container(entry, resolve=True)
+        if not isinstance(entry, Mapping):
+            raise LoggerError(f"logger.{name}={entry!r} is invalid: a logger entry is a mapping")
+        if "_target_" in entry:
+            out[str(name)] = dict(entry)
+    return out
+
+
+def _resolve(name: str, entry: dict):
+    """The class (or factory) of ``logger.NAME._target_``, its extra installed, keys known."""
+    from hydra.utils import get_method
+
+    target = entry["_target_"]
+    try:
+        factory = get_method(target)
+    except Exception as err:
+        raise LoggerError(
+            f"logger.{name}._target_={target!r} cannot be imported ({err}); fix the dotted path"
+        ) from None
+    module, extra = getattr(factory, "requires", None) or (None, None)
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise LoggerError(
+            f"logger={name} needs the {module} package, which is not installed: "
+            f"pip install 'ftrain[{extra}]' (or drop {name} from logger=)"
+        )
+    _check_keys(name, factory, entry)
+    return factory
+
+
+def _check_keys(name: str, factory, entry: dict) -> None:
+    kwargs = {k: v for k, v in entry.items() if not k.startswith("_")}
+    try:
+        inspect.signature(factory).bind(run=None, **kwargs)
+    except TypeError as err:
+        try:
+            params = [p for p in inspect.signature(factory).parameters if p != "run"]
+        except (TypeError, ValueError):
+            params = []
+        raise LoggerError(
+            f"logger.{name}: {err}; {getattr(factory, '__name__', factory)} takes {params} "
+            "(and run=RunInfo, passed by ftrain)"
+        ) from None
+
+
+def check_loggers(node) -> None:
+    """Refuse, before anything is built, a ``logger`` entry that cannot start.
+
+    Run on every rank (only the coordinator builds loggers, but all ranks must agree to
+    exit before training starts).
+
+    Raises:
+        LoggerError: a missing extra (naming ``pip install 'ftrain[EXTRA]'``), a target that
+            does not import, or a key its class does not take.
+    """
+    for name, entry in _entries(node).items():
+        _resolve(name, entry)
+
+
+def build_loggers(node, run: RunInfo) -> LoggerSet:
+    """Instantiate every ``_target_`` entry of the ``logger`` node with ``run=run``.
+
+    Raises:
+        LoggerError: as :func:`check_loggers`, or a logger's constructor failed.
+
+    Example:
+        >>> loggers = build_loggers({"csv": {"_target_": "ftrain.metrics.loggers.CsvLogger",
+        ...     "path": "/tmp/ftrain-doctest.csv"}}, RunInfo(Path("/tmp"), "doc"))
+        >>> loggers.names
+        ['csv']
+        >>> loggers.close()
+    """
+    from hydra.utils import instantiate
+
+    built: dict[str, Logger] = {}
+    try:
+        for name, entry in _entries(node).items():
+            _resolve(name, entry)
+            factory = instantiate(entry, _partial_=True, _convert_="all")
+            try:
+                built[name] = factory(run=run)
+            except LoggerError:
+                raise
+            except Exception as err:
+                raise LoggerError(f"logger={name} could not start: {err!r}") from None
+    except BaseException:
+        LoggerSet(built).close()
+        raise
+    return LoggerSet(built)
+
+
+class LoggerSet:
+    """Fans records out to the built loggers; one that fails is warned about and dropped."""
+
+    def __init__(self, loggers: Mapping[str, Logger] | None = None) -> None:
+        self.loggers = dict(loggers or {})
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.loggers)
+
+    def log_metrics(self, kind: str, step: int, fields: Mapping[str, Any]) -> None:
+        values = _numeric(fields)
+        if not values:
+            return
+        for name, logger in list(self.loggers.items()):
+            try:
+                logger.log_metrics(kind, step, values)
+            except Exception as err:  # advisory, like metrics.jsonl: training goes on
+                log.warning(
+                    "ftrain: logger %s failed (%r); it is dropped, training goes on", name, err
+                )
+                self.loggers.pop(name)
+                with contextlib.suppress(Exception):
+                    logger.close()
+
+    def close(self) -> None:
+        for name, logger in self.loggers.items():
+            try:
+                logger.close()
+            except Exception as err:
+                log.warning("ftrain: logger %s did not close cleanly (%r)", name, err)
+        self.loggers = {}
+
+
+_NOT_METRICS = ("step", "time", "kind")
+
+
+def _numeric(fields: Mapping[str, Any]) -> dict[str, float]:
+    """The record's numbers (ints stay ints: ``samples``, ``tokens``), not step/time/kind."""
+    return {
+        k: v
+        for k, v in fields.items()
+        if k not in _NOT_METRICS and isinstance(v, int | float) and not isinstance(v, bool)
+    }
