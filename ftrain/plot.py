@@ -1,6 +1,8 @@
-"""``python -m ftrain.plot RUN_DIR [-o OUT.png]``: loss, val loss and LR against step.
+"""``python -m ftrain.plot RUN_DIR [-o OUT.png] [--title T]``: loss, val loss and LR against step.
 
-Committed checkpoints are marked as thin green lines (a save that started but never
+The raw training loss is drawn thin and faint with a smoothed curve over it (a centred
+moving average over about 1/15 of the run, see :func:`smooth`), so the trend is readable
+through step-to-step noise. The title names the run. Committed checkpoints are marked as thin green lines (a save that started but never
 committed is not marked: only ``committed`` records count), resume points as dashed red lines,
 and each segment of the run (between resumes) is drawn separately, so the seam a resume
 leaves — or doesn't — is visible: a correct resume continues the loss curve exactly
@@ -10,12 +12,37 @@ where the redone steps overlap the first attempt.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from ftrain.metrics import read_records
 
-__all__ = ["commit_steps", "main", "plot_run", "segments"]
+__all__ = ["commit_steps", "main", "plot_run", "segments", "smooth"]
+
+
+def smooth(values: list[float], window: int | None = None) -> list[float]:
+    """A centred moving average (no lag: the trend sits on the raw curve, not behind it).
+
+    Args:
+        window: points averaged (default about 1/15 of the curve, at least 1). At the
+            ends the window shrinks to the points there are. Non-finite values are left out
+            of the averages and passed through.
+
+    Example:
+        >>> smooth([1.0, 2.0, 6.0, 4.0, 5.0], window=3)
+        [1.5, 3.0, 4.0, 5.0, 4.5]
+    """
+    n = len(values)
+    if window is None:
+        window = max(1, n // 15)
+    half = max(window, 1) // 2
+    finite = [v if math.isfinite(v) else None for v in values]
+    out = []
+    for i, v in enumerate(values):
+        near = [x for x in finite[max(0, i - half) : i + half + 1] if x is not None]
+        out.append(sum(near) / len(near) if near and math.isfinite(v) else v)
+    return out
 
 
 def segments(records: list[dict]) -> list[list[dict]]:
@@ -47,8 +74,14 @@ def _series(seg: list[dict], kind: str, key: str) -> tuple[list[int], list[float
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def plot_run(
+    run_dir: str | Path, out: str | Path | None = None, *, title: str | None = None
+) -> Path:
     """Draw the run's curves to ``out`` (default ``RUN_DIR/training.png``) and return the path.
+
+    Args:
+        title: the figure's title (default: the run directory's name, i.e. ``run.name``
+            for the default ``run.dir``).
 
     Raises:
         FileNotFoundError: ``RUN_DIR/metrics.jsonl`` does not exist.
@@ -64,11 +97,18 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             f"{run_dir / 'metrics.jsonl'} does not exist; is {run_dir} an ftrain run directory?"
         )
     records = list(read_records(run_dir))
-    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), height_ratios=(3, 1))
-    for i, seg in enumerate(segments(records)):
+    fig, (ax_loss, ax_lr) = plt.subplots(
+        2, 1, sharex=True, figsize=(9, 6), height_ratios=(3, 1), layout="constrained"
+    )
+    segs = segments(records)
+    window = max(1, sum(len(_series(seg, "step", "loss")[0]) for seg in segs) // 15)
+    for i, seg in enumerate(segs):
         color = f"C{i % 10}"  # one colour per segment, shared by its loss, val loss and lr
+        xs, ys = _series(seg, "step", "loss")
+        raw = "loss (faint: raw)" if i == 0 else None
+        ax_loss.plot(xs, ys, lw=0.8, alpha=0.3, color=color, label=raw)
         ax_loss.plot(
-            *_series(seg, "step", "loss"), lw=1, color=color, label=f"loss (segment {i + 1})"
+            xs, smooth(ys, window), lw=1.6, color=color, label=f"loss smoothed (segment {i + 1})"
         )
         ax_lr.plot(*_series(seg, "step", "lr"), lw=1, color=color)
         xs, ys = _series(seg, "eval", "val_loss")
@@ -85,7 +125,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 f"resume @{r['step']}",
                 (r["step"], 1),
                 xycoords=("data", "axes fraction"),
+                xytext=(-2, -3),  # inside the axes, left of the line: never cut off
+                textcoords="offset points",
                 rotation=90,
+                ha="right",
                 va="top",
                 fontsize=7,
                 color="tab:red",
@@ -94,9 +137,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax_loss.legend(fontsize=7)
     ax_lr.set_ylabel("lr")
     ax_lr.set_xlabel("step (green: checkpoint committed, red: resumed)")
-    fig.tight_layout()
+    fig.suptitle(title or run_dir.resolve().name)
     path = Path(out) if out else run_dir / "training.png"
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # nothing clipped at the edges
     plt.close(fig)
     return path
 
@@ -109,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "-o", "--out", default=None, help="output PNG (default RUN_DIR/training.png)"
     )
+    parser.add_argument("--title", default=None, help="figure title (default: the run's name)")
     args = parser.parse_args(argv)
     try:
-        print(plot_run(args.run_dir, args.out))
+        print(plot_run(args.run_dir, args.out, title=args.title))
     except FileNotFoundError as err:
         print(f"ftrain.plot: {err}", file=sys.stderr)
         return 2

@@ -327,7 +327,7 @@ class Session:
         try:
             from ftrain.plot import plot_run
 
-            path = plot_run(self.run_dir)
+            path = plot_run(self.run_dir, title=f"{self.cfg.run.name} ({self.run_dir})")
             self._say(step, f"plot written to {path}")
         except ImportError:
             print(
