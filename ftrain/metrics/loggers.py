@@ -33,6 +33,7 @@ import math
 import netrc
 import os
 import secrets
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -319,13 +320,23 @@ def _resolve(name: str, entry: dict):
             f"logger.{name}._target_={target!r} cannot be imported ({err}); fix the dotted path"
         ) from None
     module, extra = getattr(factory, "requires", None) or (None, None)
-    if module is not None and importlib.util.find_spec(module) is None:
+    if module is not None and not _installed(module):
         raise LoggerError(
             f"logger={name} needs the {module} package, which is not installed: "
             f"pip install 'ftrain[{extra}]' (or drop {name} from logger=)"
         )
     _check_keys(name, factory, entry)
     return factory
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (tensorboard, wandb are slow)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None  # None: import blocked
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _check_keys(name: str, factory, entry: dict) -> None:

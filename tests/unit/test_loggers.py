@@ -1,0 +1,221 @@
+"""The logger= group: TensorBoard, CSV and wandb files parsed back; errors before training."""
+
+import csv
+import glob
+import json
+import logging
+import re
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from ftrain.config import load_config
+from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
+from ftrain.metrics import loggers as loggers_mod
+
+TB = {"_target_": "ftrain.metrics.loggers.TensorBoardLogger"}
+CSV = {"_target_": "ftrain.metrics.loggers.CsvLogger"}
+WANDB = {"_target_": "ftrain.metrics.loggers.WandbLogger", "project": "ftrain-test"}
+
+
+def _log(loggers: LoggerSet, losses: dict[int, float], val: dict[int, float] = None) -> None:
+    for step, loss in losses.items():
+        loggers.log_metrics("step", step, {"step": step, "time": 1.0, "loss": loss, "lr": 1e-3})
+        if val and step in val:
+            loggers.log_metrics("eval", step, {"step": step, "val_loss": val[step]})
+
+
+def _scalars(log_dir: Path, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    events = acc.Scalars(tag)
+    assert len({e.step for e in events}) == len(events), f"a step of {tag} shows twice"
+    return {e.step: e.value for e in events}
+
+
+def test_group_composes_one_or_several_loggers_and_jsonl_is_the_default():
+    assert dict(load_config([]).logger) == {"jsonl": {}}
+    several = load_config(["logger=[jsonl,tensorboard,csv]", "run.dir=/r"]).logger
+    assert list(several) == ["jsonl", "tensorboard", "csv"]
+    assert several.tensorboard.log_dir == "/r/tensorboard" and several.csv.path == "/r/metrics.csv"
+    assert load_config(["logger=wandb", "run.name=x"]).logger.wandb.name == "x"
+
+
+def test_tensorboard_event_files_hold_the_logged_values_and_a_resume_purges_redone_steps(
+    tmp_path,
+):
+    pytest.importorskip("tensorboard", reason="pip install 'ftrain[tensorboard]'")
+    first = build_loggers({"tensorboard": TB}, RunInfo(tmp_path, "r"))
+    _log(first, {1: 4.0, 2: 3.5, 3: 3.25, 4: 3.0, 5: 2.75}, val={4: 3.1})
+    first.close()
+    # a crash after step 5 with step 3 committed: steps 4..5 are redone with other values
+    again = build_loggers({"tensorboard": TB}, RunInfo(tmp_path, "r", start_step=3, resumed=True))
+    _log(again, {4: 2.9, 5: 2.8, 6: 2.7})
+    again.close()
+    log_dir = tmp_path / "tensorboard"
+    # TensorBoard stores float32: compare at that precision
+    assert _scalars(log_dir, "train/loss") == pytest.approx(
+        {1: 4.0, 2: 3.5, 3: 3.25, 4: 2.9, 5: 2.8, 6: 2.7}, rel=1e-6
+    )
+    assert _scalars(log_dir, "train/lr")[6] == pytest.approx(1e-3)
+    assert _scalars(log_dir, "val/loss") == {}, "val at step 4 was purged with the redo"
+
+
+def test_csv_parses_back_widens_for_val_loss_and_appends_on_resume(tmp_path):
+    first = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r"))
+    _log(first, {1: 4.0, 2: 3.5}, val={2: 3.6})
+    first.close()
+    again = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r", start_step=1, resumed=True))
+    _log(again, {2: 3.4})
+    again.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[:3] == ["step", "time", "kind"]
+    assert [(r["step"], r["kind"], r["loss"], r["val_loss"]) for r in rows] == [
+        ("1", "step", "4.0", ""),
+        ("2", "step", "3.5", ""),
+        ("2", "eval", "", "3.6"),
+        ("2", "step", "3.4", ""),  # the redone step: its later row counts
+    ]
+
+
+def _wandb_records(path: str):
+    """The records of a ``.wandb`` transaction log (LevelDB log format, wandb's framing)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    i, parts = 7, b""
+    while i + 7 <= len(data):
+        left = 32768 - i % 32768
+        if left < 7:
+            i += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[i : i + 7])
+        if kind == 0 and length == 0:
+            i += left  # zero padding to the end of a block
+            continue
+        chunk, i = data[i + 7 : i + 7 + length], i + 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk  # FULL/FIRST start a record
+        if kind in (1, 4):  # FULL or LAST ends it
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            yield record
+
+
+def _run_order(path: str):
+    """``offline-run-DATE_TIME-ID[-N]``: wandb adds ``-N`` to a second run in the same second."""
+    name = Path(path).parent.name
+    m = re.fullmatch(r"offline-run-(\d{8}_\d{6})-[a-z0-9]+(?:-(\d+))?", name)
+    return m.group(1), int(m.group(2) or 0)
+
+
+def _finished_log(path: str, timeout: float = 60.0) -> list:
+    """The records of a run's log once its ``exit`` record is in (``finish()`` returns
+    while wandb's service may still be writing the offline log)."""
+    deadline = time.time() + timeout
+    while True:
+        records = list(_wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.time() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def _wandb_history(root: Path) -> list[dict]:
+    rows = []
+    paths = glob.glob(str(root / "wandb" / "offline-run-*" / "run-*.wandb"))
+    for path in sorted(paths, key=_run_order):
+        for r in _finished_log(path):
+            if r.WhichOneof("record_type") == "history":
+                items = r.history.item
+                rows.append(
+                    {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in items}
+                )
+    return rows
+
+
+def test_wandb_offline_run_holds_the_values_and_a_resume_continues_the_same_run(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'ftrain[wandb]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = build_loggers({"wandb": WANDB}, RunInfo(tmp_path, "r", config={"a": 1}))
+    _log(first, {1: 4.0, 2: 3.5}, val={2: 3.6})
+    first.close()
+    again = build_loggers({"wandb": WANDB}, RunInfo(tmp_path, "r", start_step=1, resumed=True))
+    _log(again, {2: 3.4})
+    again.close()
+    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
+    run_id = (tmp_path / "wandb" / "ftrain-run-id").read_text().strip()
+    assert len(runs) == 2 and all(r.endswith(run_id) for r in runs), "one run id, resumed"
+    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in _wandb_history(tmp_path)]
+    assert rows == [
+        {"step": 1, "train/loss": 4.0, "train/lr": 1e-3},
+        {"step": 2, "train/loss": 3.5, "train/lr": 1e-3},
+        {"step": 2, "val/loss": 3.6},
+        {"step": 2, "train/loss": 3.4, "train/lr": 1e-3},
+    ]
+
+
+def test_wandb_without_an_api_key_goes_offline_instead_of_prompting(monkeypatch, tmp_path, capsys):
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    assert loggers_mod._wandb_mode(None) == "offline"
+    assert "logging offline" in capsys.readouterr().out
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert loggers_mod._wandb_mode(None) == "online"
+    assert loggers_mod._wandb_mode("disabled") == "disabled"
+
+
+def test_a_missing_extra_is_named_with_its_pip_command(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "tensorboard", None)  # as if not installed
+    with pytest.raises(LoggerError, match=r"pip install 'ftrain\[tensorboard\]'"):
+        check_loggers(load_config(["logger=[jsonl,tensorboard]"]).logger)
+
+
+def test_unknown_key_and_bad_target_are_refused_before_training():
+    with pytest.raises(LoggerError, match="flush_sec.*takes.*log_dir"):
+        check_loggers({"tensorboard": TB | {"flush_sec": 3}})
+    with pytest.raises(LoggerError, match="logger.mine._target_='nope.Nope' cannot be imported"):
+        check_loggers({"mine": {"_target_": "nope.Nope"}})
+    with pytest.raises(LoggerError, match="logger.wandb.mode='sometimes'"):
+        pytest.importorskip("wandb")
+        build_loggers({"wandb": WANDB | {"mode": "sometimes"}}, RunInfo(Path("/tmp"), "r"))
+
+
+class _Recorder:
+    def __init__(self, *, run, fail_after=None):
+        self.run, self.fail_after, self.seen, self.closed = run, fail_after, [], False
+
+    def log_metrics(self, kind, step, values):
+        if self.fail_after is not None and step > self.fail_after:
+            raise OSError(28, "No space left on device")
+        self.seen.append((kind, step, dict(values)))
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_users_own_target_gets_the_run_and_numbers_only_and_a_failing_one_is_dropped(
+    tmp_path, caplog
+):
+    target = f"{__name__}._Recorder"
+    built = build_loggers(
+        {"mine": {"_target_": target}, "flaky": {"_target_": target, "fail_after": 1}},
+        RunInfo(tmp_path, "r", start_step=7, resumed=True),
+    )
+    mine, flaky = built.loggers["mine"], built.loggers["flaky"]
+    assert mine.run.start_step == 7 and mine.run.resumed
+    with caplog.at_level(logging.WARNING, logger="ftrain.metrics.loggers"):
+        for step in (1, 2, 3):
+            built.log_metrics("step", step, {"step": step, "time": 0.5, "loss": 1.5, "ok": True})
+    assert mine.seen[0] == ("step", 1, {"loss": 1.5}), "step/time/bools are not metrics"
+    assert len(mine.seen) == 3 and built.names == ["mine"] and flaky.closed
+    assert caplog.text.count("logger flaky failed") == 1 and "training goes on" in caplog.text
