@@ -340,17 +340,25 @@ def _installed(module: str) -> bool:
 
 
 def _check_keys(name: str, factory, entry: dict) -> None:
+    """Refuse keys the logger's constructor does not take (a typo must not pass silently)."""
     kwargs = {k: v for k, v in entry.items() if not k.startswith("_")}
     try:
-        inspect.signature(factory).bind(run=None, **kwargs)
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: let the call tell
+        return
+    takes = [p for p in signature.parameters if p != "run"]
+    try:
+        signature.bind(run=None, **kwargs)
     except TypeError as err:
-        try:
-            params = [p for p in inspect.signature(factory).parameters if p != "run"]
-        except (TypeError, ValueError):
-            params = []
+        unknown = [k for k in kwargs if k not in signature.parameters]
+        what = (
+            f"unknown key(s) {', '.join(f'logger.{name}.{k}' for k in unknown)}"
+            if unknown
+            else str(err)
+        )
         raise LoggerError(
-            f"logger.{name}: {err}; {getattr(factory, '__name__', factory)} takes {params} "
-            "(and run=RunInfo, passed by ftrain)"
+            f"{what}: {getattr(factory, '__name__', factory)} takes {takes} (and run=, passed "
+            "by ftrain); fix the spelling"
         ) from None
 
 

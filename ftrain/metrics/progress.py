@@ -19,7 +19,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
 __all__ = ["Progress", "format_duration", "format_field", "format_step", "memory_fields"]
@@ -132,6 +132,7 @@ class Progress:
         start: the step the run starts from (after a resume).
         rank, world: shown as a ``[rank=r]`` prefix when ``world > 1``.
         stream: where to print (default stdout); a TTY gets a redrawn bar.
+        clock: seconds for ``elapsed`` and ``eta`` (default ``time.perf_counter``).
     """
 
     def __init__(
@@ -142,30 +143,31 @@ class Progress:
         rank: int = 0,
         world: int = 1,
         stream: TextIO | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.total, self.start = total, start
+        self.total, self.start, self.clock = total, start, clock
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.prefix = f"[rank={rank}]" if world > 1 else ""
-        self._t0 = time.perf_counter()
+        self._t0 = clock()
         self._first: tuple[int, float] | None = None  # (step, time) of the first logged step
         self._bar_open = False
 
-    def eta(self, step: int, values: Mapping[str, float] | None = None) -> float | None:
+    def eta(self, step: int, values: Mapping[str, float], now: float) -> float | None:
         """Seconds to ``total`` at the speed since the first logged step (that one carries
         start-up costs: compilation, caches); before a second one, the step's ``steps_per_s``."""
         left = max(self.total - step, 0)
-        now = time.perf_counter()
         if self._first is not None and step > self._first[0]:
             return left * (now - self._first[1]) / (step - self._first[0])
-        rate = (values or {}).get("steps_per_s")
+        rate = values.get("steps_per_s")
         return left / rate if rate else (0.0 if left == 0 else None)
 
     def step(self, step: int, values: Mapping[str, float]) -> None:
-        eta = self.eta(step, values)
+        now = self.clock()
+        eta = self.eta(step, values, now)
         if self._first is None:
-            self._first = (step, time.perf_counter())
-        fields = format_step(values, elapsed=time.perf_counter() - self._t0, eta=eta)
+            self._first = (step, now)
+        fields = format_step(values, elapsed=now - self._t0, eta=eta)
         if self.tty:
             width = 24
             filled = int(width * step / max(self.total, 1))

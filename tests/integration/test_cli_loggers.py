@@ -1,0 +1,113 @@
+"""The real CLI with logger=[jsonl,tensorboard,csv]: files parsed back, redone steps, the
+progress lines and last lines, samples/s for a loss without tokens, refusals before training."""
+
+import csv
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import TINY, records
+
+STEP_LINE = re.compile(
+    r"\[step=(\d+)\] loss=\d+\.\d{4} lr=\S+ grad_norm=\d[\d.e+-]* tokens/s=[\d.]+[kM]? "
+    r"steps/s=[\d.]+[kM]? max_rss=\d+M elapsed=\d+s eta=(\d+[hms]\S*|\?)"
+)
+
+
+def _scalars(log_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    events = acc.Scalars(tag)
+    assert len({e.step for e in events}) == len(events), f"a step of {tag} shows twice"
+    return {e.step: e.value for e in events}
+
+
+def _csv_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_tensorboard_and_csv_from_the_cli_and_a_resume_that_redoes_steps(cli, tmp_path):
+    pytest.importorskip("tensorboard", reason="pip install 'ftrain[tensorboard]'")
+    run = tmp_path / "run"
+    args = ("trainer.max_steps=6", "checkpoint.every_steps=3", "logger=[jsonl,tensorboard,csv]")
+    out = cli(run, *args, "run.plot=true", check=0).stdout
+    lines = out.splitlines()
+    steps = [int(m.group(1)) for line in lines if (m := STEP_LINE.fullmatch(line))]
+    assert steps == [1, 2, 3, 4, 5, 6], out
+    assert "lr schedule decays over 12 steps (schedule.decay_steps)" in out
+    assert re.search(r"^\[step=4\] eval val_loss=\d+\.\d{4}$", out, re.M), out
+    assert lines[-2:] == [
+        "[step=6] end reason=done committed=6",
+        f"[step=6] plot written to {run / 'training.png'}",
+    ]
+    losses = {r["step"]: r["loss"] for r in records(run, "step")}
+    assert _scalars(run / "tensorboard", "train/loss") == pytest.approx(losses, rel=1e-6)
+    val = records(run, "eval")[0]
+    assert _scalars(run / "tensorboard", "val/loss") == pytest.approx({4: val["val_loss"]})
+    rows = [r for r in _csv_rows(run / "metrics.csv") if r["kind"] == "step"]
+    assert {int(r["step"]): float(r["loss"]) for r in rows} == losses
+
+    # steps 4..6 ran before; resuming at 3 redoes them (the same values: the run is deterministic)
+    out = cli(run, *args, "resume=3", check=0).stdout
+    assert "steps 4..6 ran before" in out
+    assert _scalars(run / "tensorboard", "train/loss") == pytest.approx(losses, rel=1e-6)
+    steps_in_csv = [int(r["step"]) for r in _csv_rows(run / "metrics.csv") if r["kind"] == "step"]
+    assert steps_in_csv == [1, 2, 3, 4, 5, 6, 4, 5, 6], "csv appends the redone steps"
+
+
+BLOCKED = """
+import sys
+sys.modules["tensorboard"] = None  # as if 'ftrain[tensorboard]' were not installed
+from ftrain.cli.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _script(cache_dir, script, *args):
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=240
+    )
+
+
+def test_a_missing_extra_or_an_unknown_logger_key_exits_2_before_training(cli, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = _script(cache_dir, BLOCKED, f"run.dir={run}", *TINY, "logger=[jsonl,tensorboard]")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "pip install 'ftrain[tensorboard]'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (run / "metrics.jsonl").exists() or not records(run, "step")
+    bad = cli(run, "logger=csv", "+logger.csv.delimiter=x", check=2)
+    assert "unknown key(s) logger.csv.delimiter: CsvLogger takes ['path']" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+NO_TOKENS = """
+import sys
+from ftrain.cli.build import _gpt2, register_model
+from ftrain.cli.run import main
+
+@register_model("gpt2_no_tokens")
+def build(cfg, generator):
+    model, loss = _gpt2(cfg, generator)
+    return model, lambda m, batch: loss(m, batch)[0]  # the loss alone: no token count
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_custom_loss_without_tokens_reports_samples_per_s(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    args = [f"run.dir={run}", *TINY, "model.name=gpt2_no_tokens", "trainer.max_steps=3"]
+    proc = _script(cache_dir, NO_TOKENS, *args, "trainer.eval_every=null")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    step_lines = [line for line in proc.stdout.splitlines() if " loss=" in line]
+    assert len(step_lines) == 3 and all(" samples/s=" in line for line in step_lines)
+    assert "tokens" not in proc.stdout
+    rec = records(run, "step")[-1]
+    assert "samples_per_s" in rec and "tokens_per_s" not in rec and "tokens" not in rec
