@@ -111,3 +111,22 @@ def test_a_custom_loss_without_tokens_reports_samples_per_s(cache_dir, tmp_path)
     assert "tokens" not in proc.stdout
     rec = records(run, "step")[-1]
     assert "samples_per_s" in rec and "tokens_per_s" not in rec and "tokens" not in rec
+
+
+@pytest.mark.slow
+def test_under_torchrun_only_the_coordinator_logs_and_throughput_is_the_runs(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    cmd += ["-m", "ftrain", f"run.dir={run}", *TINY, "trainer.eval_every=null"]
+    cmd += ["trainer.max_steps=3", "logger=[jsonl,csv]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _csv_rows(run / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2, 3], "one row per step: the coordinator's"
+    recs = records(run, "step")
+    # each rank counts its half of the global batch's tokens; the record has the sum
+    for rec in recs:
+        per_step = rec["tokens_per_s"] / rec["steps_per_s"]
+        assert per_step == pytest.approx(2 * rec["tokens"], rel=0.05)
+    assert "[rank=1][step=3] end reason=done" in proc.stdout
