@@ -51,3 +51,35 @@ def test_plot_marks_segments(tmp_path):
     assert [len(s) for s in segs] == [5, 4]
     path = plot_run(tmp_path)
     assert path.exists() and path.stat().st_size > 1000
+
+
+def test_plot_has_the_run_name_a_smoothed_loss_over_the_raw_one_and_commits_only(
+    tmp_path, monkeypatch
+):
+    import matplotlib.pyplot as plt
+
+    from ftrain.plot import smooth
+
+    w = MetricsWriter(tmp_path)
+    for s in range(1, 31):
+        w.write("step", step=s, loss=5.0 - 0.1 * s + (0.5 if s % 2 else -0.5), lr=1e-3)
+    w.write("save_started", step=10)
+    w.write("committed", step=10)
+    w.write("save_started", step=20)  # never committed: not marked
+    w.close()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_run(tmp_path, title="tiny-demo")
+    (fig,) = figures
+    assert fig._suptitle.get_text() == "tiny-demo"
+    ax_loss = fig.axes[0]
+    raw, smoothed = ax_loss.lines[0], ax_loss.lines[1]
+    assert list(raw.get_ydata()) != list(smoothed.get_ydata())
+    gaps = [abs(a - b) for a, b in zip(raw.get_ydata(), smoothed.get_ydata(), strict=True)]
+    assert max(gaps[1:-1]) > 0.4, "the zig-zag is smoothed away"
+    commits = [ln.get_xdata()[0] for ln in ax_loss.lines if ln.get_color() == "tab:green"]
+    assert commits == [10]
+    monkeypatch.undo()
+    plt.close(fig)
+    a, b, nan, d = smooth([1.0, 3.0, float("nan"), 5.0], window=3)
+    assert (a, b, d) == (2.0, 2.0, 5.0) and nan != nan, "a NaN is passed through, not averaged"
