@@ -151,12 +151,12 @@ class _Parts:
 
 def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     """Everything that can refuse to start: config-derived parts, data, resume decision."""
+    check_loggers(cfg.logger)  # every rank, first: a missing extra stops all before anything
     if cfg.resume == "none" and cfg.run.overwrite and world.is_coordinator:
         moved = move_run_aside(cfg)
         if moved:
             print(f"run.overwrite=true: moved the old run's records and checkpoints to {moved}")
     agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
-    check_loggers(cfg.logger)  # every rank: a missing extra stops all of them before training
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)
     manager = build_manager(cfg)
