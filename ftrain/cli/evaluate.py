@@ -146,7 +146,7 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         "perplexity": math.exp(loss) if loss < 700 else math.inf,
         "batches": int(t.eval_batches),
         "samples": int(out["samples"]),
-        "tokens": int(out["tokens"]),
+        "tokens": int(out["tokens"]) if "tokens" in out else None,  # None: the loss counts none
         "data": val.describe(),
     }
 

@@ -61,7 +61,6 @@ SAFE_PREFIXES = (
     "data.allow_changed",
     "init.",  # read on a fresh start only; a resume continues its own params
     "schedule.decay_steps",
-    "logger",  # where metrics are shown, not what a step computes
 )
 
 
@@ -421,7 +420,7 @@ def _check_compat(cfg: DictConfig, meta: dict) -> list[str]:
     saved = meta.get("config")
     if saved is None:
         return []
-    bad, safe = compat_diff(saved, to_plain(cfg))
+    bad, safe = compat_diff(saved, recorded_config(cfg))
     if bad and not cfg.run.allow_config_change:
         raise ResumeError(
             f"the config differs from step {meta.get('step')}'s checkpoint in ways that change what a step computes:\n    "
@@ -567,11 +566,19 @@ def _free(path: Path) -> Path:
     return candidate
 
 
+def recorded_config(cfg: DictConfig) -> dict:
+    """The config a checkpoint records: all of it but ``logger`` (where this start's metrics
+    are shown is not part of the run, and checkpoint metadata then names no logger code)."""
+    plain = to_plain(cfg)
+    plain.pop("logger", None)
+    return plain
+
+
 def checkpoint_metadata(
     cfg: DictConfig, data_fp: str, data_desc: dict, world: World, horizon: int
 ) -> dict:
     """The JSON facts stored with every checkpoint of this run."""
-    plain = to_plain(cfg)
+    plain = recorded_config(cfg)
     return {
         "schedule_horizon": horizon,
         "config": plain,
