@@ -132,7 +132,8 @@ class WandbLogger:
     """A Weights & Biases run, one per run directory, continued on every resume.
 
     The run id is kept in ``DIR/wandb/ftrain-run-id`` (``DIR`` is ``dir``, default the run
-    directory), so each start opens the same run (``resume="allow"``). ftrain's step is
+    directory): every resume opens the same run (``resume="allow"``); a fresh start (step 0,
+    no checkpoint restored) makes a new one. ftrain's step is
     logged as the metric ``step`` and every chart uses it as x axis (``define_metric``);
     wandb's own ``_step`` keeps counting, so steps redone after a crash are logged again and
     show as a second point at the same ``step``.
@@ -172,7 +173,7 @@ class WandbLogger:
             group=group,
             tags=list(tags) or None,
             dir=str(root),
-            id=_run_id(root / "wandb" / _RUN_ID_FILE),
+            id=_run_id(root / "wandb" / _RUN_ID_FILE, fresh=not run.resumed),
             resume="allow",
             mode=_wandb_mode(mode),
             config=run.config,
@@ -188,12 +189,14 @@ class WandbLogger:
         self.run.finish()
 
 
-def _run_id(path: Path) -> str:
-    """This run directory's wandb run id: read from ``path``, or made and written there."""
-    with contextlib.suppress(FileNotFoundError):
-        existing = path.read_text().strip()
-        if existing:
-            return existing
+def _run_id(path: Path, *, fresh: bool) -> str:
+    """This run directory's wandb run id: read from ``path`` on a resume, else made and
+    written there (a fresh start is a new wandb run, also in a reused directory)."""
+    if not fresh:
+        with contextlib.suppress(FileNotFoundError):
+            existing = path.read_text().strip()
+            if existing:
+                return existing
     new = secrets.token_hex(4)
     path.write_text(new + "\n")
     return new

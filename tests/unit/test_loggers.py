@@ -160,6 +160,8 @@ def test_wandb_offline_run_holds_the_values_and_a_resume_continues_the_same_run(
         {"step": 2, "val/loss": 3.6},
         {"step": 2, "train/loss": 3.4, "train/lr": 1e-3},
     ]
+    build_loggers({"wandb": WANDB}, RunInfo(tmp_path, "r")).close()  # a fresh start
+    assert (tmp_path / "wandb" / "ftrain-run-id").read_text().strip() != run_id, "a new run"
 
 
 def test_wandb_without_an_api_key_goes_offline_instead_of_prompting(monkeypatch, tmp_path, capsys):
