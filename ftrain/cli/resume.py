@@ -378,10 +378,12 @@ def schedule_line(cfg: DictConfig, horizon: int, saved: int | None) -> str:
         saved: the horizon the resumed checkpoint recorded (``None``: fresh, or not recorded).
     """
     s = cfg.schedule
-    if s.name == "constant":
+    kind = str(s.get("_target_") or s.get("name") or "").rsplit(".", 1)[-1]
+    if kind == "constant":
         return f"lr schedule: constant at {cfg.optim.lr:g}"
-    used = max(horizon, s.warmup_steps + 1) if s.name == "warmup_cosine" else horizon
-    if s.decay_steps is not None:
+    warmup = s.get("warmup_steps") or 0
+    used = max(horizon, warmup + 1) if kind == "warmup_cosine" else horizon
+    if s.get("decay_steps") is not None:
         why = "schedule.decay_steps"
         if saved is not None and saved != horizon:
             why += f"; the checkpoint had recorded {saved}"
@@ -391,6 +393,8 @@ def schedule_line(cfg: DictConfig, horizon: int, saved: int | None) -> str:
         why = "trainer.max_steps of this first start, kept on resume"
     if used != horizon:
         why += f"; at least schedule.warmup_steps + 1 = {used}"
+    if kind != "warmup_cosine":  # a user's schedule: what it is given, not what it does
+        return f"lr schedule {s.get('_target_', kind)} gets a horizon of {used} steps ({why})"
     return f"lr schedule decays over {used} steps ({why})"
 
 

@@ -245,8 +245,8 @@ def _explain(err: Exception, overrides) -> str:
         msg += "\n  " + str(cause).strip().replace("\n", "\n  ")
     hint = (
         "check the key against `python -m ftrain --cfg job` or `--help` (keys: run, model, optim, "
-        "schedule, data, checkpoint, trainer, dist, logger, resume, init); +key=value adds a key only "
-        "outside those groups, for a recipe that reads it"
+        "schedule, data, checkpoint, trainer, dist, logger, resume, init); +key=value adds a key "
+        "only outside those groups, for a recipe that reads it"
     )
     missing = _NOT_FOUND.search(msg)
     if missing:
