@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"step {r['step']}: val_loss {r['val_loss']:.4f} perplexity {r['perplexity']:.2f} "
-            f"({r['batches']} batches, {r['samples']} samples, {r['tokens']:,} tokens)"
+            f"({r['batches']} batches, {r['samples']} samples"
+            + (f", {r['tokens']:,} tokens)" if r["tokens"] is not None else ")")
         )
     return 0
