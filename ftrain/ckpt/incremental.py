@@ -52,6 +52,8 @@ every save.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -126,11 +128,19 @@ def identify(leaves: dict[str, torch.Tensor]) -> dict[str, Identity]:
 
 @dataclass(frozen=True)
 class CommittedLeaf:
-    """A leaf of the last committed step: who it was, its manifest entry, its fingerprint."""
+    """A leaf of the last committed step: who it was, its manifest entry, its fingerprint.
+
+    The entry is parsed into an :class:`ArraySpec` only when a later save finds the same
+    tensor again: in full training (every leaf new every step) that never happens."""
 
     identity: Identity
-    spec: ArraySpec
+    key: str
+    entry: dict = field(repr=False)  # the manifest's entry, written by this process
     fingerprint: int
+
+    @functools.cached_property
+    def spec(self) -> ArraySpec:
+        return ArraySpec.from_json(self.key, self.entry)
 
 
 @dataclass
@@ -202,12 +212,23 @@ def _windows(n: int) -> list[tuple[int, int]]:
     return [(s, s + WINDOW) for s in (j * (n - WINDOW) // (WINDOWS - 1) for j in range(WINDOWS))]
 
 
+def _cpu_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor without copying. A plain contiguous tensor is read at its
+    ``data_ptr`` directly (a fingerprint of every leaf is taken after every save: the eight
+    torch calls of :func:`~ftrain.ckpt.format.tensor_bytes` would cost more than the
+    hashing); anything else goes through ``tensor_bytes``."""
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg() and t.numel():
+        nbytes = t.numel() * t.element_size()
+        return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+    return tensor_bytes(t)
+
+
 def sample_fingerprint(t: torch.Tensor) -> int:
     """The crc32c of the leaf's sample windows, end to end (the whole leaf if it is 32 KiB
     or less). On the CPU straight from the tensor's memory; elsewhere the windows are
     gathered on the device and copied to the host together."""
     if t.device.type == "cpu":
-        view, crc = tensor_bytes(t), 0
+        view, crc = _cpu_view(t), 0
         for start, stop in _windows(len(view)):
             crc = crc32c.crc32c(view[start:stop], value=crc)
         return crc
@@ -338,13 +359,10 @@ def remember(
     for key, ident in plan.identities.items():
         entry = manifest["arrays"][key]
         if key in plan.reuse:  # its bytes were checked against the old fingerprint
-            prev = last.leaves[key]
-            same = list(prev.spec.crc32c) == entry["crc32c"]  # else a link failed: rewritten
-            spec = prev.spec if same else ArraySpec.from_json(key, entry)
-            leaves[key] = CommittedLeaf(ident, spec, prev.fingerprint)
+            fingerprint = last.leaves[key].fingerprint
         else:
-            spec = ArraySpec.from_json(key, entry)
-            leaves[key] = CommittedLeaf(ident, spec, sample_fingerprint(written[key]))
+            fingerprint = sample_fingerprint(written[key])
+        leaves[key] = CommittedLeaf(ident, key, entry, fingerprint)
     return LastCommit(step, step_dir, leaves, plan.cursor)
 
 
