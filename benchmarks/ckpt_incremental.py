@@ -1,27 +1,34 @@
 """Incremental checkpoints: LoRA fine-tuning saves vs full saves, and full training.
 
-LoRA rows: GPT-2 small (124M, vocab 50304) with rank-8 LoRA on every ``c_attn``
-(``ftrain.lora.apply_lora``), AdamW on the adapters and ``optim.frozen()`` on the rest
-(``optim.multi_transform``), real steps (``ftrain.make_step``, one 1x64-token batch) between
-saves, so the frozen base is carried by the step itself as the same tensor objects. Each
-round runs one step and saves its state twice, durably (sync), in alternating order: with
-``incremental=False`` (a full save, the previous behaviour) and with the default
-incremental manager (the base hard-linked from its previous step). ``du`` of the
-incremental directory's two newest steps (hard links counted once) is compared with one
-full step plus the adapters and their optimizer state.
+LoRA rows: GPT-2 small (124M, vocab 50304; ``--size medium``: 355M) with rank-8 LoRA on
+every ``c_attn`` (``ftrain.lora.apply_lora``), AdamW on the adapters and ``optim.frozen()``
+on the rest (``optim.multi_transform``), real steps (``ftrain.make_step``, one 1x64-token
+batch) between saves, so the frozen base is carried by the step itself as the same tensor
+objects. Each round runs one step and saves its state twice, durably (sync), in
+alternating order: with ``incremental=False`` (a full save, the previous behaviour) and
+with the default incremental manager (the base hard-linked from its previous step).
+Every step is kept; retention's delete of one step is timed afterwards on its own. ``du``
+of the incremental directory's two newest steps (hard links counted once) is compared
+with one full step plus the adapters and their optimizer state.
 
 Full-training rows: the GPT-2 + AdamW state of ``benchmarks/ckpt_io.py`` (1.49 GB), every
 leaf a new tensor in every round (nothing can be reused), saved by the incremental and the
-non-incremental manager in alternating order: the identity check, fingerprints and record
-must cost nothing measurable. Medians over ``--reps`` rounds; results go to
+non-incremental manager in alternating order after one warm-up save each, with paired
+ratios per round; plus the incremental machinery's own work timed on its own (the
+identity check in ``save()``, the record after the commit, and for scale the checks of
+the same state if every leaf were reused). Medians over ``--reps`` rounds; results go to
 docs/benchmarks.md ("Incremental checkpoints").
 
-    .venv/bin/python -W ignore benchmarks/ckpt_incremental.py --dir /tmp/ckpt_incr --reps 5
+    .venv/bin/python -W ignore benchmarks/ckpt_incremental.py --dir /tmp/ckpt_incr --reps 7
+    .venv/bin/python -W ignore benchmarks/ckpt_incremental.py --reps 5 --size medium \
+        --skip-full-training
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -42,11 +49,13 @@ from ftrain.ckpt import incremental as incr
 from ftrain.ckpt.store import flatten
 from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
 
+SIZES = {"small": {}, "medium": {"n_layer": 24, "n_head": 16, "n_embd": 1024}}
 
-def lora_run(vocab: int):
-    """``(state, step, batch)`` of a rank-8 LoRA fine-tune on GPT-2 small's c_attn."""
+
+def lora_run(vocab: int, size: str = "small"):
+    """``(state, step, batch)`` of a rank-8 LoRA fine-tune on GPT-2's c_attn."""
     g = torch.Generator().manual_seed(0)
-    model = GPT(GPTConfig.gpt2(vocab_size=vocab, dropout=0.0), generator=g)
+    model = GPT(GPTConfig.gpt2(vocab_size=vocab, dropout=0.0, **SIZES[size]), generator=g)
     lora.apply_lora(model, rank=8, alpha=16, targets=("c_attn",), generator=g)
     tx = optim.multi_transform(
         {"lora": optim.adamw(1e-3), "frozen": optim.frozen()},
@@ -63,7 +72,16 @@ def du(*paths: Path) -> int:
     return int(out.stdout.strip().splitlines()[-1].split()[0])
 
 
+SETTLE_S = 1.0
+
+
 def timed_save(m: CheckpointManager, state: TensorDict) -> dict:
+    """One durable save, timed, from a settled disk: the VM's disk flush (``syncfs``) also
+    waits for the host to write back whatever the previous save left in its cache, so
+    without a pause each save would pay for the one before it (measured: incremental saves
+    right after a 500 MB full save took 0.12-0.36 s, alone 0.10-0.14 s)."""
+    os.sync()
+    time.sleep(SETTLE_S)
     t0 = time.perf_counter()
     m.save(state, force=True)
     seconds = time.perf_counter() - t0
@@ -77,9 +95,9 @@ def adapter_bytes(state: TensorDict) -> int:
     return sum(t.numel() * t.element_size() for k, t in leaves.items() if "lora" in k)
 
 
-def bench_lora(root: Path, reps: int, vocab: int) -> dict:
+def bench_lora(root: Path, reps: int, vocab: int, size: str) -> dict:
     """Saves of every step (kept: retention's deletes are timed on their own, after)."""
-    state, step, batch = lora_run(vocab)
+    state, step, batch = lora_run(vocab, size)
     full = CheckpointManager(root / "full", async_save=False, incremental=False)
     inc = CheckpointManager(root / "incr", async_save=False)
     res: dict = {"full": [], "incr": [], "first": None}
@@ -140,7 +158,9 @@ def bench_full_training(root: Path, reps: int) -> dict:
     }
     inc = managers["incremental"]
     res: dict = {n: [] for n in managers} | {"check_new": [], "record": [], "check_reused": []}
-    for rep in range(reps):
+    for m in managers.values():  # warm-up: each manager's first save (a new directory)
+        timed_save(m, state)
+    for rep in range(1, reps + 1):
         state = new_leaves(state)
         state["step"] = torch.tensor(1000 + rep)
         leaves = flatten(state)[1]
@@ -204,12 +224,20 @@ def report_lora(lo: dict, reps: int) -> None:
 def report_full_training(ft: dict, reps: int) -> None:
     off, on = ft["previous (incremental=False)"], ft["incremental"]
     ratios = [b["seconds"] / a["seconds"] for a, b in zip(off, on, strict=True)]
+    # rounds alternate which manager saves first; the geometric mean of the two orders'
+    # medians cancels an order effect (a save right after another one is slower)
+    first = statistics.median(ratios[1::2])  # even rounds: incremental first
+    second = statistics.median(ratios[0::2])
     print(f"\nFull training: {ft['leaves']} leaves, all new every round; medians of {reps} rounds")
     print("| manager | save s | paired ratio (median) |")
     print("|---|---:|---:|")
     print(f"| previous (incremental=False) | {med(off, 'seconds'):.3f} | 1 |")
     print(f"| incremental | {med(on, 'seconds'):.3f} | {statistics.median(ratios):.3f} |")
     print(f"paired ratios per round: {[round(r, 3) for r in ratios]}; linked: {ft['linked']}")
+    print(
+        f"order-balanced ratio: sqrt({first:.3f} (incremental first) x {second:.3f} "
+        f"(incremental second)) = {math.sqrt(first * second):.3f}"
+    )
     ms = {k: statistics.median(ft[k]) * 1e3 for k in ("check_new", "record", "check_reused")}
     print(
         f"incremental work per save: identity check {ms['check_new']:.2f} ms (in save()), "
@@ -223,13 +251,14 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/ckpt_incr"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=50304, help="256: ftrain's byte-level GPT-2")
+    ap.add_argument("--size", choices=sorted(SIZES), default="small", help="GPT-2 size")
     ap.add_argument("--skip-full-training", action="store_true")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     torch.set_num_threads(2)
-    print("LoRA fine-tune (GPT-2 small, rank 8 on c_attn)", flush=True)
-    lo = bench_lora(args.dir, args.reps, args.vocab)
+    print(f"LoRA fine-tune (GPT-2 {args.size}, rank 8 on c_attn)", flush=True)
+    lo = bench_lora(args.dir, args.reps, args.vocab, args.size)
     shutil.rmtree(args.dir / "full")
     shutil.rmtree(args.dir / "incr")
     ft = None
