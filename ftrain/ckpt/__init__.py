@@ -10,6 +10,7 @@ Public API (re-exported by ``ftrain``): :class:`CheckpointManager`, the save pol
 """
 
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
+from ftrain.ckpt.incremental import LeafChangedError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.manager import CheckpointManager, CheckpointNotFoundError, CheckpointSaveError
 from ftrain.ckpt.policies import (
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointStoreError",
     "CorruptCheckpointError",
+    "LeafChangedError",
     "EveryKSteps",
     "EveryNSeconds",
     "EveryNSteps",

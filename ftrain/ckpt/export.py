@@ -2,7 +2,7 @@
 
 Params only (no optimizer state, step, cursor or RNG), named by their dotted paths, which
 are the model's ``state_dict()`` names (a tied weight appears once, under its first name,
-as ``safetensors.torch.save_model`` writes it; ``safetensors.torch.load_model`` loads it
+as safetensors' ``save_model`` writes it; its ``load_model`` loads it
 back into a model with the tie). Dtypes are kept: bf16 stays bf16.
 
 ``merge_lora=True`` folds LoRA adapters into their base weights (``W + (alpha/rank) B A``,

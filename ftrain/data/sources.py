@@ -391,7 +391,11 @@ def source_from_config(cfg: Mapping[str, Any], *, split: str = "train") -> Sourc
 
 
 def _factory(cfg: Mapping[str, Any]) -> Callable[..., Source]:
-    target = cfg.get("_target_")
+    target, name = cfg.get("_target_"), cfg.get("name")
+    if name in _REGISTRY and not _is_ftrains(_REGISTRY[name]):
+        # a source the user registered (register_source) and named: it wins over the
+        # _target_ of the data option it overrides, as a registered model.name does
+        return _REGISTRY[name]
     if target:
         from hydra._internal.utils import _locate  # as instantiate looks targets up
 
@@ -402,10 +406,14 @@ def _factory(cfg: Mapping[str, Any]) -> Callable[..., Source]:
                 f"data._target_={target!r} cannot be imported ({err}); check the dotted path "
                 "and that its package is importable"
             ) from None
-    name = cfg.get("name")
     if name not in _REGISTRY:
         make_source(str(name))  # raises the listing error
     return _REGISTRY[name]
+
+
+def _is_ftrains(factory: Callable) -> bool:
+    """Whether a registered factory is one of ftrain's own (not a user's register_source)."""
+    return str(getattr(factory, "__module__", "")).split(".")[0] == "ftrain"
 
 
 def source_names() -> list[str]:
