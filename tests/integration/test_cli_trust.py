@@ -133,6 +133,10 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_during_start_up_is_one_line_and_exit_130(cache_dir, tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
@@ -143,6 +147,9 @@ def test_sigint_during_start_up_is_one_line_and_exit_130(cache_dir, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # Ctrl-C in a terminal reaches the foreground process; a suite started in the
+        # background (`nohup ... &`) hands its children SIGINT ignored, which they keep
+        preexec_fn=_default_sigint,
     )
     assert proc.stdout.readline().strip() == "BUILDING"  # inside start-up, lock held
     assert json.loads((run / ".lock").read_text())["pid"] == proc.pid
