@@ -191,18 +191,21 @@ class Session:
             # the manager waits for the save in flight before it starts another, so every
             # earlier pending save is now committed
             self._committed(list(self._pending))
-            step = int(state["step"])
-            self.record(
-                "save_started",
-                step=step,
-                reason=reason,
-                blocking_s=round(time.perf_counter() - t0, 4),
-                async_save=bool(self.cfg.checkpoint.async_save),
-            )
-            self._pending[step] = started
-            if not self.cfg.checkpoint.async_save:
-                self._committed([step])  # a sync save returns once committed
+            self._started(int(state["step"]), reason, t0, started, self.cfg.checkpoint.async_save)
         return saved
+
+    def _started(self, step: int, reason: str, t0: float, started: float, async_save) -> None:
+        """Record a save the manager accepted; a sync save is committed once it returns."""
+        self.record(
+            "save_started",
+            step=step,
+            reason=reason,
+            blocking_s=round(time.perf_counter() - t0, 4),
+            async_save=bool(async_save),
+        )
+        self._pending[step] = started
+        if not async_save:
+            self._committed([step])
 
     def _save_sharded(self, state, metrics: dict, host_rng, reason: str) -> bool:
         """All ranks: the multi-writer two-phase save (sync); rank 0 records it."""
@@ -222,16 +225,7 @@ class Session:
             self._failed(err)
             raise
         if self.world.is_coordinator:
-            step = int(state["step"])
-            self.record(
-                "save_started",
-                step=step,
-                reason=reason,
-                blocking_s=round(time.perf_counter() - t0, 4),
-                async_save=False,
-            )
-            self._pending[step] = started
-            self._committed([step])
+            self._started(int(state["step"]), reason, t0, started, async_save=False)
         return True
 
     def _marker_time(self, step: int, started: float) -> float | None:
