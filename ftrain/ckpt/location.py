@@ -11,7 +11,11 @@ value is interpreted, so an object-store URL is never silently taken for a local
   (:mod:`ftrain.ckpt.objstore`). Credentials, region and endpoint come from the usual
   environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
   ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP=true`` for an ``http://``
-  endpoint; ``GOOGLE_SERVICE_ACCOUNT``...; ``AZURE_STORAGE_ACCOUNT_NAME``...).
+  endpoint; ``GOOGLE_SERVICE_ACCOUNT``...; ``AZURE_STORAGE_ACCOUNT_NAME``...), or from
+  ``storage`` options (``checkpoint.storage`` in the CLI, ``CheckpointManager(...,
+  storage_options=)``), which win over the environment: obstore's store keys
+  (``endpoint``, ``region``, ``access_key_id``, ...) and client keys (``allow_http``,
+  ``timeout``, ...); see :func:`split_storage_options`.
 - anything else that looks like a URL (``http://``, ``ftp://``, ``s3:/bucket``,
   ``s3:bucket``): :class:`CheckpointLocationError`, naming the value and the fix.
 
@@ -23,6 +27,7 @@ denied, bad credentials) are not retried and become :class:`CheckpointStoreError
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,6 +38,7 @@ __all__ = [
     "describe_error",
     "is_object_url",
     "parse_location",
+    "split_storage_options",
 ]
 
 OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "azure", "abfs", "abfss"})
@@ -47,6 +53,26 @@ RETRY = {
         "base": 2.0,
     },
 }
+# obstore's ClientConfig keys (HTTP client settings shared by every backend); any other
+# storage option is a key of the backend's own config (S3Config, GCSConfig, AzureConfig)
+CLIENT_OPTIONS = frozenset(
+    {
+        "allow_http",
+        "allow_invalid_certificates",
+        "connect_timeout",
+        "default_content_type",
+        "pool_idle_timeout",
+        "pool_max_idle_per_host",
+        "proxy_url",
+        "proxy_ca_certificate",
+        "proxy_excludes",
+        "root_certificate",
+        "randomize_addresses",
+        "read_timeout",
+        "timeout",
+        "user_agent",
+    }
+)
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 _URLISH_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")  # "s3:/b", "s3:b", "http:x"
 _CODE_RE = re.compile(r"<Code>([^<]+)</Code>(?:\s*<Message>([^<]*)</Message>)?")
@@ -69,11 +95,13 @@ def is_object_url(value: object) -> bool:
     return bool(m) and m.group(1).lower() in OBJECT_SCHEMES
 
 
-def parse_location(value: str | Path):
+def parse_location(value: str | Path, storage: Mapping | None = None):
     """A ``Path`` for a local directory, an ``ObjectRoot`` for an object-store URL.
 
     Args:
         value: ``checkpoint.dir``-style text or a path.
+        storage: options of the object store (endpoint, region, credentials, ...; see
+            :func:`split_storage_options`); ignored for a local directory.
 
     Returns:
         ``pathlib.Path`` or :class:`ftrain.ckpt.objstore.ObjectRoot`.
@@ -109,7 +137,7 @@ def parse_location(value: str | Path):
             raise CheckpointLocationError(
                 f"checkpoint location {value!r} needs obstore ({e}): pip install 'ftrain[s3]'"
             ) from e
-        return ObjectRoot.open(f"{scheme}://{rest.rstrip('/')}")
+        return ObjectRoot.open(f"{scheme}://{rest.rstrip('/')}", storage)
     if _URLISH_RE.match(value):  # two or more letters: "C:" is not a scheme
         scheme = value.split(":")[0]
         raise CheckpointLocationError(
@@ -120,20 +148,61 @@ def parse_location(value: str | Path):
     return Path(value)
 
 
-def open_store(url: str):
+def open_store(url: str, storage: Mapping | None = None):
     """A writable ``zarr.storage.ObjectStore`` rooted at ``url`` (bucket + prefix).
 
     Raises:
+        CheckpointLocationError: a storage option the store does not know.
         CheckpointStoreError: obstore refuses the URL or its configuration.
     """
+    import obstore.exceptions
     import obstore.store
     from zarr.storage import ObjectStore
 
+    config, client = split_storage_options(storage)
     try:
-        raw = obstore.store.from_url(url, retry_config=RETRY)
+        raw = obstore.store.from_url(
+            url, config=config or None, client_options=client or None, retry_config=RETRY
+        )
+    except obstore.exceptions.UnknownConfigurationKeyError as e:
+        key = re.search(r"key: '([^']+)'", str(e))
+        raise CheckpointLocationError(
+            f"{url}: storage option {key.group(1) if key else '?'!r} is not one of this "
+            "store's keys (see obstore's S3Config / GCSConfig / AzureConfig, or the client "
+            f"keys {', '.join(sorted(CLIENT_OPTIONS))})"
+        ) from None
     except Exception as e:  # obstore raises its own (non-OSError) configuration errors
         raise CheckpointStoreError(f"{url}: cannot configure the object store: {e}") from e
     return ObjectStore(raw)
+
+
+def split_storage_options(storage: Mapping | None) -> tuple[dict, dict]:
+    """``(store config, client options)`` from one flat mapping of storage options.
+
+    Store keys (``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``,
+    ``session_token``, ``conditional_put``, ... for S3; the GCS/Azure keys for those) take
+    string values, so booleans become ``"true"``/``"false"`` and numbers their text;
+    :data:`CLIENT_OPTIONS` (``allow_http``, ``timeout``, ...) keep their type.
+
+    Raises:
+        CheckpointLocationError: a key that is not text, or a value that is not a scalar.
+
+    Example:
+        >>> split_storage_options({"endpoint": "http://127.0.0.1:9000", "allow_http": True})
+        ({'endpoint': 'http://127.0.0.1:9000'}, {'allow_http': True})
+    """
+    config, client = {}, {}
+    for key, value in (storage or {}).items():
+        if not isinstance(key, str) or not isinstance(value, (str, bool, int, float)):
+            raise CheckpointLocationError(
+                f"storage option {key!r}={value!r}: keys are text and values text, numbers "
+                "or booleans (e.g. checkpoint.storage.endpoint=http://127.0.0.1:9000)"
+            )
+        if key in CLIENT_OPTIONS:
+            client[key] = value
+        else:
+            config[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return config, client
 
 
 def describe_error(err: BaseException) -> str:

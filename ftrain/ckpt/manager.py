@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -99,6 +99,10 @@ class CheckpointManager:
             unchanged tensor objects as in the step this manager last committed, instead
             of rewriting them (:mod:`ftrain.ckpt.incremental`). ``False``: every save
             writes every byte (each step then has its own copy of every chunk).
+        storage_options: object-store settings for both locations (``endpoint``,
+            ``region``, ``access_key_id``, ``allow_http``, ...; they win over the
+            ``AWS_*``/``GOOGLE_*``/``AZURE_*`` environment), see
+            :func:`ftrain.ckpt.location.split_storage_options`. Ignored for local paths.
 
     Raises:
         CheckpointFormatError: a step under a directory was written in a format this
@@ -126,12 +130,15 @@ class CheckpointManager:
         compression: str | None = None,
         rank: int = 0,
         incremental: bool = True,
+        storage_options: Mapping | None = None,
     ) -> None:
         codec = parse_compression(compression)  # ValueError for an unknown codec, now
         self.compression = codec.spec if codec else None
         # a Path (the fast local path) or an ObjectRoot (s3://, gs://, az://: objstore)
-        self.directory = parse_location(directory)
-        self.fallback_directory = parse_location(fallback_directory) if fallback_directory else None
+        self.directory = parse_location(directory, storage_options)
+        self.fallback_directory = (
+            parse_location(fallback_directory, storage_options) if fallback_directory else None
+        )
         self.save_policy = save_policy
         self.keep_policy = keep_policy or KeepAll()
         self.async_save = async_save

@@ -57,7 +57,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -150,9 +150,10 @@ class ObjectRoot:
     concurrency: int = field(default=DEFAULT_CONCURRENCY, compare=False)
 
     @classmethod
-    def open(cls, url: str) -> ObjectRoot:
-        """Configure the store for ``url`` (no request is made; see :meth:`probe`)."""
-        return cls(url, open_store(url))
+    def open(cls, url: str, storage: Mapping | None = None) -> ObjectRoot:
+        """Configure the store for ``url`` with the environment's settings overridden by
+        ``storage`` options (no request is made; see :meth:`probe`)."""
+        return cls(url, open_store(url, storage))
 
     def __str__(self) -> str:
         return self.url

@@ -9,6 +9,7 @@ so this reader only lists committed steps and reads (and verifies) the selected 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 from tensordict import TensorDictBase
@@ -25,16 +26,20 @@ __all__ = ["committed_steps_at", "read_subtree"]
 log = logging.getLogger("ftrain.ckpt")
 
 
-def committed_steps_at(location: str | Path) -> dict[int, object]:
-    """``{step: path}`` of the committed steps at a checkpoint location (read-only)."""
-    root = parse_location(location)
+def committed_steps_at(location: str | Path, storage: Mapping | None = None) -> dict[int, object]:
+    """``{step: path}`` of the committed steps at a checkpoint location (read-only);
+    ``storage``: object-store options (:func:`ftrain.ckpt.location.parse_location`)."""
+    root = parse_location(location, storage)
     if isinstance(root, Path) and not root.is_dir():
         raise FileNotFoundError(f"{root}: no such checkpoint directory")
     return protocol.committed_steps(root)
 
 
 def read_subtree(
-    location: str | Path, step: int | None = None, only: tuple[str, ...] = ("params",)
+    location: str | Path,
+    step: int | None = None,
+    only: tuple[str, ...] = ("params",),
+    storage: Mapping | None = None,
 ) -> tuple[int, TensorDictBase, dict]:
     """Read the subtrees ``only`` of ``step`` (default: the newest step that verifies).
 
@@ -42,6 +47,7 @@ def read_subtree(
         location: a checkpoints directory or object-store URL.
         step: the step to read; an explicit step that does not verify is an error.
         only: key paths to read, e.g. ``("params",)``.
+        storage: object-store options for a URL ``location`` (endpoint, credentials...).
 
     Returns:
         ``(step, tree, root attributes)``; the tree holds CPU tensors, verified.
@@ -51,7 +57,7 @@ def read_subtree(
         CorruptCheckpointError: the explicit ``step``, or every step, fails verification.
         ValueError: ``only`` names nothing in the checkpoint.
     """
-    steps = committed_steps_at(location)
+    steps = committed_steps_at(location, storage)
     if not steps:
         raise FileNotFoundError(f"{location}: no committed checkpoints")
     if step is not None and step not in steps:

@@ -205,6 +205,8 @@ def build_manager(cfg: DictConfig) -> CheckpointManager:
         async_save=c.async_save,
         fallback_directory=c.fallback_dir,
         compression=c.compression,
+        incremental=c.incremental,
+        storage_options=c.storage,
     )
 
 

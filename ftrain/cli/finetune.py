@@ -154,7 +154,9 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
 
     where, step = parse_init_from(str(cfg.init["from"]))
     try:
-        got_step, loaded, _ = read_subtree(where, step, only=("params",))
+        got_step, loaded, _ = read_subtree(
+            where, step, only=("params",), storage=cfg.checkpoint.storage
+        )
     except (FileNotFoundError, CorruptCheckpointError, ValueError) as err:
         raise ConfigError(f"init.from={cfg.init['from']!r}: {err}") from None
     table = dict(zip(*_named(loaded["params"]), strict=True))

@@ -343,7 +343,10 @@ def ignored_step_dirs(cfg: DictConfig) -> list[str]:
 
     out: list[str] = []
     for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
-        committed_steps(parse_location(d), on_invalid=lambda p, why: out.append(f"{p}: {why}"))
+        committed_steps(
+            parse_location(d, cfg.checkpoint.storage),
+            on_invalid=lambda p, why: out.append(f"{p}: {why}"),
+        )
     return out
 
 
@@ -534,7 +537,7 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
             moved |= _move_into(path, aside / path.name)
     for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
         if is_object_url(d):  # no rename on object stores: refuse rather than mix runs
-            if parse_location(d).committed_steps():
+            if parse_location(d, cfg.checkpoint.storage).committed_steps():
                 raise ResumeError(
                     f"run.overwrite=true: {d} holds committed steps and an object store cannot "
                     f"move them aside; point checkpoint.dir at a new prefix (e.g. {d}-2) or "

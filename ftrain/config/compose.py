@@ -537,8 +537,20 @@ def _check_data(d: DictConfig) -> None:
 
 
 def to_plain(cfg: DictConfig) -> dict:
-    """The resolved config as plain JSON-able Python data."""
-    return OmegaConf.to_container(cfg, resolve=True)
+    """The resolved config as plain JSON-able Python data, for records that leave the
+    process (checkpoint metadata, loggers): secrets among ``checkpoint.storage`` (e.g.
+    ``secret_access_key=${oc.env:...}``) are replaced by ``"<redacted>"``."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    storage = plain.get("checkpoint", {}).get("storage") if isinstance(plain, dict) else None
+    if isinstance(storage, dict):
+        for key in storage:
+            if _SECRET_RE.search(str(key)):
+                storage[key] = "<redacted>"
+    return plain
+
+
+# storage option names that hold credentials: never recorded (access key ids included)
+_SECRET_RE = re.compile(r"secret|token|password|key|credential|sas", re.IGNORECASE)
 
 
 def config_hash(plain: dict) -> str:

@@ -102,6 +102,11 @@ class CheckpointConfig:
     async_save: bool = True
     fallback_dir: str | None = None
     compression: str | None = None
+    # link/copy the chunks of unchanged leaves instead of rewriting them (ftrain.ckpt.incremental)
+    incremental: bool = True
+    # object-store options (endpoint, region, access_key_id, allow_http, ...) over the
+    # AWS_*/GOOGLE_*/AZURE_* environment; secrets are never written into checkpoints
+    storage: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

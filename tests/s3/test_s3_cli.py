@@ -85,3 +85,59 @@ def test_overwrite_refuses_an_object_store_location_with_steps(bucket, tmp_path,
     assert main([*argv, "run.overwrite=true"]) == 2
     assert "cannot move them aside" in capsys.readouterr().err
     assert CheckpointManager(url).all_steps() == [1]
+
+
+def _config_instead_of_env(s3_server, monkeypatch) -> list[str]:
+    """Unset the S3 environment; return the same settings as ``checkpoint.storage``."""
+    env = s3_server["env"]
+    for name in env:
+        monkeypatch.delenv(name, raising=False)
+    return [
+        f"+checkpoint.storage.endpoint={env['AWS_ENDPOINT_URL']}",
+        "+checkpoint.storage.allow_http=true",
+        "+checkpoint.storage.region=us-east-1",
+        "+checkpoint.storage.access_key_id=testing",
+        "+checkpoint.storage.secret_access_key=${oc.env:FTRAIN_TEST_SECRET}",
+    ]
+
+
+def test_storage_options_from_config_replace_the_environment_and_secrets_are_not_recorded(
+    s3_server, bucket, tmp_path, monkeypatch, capsys
+):
+    from ftrain.cli.run import main
+
+    storage = _config_instead_of_env(s3_server, monkeypatch)
+    monkeypatch.setenv("FTRAIN_TEST_SECRET", "testing")
+    url = f"s3://{bucket}/ck"
+    argv = [f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={url}", "trainer.max_steps=2"]
+    assert main([*argv, "checkpoint.every_steps=2", *storage]) == 0, capsys.readouterr().err
+    # without the options (and no environment) the same bucket is unreachable: they were used
+    assert main([*argv, "trainer.max_steps=3"]) == 2
+    assert bucket in capsys.readouterr().err
+
+    mgr = CheckpointManager(url, storage_options=_options(s3_server))
+    assert mgr.all_steps() == [2]
+    recorded = mgr.metadata(2)["config"]["checkpoint"]["storage"]
+    assert recorded["secret_access_key"] == recorded["access_key_id"] == "<redacted>"
+    assert recorded["endpoint"] == s3_server["endpoint"]
+    records = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert "FTRAIN_TEST_SECRET" not in records and '"testing"' not in records
+
+
+def _options(s3_server) -> dict:
+    return {
+        "endpoint": s3_server["endpoint"],
+        "allow_http": True,
+        "region": "us-east-1",
+        "access_key_id": "testing",
+        "secret_access_key": "testing",
+    }
+
+
+def test_an_unknown_storage_option_exits_2_naming_it(s3_server, tmp_path, monkeypatch, capsys):
+    from ftrain.cli.run import main
+
+    argv = [f"run.dir={tmp_path / 'run'}", "checkpoint.dir=s3://b/ck", "trainer.max_steps=1"]
+    assert main([*argv, "+checkpoint.storage.endpiont=http://x"]) == 2
+    err = capsys.readouterr().err
+    assert "'endpiont'" in err and "storage option" in err, err

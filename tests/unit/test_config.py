@@ -63,3 +63,35 @@ def test_compat_diff_separates_safe_and_unsafe_changes():
     # the compiled step matches the eager one: switching it on resume is safe
     bad, safe = compat_diff(a, to_plain(load_config(["trainer.compile=true"])))
     assert bad == [] and safe == ["trainer.compile: False -> True"]
+
+
+def test_checkpoint_incremental_and_storage_reach_the_manager(tmp_path):
+    from ftrain.cli.build import build_manager
+
+    cfg = load_config([f"checkpoint.dir={tmp_path}", "checkpoint.incremental=false"])
+    assert build_manager(cfg).incremental is False
+    assert build_manager(load_config([f"checkpoint.dir={tmp_path}"])).incremental is True
+
+
+def test_storage_secrets_are_redacted_in_the_plain_config():
+    cfg = load_config(
+        ["+checkpoint.storage.endpoint=http://h:9", "+checkpoint.storage.secret_access_key=s"]
+    )
+    assert cfg.checkpoint.storage.secret_access_key == "s"  # the run itself uses it
+    assert to_plain(cfg)["checkpoint"]["storage"] == {
+        "endpoint": "http://h:9",
+        "secret_access_key": "<redacted>",
+    }
+
+
+def test_storage_options_split_into_store_and_client_keys():
+    from ftrain.ckpt.location import CheckpointLocationError, split_storage_options
+
+    config, client = split_storage_options(
+        {"endpoint": "http://h", "conditional_put": "etag", "allow_http": True, "timeout": "9s"}
+    )
+    assert config == {"endpoint": "http://h", "conditional_put": "etag"}
+    assert client == {"allow_http": True, "timeout": "9s"}
+    assert split_storage_options({"skip_signature": True})[0] == {"skip_signature": "true"}
+    with pytest.raises(CheckpointLocationError, match="region"):
+        split_storage_options({"region": ["us-east-1"]})
