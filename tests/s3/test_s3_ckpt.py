@@ -206,6 +206,24 @@ def test_plain_zarr_reads_a_committed_step(bucket):
     assert group.attrs["step"] == 4
 
 
+def test_tensorstore_reads_a_committed_step_through_its_s3_kvstore(bucket, s3_server):
+    ts = pytest.importorskip("tensorstore")
+    url = f"s3://{bucket}/ck"
+    state = make_state(4)
+    CheckpointManager(url, async_save=False, chunk_bytes=1024).save(state)  # 5 chunks of w
+    for key in ("params/w", "params/half", "mask", "opt/count"):
+        kvstore = {
+            "driver": "s3",
+            "bucket": bucket,
+            "path": f"ck/step_00000004/{key}/",
+            "endpoint": s3_server["endpoint"],
+            "aws_region": "us-east-1",
+            "aws_credentials": {"type": "environment"},
+        }
+        got = ts.open({"driver": "zarr3", "kvstore": kvstore}, read=True).result().read().result()
+        assert (got == state[tuple(key.split("/"))].numpy()).all(), key
+
+
 def test_the_ckpt_tool_on_a_bucket(bucket, s3, capsys):
     from ftrain.ckpt.__main__ import main
 
