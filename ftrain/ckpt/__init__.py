@@ -7,8 +7,11 @@ Public API (re-exported by ``ftrain``): :class:`CheckpointManager`, the save pol
 ``store`` (write/read a tree), ``commit`` (the protocol), ``location`` (path or URL),
 ``objstore`` + ``objio`` (object storage through zarr-python's ``ObjectStore``),
 ``policies``, ``index``, ``hostrng``, ``manager``; ``python -m ftrain.ckpt`` is the command-line tool.
+``zdtype`` registers the ``bfloat16`` and float8 Zarr data types with zarr-python on import,
+so after ``import ftrain`` a plain ``zarr.open_group(step)`` reads bf16 leaves as bf16.
 """
 
+from ftrain.ckpt import zdtype  # noqa: F401  (registers the data types; format imports it too)
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
 from ftrain.ckpt.incremental import LeafChangedError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError

@@ -228,7 +228,8 @@ def check_manifest(where: object, name: str, marker: dict, raw: bytes | None) ->
 
     Raises:
         CorruptCheckpointError: a missing manifest, a crc/length mismatch with the marker,
-            or a step number that disagrees with the name.
+            a step number that disagrees with the name, or a format version that disagrees
+            with the marker's.
     """
     if raw is None:
         raise CorruptCheckpointError(f"{where}: {MANIFEST} is missing")
@@ -240,6 +241,8 @@ def check_manifest(where: object, name: str, marker: dict, raw: bytes | None) ->
     m = _STEP_RE.match(name)
     if not m or marker.get("step") != int(m.group(1)) or manifest.get("step") != int(m.group(1)):
         raise CorruptCheckpointError(f"{where}: marker/manifest step does not match the name")
+    if manifest.get("format_version") != marker["format_version"]:  # it says how to read docs
+        raise CorruptCheckpointError(f"{where}: marker and manifest disagree on the format")
     return manifest
 
 

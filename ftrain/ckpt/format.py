@@ -18,10 +18,13 @@ read it back with ``readinto`` straight into the result tensor. With optional co
 compressed chunk plus the crc32c of the compressed bytes, and the manifest records the
 codec and every chunk's stored size.
 
-Dtypes with a numpy equivalent keep their name. Dtypes without one (``bfloat16`` and the
-float8 family) are stored as their raw bits in the unsigned integer of the same width
-(``bfloat16`` -> ``uint16``) with ``attributes["ftrain"]["dtype"]`` naming the logical
-dtype; a plain reader gets the exact bits, ``ftrain`` gets the tensor back bit-exact.
+Dtypes with a numpy equivalent keep their name. ``bfloat16``, ``float8_e4m3fn`` and
+``float8_e5m2`` use the data types tensorstore and Orbax write (zarr-extensions), which
+:mod:`ftrain.ckpt.zdtype` teaches zarr-python (format 2). Format 1 stored them, and every
+format stores the other dtypes numpy lacks (the float8 ``fnuz``/``e8m0`` variants,
+``complex32``, ...), as their raw bits in the unsigned integer of the same width
+(``bfloat16`` -> ``uint16``). ``attributes["ftrain"]["dtype"]`` names the logical dtype of
+every array; the chunk bytes are the same either way.
 
 Chunking: an array is cut along dim 0 into ``n = ceil(nbytes / chunk_bytes)`` chunks of
 ``ceil(rows / n)`` rows, so the padded edge chunk (Zarr stores edge chunks full size)
@@ -43,6 +46,7 @@ import torch
 
 from ftrain.ckpt._direct import direct_supported, write_direct
 from ftrain.ckpt.codecs import Codec, parse_compression
+from ftrain.ckpt.zdtype import ZDTYPES
 
 __all__ = [
     "FORMAT_VERSION",
@@ -62,8 +66,9 @@ __all__ = [
     "write_chunk",
 ]
 
-FORMAT_VERSION = 1
-READABLE_FORMATS = frozenset({1})  # formats this ftrain restores; anything else is refused
+FORMAT_VERSION = 2
+# formats this ftrain restores; anything else is refused. 1: bf16/float8 as raw-bit integers
+READABLE_FORMATS = frozenset({1, 2})
 DEFAULT_CHUNK_BYTES = 32 << 20
 DIRECT_MIN_BYTES = 256 << 10  # smaller chunks go through the page cache (one syncfs)
 MAX_NDIM = 32
@@ -88,6 +93,8 @@ _NATIVE = {
     torch.complex128: "complex128",
 }
 _RAW_BITS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+# torch's names are the ml_dtypes / tensorstore names: bfloat16, float8_e4m3fn, float8_e5m2
+_ML_FLOATS = {getattr(torch, z._zarr_v3_name): z._zarr_v3_name for z in ZDTYPES}
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -115,10 +122,18 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def zarr_dtype(dtype: torch.dtype) -> str:
-    """The Zarr v3 ``data_type`` that stores ``dtype`` bit-exact (raw bits if no native)."""
+def zarr_dtype(dtype: torch.dtype, fmt: int = FORMAT_VERSION) -> str:
+    """The Zarr v3 ``data_type`` that stores ``dtype`` bit-exact in format ``fmt`` (raw
+    bits where zarr has no name for it, or format 1 had none).
+
+    Example:
+        >>> zarr_dtype(torch.bfloat16), zarr_dtype(torch.bfloat16, fmt=1)
+        ('bfloat16', 'uint16')
+    """
     if dtype in _NATIVE:
         return _NATIVE[dtype]
+    if dtype in _ML_FLOATS and fmt > 1:
+        return _ML_FLOATS[dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     if itemsize not in _RAW_BITS:
         raise TypeError(f"cannot store dtype {dtype} (itemsize {itemsize}) in a checkpoint")
@@ -314,16 +329,16 @@ def _fill_value(zdtype: str) -> bool | int | float | list[float]:
         return False
     if zdtype.startswith("complex"):
         return [0.0, 0.0]
-    return 0.0 if zdtype.startswith("float") else 0
+    return 0.0 if zdtype.startswith(("float", "bfloat")) else 0
 
 
-def array_zarr_json(spec: ArraySpec) -> dict:
-    """The ``zarr.json`` document of one array (valid Zarr v3 array metadata)."""
-    dtype = parse_dtype(spec.dtype)
-    zdtype = zarr_dtype(dtype)
+def array_zarr_json(spec: ArraySpec, fmt: int = FORMAT_VERSION) -> dict:
+    """The ``zarr.json`` document of one array (valid Zarr v3 array metadata) as format
+    ``fmt`` writes it (an older format only to check the documents of an older step)."""
+    zdtype = zarr_dtype(parse_dtype(spec.dtype), fmt)
     attrs: dict = {"ftrain": {"dtype": spec.dtype}}
     codec = spec.codec
-    if dtype not in _NATIVE:
+    if zdtype != spec.dtype:  # the Zarr name of every other dtype is torch's
         attrs["ftrain"]["encoding"] = f"raw bits of {spec.dtype} stored as {zdtype}"
     return {
         "zarr_format": 3,

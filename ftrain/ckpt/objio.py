@@ -244,8 +244,7 @@ def verify_objects(step, manifest: dict) -> int:
         step.read_document(rel, checksum=doc_checksum(manifest, rel))
     for s in specs.values():
         rel = f"{s.key}/zarr.json"
-        check_array_doc(
-            step / rel, step.read_document(rel, checksum=doc_checksum(manifest, rel)), s
-        )
+        doc = step.read_document(rel, checksum=doc_checksum(manifest, rel))
+        check_array_doc(step / rel, doc, s, manifest["format_version"])
     download_tree(step, manifest, concurrency=step.root.concurrency)
     return sum(s.nbytes for s in specs.values())

@@ -465,16 +465,18 @@ def doc_checksum(manifest: dict, rel: str) -> list | None:
 def _check_array_meta(root: Path, spec: ArraySpec, manifest: dict) -> None:
     rel = f"{spec.key}/zarr.json"
     path = root.joinpath(*spec.key.split("/"), "zarr.json")
-    check_array_doc(path, read_json(path, checksum=doc_checksum(manifest, rel)), spec)
+    doc = read_json(path, checksum=doc_checksum(manifest, rel))
+    check_array_doc(path, doc, spec, manifest["format_version"])
 
 
-def check_array_doc(where: object, doc: dict, spec: ArraySpec) -> None:
-    """An array's ``zarr.json`` agrees with its manifest entry (what plain readers use).
+def check_array_doc(where: object, doc: dict, spec: ArraySpec, fmt: int) -> None:
+    """An array's ``zarr.json`` agrees with its manifest entry (what plain readers use), as
+    format ``fmt`` (the step's, which the marker sealed) writes it.
 
     Raises:
         CorruptCheckpointError: a field differs; the message names it and both values.
     """
-    want = array_zarr_json(spec)
+    want = array_zarr_json(spec, fmt)
     for field in ("shape", "data_type", "chunk_grid", "codecs", "chunk_key_encoding"):
         if doc.get(field) != want[field]:
             raise CorruptCheckpointError(

@@ -5,7 +5,9 @@ import json
 import time
 import warnings
 
+import ml_dtypes
 import moto.settings
+import numpy as np
 import obstore.store
 import pytest
 import torch
@@ -199,9 +201,10 @@ def test_plain_zarr_reads_a_committed_step(bucket):
         group = zarr.open_group(store=store, path="step_00000004", mode="r")
         assert "params/f8" in dict(group.members(max_depth=None))
         w = group["params/w"][...]
-        bits = group["params/h"][...]
+        h = group["params/h"][...]  # the bfloat16 data type (registered by importing ftrain)
     assert (w == state["params", "w"].numpy()).all()
-    assert (bits == state["params", "h"].view(torch.uint16).numpy()).all()
+    assert h.dtype == ml_dtypes.bfloat16
+    assert (h.view(np.uint16) == state["params", "h"].view(torch.uint16).numpy()).all()
     assert group["params/h"].attrs["ftrain"]["dtype"] == "bfloat16"
     assert group.attrs["step"] == 4
 

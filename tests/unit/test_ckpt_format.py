@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -95,13 +96,34 @@ def test_plan_limits_padding_to_fewer_rows_than_chunks():
     assert spec.chunk_key(3) == "c.3.0" and plan_array("s", torch.tensor(1.0)).chunk_key(0) == "c"
 
 
-def test_array_json_is_valid_v3_and_bf16_is_raw_uint16():
-    doc = array_zarr_json(plan_array("w", torch.zeros(4, 2, dtype=torch.bfloat16)))
-    assert doc["data_type"] == "uint16" and doc["attributes"]["ftrain"]["dtype"] == "bfloat16"
+@pytest.mark.parametrize(
+    ("dtype", "fmt", "data_type"),
+    [
+        (torch.bfloat16, 2, "bfloat16"),
+        (torch.float8_e4m3fn, 2, "float8_e4m3fn"),
+        (torch.float8_e5m2, 2, "float8_e5m2"),
+        (torch.float8_e4m3fnuz, 2, "uint8"),  # no Zarr name anywhere: raw bits
+        (torch.bfloat16, 1, "uint16"),  # format 1 stored raw bits
+        (torch.float8_e5m2, 1, "uint8"),
+        (torch.float16, 1, "float16"),
+    ],
+    ids=str,
+)
+def test_array_json_data_type_by_format(dtype, fmt, data_type):
+    doc = array_zarr_json(plan_array("w", torch.zeros(4, 2, dtype=dtype)), fmt)
+    ftrain_attrs = doc["attributes"]["ftrain"]
+    assert doc["data_type"] == data_type and ftrain_attrs["dtype"] == str(dtype)[6:]
+    assert ("encoding" in ftrain_attrs) == (data_type != str(dtype)[6:])
+    assert doc["fill_value"] == (0.0 if "float" in data_type else 0)
     assert doc["codecs"][-1] == {"name": "crc32c"}
 
 
-PLAIN_ZARR_READER = textwrap.dedent(
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "checkpoint-format.md"
+# the docs' recipe that teaches a plain zarr-python (no ftrain, no torch) the data types
+READER_RECIPE = next(
+    b for b in re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S) if "register(" in b
+)
+PLAIN_ZARR_READER = READER_RECIPE + textwrap.dedent(
     """
     import json, sys, warnings
     import numpy as np, zarr
@@ -118,7 +140,7 @@ PLAIN_ZARR_READER = textwrap.dedent(
 )
 
 
-def test_plain_zarr_reads_every_array_without_ftrain(tmp_path):
+def test_plain_zarr_with_the_docs_recipe_reads_every_array_without_ftrain(tmp_path):
     tensors = {f"t_{str(d)[6:]}": random_bits((5, 3), d, seed=i) for i, d in enumerate(DTYPES)}
     tensors["scalar"] = torch.tensor(7, dtype=torch.int64)
     tensors["big"] = random_bits((100, 3), torch.float32)
@@ -135,7 +157,8 @@ def test_plain_zarr_reads_every_array_without_ftrain(tmp_path):
     for k, t in leaves.items():
         dtype, shape, hexbytes = got["arrays"][k]
         assert shape == list(t.shape) and bytes.fromhex(hexbytes) == bits(t), k
-    assert got["arrays"]["p/t_bfloat16"][0] == "uint16"
+    assert got["arrays"]["p/t_bfloat16"][0] == "bfloat16"
+    assert got["arrays"]["p/t_float8_e4m3fn"][0] == "float8_e4m3fn"
 
 
 class _Boom:

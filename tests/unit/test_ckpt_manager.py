@@ -27,6 +27,7 @@ from ftrain.ckpt import (
     manager,
     store,
 )
+from ftrain.ckpt.format import FORMAT_VERSION
 
 
 def make_state(step: int, n: int = 64) -> TensorDict:
@@ -77,7 +78,11 @@ def test_save_restore_roundtrip_and_metadata(tmp_path, async_save):
         and meta["step"] == 10
         and meta["metrics"] == {"loss": 1.5, "bad": "nan"}
     )
-    assert meta["format_version"] == 1 and "torch" in meta["versions"] and "0" in meta["host_rng"]
+    assert (
+        meta["format_version"] == FORMAT_VERSION
+        and "torch" in meta["versions"]
+        and "0" in meta["host_rng"]
+    )
     assert (
         meta["save"]["bytes"] > 0
         and meta["save"]["blocking_seconds"] <= meta["save"]["write_seconds"]

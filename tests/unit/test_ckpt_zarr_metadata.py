@@ -5,10 +5,13 @@ cost ~140 ms more per GPT-2 save, measured 2026-12-01; see docs/checkpoint-forma
 this test holds them to ``zarr.core.metadata.v3.ArrayV3Metadata`` / ``GroupMetadata``: each
 parses, and its canonical form equals the one zarr-python writes itself for an array of
 the same shape, data type, chunks, codecs, fill value, key encoding and attributes.
+ftrain's ``bfloat16`` / float8 data types are registered with zarr-python (importing
+``ftrain.ckpt`` does it), so those documents are held to the same model.
 """
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -20,10 +23,17 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.storage import MemoryStore
 
 from ftrain.ckpt.codecs import parse_compression
-from ftrain.ckpt.format import _NATIVE, array_zarr_json, group_zarr_json, plan_array
+from ftrain.ckpt.format import (
+    _NATIVE,
+    READABLE_FORMATS,
+    array_zarr_json,
+    group_zarr_json,
+    plan_array,
+)
 from ftrain.ckpt.store import write_tree
 
-DTYPES = [*_NATIVE, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+ML_FLOATS = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [*_NATIVE, *ML_FLOATS, torch.float8_e4m3fnuz]  # the last: raw bits in every format
 COMPRESSION = [None, "zstd:1", "zstd:7", "blosc-lz4", "blosc-zstd:2"]
 SHAPES = [(), (0, 3), (7,), (10, 4), (5, 0, 2)]
 
@@ -47,7 +57,7 @@ def _as_zarr_writes_it(doc: dict, spec: str | None, itemsize: int) -> dict:
         store,
         shape=tuple(doc["shape"]),
         chunks=tuple(doc["chunk_grid"]["configuration"]["chunk_shape"]),
-        dtype=np.dtype(doc["data_type"]),
+        dtype=doc["data_type"],  # a registered Zarr name (bfloat16 has no numpy name)
         fill_value=0,
         serializer=BytesCodec(endian="little"),
         compressors=[*_zarr_compressor(spec, itemsize), Crc32cCodec()],
@@ -59,19 +69,21 @@ def _as_zarr_writes_it(doc: dict, spec: str | None, itemsize: int) -> dict:
     return json.loads(store._store_dict["zarr.json"].to_bytes())
 
 
+@pytest.mark.parametrize("fmt", sorted(READABLE_FORMATS))
 @pytest.mark.parametrize("compression", COMPRESSION)
-def test_every_array_document_is_what_zarr_python_writes(compression):
+def test_every_array_document_is_what_zarr_python_writes(compression, fmt):
     for dtype in DTYPES:
         for shape in SHAPES:
             t = torch.zeros(shape, dtype=dtype)
             spec = plan_array("w", t, 64, compression)
-            doc = array_zarr_json(spec)
+            doc = array_zarr_json(spec, fmt)
             ours = _canonical(doc)
             theirs = _canonical(_as_zarr_writes_it(doc, compression, t.element_size()))
             assert ours == theirs, (dtype, shape)
-            if dtype in (torch.bfloat16, torch.float8_e4m3fn):  # raw bits + logical dtype
-                assert ours["data_type"] == f"uint{8 * t.element_size()}"
-                assert ours["attributes"]["ftrain"]["dtype"] == str(dtype).removeprefix("torch.")
+            name = str(dtype).removeprefix("torch.")
+            assert ours["attributes"]["ftrain"]["dtype"] == name
+            if dtype in ML_FLOATS:  # their own data type; raw bits + logical dtype in format 1
+                assert ours["data_type"] == (name if fmt > 1 else f"uint{8 * t.element_size()}")
 
 
 def test_group_documents_parse():
@@ -139,6 +151,9 @@ def test_a_plain_zarr_walk_of_a_step_is_warning_free(tmp_path):
             "step",
         ]
         assert (group["params/w"][...] == state["params", "w"].numpy()).all()
+        b = group["params/b"][...]  # the bfloat16 data type, registered by importing ftrain
+        assert b.dtype == ml_dtypes.bfloat16
+        assert (b.view(np.uint16) == state["params", "b"].view(torch.uint16).numpy()).all()
 
     theirs = tmp_path / "copy"
     shutil.copytree(step, theirs)
