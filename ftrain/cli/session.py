@@ -117,6 +117,7 @@ class Session:
             "skipped": {str(k): v for k, v in report.skipped.items()},
             "ignored": report.ignored,
             "world_sizes": list(report.world_sizes) if report.world_sizes else None,
+            "rows_read": report.rows_read,  # the coordinator's: every rank prints its own
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)
 
