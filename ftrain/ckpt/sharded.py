@@ -169,6 +169,7 @@ def write_part(
             documents[r[1]] = [r[2], r[3]]
         else:
             crcs[r[1]][r[2]], stored[r[1]][r[2]] = r[3], r[4]
+    protocol._phase("part_written")  # fault-injection seam: this rank's chunks, not yet durable
     if _HAVE_SYNCFS:
         syncfs(tmp)  # this rank's files are durable before it reports success
     return build_manifest(groups, specs, crcs, stored, documents, spec_str)

@@ -222,7 +222,8 @@ class Session:
             self.manager.save_sharded(
                 state, metrics=metrics, metadata=self.metadata, host_rng=host_rng
             )
-        except CheckpointSaveError as err:
+        except CheckpointSaveError as err:  # raised on every rank: each says so
+            self._pending.setdefault(int(state["step"]), started)
             self._failed(err)
             raise
         if self.world.is_coordinator:
