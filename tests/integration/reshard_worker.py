@@ -111,4 +111,5 @@ if __name__ == "__main__":
     else:
         load(Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]])
     if dist.is_initialized():
+        dist.barrier()  # no rank tears its gloo pairs down while a peer still sends
         dist.destroy_process_group()
