@@ -10,7 +10,6 @@ restores that step and checks it got it.
 from __future__ import annotations
 
 import re
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -23,12 +22,14 @@ from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheck
 from ftrain.ckpt.location import parse_location
 from ftrain.cli.errors import ResumeError
 from ftrain.cli.overwrite import move_aside, move_run_aside
+from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_int, broadcast_json, gather_json
 from ftrain.metrics import read_records
 from ftrain.step import learning_rate_metrics
 
 __all__ = [
+    "host_rng_start",
     "saved_horizon",
     "schedule_line",
     "ResumeError",
@@ -234,24 +235,38 @@ def _first_choice(cfg: DictConfig, manager: CheckpointManager) -> int | None:
 _REFUSED = "the coordinator (rank 0) refused to resume; its message says why and what to change"
 
 
+def _coordinator_decides(world: World, decide, send):
+    """``decide()`` on the coordinator, its result sent to every rank by ``send``
+    (``broadcast_int`` or ``broadcast_json``); if the coordinator raises, every rank stops."""
+    value = None
+    if world.is_coordinator:
+        try:
+            value = decide()
+        except BaseException:
+            send(_FAILED)
+            raise
+    value = send(value)
+    if value == _FAILED:
+        raise ResumeError(_REFUSED)
+    return value
+
+
 def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
     """Coordinator picks and restores; the step is broadcast; the other ranks restore it.
     A sharded state (``sharder``): :func:`_restore_rows_agreed`."""
     if sharder is not None:
         return _restore_rows_agreed(cfg, manager, fresh, world, sharder)
-    state, chosen = None, None
-    if world.is_coordinator:
-        try:
-            chosen = _first_choice(cfg, manager)
-            if chosen is not None:
-                state = _restore(manager, None if chosen == _LATEST else chosen, fresh)
-                chosen = int(state["step"])
-        except BaseException:
-            broadcast_int(_FAILED)
-            raise
-    chosen = broadcast_int(chosen)
-    if chosen == _FAILED:
-        raise ResumeError(_REFUSED)
+    restored = {}
+
+    def pick() -> int | None:
+        chosen = _first_choice(cfg, manager)
+        if chosen is None:
+            return None
+        restored["state"] = _restore(manager, None if chosen == _LATEST else chosen, fresh)
+        return int(restored["state"]["step"])
+
+    chosen = _coordinator_decides(world, pick, broadcast_int)
+    state = restored.get("state")
     if state is None and chosen is not None:
         state = _restore(manager, chosen, fresh)
     if state is not None and int(state["step"]) != chosen:
@@ -269,18 +284,14 @@ def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
     (:func:`_decide`): take it, skip to the next older one (a rank's rows did not verify:
     no rank keeps that step), or stop. So every rank resumes from one step, or every rank
     fails with the same message; none is left waiting in a collective."""
-    steps = None
-    if world.is_coordinator:
-        try:
-            chosen = _first_choice(cfg, manager)
-            latest = manager.all_steps()[::-1] if chosen == _LATEST else [chosen]
-            steps = None if chosen is None else latest
-        except BaseException:
-            broadcast_json(_FAILED)
-            raise
-    steps = broadcast_json(steps)
-    if steps == _FAILED:
-        raise ResumeError(_REFUSED)
+
+    def candidates() -> list[int] | None:
+        chosen = _first_choice(cfg, manager)
+        if chosen is None:
+            return None
+        return manager.all_steps()[::-1] if chosen == _LATEST else [chosen]
+
+    steps = _coordinator_decides(world, candidates, broadcast_json)
     skipped: dict[int, str] = {}
     for step in steps or ():
         state, outcome, error = _restore_rows(manager, step, fresh, sharder)
@@ -430,57 +441,6 @@ def ignored_step_dirs(cfg: DictConfig) -> list[str]:
     for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
         committed_steps(parse_location(d), on_invalid=lambda p, why: out.append(f"{p}: {why}"))
     return out
-
-
-def host_rng_start(cfg: DictConfig, world: World, meta: dict | None) -> str:
-    """Set this rank's global Python/NumPy/torch RNGs for user code that draws from them
-    (ftrain itself only uses the key chain): the states the checkpoint recorded for this
-    rank, else seeded from ``trainer.seed``, the rank and the step. Returns what it did."""
-    from ftrain import rng
-    from ftrain.ckpt import hostrng
-
-    step = int(meta.get("step") or 0) if meta else 0
-    if meta:
-        try:
-            states = hostrng.for_rank(meta, world.rank)
-        except CorruptCheckpointError as err:  # covered by the step's checksums: a bug
-            states = None
-            print(f"ftrain: warning: ignoring recorded host RNG states: {err}", file=sys.stderr)
-        if states is not None:
-            hostrng.restore(states)
-            return f"host RNG states of rank {world.rank} restored from step {step}"
-    key = rng.fold_in(rng.fold_in(rng.key(cfg.trainer.seed), "host-rng"), world.rank)
-    hostrng.seed_all(rng.key_data(rng.fold_in(key, step)) % 2**63)
-    where = "none recorded for this rank; " if meta else ""
-    return f"host RNGs of rank {world.rank} seeded from trainer.seed ({where}step {step})"
-
-
-def schedule_line(cfg: DictConfig, horizon: int, saved: int | None) -> str:
-    """What the LR schedule of this start does, with the horizon it actually uses and why.
-
-    Args:
-        horizon: from :func:`ftrain.cli.build.schedule_horizon`.
-        saved: the horizon the resumed checkpoint recorded (``None``: fresh, or not recorded).
-    """
-    s = cfg.schedule
-    kind = str(s.get("_target_") or s.get("name") or "").rsplit(".", 1)[-1]
-    if kind == "constant":
-        return f"lr schedule: constant at {cfg.optim.lr:g}"
-    warmup = s.get("warmup_steps") or 0
-    used = max(horizon, warmup + 1) if kind == "warmup_cosine" else horizon
-    if s.get("decay_steps") is not None:
-        why = "schedule.decay_steps"
-        if saved is not None and saved != horizon:
-            why += f"; the checkpoint had recorded {saved}"
-    elif saved is not None:
-        why = "as recorded; set schedule.decay_steps to change it"
-    else:
-        why = "trainer.max_steps of this first start, kept on resume"
-    if used != horizon:
-        why += f"; at least schedule.warmup_steps + 1 = {used}"
-    if kind != "warmup_cosine":  # a user's schedule: what it is given, not what it does
-        return f"lr schedule {s.get('_target_', kind)} gets a horizon of {used} steps ({why})"
-    return f"lr schedule decays over {used} steps ({why})"
 
 
 def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
