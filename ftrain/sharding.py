@@ -26,10 +26,11 @@ all-reduce, the norm as a sum of per-shard partial norms), so results match to r
 ≤ 1e-5 relative after 50 steps (tested), not bit for bit. A run is still deterministic:
 the same world size gives bit-identical results, including across a resume.
 
-Checkpoints: :func:`gather_state` assembles whole tensors on every rank (collective), and
-the coordinator saves them like a replicated state, so a checkpoint does not depend on the
-world size that wrote it and restores on any number of ranks (:func:`shard_state` keeps each
-rank's rows of the restored state).
+Checkpoints (:mod:`ftrain.ckpt.sharded`): every rank writes the chunks of its own rows into
+one store of global arrays; a restore on any world size reads, on each rank, only the rows
+that :meth:`Sharder.owned_rows` names and builds the DTensor leaves from them
+(:meth:`Sharder.from_rows`). :func:`gather_state` assembles whole tensors (a collective) for
+evaluation and for stores that take one writer.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def _rows(n: int, world: int) -> list[tuple[int, int]]:
     """``(start, length)`` of each rank's dim-0 shard of ``n`` rows (``torch.chunk``)."""
     c = math.ceil(n / world) if n else 0
     return [(min(r * c, n), max(0, min((r + 1) * c, n) - r * c)) for r in range(world)]
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (the global layout of a shard)."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
 
 
 class Sharder:
@@ -103,10 +113,30 @@ class Sharder:
             )
         start, length = _rows(t.shape[0], self.world)[self.rank]
         local = t.narrow(0, start, length)
-        local = local.clone() if copy else local
+        return self.from_rows(local.clone() if copy else local, t.shape, t.stride())
+
+    def from_rows(
+        self, local: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...] | None = None
+    ) -> DTensor:
+        """The ``Shard(0)`` DTensor of global ``shape`` (and ``stride``; default: contiguous)
+        whose rows on this rank are ``local`` (no communication: every rank passes its own
+        rows, :meth:`owned_rows`)."""
         return DTensor.from_local(
-            local, self.mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride()
+            local,
+            self.mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=tuple(stride) if stride is not None else _contiguous_stride(shape),
         )
+
+    def owned_rows(self, key: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """``(start, length)`` of this rank's rows of the leaf at ``key`` (``"opt/mu/w"``) if
+        :func:`shard_state` row-shards it, else ``None`` (the leaf stays whole: 0-d leaves,
+        and the params unless ``full``). What a restore reads of each array."""
+        if not shape or key.split("/", 1)[0] not in _sharded_parts(self):
+            return None
+        return _rows(shape[0], self.world)[self.rank]
 
     # -- gradients: reduce-scatter (mean) ---------------------------------------
     def reduce_scatter_mean(self, grads: list[torch.Tensor]) -> list[DTensor]:
@@ -122,14 +152,7 @@ class Sharder:
         for dtype in sorted({grads[i].dtype for i in rows}, key=str):
             same = [i for i in rows if grads[i].dtype == dtype]
             for i, local in zip(same, self._reduce_scatter([grads[i] for i in same]), strict=True):
-                out[i] = DTensor.from_local(
-                    local,
-                    self.mesh,
-                    [Shard(0)],
-                    run_check=False,
-                    shape=grads[i].shape,
-                    stride=grads[i].stride(),
-                )
+                out[i] = self.from_rows(local, grads[i].shape, grads[i].stride())
         return out
 
     def _segments(self, ts: list[torch.Tensor]) -> tuple[list[int], list[list[tuple[int, int]]]]:

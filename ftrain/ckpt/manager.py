@@ -30,6 +30,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDictBase
@@ -55,9 +56,19 @@ from ftrain.ckpt.policies import (
     best_policies,
     newest_finite,
 )
-from ftrain.ckpt.store import DEFAULT_WORKERS, flatten, read_tree, specs_of, write_tree
+from ftrain.ckpt.store import (
+    DEFAULT_WORKERS,
+    flatten,
+    read_tree,
+    selected_specs,
+    specs_of,
+    write_tree,
+)
 from ftrain.ckpt.target import check_only, match_target
 from ftrain.state.init import check_usable, pin, unpin
+
+if TYPE_CHECKING:
+    from ftrain.sharding import Sharder
 
 __all__ = ["CheckpointManager", "CheckpointNotFoundError", "CheckpointSaveError"]
 
@@ -167,6 +178,7 @@ class CheckpointManager:
         self._restored_from: int | None = None
         self._written: set[int] = set()
         self._invalid: dict[Path, str] = {}
+        self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
         for d in self._dirs:
             if not isinstance(d, Path):
                 d.probe()  # no such bucket / bad credentials: CheckpointStoreError, now
@@ -554,6 +566,7 @@ class CheckpointManager:
         only: str | tuple[str, ...] | None = None,
         host_rng: bool = False,
         check_metadata: Callable[[dict], None] | None = None,
+        rows: Sharder | None = None,
     ) -> TensorDictBase:
         """Load the newest committed step that verifies (or exactly ``step``).
 
@@ -573,9 +586,15 @@ class CheckpointManager:
             check_metadata: ``check_metadata(attributes)`` validates the caller's own root
                 attributes (e.g. a config it will act on); raising
                 ``CorruptCheckpointError`` makes the step corrupt, so restore falls back.
+            rows: this rank's sharding of the state: read only the chunks of the rows it
+                owns of every array it shards, and those leaves come back as DTensors built
+                from them (:func:`ftrain.ckpt.sharded.read_owned`); the rest whole. Every
+                rank calls it (no collective here: agreeing on the step is the caller's).
+                Object-store steps are read whole (``shard_state`` then keeps the rows).
 
         Returns:
             A nested TensorDict (CPU tensors unless ``target`` says otherwise).
+            ``self.read_bytes`` is then the chunk payload bytes this call read.
 
         Raises:
             CheckpointNotFoundError: nothing committed, or nothing that verifies.
@@ -600,7 +619,7 @@ class CheckpointManager:
                 if check_metadata is not None:
                     check_metadata(attrs)
                 check_only(manifest, only_t)
-                td = read_tree(path, manifest, only=only_t, workers=self.io_workers)
+                td = self._read(path, manifest, only_t, rows)
                 rng_states = hostrng.for_rank(attrs, self.rank) if host_rng else None
             except CorruptCheckpointError as e:
                 problems.append(f"{path}: {e}")
@@ -614,9 +633,25 @@ class CheckpointManager:
                 _restore_host_rng(rng_states, s, self.rank)
             if only_t is None:
                 self._restored_from = s
-                self._remember_restored(s, path, manifest, out)
+                if rows is None:  # a sharded save rewrites every row: nothing to link
+                    self._remember_restored(s, path, manifest, out)
             return out
-        raise CheckpointNotFoundError("no checkpoint verifies:\n  " + "\n  ".join(problems))
+        err = CheckpointNotFoundError("no checkpoint verifies:\n  " + "\n  ".join(problems))
+        err.problems = problems  # "path: why" of each candidate, for a caller's report
+        raise err
+
+    def _read(self, path, manifest: dict, only: tuple[str, ...] | None, rows) -> TensorDictBase:
+        """The step's tree (this rank's rows of it with ``rows``); sets ``read_bytes``."""
+        if rows is not None and isinstance(path, Path):
+            from ftrain.ckpt.sharded import read_owned
+
+            td, self.read_bytes = read_owned(
+                path, manifest, rows, only=only, workers=self.io_workers
+            )
+            return td
+        td = read_tree(path, manifest, only=only, workers=self.io_workers)
+        self.read_bytes = sum(s.nbytes for s in selected_specs(manifest, only).values())
+        return td
 
     def _remember_restored(self, step: int, path: Path, manifest: dict, out) -> None:
         """A whole-state restore by a manager that has committed nothing yet (a resume) is

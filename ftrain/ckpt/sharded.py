@@ -16,9 +16,10 @@ write it and the marker (the ordinary commit protocol); otherwise it aborts. A r
 dies before that leaves no committed step: the survivors' collective fails and the next
 start sweeps the staging directory. The outcome is broadcast, so every rank agrees.
 
-Restore on any world size: :func:`read_rows` reads a row range of an array from the
-chunks that overlap it, each verified against its crc32c, so a rank of a new world size
-reads only the rows it now owns.
+Restore on any world size: :func:`read_owned` reads, on each rank, only the chunks that
+overlap the rows it now owns of every sharded array (:func:`read_rows`, each chunk checked
+against its crc32c) and the replicated arrays whole, and builds the DTensor leaves from
+the rows. Which step every rank restores is agreed by the caller (``ftrain.cli.resume``).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch.distributed.tensor import DTensor, Shard
 
 from ftrain.ckpt import commit as protocol
-from ftrain.ckpt._threads import run_pools
+from ftrain.ckpt._threads import run_parallel, run_pools
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.documents import step_documents
 from ftrain.ckpt.format import (
@@ -42,21 +43,34 @@ from ftrain.ckpt.format import (
     parse_dtype,
     plan_array,
     read_chunk,
+    read_chunks_into,
     tensor_bytes,
 )
 from ftrain.ckpt.incremental import FallbackBytes
 from ftrain.ckpt.store import (
     _HAVE_SYNCFS,
     _Writer,
+    allocate_tree,
     build_manifest,
     byte_view,
+    check_no_links,
+    check_sizes,
     flatten,
     merge_manifests,
+    read_jobs,
+    selected_specs,
     syncfs,
 )
 from ftrain.dist import broadcast_int, broadcast_json, gather_json
 
-__all__ = ["plan_sharded", "read_rows", "save_all_ranks", "write_part"]
+__all__ = [
+    "plan_sharded",
+    "read_owned",
+    "read_rows",
+    "rows_read_bytes",
+    "save_all_ranks",
+    "write_part",
+]
 
 
 def _is_row_sharded(t: torch.Tensor) -> bool:
@@ -155,6 +169,7 @@ def write_part(
             documents[r[1]] = [r[2], r[3]]
         else:
             crcs[r[1]][r[2]], stored[r[1]][r[2]] = r[3], r[4]
+    protocol._phase("part_written")  # fault-injection seam: this rank's chunks, not yet durable
     if _HAVE_SYNCFS:
         syncfs(tmp)  # this rank's files are durable before it reports success
     return build_manifest(groups, specs, crcs, stored, documents, spec_str)
@@ -212,6 +227,19 @@ def _commit(staging, parts: list[dict], marker_extra) -> tuple | None:
         return None
 
 
+def _overlapping(spec: ArraySpec, start: int, length: int) -> range:
+    """The chunks of ``spec`` that hold any of rows ``[start, start + length)``."""
+    if not length or not spec.nbytes:
+        return range(0)
+    rows = spec.chunk_shape[0]
+    return range(start // rows, (start + length - 1) // rows + 1)
+
+
+def rows_read_bytes(spec: ArraySpec, start: int, length: int) -> int:
+    """The chunk payload bytes :func:`read_rows` reads for those rows (whole chunks)."""
+    return sum(c1 - c0 for c0, c1 in map(spec.chunk_span, _overlapping(spec, start, length)))
+
+
 def read_rows(root: Path, spec: ArraySpec, start: int, length: int) -> torch.Tensor:
     """Rows ``[start, start + length)`` of a committed array (``spec`` from its verified
     manifest), read from the chunks that overlap them only, each checked (size, crc32c).
@@ -225,7 +253,7 @@ def read_rows(root: Path, spec: ArraySpec, start: int, length: int) -> torch.Ten
     dest = byte_view(out)
     row_bytes = len(dest) // length
     rows = spec.chunk_shape[0]
-    for i in range(start // rows, (start + length - 1) // rows + 1):
+    for i in _overlapping(spec, start, length):
         c0, c1 = spec.chunk_span(i)
         chunk = bytearray(c1 - c0)
         path = root.joinpath(*spec.key.split("/"), *spec.chunk_key(i).split("/"))
@@ -239,3 +267,44 @@ def read_rows(root: Path, spec: ArraySpec, start: int, length: int) -> torch.Ten
             src : src + (last - first) * row_bytes
         ]
     return out
+
+
+def read_owned(
+    root: Path, manifest: dict, owner, *, only: tuple[str, ...] | None = None, workers: int
+) -> tuple[TensorDict, int]:
+    """One rank's restore of a sharded state: of every array that
+    ``owner.owned_rows(key, shape)`` gives a row range for, only the chunks that overlap
+    those rows, made into a leaf by ``owner.from_rows(local, shape)``; every other array
+    whole. Every chunk read is checked (size, crc32c), as by :func:`~ftrain.ckpt.store.read_tree`.
+
+    Args:
+        root: the committed step directory; ``manifest`` its verified manifest.
+        owner: a :class:`ftrain.sharding.Sharder` (or anything with those two methods).
+        only: key paths to read (``None``: all).
+
+    Returns:
+        The tree and the chunk payload bytes this rank read (its share of the sharded
+        arrays, whole chunks, plus the whole arrays).
+
+    Raises:
+        CorruptCheckpointError: a chunk this rank reads is missing, the wrong size, or fails
+            its crc32c; the step does not fit in memory.
+    """
+    specs = selected_specs(manifest, only)
+    check_no_links(root)
+    owned = {k: owner.owned_rows(k, s.shape) for k, s in specs.items()}
+    whole = {k: s for k, s in specs.items() if owned[k] is None}
+    local_bytes = sum(r[1] * (s.nbytes // s.shape[0]) for k, s in specs.items() if (r := owned[k]))
+    check_sizes(root, whole, extra_bytes=local_bytes)  # before anything is allocated
+    out, tensors = allocate_tree(manifest, whole, only)
+    read_jobs(
+        root,
+        [j for k, s in whole.items() for j in read_chunks_into(root, s, byte_view(tensors[k]))],
+        workers,
+    )
+    sharded = [k for k in specs if owned[k] is not None]
+    rows = run_parallel(lambda k: read_rows(root, specs[k], *owned[k]), sharded, workers)
+    for k, local in zip(sharded, rows, strict=True):
+        out[tuple(k.split("/"))] = owner.from_rows(local, specs[k].shape)
+    read = sum(s.nbytes for s in whole.values())
+    return out, read + sum(rows_read_bytes(specs[k], *owned[k]) for k in sharded)

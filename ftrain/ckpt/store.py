@@ -511,9 +511,10 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_memory(where: object, specs: dict[str, ArraySpec]) -> None:
-    """Refuse (as corruption) a step whose declared arrays do not fit in memory."""
-    total = sum(s.nbytes for s in specs.values())
+def check_memory(where: object, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
+    """Refuse (as corruption) a step whose declared arrays (plus ``extra_bytes``: the rows
+    of other arrays a rank reads) do not fit in memory."""
+    total = sum(s.nbytes for s in specs.values()) + extra_bytes
     avail = _available_memory()
     if total > avail:
         raise CorruptCheckpointError(
@@ -521,10 +522,11 @@ def check_memory(where: object, specs: dict[str, ArraySpec]) -> None:
         )
 
 
-def _check_sizes(root: Path, specs: dict[str, ArraySpec]) -> None:
+def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
     """Before allocating anything: every chunk file exists with its recorded size (so the
-    declared shapes are backed by bytes on disk), and the whole result fits in memory."""
-    check_memory(root, specs)
+    declared shapes are backed by bytes on disk), and the whole result (plus
+    ``extra_bytes``) fits in memory."""
+    check_memory(root, specs, extra_bytes)
     for s in specs.values():
         for i in range(s.n_chunks):
             path = root.joinpath(*s.key.split("/"), *s.chunk_key(i).split("/"))
@@ -563,13 +565,13 @@ def read_tree(
         return root.read_tree(manifest, only=only)
     specs = selected_specs(manifest, only)
     check_no_links(root)
-    _check_sizes(root, specs)
+    check_sizes(root, specs)
     out, tensors = allocate_tree(manifest, specs, only)
     chunks = []
     for k, s in specs.items():
         if s.n_chunks:
             chunks += read_chunks_into(root, s, byte_view(tensors[k]))
-    _read_jobs(root, chunks, workers)
+    read_jobs(root, chunks, workers)
     return out
 
 
@@ -604,7 +606,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _read_jobs(root: Path, chunks: list, workers: int) -> None:
+def read_jobs(root: Path, chunks: list, workers: int) -> None:
     """Large chunks on ``workers`` threads, largest first; side by side, the small chunks on
     half as many (the same split as the writer: the ~450 small reads would otherwise form a
     phase of their own). Restore trusts the manifest for shapes, dtypes and checksums, so it
@@ -633,7 +635,7 @@ def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -
     run_parallel(lambda s: _check_array_meta(root, s, manifest), specs.values(), workers)
     for s in specs.values():  # one array's buffer at a time: verifying needs little memory
         if s.n_chunks:
-            _check_sizes(root, {s.key: s})
+            check_sizes(root, {s.key: s})
             run_parallel(
                 read_chunk, read_chunks_into(root, s, memoryview(bytearray(s.nbytes))), workers
             )

@@ -10,7 +10,6 @@ restores that step and checks it got it.
 from __future__ import annotations
 
 import re
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -20,13 +19,17 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 
 from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
-from ftrain.ckpt.location import is_object_url, parse_location
+from ftrain.ckpt.location import parse_location
+from ftrain.cli.errors import ResumeError
+from ftrain.cli.overwrite import move_aside, move_run_aside
+from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, to_plain
-from ftrain.dist import World, broadcast_int
+from ftrain.dist import World, broadcast_int, broadcast_json, gather_json
 from ftrain.metrics import read_records
 from ftrain.step import learning_rate_metrics
 
 __all__ = [
+    "host_rng_start",
     "saved_horizon",
     "schedule_line",
     "ResumeError",
@@ -64,10 +67,6 @@ SAFE_PREFIXES = (
 )
 
 
-class ResumeError(RuntimeError):
-    """The requested resume cannot be done as asked (the message says what to do)."""
-
-
 @dataclass
 class ResumeReport:
     """What a start did: fresh or resumed, from where, and what will be redone."""
@@ -92,6 +91,8 @@ class ResumeReport:
     host_rng: str | None = None  # how this rank's global RNGs were set (restored or seeded)
     notes: list[str] = field(default_factory=list)  # init.from, parameter groups
     schedule: str | None = None  # the LR schedule's horizon as used (see schedule_line)
+    rows_read: int | None = None  # chunk bytes this rank read of a sharded restore (its rows)
+    resharded: bool = False  # the checkpoint or this run holds rows per rank
 
     def lines(self) -> list[str]:
         ignored = [f"ignored {line}" for line in self.ignored]
@@ -121,6 +122,13 @@ class ResumeReport:
             out.append(
                 f"world size changed: checkpoint written by {old} rank(s), resumed on {new} "
                 "(the data cursor continues the same global sample order)"
+            )
+            if self.resharded:
+                out.append(f"resharded from {old} to {new} ranks")
+        if self.rows_read is not None:
+            out.append(
+                f"read {self.rows_read:,} of the step's {self.checkpoint_bytes or 0:,} bytes: "
+                "this rank's rows of the sharded leaves, the other leaves whole"
             )
         out += self.notes + rng_line + ignored
         out += [f"accepted change: {c}" for c in self.changes]
@@ -212,30 +220,53 @@ def _pick_step(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     return int(cfg.resume)
 
 
-def _restore_agreed(cfg, manager, fresh, world: World):
-    """Coordinator picks and restores; the step is broadcast; the other ranks restore it.
+def _first_choice(cfg: DictConfig, manager: CheckpointManager) -> int | None:
+    """Coordinator: :func:`_pick_step`, with the config checked on the candidate's metadata
+    *before* restoring, so a changed model shape is reported as a config diff rather than
+    as a shape mismatch."""
+    chosen = _pick_step(cfg, manager)
+    if chosen is not None:
+        meta = _candidate_metadata(manager, chosen)
+        if meta is not None:
+            _check_compat(cfg, meta)
+    return chosen
 
-    The config check runs on the candidate's metadata *before* restoring, so a changed
-    model shape is reported as a config diff rather than as a shape mismatch.
-    """
-    state, chosen = None, None
+
+_REFUSED = "the coordinator (rank 0) refused to resume; its message says why and what to change"
+
+
+def _coordinator_decides(world: World, decide, send):
+    """``decide()`` on the coordinator, its result sent to every rank by ``send``
+    (``broadcast_int`` or ``broadcast_json``); if the coordinator raises, every rank stops."""
+    value = None
     if world.is_coordinator:
         try:
-            chosen = _pick_step(cfg, manager)
-            if chosen is not None:
-                meta = _candidate_metadata(manager, chosen)
-                if meta is not None:
-                    _check_compat(cfg, meta)
-                state = _restore(manager, None if chosen == _LATEST else chosen, fresh)
-                chosen = int(state["step"])
+            value = decide()
         except BaseException:
-            broadcast_int(_FAILED)
+            send(_FAILED)
             raise
-    chosen = broadcast_int(chosen)
-    if chosen == _FAILED:
-        raise ResumeError(
-            "the coordinator (rank 0) refused to resume; its message says why and what to change"
-        )
+    value = send(value)
+    if value == _FAILED:
+        raise ResumeError(_REFUSED)
+    return value
+
+
+def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
+    """Coordinator picks and restores; the step is broadcast; the other ranks restore it.
+    A sharded state (``sharder``): :func:`_restore_rows_agreed`."""
+    if sharder is not None:
+        return _restore_rows_agreed(cfg, manager, fresh, world, sharder)
+    restored = {}
+
+    def pick() -> int | None:
+        chosen = _first_choice(cfg, manager)
+        if chosen is None:
+            return None
+        restored["state"] = _restore(manager, None if chosen == _LATEST else chosen, fresh)
+        return int(restored["state"]["step"])
+
+    chosen = _coordinator_decides(world, pick, broadcast_int)
+    state = restored.get("state")
     if state is None and chosen is not None:
         state = _restore(manager, chosen, fresh)
     if state is not None and int(state["step"]) != chosen:
@@ -243,6 +274,67 @@ def _restore_agreed(cfg, manager, fresh, world: World):
             f"rank {world.rank} restored step {int(state['step'])} but the coordinator chose {chosen}"
         )
     return state
+
+
+def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
+    """A sharded resume: every rank reads only its own rows (``manager.restore(rows=...)``),
+    so no rank alone can vouch for a step. The coordinator lists the candidates
+    (``resume=latest``: every committed step, newest first) and broadcasts them; every rank
+    tries the same candidate and reports to the coordinator, which decides for all
+    (:func:`_decide`): take it, skip to the next older one (a rank's rows did not verify:
+    no rank keeps that step), or stop. So every rank resumes from one step, or every rank
+    fails with the same message; none is left waiting in a collective."""
+
+    def candidates() -> list[int] | None:
+        chosen = _first_choice(cfg, manager)
+        if chosen is None:
+            return None
+        return manager.all_steps()[::-1] if chosen == _LATEST else [chosen]
+
+    steps = _coordinator_decides(world, candidates, broadcast_json)
+    skipped: dict[int, str] = {}
+    for step in steps or ():
+        state, outcome, error = _restore_rows(manager, step, fresh, sharder)
+        decision = broadcast_json(_decide(gather_json(outcome)))
+        if decision["do"] == "take":
+            _SKIPPED.clear()
+            _SKIPPED.update(skipped)  # for the report: why each newer step was passed over
+            return state
+        if decision["do"] == "stop":
+            raise error or ResumeError(f"cannot restore step {step}: {decision['why']}")
+        skipped[step] = decision["why"]
+    if skipped:
+        raise CheckpointNotFoundError(
+            "no committed step verifies on every rank:\n  "
+            + "\n  ".join(f"step {s}: {why}" for s, why in skipped.items())
+        )
+    return None
+
+
+def _restore_rows(manager, step: int, fresh, sharder) -> tuple:
+    """This rank's try of its rows of ``step``: ``(state, outcome, error)``; ``outcome``
+    (JSON, for the coordinator) is ``{"ok"}``, ``{"corrupt": why}`` or ``{"error": why}``."""
+    try:
+        state = _restore(manager, step, fresh, rows=sharder)
+    except CheckpointNotFoundError as err:  # a chunk of its rows, or the metadata, is bad
+        return None, {"corrupt": "; ".join(getattr(err, "problems", None) or [str(err)])}, None
+    except Exception as err:  # e.g. the checkpoint does not fit the model: no use trying older
+        return None, {"error": str(err)}, err
+    if int(state["step"]) != step:
+        return None, {"corrupt": f"it holds step {int(state['step'])}"}, None
+    return state, {"ok": True}, None
+
+
+def _decide(outcomes: list[dict] | None) -> dict | None:
+    """Coordinator: what every rank does after each reported its outcome of one candidate
+    (``None`` on the other ranks, which receive the decision)."""
+    if outcomes is None:
+        return None
+    for kind, do in (("error", "stop"), ("corrupt", "skip")):
+        bad = [f"rank {r}: {o[kind]}" for r, o in enumerate(outcomes) if kind in o]
+        if bad:
+            return {"do": do, "why": "; ".join(bad)}
+    return {"do": "take"}
 
 
 # root attributes the CLI acts on -> the JSON types they may have (None: absent)
@@ -292,11 +384,15 @@ def _candidate_metadata(manager: CheckpointManager, chosen: int) -> dict | None:
     return _checked_metadata(manager, manager.latest_step() if chosen == _LATEST else chosen)
 
 
-def _restore(manager: CheckpointManager, step: int | None, fresh: TensorDictBase) -> TensorDictBase:
+def _restore(
+    manager: CheckpointManager, step: int | None, fresh: TensorDictBase, rows=None
+) -> TensorDictBase:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
-            state = manager.restore(step, target=fresh, check_metadata=check_run_metadata)
+            state = manager.restore(
+                step, target=fresh, check_metadata=check_run_metadata, rows=rows
+            )
         _note_skipped(caught)
         return state
     except ValueError as err:  # the checkpoint does not fit the configured model/optimizer
@@ -350,57 +446,6 @@ def ignored_step_dirs(cfg: DictConfig) -> list[str]:
     return out
 
 
-def host_rng_start(cfg: DictConfig, world: World, meta: dict | None) -> str:
-    """Set this rank's global Python/NumPy/torch RNGs for user code that draws from them
-    (ftrain itself only uses the key chain): the states the checkpoint recorded for this
-    rank, else seeded from ``trainer.seed``, the rank and the step. Returns what it did."""
-    from ftrain import rng
-    from ftrain.ckpt import hostrng
-
-    step = int(meta.get("step") or 0) if meta else 0
-    if meta:
-        try:
-            states = hostrng.for_rank(meta, world.rank)
-        except CorruptCheckpointError as err:  # covered by the step's checksums: a bug
-            states = None
-            print(f"ftrain: warning: ignoring recorded host RNG states: {err}", file=sys.stderr)
-        if states is not None:
-            hostrng.restore(states)
-            return f"host RNG states of rank {world.rank} restored from step {step}"
-    key = rng.fold_in(rng.fold_in(rng.key(cfg.trainer.seed), "host-rng"), world.rank)
-    hostrng.seed_all(rng.key_data(rng.fold_in(key, step)) % 2**63)
-    where = "none recorded for this rank; " if meta else ""
-    return f"host RNGs of rank {world.rank} seeded from trainer.seed ({where}step {step})"
-
-
-def schedule_line(cfg: DictConfig, horizon: int, saved: int | None) -> str:
-    """What the LR schedule of this start does, with the horizon it actually uses and why.
-
-    Args:
-        horizon: from :func:`ftrain.cli.build.schedule_horizon`.
-        saved: the horizon the resumed checkpoint recorded (``None``: fresh, or not recorded).
-    """
-    s = cfg.schedule
-    kind = str(s.get("_target_") or s.get("name") or "").rsplit(".", 1)[-1]
-    if kind == "constant":
-        return f"lr schedule: constant at {cfg.optim.lr:g}"
-    warmup = s.get("warmup_steps") or 0
-    used = max(horizon, warmup + 1) if kind == "warmup_cosine" else horizon
-    if s.get("decay_steps") is not None:
-        why = "schedule.decay_steps"
-        if saved is not None and saved != horizon:
-            why += f"; the checkpoint had recorded {saved}"
-    elif saved is not None:
-        why = "as recorded; set schedule.decay_steps to change it"
-    else:
-        why = "trainer.max_steps of this first start, kept on resume"
-    if used != horizon:
-        why += f"; at least schedule.warmup_steps + 1 = {used}"
-    if kind != "warmup_cosine":  # a user's schedule: what it is given, not what it does
-        return f"lr schedule {s.get('_target_', kind)} gets a horizon of {used} steps ({why})"
-    return f"lr schedule decays over {used} steps ({why})"
-
-
 def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     """The LR-schedule horizon recorded by the checkpoint a resume would start from."""
     if cfg.resume == "none":
@@ -445,12 +490,15 @@ def start_state(
     world: World,
     tx,
     data_fp: str,
+    sharder=None,
 ):
-    """Restore (or not) per ``cfg.resume``; returns ``(state, report, metadata_of_checkpoint)``."""
+    """Restore (or not) per ``cfg.resume``; returns ``(state, report, metadata_of_checkpoint)``.
+    With a ``sharder`` (``dist.shard``) each rank reads only its rows of the sharded leaves,
+    which come back as DTensors."""
     from ftrain.data import check_fingerprint
 
     t0 = time.perf_counter()
-    state = _restore_agreed(cfg, manager, fresh, world)
+    state = _restore_agreed(cfg, manager, fresh, world, sharder)
     restore_s = time.perf_counter() - t0
     ignored = ignored_step_dirs(cfg) if world.is_coordinator else []
     if state is None:
@@ -493,84 +541,10 @@ def start_state(
             else None
         ),
         host_rng=host_rng,
+        rows_read=manager.read_bytes if sharder is not None else None,
+        resharded=sharder is not None or str(meta.get("layout", "")).startswith("rows:"),
     )
     return state, report, meta
-
-
-def move_aside(directory: Path) -> Path | None:
-    """Rename a non-empty directory to ``NAME.overwritten-<time>`` beside it (never delete)."""
-    if not directory.is_dir() or not any(directory.iterdir()):
-        return None
-    target = _free(directory.with_name(f"{directory.name}.overwritten-{_stamp()}"))
-    directory.rename(target)
-    return target
-
-
-# What a run writes into run.dir besides checkpoints: moved aside together on overwrite.
-RUN_RECORDS = (
-    "metrics.jsonl",
-    "heartbeat*.json",
-    "heartbeat*.json.tmp",
-    "training.png",
-    "hang-*",
-    "metrics.csv",  # the default places of the logger group's files (ftrain/conf/logger)
-    "tensorboard",
-    "wandb",
-)
-
-
-def move_run_aside(cfg: DictConfig) -> Path | None:
-    """run.overwrite=true: move the old run out of this run's way, records and checkpoints
-    together, so resume reports, the plot and the advisor never mix two runs. Never deletes.
-
-    Everything goes into ``RUN_DIR/overwritten-<time>/`` (``metrics.jsonl``, heartbeats,
-    ``training.png``, hang dumps, the loggers' ``metrics.csv``, ``tensorboard/``, ``wandb/``,
-    and ``checkpoint.dir`` when it lies inside ``run.dir``); a checkpoint or fallback
-    directory elsewhere is renamed beside itself to ``NAME.overwritten-<time>``. The run
-    lock stays. Returns the folder, or None if nothing was there.
-    """
-    run_dir = Path(cfg.run.dir)
-    aside = _free(run_dir / f"overwritten-{_stamp()}")
-    moved = False
-    for pattern in RUN_RECORDS:
-        for path in sorted(run_dir.glob(pattern)):
-            moved |= _move_into(path, aside / path.name)
-    for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
-        if is_object_url(d):  # no rename on object stores: refuse rather than mix runs
-            if parse_location(d, cfg.checkpoint.storage).committed_steps():
-                raise ResumeError(
-                    f"run.overwrite=true: {d} holds committed steps and an object store cannot "
-                    f"move them aside; point checkpoint.dir at a new prefix (e.g. {d}-2) or "
-                    "delete them first"
-                )
-            continue
-        d = Path(d)
-        if not (d.is_dir() and any(d.iterdir())):
-            continue
-        inside = d.resolve().is_relative_to(run_dir.resolve()) and d.resolve() != run_dir.resolve()
-        if inside:
-            moved |= _move_into(d, aside / d.resolve().relative_to(run_dir.resolve()))
-        else:
-            print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
-    return aside if moved else None
-
-
-def _move_into(path: Path, target: Path) -> bool:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    path.rename(target)
-    return True
-
-
-def _stamp() -> str:
-    return time.strftime("%Y%m%d-%H%M%S")
-
-
-def _free(path: Path) -> Path:
-    """``path``, or ``path-2``, ``path-3``... if it exists (two overwrites in one second)."""
-    n, candidate = 2, path
-    while candidate.exists():
-        candidate, n = path.with_name(f"{path.name}-{n}"), n + 1
-    return candidate
 
 
 def recorded_config(cfg: DictConfig) -> dict:

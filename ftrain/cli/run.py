@@ -49,7 +49,7 @@ from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
 from ftrain.runlock import RunDirError, claim_run_dir
-from ftrain.sharding import shard_state
+from ftrain.sharding import Sharder, shard_state
 from ftrain.signals import (
     EXIT_CONFIG,
     EXIT_ERROR,
@@ -147,6 +147,7 @@ class _Parts:
     report: ResumeReport
     horizon: int
     loggers: LoggerSet
+    shard: str  # dist.shard as it applies to this world (see _shard_mode)
 
 
 def _setup(cfg: DictConfig, device, world: World) -> _Parts:
@@ -165,8 +166,13 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     tx = build_tx(cfg, horizon)
     fresh = init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
     check_patterns(cfg, fresh["params"])
+    shard = _shard_mode(cfg, world)
+    # a sharded resume reads only this rank's rows, into DTensors on the sharder's mesh
+    sharder = Sharder(full=shard == "full") if shard != "none" else None
     try:
-        state, report, _ = start_state(cfg, manager, fresh, world, tx, train_src.fingerprint)
+        state, report, _ = start_state(
+            cfg, manager, fresh, world, tx, train_src.fingerprint, sharder=sharder
+        )
         if not report.resumed and (cfg.init["from"] or cfg.init["from_hf"]):  # a resume
             # continues its own params
             state, line = (init_from if cfg.init["from"] else init_from_hf)(cfg, state)
@@ -178,7 +184,9 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     report.schedule = schedule_line(cfg, horizon, saved if report.resumed else None)
     groups = describe_labels(cfg, state["params"])
     report.notes += [groups] if groups else []
-    return _Parts(model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers)
+    return _Parts(
+        model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard
+    )
 
 
 def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
@@ -214,9 +222,9 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
             precision=t.precision,
             donate=t.donate,
             compile=t.compile,
-            shard=_shard_mode(cfg, world),
+            shard=p.shard,
         )
-        if step.sharder is not None:  # each rank keeps its rows of the optimizer state
+        if step.sharder is not None:  # a fresh state's rows (a resumed one holds them already)
             state = shard_state(state, step.sharder)
             session.sharded = True
         loader = Loader(

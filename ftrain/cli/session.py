@@ -117,6 +117,7 @@ class Session:
             "skipped": {str(k): v for k, v in report.skipped.items()},
             "ignored": report.ignored,
             "world_sizes": list(report.world_sizes) if report.world_sizes else None,
+            "rows_read": report.rows_read,  # the coordinator's: every rank prints its own
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)
 
@@ -221,7 +222,8 @@ class Session:
             self.manager.save_sharded(
                 state, metrics=metrics, metadata=self.metadata, host_rng=host_rng
             )
-        except CheckpointSaveError as err:
+        except CheckpointSaveError as err:  # raised on every rank: each says so
+            self._pending.setdefault(int(state["step"]), started)
             self._failed(err)
             raise
         if self.world.is_coordinator:

@@ -13,15 +13,20 @@ of the commit protocol or of a retention delete:
 - ``delete_renamed``: a retention delete renamed the step to ``*.del-*``, nothing removed;
 - ``delete_partial``: a retention delete removed part of the ``*.del-*`` tree;
 - ``index_written``: the index's temporary file (``.checkpoints.json.<hex>``) is written
-  and fsync'd, not yet renamed over ``checkpoints.json`` (``ftrain.ckpt.index``).
+  and fsync'd, not yet renamed over ``checkpoints.json`` (``ftrain.ckpt.index``);
+- ``part_written``: one rank's part of a sharded save is written, not yet durable nor
+  reported to the coordinator (``ftrain.ckpt.sharded``; fires on any rank).
 
-The arm file is JSON ``{"id", "phase", "count", "rank"}``: the ``count``-th occurrence of
-``phase`` (counted from when this process first saw that ``id``) on ``rank`` fires. The
-first process to rename the arm file to ``*.fired`` fires (one shot across torchrun
-restarts), after appending ``{"pid", "rank", "phase", "step", "time"}`` to the
-``FTRAIN_CHAOS_LOG`` file.
+The arm file is JSON ``{"id", "phase", "count", "rank"}`` and optionally ``"action"``: the
+``count``-th occurrence of ``phase`` (counted from when this process first saw that
+``id``) on ``rank`` fires. The first process to rename the arm file to ``*.fired`` fires
+(one shot across torchrun restarts), after appending ``{"pid", "rank", "phase", "step",
+"time"}`` to the ``FTRAIN_CHAOS_LOG`` file. Firing is a SIGKILL of the process, or with
+``"action": "enospc"`` an ``OSError(ENOSPC)`` raised at that point (a full disk, without
+one: the process lives on and must handle it).
 """
 
+import errno
 import importlib.abc
 import importlib.machinery
 import json
@@ -60,6 +65,8 @@ def _fire_if_armed(phase, step):
             f.write(json.dumps({**line, "time": time.time()}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+    if arm.get("action") == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {phase})")
     os.kill(os.getpid(), 9)
 
 

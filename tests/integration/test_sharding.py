@@ -46,47 +46,162 @@ def test_sharded_state_matches_unsharded_and_splits_what_each_rank_holds(tmp_pat
     assert report["full"]["param_bytes"] <= report["param_bytes_plain"] / nproc * 1.05
 
 
-def _torchrun(run_dir, cache_dir, *overrides, nproc=2):
+def _torchrun(run_dir, cache_dir, *overrides, nproc=2, rc=0, env=None):
     from .test_torchrun import _finish
     from .test_torchrun import _torchrun as launch
 
-    rc, out = _finish(launch(run_dir, cache_dir, *overrides, nproc=nproc))
-    assert rc == 0, out
+    got, out = _finish(launch(run_dir, cache_dir, *overrides, nproc=nproc, env=env))
+    assert got == rc, out
     return out
+
+
+def _common(mode):
+    return [f"dist.shard={mode}", "checkpoint.every_steps=3", "model.dropout=0"]
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory):
+    """``reference(mode)``: the run dir of an uninterrupted 2-rank sharded run of 6 steps
+    (steps 3 and 6 committed), run once per mode for the tests of this module."""
+    runs = {}
+
+    def get(mode):
+        if mode not in runs:
+            run = tmp_path_factory.mktemp(f"reference-{mode}")
+            common = [*_common(mode), "trainer.max_steps=6", "trainer.eval_every=3"]
+            runs[mode] = (run, _torchrun(run, cache_dir, *common))
+        return runs[mode]
+
+    return get
+
+
+def _state(run, step):
+    from ftrain.ckpt import CheckpointManager
+
+    return CheckpointManager(Path(run) / "checkpoints", async_save=False).restore(step)
 
 
 @pytest.mark.parametrize("mode", ["optimizer", "full"])
 def test_cli_sharded_run_resumes_bit_exact_and_on_another_world_size(
-    cli, cache_dir, tmp_path, mode
+    cli, cache_dir, tmp_path, reference, mode
 ):
-    from ftrain.ckpt import CheckpointManager
     from ftrain.state import first_difference
 
     from .conftest import records
 
-    whole, split, elastic = tmp_path / "whole", tmp_path / "split", tmp_path / "elastic"
-    common = [f"dist.shard={mode}", "checkpoint.every_steps=3", "model.dropout=0"]
-    out = _torchrun(whole, cache_dir, *common, "trainer.max_steps=6", "trainer.eval_every=3")
+    (whole, out), split, elastic = reference(mode), tmp_path / "split", tmp_path / "elastic"
+    common = _common(mode)
     assert "val_loss" in out  # evaluation gathers whole params under shard=full
     _torchrun(split, cache_dir, *common, "trainer.max_steps=3")
     out = _torchrun(split, cache_dir, *common, "trainer.max_steps=6")
     assert "resumed from step 3" in out
-
-    def state(run, step):
-        return CheckpointManager(Path(run) / "checkpoints", async_save=False).restore(step)
+    for rank in (0, 1):  # each rank read its rows of the sharded leaves, not the whole step
+        assert f"[rank={rank}][step=3] read " in out, out
 
     # the same world size: bit for bit, as without sharding
-    assert first_difference(state(whole, 6), state(split, 6)) is None
+    assert first_difference(_state(whole, 6), _state(split, 6)) is None
     # the checkpoint holds whole tensors (2 ranks wrote it): it resumes on one rank
     shutil.copytree(
         split / "checkpoints" / "step_00000003", elastic / "checkpoints" / "step_00000003"
     )
     out = cli(elastic, *common, "trainer.max_steps=6", "trainer.eval_every=null", check=0).stdout
     assert "world size changed: checkpoint written by 2 rank(s), resumed on 1" in out
+    assert "resharded from 2 to 1 ranks" in out
     assert f"dist.shard={mode} on one rank: nothing to shard" in out
     assert records(elastic, "resume")[-1]["position"] == 12  # the global sample order goes on
-    a, b = state(whole, 6), state(elastic, 6)
+    a, b = _state(whole, 6), _state(elastic, 6)
     assert torch.equal(a["data"]["position"], b["data"]["position"])
+
+
+def _flip_rank1_rows(step_dir: Path) -> Path:
+    """Flip a byte in a chunk of optimizer rows that only rank 1 (of 2) reads: with one chunk
+    per shard, chunk 1 of a moment is rank 1's rows."""
+    chunk = sorted((step_dir / "opt").rglob("c.1.0"))[0]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    return chunk
+
+
+@pytest.mark.parametrize("mode", ["optimizer", pytest.param("full", marks=pytest.mark.long)])
+def test_corrupt_rows_of_one_rank_make_every_rank_fall_back(cache_dir, tmp_path, reference, mode):
+    from ftrain.state import first_difference
+
+    whole, _ = reference(mode)
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    _flip_rank1_rows(run / "checkpoints" / "step_00000006")
+    out = _torchrun(run, cache_dir, *_common(mode), "trainer.max_steps=6")
+    for rank in (0, 1):  # rank 0 read no bad byte, yet it falls back with rank 1
+        assert f"[rank={rank}][step=3] resumed from step 3" in out, out
+    assert "step 6 was committed but is unreadable, skipped in favour of step 3: rank 1:" in out
+    assert "crc32c mismatch" in out and "rank 0:" not in out
+    # steps 4..6 redone from step 3 (the bad step 6 set aside when the new one commits)
+    assert first_difference(_state(whole, 6), _state(run, 6)) is None
+
+
+def test_a_failed_part_on_rank_1_commits_nothing_and_the_next_start_resumes(
+    cache_dir, tmp_path, reference
+):
+    """A write failure of a non-coordinator rank's part (an injected ENOSPC on rank 1 while
+    it writes step 6): nothing is committed, every rank fails (no hang), and the next start
+    resumes from step 3 and ends bit-identical to the uninterrupted run."""
+    from ftrain.ckpt import CheckpointManager
+    from ftrain.faults import inject_dir
+    from ftrain.state import first_difference
+
+    whole, _ = reference("optimizer")
+    run, arm = tmp_path / "run", tmp_path / "arm.json"
+    arm.write_text(
+        json.dumps({"id": "p", "phase": "part_written", "count": 2, "rank": 1, "action": "enospc"})
+    )
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    common = [*_common("optimizer"), "trainer.max_steps=6"]
+    out = _torchrun(run, cache_dir, *common, rc=1, env=env)
+    assert arm.with_name("arm.json.fired").exists(), out
+    injected = "rank 1: [Errno 28] No space left on device (injected at part_written)"
+    for rank in (0, 1):  # every rank reports the failure of rank 1's part, and stops
+        line = f"[rank={rank}][step=6] checkpoint of step 6 did not commit: [step=6] sharded"
+        assert f"{line} save failed: {injected}" in out, out
+    ckpt = run / "checkpoints"
+    assert CheckpointManager(ckpt, async_save=False).all_steps() == [3]
+    out = _torchrun(run, cache_dir, *common)
+    assert "resumed from step 3" in out
+    assert not list(ckpt.glob("*.tmp-*"))  # the staging of step 6 is gone
+    assert first_difference(_state(whole, 6), _state(run, 6)) is None
+
+
+RESHARD = Path(__file__).with_name("reshard_worker.py")
+
+
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_restore_reads_only_the_rows_each_rank_owns(tmp_path, nproc):
+    """Steps written by 1 rank (whole) and by 2 ranks (rows) restored on ``nproc`` ranks with
+    ``restore(rows=sharder)``: bit-exact rows, and each rank reads about its share."""
+    from .reshard_worker import save
+
+    save(tmp_path / "one")  # in this process: world size 1, a replicated step
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    for n, args in ((2, ["save", tmp_path / "two"]), (nproc, ["load", tmp_path / "out.json"])):
+        cmd = [*run, f"--nproc-per-node={n}", str(RESHARD), *map(str, args)]
+        if args[0] == "load":
+            cmd += [str(tmp_path / "one"), str(tmp_path / "two")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = json.loads((tmp_path / "out.json").read_text())["ranks"]
+    for case in ranks[0]:
+        got = [r[case] for r in ranks]
+        assert all(g["bit_exact"] and g["step"] == 2 for g in got), (case, got)
+        total, whole = got[0]["sharded_total"], got[0]["whole_read"]
+        assert sum(g["own_rows"] for g in got) == total, (case, got)
+        for g in got:
+            rows = g["read"] - g["replicated"]  # what it read of the sharded arrays
+            assert rows >= g["own_rows"] and g["read"] < whole, (case, g)
+            if case.startswith("two/") and nproc == 2:  # chunks follow these very shards
+                assert rows == g["own_rows"], (case, g)
+            assert rows / total <= 1 / nproc + 0.05, (case, g)  # resharded: edge chunks
 
 
 @pytest.mark.long

@@ -18,8 +18,14 @@ from .conftest import TINY, records
 pytestmark = pytest.mark.slow
 
 
-def _torchrun(run_dir, cache_dir, *overrides, nproc=2, extra=()):
-    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def _torchrun(run_dir, cache_dir, *overrides, nproc=2, extra=(), env=None):
+    env = dict(
+        os.environ,
+        FTRAIN_CACHE_DIR=cache_dir,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        **(env or {}),
+    )
     cmd = [
         sys.executable,
         "-m",

@@ -1,0 +1,89 @@
+"""``run.overwrite=true``: move an old run out of the new one's way, never deleting it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ftrain.ckpt.location import is_object_url, parse_location
+from ftrain.cli.errors import ResumeError
+
+__all__ = ["RUN_RECORDS", "move_aside", "move_run_aside"]
+
+
+def move_aside(directory: Path) -> Path | None:
+    """Rename a non-empty directory to ``NAME.overwritten-<time>`` beside it (never delete)."""
+    if not directory.is_dir() or not any(directory.iterdir()):
+        return None
+    target = _free(directory.with_name(f"{directory.name}.overwritten-{_stamp()}"))
+    directory.rename(target)
+    return target
+
+
+# What a run writes into run.dir besides checkpoints: moved aside together on overwrite.
+RUN_RECORDS = (
+    "metrics.jsonl",
+    "heartbeat*.json",
+    "heartbeat*.json.tmp",
+    "training.png",
+    "hang-*",
+    "metrics.csv",  # the default places of the logger group's files (ftrain/conf/logger)
+    "tensorboard",
+    "wandb",
+)
+
+
+def move_run_aside(cfg: DictConfig) -> Path | None:
+    """run.overwrite=true: move the old run out of this run's way, records and checkpoints
+    together, so resume reports, the plot and the advisor never mix two runs. Never deletes.
+
+    Everything goes into ``RUN_DIR/overwritten-<time>/`` (``metrics.jsonl``, heartbeats,
+    ``training.png``, hang dumps, the loggers' ``metrics.csv``, ``tensorboard/``, ``wandb/``,
+    and ``checkpoint.dir`` when it lies inside ``run.dir``); a checkpoint or fallback
+    directory elsewhere is renamed beside itself to ``NAME.overwritten-<time>``. The run
+    lock stays. Returns the folder, or None if nothing was there.
+    """
+    run_dir = Path(cfg.run.dir)
+    aside = _free(run_dir / f"overwritten-{_stamp()}")
+    moved = False
+    for pattern in RUN_RECORDS:
+        for path in sorted(run_dir.glob(pattern)):
+            moved |= _move_into(path, aside / path.name)
+    for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
+        if is_object_url(d):  # no rename on object stores: refuse rather than mix runs
+            if parse_location(d, cfg.checkpoint.storage).committed_steps():
+                raise ResumeError(
+                    f"run.overwrite=true: {d} holds committed steps and an object store cannot "
+                    f"move them aside; point checkpoint.dir at a new prefix (e.g. {d}-2) or "
+                    "delete them first"
+                )
+            continue
+        d = Path(d)
+        if not (d.is_dir() and any(d.iterdir())):
+            continue
+        inside = d.resolve().is_relative_to(run_dir.resolve()) and d.resolve() != run_dir.resolve()
+        if inside:
+            moved |= _move_into(d, aside / d.resolve().relative_to(run_dir.resolve()))
+        else:
+            print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
+    return aside if moved else None
+
+
+def _move_into(path: Path, target: Path) -> bool:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path.rename(target)
+    return True
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _free(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... if it exists (two overwrites in one second)."""
+    n, candidate = 2, path
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.name}-{n}"), n + 1
+    return candidate

@@ -1,0 +1,63 @@
+"""What a start says and sets up besides the state: the LR schedule's horizon, the host RNGs."""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig
+
+from ftrain.ckpt import CorruptCheckpointError
+from ftrain.dist import World
+
+__all__ = ["host_rng_start", "schedule_line"]
+
+
+def host_rng_start(cfg: DictConfig, world: World, meta: dict | None) -> str:
+    """Set this rank's global Python/NumPy/torch RNGs for user code that draws from them
+    (ftrain itself only uses the key chain): the states the checkpoint recorded for this
+    rank, else seeded from ``trainer.seed``, the rank and the step. Returns what it did."""
+    from ftrain import rng
+    from ftrain.ckpt import hostrng
+
+    step = int(meta.get("step") or 0) if meta else 0
+    if meta:
+        try:
+            states = hostrng.for_rank(meta, world.rank)
+        except CorruptCheckpointError as err:  # covered by the step's checksums: a bug
+            states = None
+            print(f"ftrain: warning: ignoring recorded host RNG states: {err}", file=sys.stderr)
+        if states is not None:
+            hostrng.restore(states)
+            return f"host RNG states of rank {world.rank} restored from step {step}"
+    key = rng.fold_in(rng.fold_in(rng.key(cfg.trainer.seed), "host-rng"), world.rank)
+    hostrng.seed_all(rng.key_data(rng.fold_in(key, step)) % 2**63)
+    where = "none recorded for this rank; " if meta else ""
+    return f"host RNGs of rank {world.rank} seeded from trainer.seed ({where}step {step})"
+
+
+def schedule_line(cfg: DictConfig, horizon: int, saved: int | None) -> str:
+    """What the LR schedule of this start does, with the horizon it actually uses and why.
+
+    Args:
+        horizon: from :func:`ftrain.cli.build.schedule_horizon`.
+        saved: the horizon the resumed checkpoint recorded (``None``: fresh, or not recorded).
+    """
+    s = cfg.schedule
+    kind = str(s.get("_target_") or s.get("name") or "").rsplit(".", 1)[-1]
+    if kind == "constant":
+        return f"lr schedule: constant at {cfg.optim.lr:g}"
+    warmup = s.get("warmup_steps") or 0
+    used = max(horizon, warmup + 1) if kind == "warmup_cosine" else horizon
+    if s.get("decay_steps") is not None:
+        why = "schedule.decay_steps"
+        if saved is not None and saved != horizon:
+            why += f"; the checkpoint had recorded {saved}"
+    elif saved is not None:
+        why = "as recorded; set schedule.decay_steps to change it"
+    else:
+        why = "trainer.max_steps of this first start, kept on resume"
+    if used != horizon:
+        why += f"; at least schedule.warmup_steps + 1 = {used}"
+    if kind != "warmup_cosine":  # a user's schedule: what it is given, not what it does
+        return f"lr schedule {s.get('_target_', kind)} gets a horizon of {used} steps ({why})"
+    return f"lr schedule decays over {used} steps ({why})"

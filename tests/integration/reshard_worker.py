@@ -1,0 +1,115 @@
+"""Run by test_sharding.py: a save on N ranks, a restore on M ranks that reads rows only.
+
+    python reshard_worker.py save DIR                              # N = 1: a replicated step
+    torchrun --nproc-per-node=N reshard_worker.py save DIR         # each rank writes its rows
+    torchrun --nproc-per-node=M reshard_worker.py load OUT DIR...  # each rank reads its rows
+
+``save`` trains GPT-2 tiny for two AdamW steps (so the moments are not zeros) once per shard
+mode into ``DIR/<mode>``: sharded with ``save_sharded`` on N > 1 ranks, whole with ``save``
+on one. ``load`` restores every ``DIR/<mode>`` with ``restore(rows=sharder)`` and checks each
+rank's leaves bit for bit against the rows of a whole restore of the same step; every
+rank's figures (bytes read, its share) go to the JSON file ``OUT`` (rank 0 writes it).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import ftrain
+from ftrain import optim, sharding
+from ftrain.ckpt import CheckpointManager
+from ftrain.ckpt.store import flatten
+from ftrain.dist import gather_json
+from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
+
+MODES = ("optimizer", "full")
+CHUNK_BYTES = 4096  # small chunks: a rank of another world size reads close to its share
+
+
+def _parts():
+    model = GPT(
+        GPTConfig.tiny(block_size=16, dropout=0.0), generator=torch.Generator().manual_seed(0)
+    )
+    tx = optim.adamw(3e-3, weight_decay=0.1, mask=optim.masks.ndim_at_least(2))
+    return model, tx, ftrain.init_state(model, tx, seed=0)
+
+
+def _batch(i: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(1000 + i)
+    mine = torch.randint(0, 256, (4 * world, 17), generator=g)[rank * 4 : (rank + 1) * 4]
+    return {"x": mine[:, :-1], "y": mine[:, 1:]}
+
+
+def save(where: Path) -> None:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for mode in MODES:
+        model, tx, state = _parts()
+        step = ftrain.make_step(
+            model, lm_loss, tx, dp=world > 1, shard=mode if world > 1 else "none"
+        )
+        if step.sharder is not None:
+            state = sharding.shard_state(state, step.sharder)
+        for i in range(2):
+            state, _ = step(state, _batch(i, rank, world))
+        mgr = CheckpointManager(where / mode, async_save=False, chunk_bytes=CHUNK_BYTES)
+        mgr.save_sharded(state) if world > 1 else mgr.save(state)
+
+
+def load(out: Path, dirs: list[Path]) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {}
+    for d in dirs:
+        for mode in MODES:
+            report[f"{d.name}/{mode}"] = _check(d / mode, sharding.Sharder(full=mode == "full"))
+    every = gather_json(report)
+    if rank == 0:
+        out.write_text(json.dumps({"world": world, "ranks": every}))
+
+
+def _check(where: Path, sharder: sharding.Sharder) -> dict:
+    """This rank's row restore against a whole restore of the same step, and what it read."""
+    fresh = _parts()[2]
+    mgr = CheckpointManager(where, async_save=False)
+    whole = mgr.restore(target=fresh)
+    whole_read = mgr.read_bytes
+    mine = sharding.shard_state(mgr.restore(target=fresh, rows=sharder), sharder)
+    same, own, sharded_total, replicated = True, 0, 0, 0
+    got, want = flatten(mine)[1], flatten(whole)[1]
+    for key, t in got.items():
+        w, nbytes = want[key], want[key].numel() * want[key].element_size()
+        rows = sharder.owned_rows(key, tuple(w.shape))
+        if rows is None:  # read whole (a 0-d param of shard=full: Replicate of it)
+            same &= torch.equal(t.to_local() if hasattr(t, "to_local") else t, w)
+            replicated += nbytes
+            continue
+        same &= isinstance(t, DTensor) and tuple(t.shape) == tuple(w.shape)
+        same &= torch.equal(t.to_local(), w.narrow(0, *rows))
+        sharded_total += nbytes
+        own += rows[1] * (nbytes // w.shape[0] if w.shape[0] else 0)
+    return {
+        "bit_exact": bool(same),
+        "read": mgr.read_bytes,
+        "whole_read": whole_read,
+        "own_rows": own,
+        "sharded_total": sharded_total,
+        "replicated": replicated,
+        "step": int(mine["step"]),
+    }
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    if sys.argv[1] == "save":
+        save(Path(sys.argv[2]))
+    else:
+        load(Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]])
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears its gloo pairs down while a peer still sends
+        dist.destroy_process_group()
