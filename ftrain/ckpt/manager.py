@@ -318,8 +318,10 @@ class CheckpointManager:
     ) -> bool:
         """Save a sharded state (DTensor leaves) with every rank writing its own rows into
         one store (:mod:`ftrain.ckpt.sharded`); every rank calls it, synchronously, once
-        all ranks decided to save this step (no policy check here). Local directories
-        only; a failure raises on every rank and commits nothing.
+        all ranks decided to save this step (no policy check here). A local directory
+        or an object store (each rank uploads its own chunk objects in parallel; rank 0
+        puts the manifest and marker once all confirmed); a failure raises on every rank
+        and commits nothing.
 
         Raises:
             CheckpointSaveError: a rank could not write its part, or the commit failed.
@@ -329,11 +331,6 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._check_usable()
         step, now = self._read_step(state), time.time()
-        if not isinstance(self.directory, Path):
-            raise ValueError(
-                "a sharded save writes into a local (or mounted) directory; for an object "
-                "store gather the state (ftrain.sharding.gather_state) and save() it"
-            )
         self.wait()
         attrs = self._attributes(step, now, metrics, metadata, host_rng)
         self._last_step, self._last_time = step, now
@@ -590,7 +587,8 @@ class CheckpointManager:
                 owns of every array it shards, and those leaves come back as DTensors built
                 from them (:func:`ftrain.ckpt.sharded.read_owned`); the rest whole. Every
                 rank calls it (no collective here: agreeing on the step is the caller's).
-                Object-store steps are read whole (``shard_state`` then keeps the rows).
+                On an object store the same, object by object
+                (:func:`ftrain.ckpt.objio.download_owned`).
 
         Returns:
             A nested TensorDict (CPU tensors unless ``target`` says otherwise).
@@ -647,6 +645,13 @@ class CheckpointManager:
 
             td, self.read_bytes = read_owned(
                 path, manifest, rows, only=only, workers=self.io_workers
+            )
+            return td
+        if rows is not None:  # an object store: this rank's chunk objects only
+            from ftrain.ckpt.objio import download_owned
+
+            td, self.read_bytes = download_owned(
+                path, manifest, rows, only=only, concurrency=path.root.concurrency
             )
             return td
         td = read_tree(path, manifest, only=only, workers=self.io_workers)

@@ -23,6 +23,8 @@ before allocating anything, then downloads chunks concurrently and verifies each
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from functools import partial
 
 import crc32c
 import obstore
@@ -54,7 +56,14 @@ from ftrain.ckpt.store import (
     specs_of,
 )
 
-__all__ = ["download_tree", "upload_tree", "verify_objects"]
+__all__ = [
+    "Part",
+    "download_owned",
+    "download_tree",
+    "upload_objects",
+    "upload_tree",
+    "verify_objects",
+]
 
 
 def _chunk_object(spec: ArraySpec, payload: memoryview, pad: int) -> tuple[bytes, int, int]:
@@ -109,21 +118,47 @@ def upload_tree(
         k: reuse[k].spec if k in reuse else plan_array(k, t, chunk_bytes, spec_str)
         for k, t in leaves.items()
     }
-    docs = {rel: json_bytes(d) for rel, d in step_documents(groups, specs, attributes).items()}
-    docs = docs if rank == 0 else {}
-    root, prefix = step.root, step.key
     jobs, copies = [], []
     for k, s in specs.items():
         source = reuse[k].source if k in reuse else None
-        if isinstance(source, ObjectKey) and source.root == root:  # same location: copy
+        if isinstance(source, ObjectKey) and source.root == step.root:  # same location: copy
             copies += [(s, i, source.key) for i in range(rank, s.n_chunks, world)]
             continue
         data = tensor_bytes(reuse[k].tensor if k in reuse else leaves[k]) if s.n_chunks else None
         for i in range(rank, s.n_chunks, world):
             start, stop = s.chunk_span(i)
             jobs.append((s, i, data[start:stop], s.chunk_nbytes - (stop - start)))
+    part = Part(groups, specs, attributes, rank, spec_str)
+    return upload_objects(step, part, jobs, copies, FallbackBytes(reuse))
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one rank uploads besides its chunks: the tree's groups and array specs (for
+    the documents, which rank 0 uploads, and the manifest), the root attributes."""
+
+    groups: list
+    specs: dict[str, ArraySpec]
+    attributes: dict
+    rank: int
+    compression: str | None
+
+
+def upload_objects(step, part: Part, jobs: list, copies: list = (), fallback=None) -> dict:
+    """Upload chunk ``jobs`` (``(spec, i, payload, pad)``), server-side ``copies``
+    (``(spec, i, source prefix)``) and, on rank 0, the ``zarr.json`` documents under the
+    step prefix ``step``, ``concurrency`` requests in flight, each confirmed. Returns this
+    rank's manifest (:func:`ftrain.ckpt.store.build_manifest`).
+
+    Raises:
+        CheckpointStoreError: a request failed (after obstore's retries).
+    """
+    specs = part.specs
+    docs = step_documents(part.groups, specs, part.attributes) if part.rank == 0 else {}
+    docs = {rel: json_bytes(d) for rel, d in docs.items()}
+    root, prefix = step.root, step.key
     store = root.store
-    fallback = FallbackBytes(reuse)
+    fallback = fallback or FallbackBytes({})
 
     async def put_chunk(s: ArraySpec, i: int, payload: memoryview, pad: int) -> tuple:
         obj, crc, stored = await asyncio.to_thread(_chunk_object, s, payload, pad)
@@ -155,7 +190,7 @@ def upload_tree(
             crcs[r[0]][r[1]], stored[r[0]][r[1]] = r[2], r[3]
             copied += r[3] + 4 if r[4] else 0
     documents = {rel: [crc32c.crc32c(d), len(d)] for rel, d in docs.items()}
-    return build_manifest(groups, specs, crcs, stored, documents, spec_str, copied)
+    return build_manifest(part.groups, specs, crcs, stored, documents, part.compression, copied)
 
 
 def _buffer(data: bytes):
@@ -165,9 +200,8 @@ def _buffer(data: bytes):
 
 
 def _check_objects(step, specs: dict[str, ArraySpec]) -> None:
-    """Every chunk object exists with its recorded size (one listing), and the result fits
-    in memory — before anything is allocated."""
-    check_memory(step, specs)
+    """Every chunk object exists with its recorded size (one listing) — before anything is
+    allocated."""
     sizes = {m["path"]: m["size"] for m in step.root.list(step.key + "/")}
     for s in specs.values():
         for i in range(s.n_chunks):
@@ -205,30 +239,83 @@ def download_tree(
         CheckpointStoreError: a request failed (after obstore's retries).
     """
     specs = selected_specs(manifest, only)
+    check_memory(step, specs)
     _check_objects(step, specs)
     out, tensors = allocate_tree(manifest, specs, only)
+    jobs = [j for k, s in specs.items() for j in _whole_jobs(s, tensors[k])]
+    _fetch(step, jobs, concurrency)
+    return out
+
+
+def download_owned(
+    step, manifest: dict, owner, *, only: tuple[str, ...] | None = None, concurrency: int = 8
+) -> tuple[TensorDict, int]:
+    """:func:`ftrain.ckpt.sharded.read_owned` on an object store: of every array that
+    ``owner.owned_rows(key, shape)`` gives a row range for, only the chunk objects that
+    overlap those rows (whole objects: a chunk's crc32c covers all of it, so a ranged read
+    of part of one could not be verified; resharding reads at most two chunks per array
+    beyond its rows), made into a leaf by ``owner.from_rows``; every other array whole.
+
+    Returns:
+        The tree and the chunk payload bytes this rank downloaded.
+    """
+    from ftrain.ckpt.sharded import copy_rows, empty_rows, overlapping, rows_read_bytes
+
+    specs = selected_specs(manifest, only)
+    owned = {k: owner.owned_rows(k, s.shape) for k, s in specs.items()}
+    whole = {k: s for k, s in specs.items() if owned[k] is None}
+    row_bytes = sum(r[1] * (specs[k].nbytes // specs[k].shape[0]) for k, r in owned.items() if r)
+    check_memory(step, whole, extra_bytes=row_bytes)  # before anything is allocated
+    _check_objects(step, specs)
+    out, tensors = allocate_tree(manifest, whole, only)
+    jobs = [j for k, s in whole.items() for j in _whole_jobs(s, tensors[k])]
+    rows = {k: empty_rows(specs[k], r[1]) for k, r in owned.items() if r is not None}
+    for k, local in rows.items():
+        s, (start, length) = specs[k], owned[k]
+        into = byte_view(local) if local.numel() else None
+        for i in overlapping(s, start, length):
+            c0, c1 = s.chunk_span(i)
+            chunk = memoryview(bytearray(c1 - c0))  # verified whole, then its rows copied
+            keep = partial(copy_rows, s, i, dest=into, start=start, length=length)
+            jobs.append((s, i, chunk, s.chunk_nbytes - (c1 - c0), keep))
+    _fetch(step, jobs, concurrency)
+    for k, local in rows.items():
+        out[tuple(k.split("/"))] = owner.from_rows(local, specs[k].shape)
+    read = sum(s.nbytes for s in whole.values())
+    return out, read + sum(rows_read_bytes(specs[k], *owned[k]) for k in rows)
+
+
+def _whole_jobs(s: ArraySpec, tensor) -> list[tuple]:
+    """``(spec, i, dest, pad, None)`` of every chunk of an array read whole into ``tensor``."""
+    dest = byte_view(tensor) if s.n_chunks else None
     jobs = []
-    for k, s in specs.items():
-        dest = byte_view(tensors[k]) if s.n_chunks else None
-        for i in range(s.n_chunks):
-            start, stop = s.chunk_span(i)
-            jobs.append((s, i, dest[start:stop], s.chunk_nbytes - (stop - start)))
+    for i in range(s.n_chunks):
+        start, stop = s.chunk_span(i)
+        jobs.append((s, i, dest[start:stop], s.chunk_nbytes - (stop - start), None))
+    return jobs
+
+
+def _fetch(step, jobs: list[tuple], concurrency: int) -> None:
+    """GET every ``(spec, i, dest, pad, then)`` chunk object, ``concurrency`` in flight;
+    verify and decode each into ``dest``, then call ``then(dest)`` if given (in a worker
+    thread, like the decoding)."""
     root, store = step.root, step.root.store
     from zarr.core.buffer import default_buffer_prototype
 
     proto = default_buffer_prototype()
 
-    async def get_chunk(s: ArraySpec, i: int, dest: memoryview, pad: int) -> None:
+    async def get_chunk(s: ArraySpec, i: int, dest: memoryview, pad: int, then) -> None:
         key = f"{step.key}/{s.key}/{s.chunk_key(i)}"
         buf = await store.get(key, proto)
         if buf is None:
             raise CorruptCheckpointError(f"{root.url}/{key}: chunk object is missing")
         raw = buf.to_bytes()
         await asyncio.to_thread(_verify_into, f"{root.url}/{key}", raw, dest, pad, i, s)
+        if then is not None:
+            then(dest)
 
     coros = [get_chunk(*j) for j in sorted(jobs, key=lambda j: -len(j[2]))]
     root._run(step.key, gather_bounded, coros, concurrency)
-    return out
 
 
 def verify_objects(step, manifest: dict) -> int:

@@ -385,26 +385,42 @@ class ObjectRoot:
         """
         from ftrain.ckpt.objio import upload_tree
 
-        self.clear_way(step)
-        key = self / protocol.step_dirname(step)
+        key = self.begin_step(step)
         committed = False
         try:
             manifest = upload_tree(key, state, attributes, chunk_bytes, compression, reuse=reuse)
-            protocol._phase("data_written")
-            manifest = dict(manifest, step=step)
-            raw = json_bytes(manifest)
-            self.put(f"{key.key}/{protocol.MANIFEST}", raw)
-            protocol._phase("manifest_written")
-            marker = protocol.marker_document(step, raw, marker_extra(manifest))
-            self.put_new(f"{key.key}/{protocol.MARKER}", json_bytes(marker))
+            manifest = self.commit_step(key, step, manifest, marker_extra)
             committed = True
-            protocol._phase("marker_written")
         finally:
             if not committed:
-                self._abort(key)
+                self.abort_step(key)
         return key, manifest
 
-    def _abort(self, key: ObjectKey) -> None:
+    def begin_step(self, step: int) -> ObjectKey:
+        """Step 1 of the protocol: clear the way; returns the step's prefix to upload to."""
+        self.clear_way(step)
+        return self / protocol.step_dirname(step)
+
+    def commit_step(
+        self, key: ObjectKey, step: int, manifest: dict, marker_extra: Callable[[dict], dict]
+    ) -> dict:
+        """Steps 3-4, once every part under ``key`` is confirmed: put the manifest, then the
+        marker (``If-None-Match: *``). Returns the manifest as committed.
+
+        Raises:
+            CheckpointStoreError; FileExistsError: another writer committed ``step`` first.
+        """
+        protocol._phase("data_written")
+        manifest = dict(manifest, step=step)
+        raw = json_bytes(manifest)
+        self.put(f"{key.key}/{protocol.MANIFEST}", raw)
+        protocol._phase("manifest_written")
+        marker = protocol.marker_document(step, raw, marker_extra(manifest))
+        self.put_new(f"{key.key}/{protocol.MARKER}", json_bytes(marker))
+        protocol._phase("marker_written")
+        return manifest
+
+    def abort_step(self, key: ObjectKey) -> None:
         """Best effort: delete what a failed save uploaded (never a marker in place)."""
         try:
             objects = [m["path"] for m in self.list(key.key + "/")]

@@ -69,6 +69,7 @@ __all__ = [
     "read_rows",
     "rows_read_bytes",
     "save_all_ranks",
+    "upload_part",
     "write_part",
 ]
 
@@ -102,9 +103,10 @@ def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compre
     )
 
 
-def _own_chunks(spec: ArraySpec, t: torch.Tensor, rank: int, world: int, tmp: Path) -> list:
-    """``("chunk", path, key, i, payload, pad)`` jobs of the chunks this rank writes."""
-    jobs = []
+def own_slices(spec: ArraySpec, t: torch.Tensor, rank: int, world: int) -> list[tuple]:
+    """``(i, payload, pad)`` of the chunks this rank writes: those inside its own rows of a
+    row-sharded leaf, chunk ``i % world == rank`` of a leaf every rank holds whole."""
+    out = []
     if _is_row_sharded(t) and spec.shape[0]:
         c = _shard_rows(spec.shape[0], world)
         local = tensor_bytes(t.to_local())
@@ -115,15 +117,20 @@ def _own_chunks(spec: ArraySpec, t: torch.Tensor, rank: int, world: int, tmp: Pa
                 continue
             start, stop = spec.chunk_span(i)
             offset = (first - rank * c) * row_bytes
-            payload = local[offset : offset + (stop - start)]
-            jobs.append(_job(tmp, spec, i, payload, spec.chunk_nbytes - (stop - start)))
-        return jobs
+            out.append(
+                (i, local[offset : offset + (stop - start)], spec.chunk_nbytes - (stop - start))
+            )
+        return out
     data = tensor_bytes(t.to_local() if isinstance(t, DTensor) else t)
-    for i in range(spec.n_chunks):
-        if i % world == rank:
-            start, stop = spec.chunk_span(i)
-            jobs.append(_job(tmp, spec, i, data[start:stop], spec.chunk_nbytes - (stop - start)))
-    return jobs
+    for i in range(rank, spec.n_chunks, world):
+        start, stop = spec.chunk_span(i)
+        out.append((i, data[start:stop], spec.chunk_nbytes - (stop - start)))
+    return out
+
+
+def _own_chunks(spec: ArraySpec, t: torch.Tensor, rank: int, world: int, tmp: Path) -> list:
+    """``("chunk", path, key, i, payload, pad)`` jobs of the chunks this rank writes."""
+    return [_job(tmp, spec, *c) for c in own_slices(spec, t, rank, world)]
 
 
 def _job(tmp: Path, spec: ArraySpec, i: int, payload, pad: int) -> tuple:
@@ -148,10 +155,8 @@ def write_part(
         This rank's manifest (checksums of its own chunks; ``None`` for the others'), for
         :func:`ftrain.ckpt.store.merge_manifests`.
     """
-    codec = parse_compression(compression)
+    codec, groups, leaves, specs = _plan(state, world, chunk_bytes, compression)
     spec_str = codec.spec if codec else None
-    groups, leaves = flatten(state)
-    specs = {k: plan_sharded(k, t, world, chunk_bytes, spec_str) for k, t in leaves.items()}
     docs = step_documents(groups, specs, attributes) if rank == 0 else {}
     meta = [("json", tmp.joinpath(*rel.split("/")), doc, None) for rel, doc in docs.items()]
     chunks = [j for k, t in leaves.items() for j in _own_chunks(specs[k], t, rank, world, tmp)]
@@ -175,37 +180,121 @@ def write_part(
     return build_manifest(groups, specs, crcs, stored, documents, spec_str)
 
 
+def _plan(state: TensorDictBase, world: int, chunk_bytes: int, compression: str | None):
+    """``(codec, groups, leaves, specs)`` of a sharded save of ``state`` over ``world`` ranks."""
+    codec = parse_compression(compression)
+    groups, leaves = flatten(state)
+    spec_str = codec.spec if codec else None
+    specs = {k: plan_sharded(k, t, world, chunk_bytes, spec_str) for k, t in leaves.items()}
+    return codec, groups, leaves, specs
+
+
+def upload_part(
+    step,
+    state: TensorDictBase,
+    attributes: dict,
+    *,
+    rank: int,
+    world: int,
+    chunk_bytes: int,
+    compression: str | None = None,
+) -> dict:
+    """:func:`write_part` for an object store: upload this rank's chunks (and, on rank 0,
+    the documents) under the step prefix ``step`` (an ``ObjectKey``), each request
+    confirmed; returns this rank's manifest."""
+    from ftrain.ckpt.objio import Part, upload_objects
+
+    codec, groups, leaves, specs = _plan(state, world, chunk_bytes, compression)
+    jobs = [(specs[k], *c) for k, t in leaves.items() for c in own_slices(specs[k], t, rank, world)]
+    part = Part(groups, specs, attributes, rank, codec.spec if codec else None)
+    manifest = upload_objects(step, part, jobs)
+    protocol._phase("part_written")  # fault-injection seam, as on a local directory
+    return manifest
+
+
+class _LocalTarget:
+    """The two-phase commit's steps on a local directory: a staging dir, renamed."""
+
+    def __init__(self, manager) -> None:
+        self.manager = manager
+
+    def begin(self, step: int):
+        return protocol.begin(self.manager.directory, step)
+
+    def name(self, staging) -> str:
+        return str(staging.path)
+
+    def write(self, where: str, state, attrs: dict, rank: int, world: int) -> dict:
+        m = self.manager
+        return write_part(
+            Path(where),
+            state,
+            attrs,
+            rank=rank,
+            world=world,
+            chunk_bytes=m.chunk_bytes,
+            workers=m.io_workers,
+            compression=m.compression,
+        )
+
+    def commit(self, staging, step: int, manifest: dict, marker_extra) -> tuple:
+        return protocol.commit(staging, manifest, marker_extra(manifest)), manifest
+
+    def abort(self, staging) -> None:
+        protocol.abort(staging)
+
+
+class _ObjectTarget(_LocalTarget):
+    """The same steps on an object store: the step's final prefix, the marker put last."""
+
+    def begin(self, step: int):
+        return self.manager.directory.begin_step(step)
+
+    def name(self, key) -> str:
+        return key.key
+
+    def write(self, where: str, state, attrs: dict, rank: int, world: int) -> dict:
+        m = self.manager
+        return upload_part(
+            m.directory / where,
+            state,
+            attrs,
+            rank=rank,
+            world=world,
+            chunk_bytes=m.chunk_bytes,
+            compression=m.compression,
+        )
+
+    def commit(self, key, step: int, manifest: dict, marker_extra) -> tuple:
+        return key, self.manager.directory.commit_step(key, step, manifest, marker_extra)
+
+    def abort(self, key) -> None:
+        self.manager.directory.abort_step(key)
+
+
 def save_all_ranks(manager, state: TensorDictBase, step: int, attrs: dict, marker_extra):
     """The two-phase commit (see the module doc). Every rank calls it. Returns
     ``(committed path, manifest)`` on rank 0 and ``None`` on the others once the step is
     committed; raises ``OSError`` on every rank otherwise."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    root = manager.directory
-    staging, error = None, None
+    target = (
+        _LocalTarget(manager) if isinstance(manager.directory, Path) else _ObjectTarget(manager)
+    )
+    handle, error = None, None
     if rank == 0:
         try:
-            staging = protocol.begin(root, step)
+            handle = target.begin(step)
         except OSError as e:
-            error = f"rank 0 cannot stage step {step} in {root}: {e}"
-    path = broadcast_json(None if staging is None else str(staging.path))
-    if path is None:
+            error = f"rank 0 cannot stage step {step} in {manager.directory}: {e}"
+    where = broadcast_json(None if handle is None else target.name(handle))
+    if where is None:
         raise OSError(broadcast_json(error))
     try:
-        part = write_part(
-            Path(path),
-            state,
-            attrs,
-            rank=rank,
-            world=world,
-            chunk_bytes=manager.chunk_bytes,
-            workers=manager.io_workers,
-            compression=manager.compression,
-        )
-        report = {"ok": True, "manifest": part}
+        report = {"ok": True, "manifest": target.write(where, state, attrs, rank, world)}
     except (OSError, ValueError) as e:
         report = {"ok": False, "error": f"rank {rank}: {e}"}
     parts = gather_json(report)
-    final = _commit(staging, parts, marker_extra) if rank == 0 else None
+    final = _commit(target, handle, step, parts, marker_extra) if rank == 0 else None
     ok = broadcast_int(1 if final is not None else 0)
     if not ok:
         errors = [p["error"] for p in parts if not p["ok"]] if parts else []
@@ -214,20 +303,20 @@ def save_all_ranks(manager, state: TensorDictBase, step: int, attrs: dict, marke
     return final
 
 
-def _commit(staging, parts: list[dict], marker_extra) -> tuple | None:
+def _commit(target, handle, step: int, parts: list[dict], marker_extra) -> tuple | None:
     """Rank 0: merge and commit when every rank succeeded, else abort. ``(path, manifest)``."""
     if not all(p["ok"] for p in parts):
-        protocol.abort(staging)
+        target.abort(handle)
         return None
     manifest = merge_manifests([p["manifest"] for p in parts])
     try:
-        return protocol.commit(staging, manifest, marker_extra(manifest)), manifest
+        return target.commit(handle, step, manifest, marker_extra)
     except OSError:
-        protocol.abort(staging)
+        target.abort(handle)
         return None
 
 
-def _overlapping(spec: ArraySpec, start: int, length: int) -> range:
+def overlapping(spec: ArraySpec, start: int, length: int) -> range:
     """The chunks of ``spec`` that hold any of rows ``[start, start + length)``."""
     if not length or not spec.nbytes:
         return range(0)
@@ -237,7 +326,25 @@ def _overlapping(spec: ArraySpec, start: int, length: int) -> range:
 
 def rows_read_bytes(spec: ArraySpec, start: int, length: int) -> int:
     """The chunk payload bytes :func:`read_rows` reads for those rows (whole chunks)."""
-    return sum(c1 - c0 for c0, c1 in map(spec.chunk_span, _overlapping(spec, start, length)))
+    return sum(c1 - c0 for c0, c1 in map(spec.chunk_span, overlapping(spec, start, length)))
+
+
+def empty_rows(spec: ArraySpec, length: int) -> torch.Tensor:
+    """The destination of ``length`` rows of the array ``spec``."""
+    return torch.empty((length, *spec.shape[1:]), dtype=parse_dtype(spec.dtype))
+
+
+def copy_rows(spec: ArraySpec, i: int, chunk, dest: memoryview, start: int, length: int) -> None:
+    """Copy the rows of ``[start, start + length)`` that the verified payload ``chunk`` of
+    chunk ``i`` holds into ``dest`` (the bytes of those rows)."""
+    rows = spec.chunk_shape[0]
+    row_bytes = spec.chunk_nbytes // rows
+    c0, c1 = spec.chunk_span(i)
+    first, last = max(start, i * rows), min(start + length, i * rows + (c1 - c0) // row_bytes)
+    src = (first - i * rows) * row_bytes
+    dest[(first - start) * row_bytes : (last - start) * row_bytes] = chunk[
+        src : src + (last - first) * row_bytes
+    ]
 
 
 def read_rows(root: Path, spec: ArraySpec, start: int, length: int) -> torch.Tensor:
@@ -247,13 +354,11 @@ def read_rows(root: Path, spec: ArraySpec, start: int, length: int) -> torch.Ten
     Raises:
         CorruptCheckpointError: a chunk is missing, the wrong size, or fails its crc32c.
     """
-    out = torch.empty((length, *spec.shape[1:]), dtype=parse_dtype(spec.dtype))
-    if not length or not out.numel():
+    out = empty_rows(spec, length)
+    if not out.numel():
         return out
     dest = byte_view(out)
-    row_bytes = len(dest) // length
-    rows = spec.chunk_shape[0]
-    for i in _overlapping(spec, start, length):
+    for i in overlapping(spec, start, length):
         c0, c1 = spec.chunk_span(i)
         chunk = bytearray(c1 - c0)
         path = root.joinpath(*spec.key.split("/"), *spec.chunk_key(i).split("/"))
@@ -261,11 +366,7 @@ def read_rows(root: Path, spec: ArraySpec, start: int, length: int) -> torch.Ten
         read_chunk(
             (path, memoryview(chunk), spec.chunk_nbytes - (c1 - c0), spec.crc32c[i], stored, spec)
         )
-        first, last = max(start, i * rows), min(start + length, i * rows + (c1 - c0) // row_bytes)
-        src = (first - i * rows) * row_bytes
-        dest[(first - start) * row_bytes : (last - start) * row_bytes] = chunk[
-            src : src + (last - first) * row_bytes
-        ]
+        copy_rows(spec, i, chunk, dest, start, length)
     return out
 
 

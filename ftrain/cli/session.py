@@ -209,15 +209,9 @@ class Session:
             self._committed([step])
 
     def _save_sharded(self, state, metrics: dict, host_rng, reason: str) -> bool:
-        """All ranks: the multi-writer two-phase save (sync); rank 0 records it."""
+        """All ranks: the multi-writer two-phase save (sync), into a directory or an object
+        store alike (each rank writes its own chunks); rank 0 records it."""
         t0, started = time.perf_counter(), time.time()
-        if not isinstance(self.manager.directory, Path):  # object store: gather, rank 0 puts
-            state = gather_state(state)
-            if not self.world.is_coordinator:
-                return False
-            return self.manager.save(
-                state, metrics=metrics, metadata=self.metadata, force=True, host_rng=host_rng
-            )
         try:
             self.manager.save_sharded(
                 state, metrics=metrics, metadata=self.metadata, host_rng=host_rng

@@ -1,6 +1,7 @@
 """Run by test_sharding.py: a save on N ranks, a restore on M ranks that reads rows only.
 
     python reshard_worker.py save DIR                              # N = 1: a replicated step
+    (DIR may be an object-store URL, s3://bucket/prefix, for the tests in tests/s3/)
     torchrun --nproc-per-node=N reshard_worker.py save DIR         # each rank writes its rows
     torchrun --nproc-per-node=M reshard_worker.py load OUT DIR...  # each rank reads its rows
 
@@ -45,7 +46,7 @@ def _batch(i: int, rank: int, world: int):
     return {"x": mine[:, :-1], "y": mine[:, 1:]}
 
 
-def save(where: Path) -> None:
+def save(where: str | Path) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     for mode in MODES:
@@ -57,22 +58,23 @@ def save(where: Path) -> None:
             state = sharding.shard_state(state, step.sharder)
         for i in range(2):
             state, _ = step(state, _batch(i, rank, world))
-        mgr = CheckpointManager(where / mode, async_save=False, chunk_bytes=CHUNK_BYTES)
+        mgr = CheckpointManager(f"{where}/{mode}", async_save=False, chunk_bytes=CHUNK_BYTES)
         mgr.save_sharded(state) if world > 1 else mgr.save(state)
 
 
-def load(out: Path, dirs: list[Path]) -> None:
+def load(out: Path, dirs: list[str]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {}
     for d in dirs:
         for mode in MODES:
-            report[f"{d.name}/{mode}"] = _check(d / mode, sharding.Sharder(full=mode == "full"))
+            name = d.rstrip("/").rsplit("/", 1)[-1]
+            report[f"{name}/{mode}"] = _check(f"{d}/{mode}", sharding.Sharder(full=mode == "full"))
     every = gather_json(report)
     if rank == 0:
         out.write_text(json.dumps({"world": world, "ranks": every}))
 
 
-def _check(where: Path, sharder: sharding.Sharder) -> dict:
+def _check(where: str, sharder: sharding.Sharder) -> dict:
     """This rank's row restore against a whole restore of the same step, and what it read."""
     fresh = _parts()[2]
     mgr = CheckpointManager(where, async_save=False)
@@ -107,9 +109,9 @@ if __name__ == "__main__":
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     if sys.argv[1] == "save":
-        save(Path(sys.argv[2]))
+        save(sys.argv[2])  # a directory or an s3:// URL
     else:
-        load(Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]])
+        load(Path(sys.argv[2]), sys.argv[3:])
     if dist.is_initialized():
         dist.barrier()  # no rank tears its gloo pairs down while a peer still sends
         dist.destroy_process_group()

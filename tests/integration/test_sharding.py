@@ -179,18 +179,23 @@ RESHARD = Path(__file__).with_name("reshard_worker.py")
 def test_restore_reads_only_the_rows_each_rank_owns(tmp_path, nproc):
     """Steps written by 1 rank (whole) and by 2 ranks (rows) restored on ``nproc`` ranks with
     ``restore(rows=sharder)``: bit-exact rows, and each rank reads about its share."""
+    check_row_restore(str(tmp_path / "one"), str(tmp_path / "two"), tmp_path / "out.json", nproc)
+
+
+def check_row_restore(one: str, two: str, out: Path, nproc: int) -> None:
+    """Save at ``one`` (in this process) and ``two`` (2 ranks), restore both on ``nproc``
+    ranks reading rows only, and check what every rank got and read (also run by
+    tests/s3 with ``s3://`` locations)."""
     from .reshard_worker import save
 
-    save(tmp_path / "one")  # in this process: world size 1, a replicated step
+    save(one)  # in this process: world size 1, a replicated step
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    for n, args in ((2, ["save", tmp_path / "two"]), (nproc, ["load", tmp_path / "out.json"])):
-        cmd = [*run, f"--nproc-per-node={n}", str(RESHARD), *map(str, args)]
-        if args[0] == "load":
-            cmd += [str(tmp_path / "one"), str(tmp_path / "two")]
+    for n, args in ((2, ["save", two]), (nproc, ["load", str(out), one, two])):
+        cmd = [*run, f"--nproc-per-node={n}", str(RESHARD), *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    ranks = json.loads((tmp_path / "out.json").read_text())["ranks"]
+    ranks = json.loads(out.read_text())["ranks"]
     for case in ranks[0]:
         got = [r[case] for r in ranks]
         assert all(g["bit_exact"] and g["step"] == 2 for g in got), (case, got)
