@@ -31,7 +31,7 @@ from tensordict import TensorDictBase
 
 from ftrain.optim.base import FlatFn, pick
 from ftrain.optim.bucketed import Prepare, Source
-from ftrain.state.tree import Key, rebuild, structure
+from ftrain.state.tree import Key, flatten, rebuild, structure
 
 __all__ = ["BUCKET_BYTES", "spans_of", "update_and_apply"]
 
@@ -90,6 +90,7 @@ def update_and_apply(
     spans = spans_of(params, BUCKET_BYTES)
     body = prepare(Source.of(keys, grads, params, spans), opt)
     writer = _StateWriter(opt, in_place)
+    held = {id(t) for t in params} | {id(t) for t in writer.old.values()}
     new = list(params)
     for span in spans:
         g = pick(span, grads)
@@ -101,11 +102,13 @@ def update_and_apply(
         if in_place:
             u = _unaliased(u, ps + writer.targets(bucket_state))
             writer.write(bucket_state)
+            out = _apply(ps, u, True)
         else:
             writer.take(bucket_state)
-        for i, t in zip(span, _apply(ps, u, in_place), strict=True):
+            out = _add_into_updates(ps, u, held | {id(t) for t in flatten(bucket_state)[1]})
+        for i, t in zip(span, out, strict=True):
             new[i] = t
-        del u, bucket_state
+        del u, bucket_state, out
     return new, writer.state()
 
 
@@ -115,6 +118,36 @@ def _apply(params: Leaves, updates: Leaves, in_place: bool) -> Leaves:
         torch._foreach_add_(params, updates)
         return params
     return torch._foreach_add(params, updates)
+
+
+def _add_into_updates(params: Leaves, updates: Leaves, held: set[int]) -> Leaves:
+    """``params + updates`` out of place, written into the update tensors themselves where
+    they are the step's own temporaries: the pure step then allocates no new parameters
+    (the buffers the step owns are reused; the input state is not touched).
+
+    An update is overwritten only if it is no parameter or optimizer entry (``held``), owns
+    its storage with the parameter's layout, and is not returned for another leaf too.
+    ``u + p`` is ``p + u`` bit for bit (IEEE addition commutes).
+    """
+    scratch, rest = [], []
+    for i, (p, u) in enumerate(zip(params, updates, strict=True)):
+        (scratch if _scratch(p, u, held) else rest).append(i)
+    out = list(updates)
+    if rest:  # first: they may read a tensor that a scratch leaf overwrites below
+        summed = torch._foreach_add(pick(rest, params), pick(rest, updates))
+        for i, t in zip(rest, summed, strict=True):
+            out[i] = t
+    if scratch:
+        torch._foreach_add_(pick(scratch, updates), pick(scratch, params))
+    return out
+
+
+def _scratch(p: torch.Tensor, u: torch.Tensor, held: set[int]) -> bool:
+    if id(u) in held:
+        return False
+    held.add(id(u))  # a tensor returned for two leaves is overwritten for one at most
+    same = (u.shape, u.dtype, u.device, u.stride()) == (p.shape, p.dtype, p.device, p.stride())
+    return same and u.untyped_storage().nbytes() == u.numel() * u.element_size()
 
 
 def _unaliased(values: Leaves, targets: Leaves) -> Leaves:

@@ -78,11 +78,26 @@ def test_bucketed_steps_are_bit_identical_to_the_whole_tree_update(name, monkeyp
     tx = TXS[name]()
     assert prepare_of(tx) is not None, "every built-in composition is bucketable"
     reference = _train(tx, None, False, monkeypatch)  # the whole-tree pure step
+    _check_pure(tx, monkeypatch)
     for bucket in BUCKETS:
         for donate in (False, True):
             got = _train(tx, bucket, donate, monkeypatch)
             assert tree_equal(reference, got), (bucket, donate, first_difference(reference, got))
     assert tree_equal(reference, _train(tx, None, True, monkeypatch))  # whole-tree donated
+
+
+def _check_pure(tx, monkeypatch):
+    """The bucketed pure step (which writes new params into its own update temporaries)
+    leaves every leaf of its input as it was."""
+    monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
+    model = _model()
+    state = init_state(model, tx, seed=0)
+    step = ftrain.make_step(model, _mse, tx)
+    for i in range(3):
+        snapshot = state.clone()
+        new, _ = step(state, _batch(i))
+        assert tree_equal(state, snapshot), first_difference(state, snapshot)
+        state = new
 
 
 def test_fp16_loss_scale_skip_is_bit_identical_bucketed(monkeypatch):
