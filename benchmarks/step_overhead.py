@@ -15,6 +15,7 @@ Variants (AdamW lr 1e-3, weight decay 0.01, clip 1.0 with torch's rule on both s
 - ``pure``: ``ftrain.make_step`` (out of place; the input state stays intact);
 - ``donate``: ``make_step(..., donate=True)``;
 - ``compiled``: ``make_step(..., compile=True)`` (the whole step's tensor core compiled);
+- ``compiled_donate`` (only when named in ``--variants``): the same with ``donate=True``;
 - ``imperative_compiled``: ``torch.compile(model)`` + a compiled ``optimizer.step`` (the
   PyTorch tutorial's recipe), clipping eager.
 
@@ -54,6 +55,7 @@ WORKLOADS = {  # name -> (kind, width or GPT size, batch)
     "mlp2048": ("mlp", 2048, 256),
     "gpt2tiny": ("gpt", "tiny", 8),
 }
+# --variants also knows compiled_donate (not run by default)
 VARIANTS = ("imperative", "pure", "donate", "compiled", "imperative_compiled")
 SEQ = {"tiny": 64, "small": 128}
 
@@ -144,7 +146,11 @@ def functional(model: nn.Module, loss_fn, variant: str):
     box = [ftrain.init_state(model, tx, seed=0)]
     model.to("meta")  # the state owns the weights now, as in ftrain use
     step_fn = ftrain.make_step(
-        model, loss_fn, tx, donate=variant == "donate", compile=variant == "compiled"
+        model,
+        loss_fn,
+        tx,
+        donate=variant in ("donate", "compiled_donate"),
+        compile=variant.startswith("compiled"),
     )
 
     def step(batch):
