@@ -395,7 +395,10 @@ def make_step(
         grad_accum: micro-batches per step; the batch's leading dim is cut into this many,
             gradients are averaged, and one optimizer update is made (a step is a whole update).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 needs a loss scale).
-        donate: add the updates to the params in place (JAX's ``donate_argnums``); the input
+        donate: reuse the input state's buffers (JAX's ``donate_argnums``): ``tx`` runs one
+            bucket of leaves at a time and writes each bucket's new optimizer entries and
+            params into them (:mod:`ftrain.apply`; bit for bit the pure step's results;
+            a ``tx`` that is not bucketable only adds its updates in place); the input
             state is then unusable and passing it again raises. A state pinned by an
             in-flight async checkpoint save (:func:`ftrain.state.pin`) is updated out of
             place instead, so the save never sees a later step's values.

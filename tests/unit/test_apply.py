@@ -120,9 +120,13 @@ def _leaves(state, part):
 def test_donated_step_writes_into_the_input_buffers_bucket_by_bucket(monkeypatch):
     monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
     seen = []
-    monkeypatch.setattr(
-        apply, "spans_of", lambda p, b, f=apply.spans_of: seen.append(f(p, b)) or seen[-1]
-    )
+    real = apply.spans_of
+
+    def spans_of(params, bucket_bytes):
+        seen.append(real(params, bucket_bytes))
+        return seen[-1]
+
+    monkeypatch.setattr(apply, "spans_of", spans_of)
     model, tx = _model(), TXS["adamw"]()
     state = init_state(model, tx, seed=0)
     step = ftrain.make_step(model, _mse, tx, donate=True)
