@@ -15,6 +15,7 @@ Variants (AdamW lr 1e-3, weight decay 0.01, clip 1.0 with torch's rule on both s
 - ``pure``: ``ftrain.make_step`` (out of place; the input state stays intact);
 - ``donate``: ``make_step(..., donate=True)``;
 - ``compiled``: ``make_step(..., compile=True)`` (the whole step's tensor core compiled);
+- ``compiled_donate`` (only when named in ``--variants``): the same with ``donate=True``;
 - ``imperative_compiled``: ``torch.compile(model)`` + a compiled ``optimizer.step`` (the
   PyTorch tutorial's recipe), clipping eager.
 
@@ -29,6 +30,8 @@ imperative loop's.
     .venv/bin/python benchmarks/step_overhead.py                     # everything
     .venv/bin/python benchmarks/step_overhead.py --rounds 2 --steps 3 --only mlp512
     .venv/bin/python benchmarks/step_overhead.py --memory --only none  # memory only
+    .venv/bin/python benchmarks/step_overhead.py --memory --only none --bucket-mb none
+        # the same with tx.update on the whole tree (no buckets: the pre-bucketing step)
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ WORKLOADS = {  # name -> (kind, width or GPT size, batch)
     "mlp2048": ("mlp", 2048, 256),
     "gpt2tiny": ("gpt", "tiny", 8),
 }
+# --variants also knows compiled_donate (not run by default)
 VARIANTS = ("imperative", "pure", "donate", "compiled", "imperative_compiled")
 SEQ = {"tiny": 64, "small": 128}
 
@@ -142,7 +146,11 @@ def functional(model: nn.Module, loss_fn, variant: str):
     box = [ftrain.init_state(model, tx, seed=0)]
     model.to("meta")  # the state owns the weights now, as in ftrain use
     step_fn = ftrain.make_step(
-        model, loss_fn, tx, donate=variant == "donate", compile=variant == "compiled"
+        model,
+        loss_fn,
+        tx,
+        donate=variant in ("donate", "compiled_donate"),
+        compile=variant.startswith("compiled"),
     )
 
     def step(batch):
@@ -230,6 +238,15 @@ def report(workload: str, res: dict, args) -> None:
 # ----------------------------------------------------------------------------- memory
 
 
+def set_bucket(mb: str | None) -> None:
+    """``--bucket-mb``: the eager step's update bucket (``none``: the whole tree at once)."""
+    if mb is None:
+        return
+    from ftrain import apply
+
+    apply.BUCKET_BYTES = None if mb == "none" else int(float(mb) * 2**20)
+
+
 def memory_worker(variant: str, model: str, steps: int) -> None:
     """One variant in this (fresh) process: train a few steps, print the peak RSS."""
     step, _ = build(variant, model)
@@ -253,6 +270,7 @@ def memory(variants: list[str], args) -> None:
     for v in variants:
         cmd = [sys.executable, __file__, "--memory-worker", v, "--memory-model", args.memory_model]
         cmd += ["--threads", str(args.threads), "--memory-steps", str(args.memory_steps)]
+        cmd += ["--bucket-mb", args.bucket_mb] if args.bucket_mb else []
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             rows[v] = None
@@ -280,8 +298,10 @@ def main() -> None:
     p.add_argument("--memory-model", default="small")
     p.add_argument("--memory-steps", type=int, default=3)
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    p.add_argument("--bucket-mb", help="update bucket MiB of the eager step ('none': whole tree)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    set_bucket(args.bucket_mb)
     variants = [v for v in args.variants.split(",") if v]
     if args.memory_worker:
         return memory_worker(args.memory_worker, args.memory_model, args.memory_steps)

@@ -22,8 +22,11 @@ it; the wrapper unscales and skips non-finite updates as ``torch.amp.GradScaler`
 counters under ``state["opt"]["loss_scale"]``. ``step`` and the data cursor advance either
 way — the batch was consumed.
 
-Donation (``donate=True``) happens at one boundary: the transforms are pure, and the step
-adds the updates to the parameters in place instead of into new tensors.
+Donation (``donate=True``) happens at one boundary, :mod:`ftrain.apply`: the transforms
+are pure, and the step runs ``tx`` one bucket of leaves at a time, writing each bucket's
+new optimizer entries and parameters into the donated buffers before the next bucket
+(the pure step writes them into new tensors; either way each bucket's gradients are freed
+once used).
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from torch import nn
 from torch.func import functional_call
 
 from ftrain import rng
+from ftrain.apply import update_and_apply
 from ftrain.nn import use_generator
 from ftrain.optim.base import Trainable, flat_update, pick, tree_get
+from ftrain.optim.bucketed import prepare_of
 from ftrain.optim.partition import learning_rates
 from ftrain.optim.processing import clip_by_global_norm_torch, global_norm_of, mean_across_ranks
 from ftrain.state.init import check_usable, is_pinned, mark_donated
@@ -243,14 +248,6 @@ def carry_frozen(params: list[torch.Tensor], keep: list[int] | None, new: list[t
     return out
 
 
-def _apply(params: list[torch.Tensor], updates: list[torch.Tensor], in_place: bool):
-    """``params + updates``: the donation boundary (in place only when donating)."""
-    if in_place:
-        torch._foreach_add_(params, updates)
-        return params
-    return torch._foreach_add(params, updates)
-
-
 def _collective(dp: bool):
     """The step's collective hook: the cross-rank gradient mean (a stateless transform)."""
     return flat_update(mean_across_ranks()) if dp else None
@@ -398,7 +395,10 @@ def make_step(
         grad_accum: micro-batches per step; the batch's leading dim is cut into this many,
             gradients are averaged, and one optimizer update is made (a step is a whole update).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 needs a loss scale).
-        donate: add the updates to the params in place (JAX's ``donate_argnums``); the input
+        donate: reuse the input state's buffers (JAX's ``donate_argnums``): ``tx`` runs one
+            bucket of leaves at a time and writes each bucket's new optimizer entries and
+            params into them (:mod:`ftrain.apply`; bit for bit the pure step's results;
+            a ``tx`` that is not bucketable only adds its updates in place); the input
             state is then unusable and passing it again raises. A state pinned by an
             in-flight async checkpoint save (:func:`ftrain.state.pin`) is updated out of
             place instead, so the save never sees a later step's values.
@@ -492,7 +492,7 @@ class _EagerCore:
 
     def __init__(self, model, loss_fn, tx, autocast, dp: bool, clip: float | None, sharder=None):
         self.grads_of = _Grads(model, loss_fn, autocast)
-        self.update = flat_update(tx)
+        self.update, self.prepare = flat_update(tx), prepare_of(tx)
         self.collective, self.old_clip = _collective(dp and sharder is None), _deprecated_clip(clip)
         self.sharder = sharder
 
@@ -519,15 +519,22 @@ class _EagerCore:
             grad_norm = grad_norm if scale is None else grad_norm / scale.to(grad_norm.device)
             if self.old_clip is not None:
                 grads, _ = self.old_clip(tkeys, grads, _EMPTY, None)
-            updates, new_opt = self.update(tkeys, grads, opt, tparams)
-            if self.sharder is None:
-                new = _apply(tparams, updates, in_place)
-            elif self.sharder.full:  # the new rows are the state: nothing to gather
-                new = torch._foreach_add(tparams, updates)
+            if self.sharder is None:  # bucket by bucket, grads freed as they are used
+                grads = list(grads)  # the only reference to them, which it consumes
+                new, new_opt = update_and_apply(
+                    self.update, self.prepare, tkeys, grads, opt, tparams, in_place
+                )
             else:
-                new = self.sharder.all_gather(torch._foreach_add(tparams, updates))
+                new, new_opt = self._sharded_update(tkeys, grads, opt, tparams)
             new_params = carry_frozen(held, keep, new)
         return new_params, buffers, new_opt, loss, grad_norm, aux
+
+    def _sharded_update(self, tkeys, grads, opt, rows):
+        updates, new_opt = self.update(tkeys, grads, opt, rows)
+        new = torch._foreach_add(rows, updates)
+        if self.sharder.full:  # the new rows are the state: nothing to gather
+            return new, new_opt
+        return self.sharder.all_gather(new), new_opt
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 # One pytree implementation for the whole library (sorted, insertion-order independent).
+from ftrain.optim.bucketed import Body, Prepare, Source, prepare_of
 from ftrain.state.tree import Key as Path
 from ftrain.state.tree import flatten, new_td, path_str, unflatten
 
@@ -108,6 +109,19 @@ def empty_state() -> TensorDict:
     return TensorDict(batch_size=[])
 
 
+_STRUCTURES = 64  # a bucketed update sees one key structure per bucket
+
+
+def per_structure(cache: dict, key: tuple, make: Callable[[], object]):
+    """``cache[key]``, made by ``make()`` on a miss; at most a few dozen structures are kept
+    (one per bucket of a bucketed update, plus the whole tree), the oldest dropped first."""
+    if key not in cache:
+        if len(cache) >= _STRUCTURES:
+            cache.pop(next(iter(cache)))
+        cache[key] = make()
+    return cache[key]
+
+
 _MISSING = object()
 
 
@@ -170,14 +184,22 @@ class FlatUpdate:
     ``None``) and the transform's own state TensorDict, and returns new leaf lists and state.
     """
 
-    __slots__ = ("flat", "frozen_of", "name")
+    __slots__ = ("flat", "frozen_of", "name", "prepare")
 
-    def __init__(self, name: str, flat: FlatFn, frozen_of: FrozenFn | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        flat: FlatFn,
+        frozen_of: FrozenFn | None = None,
+        prepare: Prepare | None = None,
+    ) -> None:
         self.name = name
         self.flat = flat
         # ``frozen_of(keys, leaves) -> indices`` this transform never updates (see
         # :func:`frozen_indices`); None: it may update every leaf
         self.frozen_of = frozen_of
+        # the bucketed form of ``flat`` (:mod:`ftrain.optim.bucketed`); None: whole tree only
+        self.prepare = prepare
 
     def __call__(
         self,
@@ -203,6 +225,7 @@ def make_transform(
     init: Callable[[TensorDictBase], TensorDictBase],
     flat: FlatFn,
     frozen_of: FrozenFn | None = None,
+    prepare: Prepare | None = None,
 ) -> GradientTransformation:
     """Build a :class:`GradientTransformation` from an ``init`` and a flat update function.
 
@@ -215,6 +238,10 @@ def make_transform(
             transform leaves unchanged whatever their gradients (``frozen`` ones); the step
             does not differentiate them (:func:`frozen_indices`). Only for transforms that
             give them zero updates and no state.
+        prepare: the bucketed form of ``flat`` (:mod:`ftrain.optim.bucketed`), which lets
+            the step update one bucket of leaves at a time; e.g. ``leafwise(flat, name)``
+            for a ``flat`` whose results for a leaf depend on that leaf alone. None: the
+            step runs ``flat`` on the whole tree.
 
     Returns:
         The transform; its ``update`` is a :class:`FlatUpdate`.
@@ -224,7 +251,7 @@ def make_transform(
         ...     return torch._foreach_neg(u), state
         >>> negate = make_transform("negate", lambda params: TensorDict(), flat)
     """
-    return GradientTransformation(init, FlatUpdate(name, flat, frozen_of))
+    return GradientTransformation(init, FlatUpdate(name, flat, frozen_of, prepare))
 
 
 def frozen_indices(
@@ -270,12 +297,11 @@ class Trainable:
         """Trainable indices, or None when every leaf is trainable."""
         if self.frozen_of is None:
             return None
-        key = tuple(keys)
-        if key not in self.cache:
-            frozen = set(self.frozen_of(keys, leaves))
-            self.cache.clear()  # one structure at a time: keeps the cache bounded
-            self.cache[key] = [i for i in range(len(keys)) if i not in frozen] if frozen else None
-        return self.cache[key]
+        return per_structure(self.cache, tuple(keys), lambda: self._indices(keys, leaves))
+
+    def _indices(self, keys: list[Path], leaves: list[torch.Tensor]) -> list[int] | None:
+        frozen = set(self.frozen_of(keys, leaves))
+        return [i for i in range(len(keys)) if i not in frozen] if frozen else None
 
     def params(self, params: TensorDictBase) -> TensorDictBase:
         """The trainable part of a parameter tree (what members' ``init`` sees)."""
@@ -397,4 +423,32 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientT
         out, new_state = run(pick(keep, keys), pick(keep, updates), state, pick(keep, params))
         return with_zeros(updates, keep, out), new_state  # frozen leaves passed in: no update
 
-    return make_transform(name, init, flat, frozen_of)
+    preps = [(n, prepare_of(tx)) for n, tx, _ in members]
+    prepare = None
+    if all(p is not None for _, p in preps):
+
+        def prepare(src: Source, state: TensorDictBase) -> Body:
+            trainable_only(trainable, src, name)
+            bodies = []
+            for n, prep in preps:  # each member's globals are fixed on its own input
+                bodies.append((n, prep(src, member_state(state, n))))
+                src = src.then(bodies[-1][1])
+
+            def body(idx, updates, params):
+                new_states = {}
+                for n, member in bodies:
+                    updates, new_states[n] = member(idx, updates, params)
+                return updates, new_td(new_states)
+
+            return body
+
+    return make_transform(name, init, flat, frozen_of, prepare)
+
+
+def trainable_only(trainable: Trainable, src: Source, owner: str) -> None:
+    """A bucketed update sees trainable leaves only (as the step passes them)."""
+    if trainable.indices(src.keys, src.params) is not None:
+        raise ValueError(
+            f"{owner}: a bucketed update (prepare) takes the trainable leaves only, as "
+            "make_step passes them; call update on the whole tree to include frozen ones"
+        )

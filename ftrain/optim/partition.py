@@ -43,10 +43,13 @@ from ftrain.optim.base import (
     member_state,
     new_td,
     path_str,
+    per_structure,
     pick,
+    trainable_only,
     unflatten,
     with_zeros,
 )
+from ftrain.optim.bucketed import Body, Source, leafwise, prepare_of
 
 __all__ = ["frozen", "learning_rates", "multi_transform"]
 
@@ -78,7 +81,9 @@ def frozen() -> GradientTransformation:
     def flat(keys, u, state, params):
         return [torch.zeros_like(t) for t in u], empty_state()
 
-    return make_transform("frozen", lambda params: empty_state(), flat, _all)
+    return make_transform(
+        "frozen", lambda params: empty_state(), flat, _all, prepare=leafwise(flat, "frozen")
+    )
 
 
 def _check_transforms(transforms: Mapping[str, GradientTransformation]) -> None:
@@ -145,14 +150,13 @@ class _Groups:
         self.cache: dict[tuple[Path, ...], dict[str, list[int]]] = {}
 
     def of(self, keys: list[Path], leaves: list[torch.Tensor]) -> dict[str, list[int]]:
-        key = tuple(keys)
-        if key not in self.cache:
-            groups: dict[str, list[int]] = {label: [] for label in self.labels}
-            for i, (k, t) in enumerate(zip(keys, leaves, strict=True)):
-                groups[self.labeller(path_str(k), t)].append(i)
-            self.cache.clear()  # one structure at a time: keeps the cache bounded
-            self.cache[key] = groups
-        return self.cache[key]
+        return per_structure(self.cache, tuple(keys), lambda: self._label(keys, leaves))
+
+    def _label(self, keys: list[Path], leaves: list[torch.Tensor]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {label: [] for label in self.labels}
+        for i, (k, t) in enumerate(zip(keys, leaves, strict=True)):
+            groups[self.labeller(path_str(k), t)].append(i)
+        return groups
 
 
 def multi_transform(
@@ -229,7 +233,41 @@ def multi_transform(
         out, new_state = run(pick(keep, keys), pick(keep, u), state, pick(keep, params))
         return with_zeros(u, keep, out), new_state
 
-    return make_transform("multi_transform", init, flat, trainable.frozen_of)
+    preps = [(label, prepare_of(tx)) for label, tx, _ in members]
+    prepare = None
+    if all(p is not None for _, p in preps):
+
+        def prepare(src: Source, state: TensorDictBase) -> Body:
+            trainable_only(trainable, src, "multi_transform")
+            return _bucketed_groups(src, state, groups.of(src.keys, src.params), preps)
+
+    return make_transform("multi_transform", init, flat, trainable.frozen_of, prepare)
+
+
+def _bucketed_groups(src: Source, state: TensorDictBase, groups: dict, preps) -> Body:
+    """``multi_transform``'s bucketed form: each label's transform prepared on its own
+    leaves (its globals, e.g. a clip inside the label, over that label only)."""
+    label_of, local = [0] * len(src.keys), [0] * len(src.keys)
+    bodies = []
+    for n, (label, prep) in enumerate(preps):
+        idx = groups[label]
+        for j, i in enumerate(idx):
+            label_of[i], local[i] = n, j
+        bodies.append((label, prep(src.part(idx), member_state(state, label, "multi_transform"))))
+
+    def body(idx, u, params):
+        out: list = [None] * len(idx)
+        states = {}
+        for n, (label, member) in enumerate(bodies):
+            sel = [j for j, i in enumerate(idx) if label_of[i] == n]
+            sub, states[label] = member(
+                [local[idx[j]] for j in sel], pick(sel, u), pick(sel, params)
+            )
+            for j, v in zip(sel, sub, strict=True):
+                out[j] = v
+        return out, new_td(states)
+
+    return body
 
 
 def _may_freeze(tx: GradientTransformation) -> bool:

@@ -29,6 +29,7 @@ from ftrain.optim.base import (
     member_state,
     new_td,
 )
+from ftrain.optim.bucketed import Body, Source, prepare_of
 from ftrain.state.tree import rebuild, structure
 
 __all__ = [
@@ -100,7 +101,19 @@ def global_norm_of(leaves: Leaves) -> torch.Tensor:
 
 
 def _norm(leaves: Leaves) -> torch.Tensor:
-    norms = torch._foreach_norm(leaves, 2)
+    return _combine(torch._foreach_norm(leaves, 2))
+
+
+def _streamed_norm(src: Source) -> torch.Tensor:
+    """The global norm of a source's input, one bucket held at a time: per-leaf norms of
+    each bucket, then their norm, which is exactly :func:`_norm` of the whole list."""
+    if src.whole is not None:  # the step's own gradients: the grad-norm metric's memo
+        return global_norm_of(src.whole)
+    return _combine([n for span in src.spans for n in torch._foreach_norm(src.read(span), 2)])
+
+
+def _combine(norms: Leaves) -> torch.Tensor:
+    """The norm of per-leaf norms (the widest dtype when they are mixed)."""
     first = norms[0]
     if any(n.dtype != first.dtype or n.device != first.device for n in norms):
         dtype = first.dtype
@@ -153,7 +166,15 @@ def _clipper(name: str, max_norm: float, coefficient) -> GradientTransformation:
             return u, empty_state()
         return _scaled(u, coefficient(global_norm_of(u), max_norm)), empty_state()
 
-    return make_transform(name, lambda params: empty_state(), flat)
+    def prepare(src: Source, state: TensorDictBase) -> Body:
+        coef = coefficient(_streamed_norm(src), max_norm) if src.keys else None
+
+        def body(idx, u, params):
+            return (_scaled(u, coef) if u else u), empty_state()
+
+        return body
+
+    return make_transform(name, lambda params: empty_state(), flat, prepare=prepare)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -223,23 +244,39 @@ def init_loss_scale(init_scale: float = INIT_SCALE) -> TensorDictBase:
 def _unscale(u: Leaves, ls: TensorDictBase, rule: tuple[float, float, int]):
     """GradScaler's unscale + non-finite check + scale update, out of place."""
     device = u[0].device if u else ls["scale"].device
+    inv, found_inf = _inverse_scale(ls, device)
+    unscaled = torch._foreach_mul(u, inv) if u else u
+    _check_finite(unscaled, found_inf)
+    return unscaled, _next_scale(ls, found_inf, rule, device), found_inf
+
+
+def _inverse_scale(ls: TensorDictBase, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(1 / scale, found_inf = 0)`` on ``device``."""
+    inv = ls["scale"].to(device).double().reciprocal().float()
+    return inv, torch.zeros((), dtype=torch.float32, device=device)
+
+
+def _check_finite(unscaled: Leaves, found_inf: torch.Tensor) -> None:
+    """Set ``found_inf`` if any leaf has a non-finite value (it is never reset, so one flag
+    collects the buckets of a bucketed update)."""
+    if unscaled:  # the check only: multiplying by 1 is exact
+        one = torch.ones((), dtype=torch.float32, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(unscaled, found_inf, one)
+
+
+def _next_scale(ls: TensorDictBase, found_inf: torch.Tensor, rule, device) -> TensorDictBase:
+    """The loss-scale counters after this update (GradScaler's growth/backoff kernel)."""
     scale = ls["scale"].to(device, copy=True)
     tracker = ls["growth_tracker"].to(device, copy=True)
-    found_inf = torch.zeros((), dtype=torch.float32, device=device)
-    unscaled = torch._foreach_mul(u, scale.double().reciprocal().float()) if u else u
-    if unscaled:  # the check only: multiplying by 1 is exact
-        one = torch.ones((), dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(unscaled, found_inf, one)
     torch._amp_update_scale_(scale, tracker, found_inf, *rule)
     skipped = ls["skipped"] + (found_inf > 0).to(ls["skipped"].device, torch.int64)
-    new_ls = new_td(
+    return new_td(
         {
             "scale": scale.to(ls["scale"].device),
             "growth_tracker": tracker.to(ls["growth_tracker"].device),
             "skipped": skipped,
         }
     )
-    return unscaled, new_ls, found_inf
 
 
 def _select_finite(found_inf, u, out, old_inner, new_inner, new_ls):
@@ -318,8 +355,45 @@ def dynamic_loss_scale(
         out, new_inner = inner_flat(keys, unscaled, old_inner, params)
         return out, new_td({"loss_scale": new_ls, "inner": new_inner})
 
+    inner_prepare = prepare_of(inner)
+    prepare = None
+    if inner_prepare is not None:
+
+        def prepare(src: Source, state: TensorDictBase) -> Body:
+            ls = member_state(state, "loss_scale", fn)
+            old_inner = member_state(state, "inner", fn)
+            return _bucketed_loss_scale(src, ls, old_inner, rule, inner_prepare)
+
     # inner's frozen leaves are frozen here too: the step leaves them out of the update
-    return make_transform(fn, init, flat, getattr(inner.update, "frozen_of", None))
+    return make_transform(fn, init, flat, getattr(inner.update, "frozen_of", None), prepare)
+
+
+def _bucketed_loss_scale(src: Source, ls, old_inner, rule, inner_prepare) -> Body:
+    """``dynamic_loss_scale``'s bucketed form: the finiteness check over every bucket and the
+    skip decision first (one host read, as the whole-tree form), then a leafwise body."""
+    device = src.params[0].device if src.keys else ls["scale"].device
+    inv, found_inf = _inverse_scale(ls, device)
+    for span in src.spans:
+        _check_finite(torch._foreach_mul(src.read(span), inv), found_inf)
+    new_ls = _next_scale(ls, found_inf, rule, device)
+    if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical
+
+        def skipped(idx, u, params):
+            out = [torch.full_like(t, -0.0) for t in u]
+            return out, new_td({"loss_scale": new_ls, "inner": old_inner.copy()})
+
+        return skipped
+
+    def unscale(idx, u, params):
+        return (torch._foreach_mul(u, inv) if u else u), None
+
+    inner_body = inner_prepare(src.then(unscale), old_inner)
+
+    def body(idx, u, params):
+        out, new_inner = inner_body(idx, unscale(idx, u, params)[0], params)
+        return out, new_td({"loss_scale": new_ls, "inner": new_inner})
+
+    return body
 
 
 def mean_across_ranks(group=None) -> GradientTransformation:

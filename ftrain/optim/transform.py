@@ -30,8 +30,10 @@ from ftrain.optim.base import (
     flatten,
     make_transform,
     new_td,
+    per_structure,
     unflatten,
 )
+from ftrain.optim.bucketed import leafwise
 from ftrain.optim.schedule import Schedule
 
 __all__ = [
@@ -75,6 +77,12 @@ def _state_leaves(state: TensorDictBase, name: str, keys: list[Path], what: str)
     skeys, leaves = flatten(state[name])
     check_keys(keys, skeys, what)
     return leaves
+
+
+def _leafwise(flat, *per_leaf: str):
+    """The bucketed form of a built-in (every one is leafwise; its name is its flat's)."""
+    name = flat.__qualname__.split(".<locals>", 1)[0]
+    return leafwise(flat, name, per_leaf)
 
 
 def _scalar(value: torch.Tensor, leaves: Leaves) -> float | torch.Tensor:
@@ -148,7 +156,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             }
         )
 
-    return make_transform("scale_by_adam", init, flat)
+    return make_transform("scale_by_adam", init, flat, prepare=_leafwise(flat, "mu", "nu"))
 
 
 def add_decayed_weights(
@@ -180,16 +188,15 @@ def add_decayed_weights(
     predicate = _masks.to_predicate(mask)
     cache: dict[tuple[Path, ...], list[int] | None] = {}
 
+    def resolve(keys: list[Path], params: Leaves) -> list[int] | None:
+        idx = _masks.resolve(predicate, keys, params)
+        return None if len(idx) == len(keys) else idx
+
     def selected(keys: list[Path], params: Leaves) -> list[int] | None:
         """Indices to decay, or None for all of them."""
         if predicate is None:
             return None
-        key = tuple(keys)
-        if key not in cache:
-            idx = _masks.resolve(predicate, keys, params)
-            cache.clear()  # one structure at a time: keeps the cache bounded
-            cache[key] = None if len(idx) == len(keys) else idx
-        return cache[key]
+        return per_structure(cache, tuple(keys), lambda: resolve(keys, params))
 
     def init(params: TensorDictBase) -> TensorDictBase:
         return empty_state()
@@ -210,7 +217,7 @@ def add_decayed_weights(
             out[i] = v
         return out, empty_state()
 
-    return make_transform("add_decayed_weights", init, flat)
+    return make_transform("add_decayed_weights", init, flat, prepare=_leafwise(flat))
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransformation:
@@ -267,7 +274,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         out = torch._foreach_mul(u, factor) if u else u
         return out, new_td({"count": count + 1, "learning_rate": rate(count + 1)})
 
-    return make_transform("scale_by_learning_rate", init, flat)
+    return make_transform("scale_by_learning_rate", init, flat, prepare=_leafwise(flat))
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -293,7 +300,7 @@ def scale(factor: float) -> GradientTransformation:
     def flat(keys, u, state, params):
         return (torch._foreach_mul(u, factor) if u else u), empty_state()
 
-    return make_transform("scale", init, flat)
+    return make_transform("scale", init, flat, prepare=_leafwise(flat))
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
@@ -335,4 +342,4 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf
         return out, new_td({"trace": unflatten(keys, buf, device=state["trace"].device)})
 
-    return make_transform("trace", init, flat)
+    return make_transform("trace", init, flat, prepare=_leafwise(flat, "trace"))

@@ -1,0 +1,148 @@
+"""Bucketed updates: a transform run on a bucket of leaves at a time.
+
+Why. A pure ``update`` over the whole tree allocates whole-model temporaries: the new
+moments while the old ones are alive, the updates list, each member's intermediate list.
+The step (:mod:`ftrain.apply`) instead runs ``tx`` on one bucket of leaves at a time and
+writes that bucket's results into the donated buffers (or into the new state) before the
+next, so the extra memory is about one bucket. The transforms stay written once: this
+module only adds a way to *call* them per bucket, with every global quantity fixed first.
+
+Protocol. A transform is *bucketable* when its :class:`~ftrain.optim.base.FlatUpdate` has a
+``prepare``::
+
+    body = prepare(src, state)           # once per update, src: a Source (below)
+    updates_b, state_b = body(idx, updates_b, params_b)   # once per bucket
+
+``body`` returns, for the leaves at positions ``idx`` of ``src.keys``, bit for bit what the
+whole-tree ``update`` gives those leaves; ``state_b`` has the layout of the new state with
+the per-leaf entries of those leaves only. The contract that makes this exact:
+
+* **Global quantities are computed in ``prepare``**, before any bucket: the global norm of
+  ``clip_by_global_norm``, the finiteness check and skip decision of
+  ``dynamic_loss_scale``. ``prepare`` reads its input bucket by bucket (``src.read``), so
+  it never holds more than one bucket of it; a reduction over per-leaf partials (per-leaf
+  norms, then their norm) gives the same bits as over the whole list.
+* **Bodies are leafwise**: a leaf's results depend on its own gradient, parameter and
+  state entries and on values fixed in ``prepare`` (or the state's 0-d entries) only.
+* **State that is not per leaf is 0-d** (counts, the learning rate, the loss scale): every
+  bucket computes it from the same old values, so every bucket returns the same new
+  value. The step writes per-leaf entries back into the donated buffers and takes 0-d
+  entries as new tensors, so no later bucket ever reads an entry already overwritten.
+
+A transform without ``prepare`` (a user's plain ``update``, ``mean_across_ranks``, a
+composition with such a member) is not bucketable, and the step runs it on the whole
+tree as before. :func:`leafwise` makes ``prepare`` for a flat function that is leafwise
+by nature (every built-in optimizer transform).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+
+from ftrain.state.tree import Key, flatten, new_td, unflatten
+
+__all__ = ["Body", "Prepare", "Source", "leafwise", "prepare_of"]
+
+Leaves = list[torch.Tensor]
+# body(idx, updates, params) -> (updates, state) for the leaves at positions idx
+Body = Callable[[list[int], Leaves, "Leaves | None"], tuple[Leaves, TensorDictBase]]
+
+
+def _pick(idx: Sequence[int], items):
+    return None if items is None else [items[i] for i in idx]
+
+
+class Source:
+    """A transform's input over all leaves, read one bucket at a time.
+
+    Attributes:
+        keys: every leaf's path (sorted, as the step passes them).
+        params: every leaf's parameter (or None).
+        spans: the buckets: lists of positions in ``keys``, in order.
+        whole: the whole input list when it exists already (the step's gradients), so a
+            reduction can read it without computing anything; None when each bucket's input
+            is computed on demand (the output of an earlier chain member).
+    """
+
+    __slots__ = ("_read", "keys", "params", "spans", "whole")
+
+    def __init__(self, keys, params, spans, read: Callable[[list[int]], Leaves], whole=None):
+        self.keys, self.params, self.spans = keys, params, spans
+        self._read, self.whole = read, whole
+
+    @classmethod
+    def of(cls, keys: list[Key], updates: Leaves, params: Leaves | None, spans) -> Source:
+        """The step's gradients as a source."""
+        return cls(keys, params, spans, lambda idx: _pick(idx, updates), updates)
+
+    def read(self, idx: list[int]) -> Leaves:
+        """The input at positions ``idx`` (computed now if it is a later member's input)."""
+        return self._read(idx)
+
+    def then(self, body: Body) -> Source:
+        """The input of the next chain member: ``body``'s updates, computed per read."""
+        params = self.params
+
+        def read(idx):
+            return body(idx, self.read(idx), _pick(idx, params))[0]
+
+        return Source(self.keys, params, self.spans, read)
+
+    def part(self, idx: list[int]) -> Source:
+        """The input of the leaves at ``idx`` alone (a ``multi_transform`` label's)."""
+        local = {g: i for i, g in enumerate(idx)}
+        spans = [s for s in ([local[g] for g in span if g in local] for span in self.spans) if s]
+        return Source(
+            _pick(idx, self.keys),
+            _pick(idx, self.params),
+            spans,
+            lambda sub: self.read(_pick(sub, idx)),
+            _pick(idx, self.whole),
+        )
+
+
+Prepare = Callable[[Source, TensorDictBase], Body]
+
+
+def prepare_of(tx) -> Prepare | None:
+    """``tx``'s ``prepare`` (None: not bucketable, run it on the whole tree)."""
+    return getattr(tx.update, "prepare", None)
+
+
+def leafwise(flat, name: str, per_leaf: tuple[str, ...] = ()) -> Prepare:
+    """``prepare`` for a flat function that is leafwise: ``body`` calls ``flat`` itself on
+    the bucket's leaves and on the bucket's slice of the state.
+
+    Args:
+        flat: the transform's flat update (its only implementation).
+        name: the transform's name, for errors.
+        per_leaf: the state entries that are trees shaped like the params (``("mu", "nu")``
+            of ``scale_by_adam``); every other entry is passed whole (0-d by the contract).
+    """
+
+    def prepare(src: Source, state: TensorDictBase) -> Body:
+        stored = {entry: flatten(state[entry]) for entry in per_leaf}
+        for entry, (skeys, _) in stored.items():
+            if len(skeys) != len(src.keys):
+                raise ValueError(
+                    f"{name} state {entry!r} has {len(skeys)} leaves for {len(src.keys)} "
+                    "updates; build the state with init(params) from the same parameter tree"
+                )
+        keys = src.keys
+
+        def body(idx, u, params):
+            sub = state
+            if stored:  # the flat function checks the slice's paths against the bucket's
+                sliced = {
+                    entry: unflatten(_pick(idx, sk), _pick(idx, sl), device=state[entry].device)
+                    for entry, (sk, sl) in stored.items()
+                }
+                sub = new_td({k: state[k] for k in state.keys()} | sliced)
+            return flat(_pick(idx, keys), u, sub, params)
+
+        return body
+
+    return prepare

@@ -1,0 +1,212 @@
+"""The step's bucketed update-and-apply boundary (ftrain/apply.py, ftrain/optim/bucketed.py).
+
+The bucketed step must give bit for bit what the whole-tree update gives, pure or donated,
+for every built-in optimizer and every transform that needs a global quantity.
+"""
+
+import weakref
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import ftrain
+from ftrain import apply
+from ftrain.optim import masks
+from ftrain.optim.bucketed import leafwise, prepare_of
+from ftrain.state import first_difference, init_state, tree_equal
+from ftrain.state.tree import flatten, new_td
+
+o = ftrain.optim
+
+# bucket sizes: one leaf each (the model's leaves are 8-256 bytes), a few leaves, all at once
+BUCKETS = [1, 200, 2**30]
+
+
+def _model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m
+
+
+def _mse(m, b):
+    return ((m(b["x"]) - b["y"]) ** 2).mean()
+
+
+def _batch(i, overflow=False):
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(8, 4, generator=g)
+    return TensorDict(x=x * 1e5 if overflow else x, y=torch.randn(8, 2, generator=g))
+
+
+TXS = {
+    "adamw": lambda: o.adamw(
+        o.schedule.warmup_cosine(1e-2, 3, 20), weight_decay=0.1, mask=masks.ndim_at_least(2)
+    ),
+    "sgd_momentum": lambda: o.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "clip_adamw": lambda: o.chain(o.clip_by_global_norm(0.05), o.adamw(1e-2)),
+    # a reduction behind a member that changes the values: its input is computed per bucket
+    "scale_clip_torch": lambda: o.chain(
+        o.scale(3.0), o.clip_by_global_norm_torch(0.05), o.sgd(0.1, momentum=0.9)
+    ),
+    "multi_frozen": lambda: o.multi_transform(
+        {
+            "head": o.chain(o.clip_by_global_norm(0.02), o.adamw(1e-2)),  # clip over its label
+            "body": o.sgd(0.1, momentum=0.9),
+            "fixed": o.frozen(),
+        },
+        {"fixed": masks.glob("0.bias"), "head": masks.glob("2.*"), "body": None},
+    ),
+}
+
+
+def _train(tx, bucket_bytes, donate, monkeypatch, steps=4, precision="fp32", overflow_at=None):
+    monkeypatch.setattr(apply, "BUCKET_BYTES", bucket_bytes)
+    model = _model()
+    state = init_state(model, tx, seed=0, precision=precision)
+    step = ftrain.make_step(model, _mse, tx, donate=donate, precision=precision)
+    for i in range(steps):
+        state, _ = step(state, _batch(i, overflow=i == overflow_at))
+    return state
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_bucketed_steps_are_bit_identical_to_the_whole_tree_update(name, monkeypatch):
+    tx = TXS[name]()
+    assert prepare_of(tx) is not None, "every built-in composition is bucketable"
+    reference = _train(tx, None, False, monkeypatch)  # the whole-tree pure step
+    _check_pure(tx, monkeypatch)
+    for bucket in BUCKETS:
+        for donate in (False, True):
+            got = _train(tx, bucket, donate, monkeypatch)
+            assert tree_equal(reference, got), (bucket, donate, first_difference(reference, got))
+    assert tree_equal(reference, _train(tx, None, True, monkeypatch))  # whole-tree donated
+
+
+def _check_pure(tx, monkeypatch):
+    """The bucketed pure step (which writes new params into its own update temporaries)
+    leaves every leaf of its input as it was."""
+    monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
+    model = _model()
+    state = init_state(model, tx, seed=0)
+    step = ftrain.make_step(model, _mse, tx)
+    for i in range(3):
+        snapshot = state.clone()
+        new, _ = step(state, _batch(i))
+        assert tree_equal(state, snapshot), first_difference(state, snapshot)
+        state = new
+
+
+def test_fp16_loss_scale_skip_is_bit_identical_bucketed(monkeypatch):
+    tx = o.dynamic_loss_scale(
+        o.chain(o.clip_by_global_norm(0.5), o.sgd(0.05, momentum=0.9)), init_scale=2.0**10
+    )
+    run = dict(steps=5, precision="fp16", overflow_at=2)
+    reference = _train(tx, None, False, monkeypatch, **run)
+    assert int(reference["opt", "loss_scale", "skipped"]) == 1, "step 2 must overflow"
+    for bucket in BUCKETS:
+        for donate in (False, True):
+            got = _train(tx, bucket, donate, monkeypatch, **run)
+            assert tree_equal(reference, got), (bucket, donate, first_difference(reference, got))
+
+
+def _leaves(state, part):
+    return dict(zip(*flatten(state[part]), strict=True))
+
+
+def test_donated_step_writes_into_the_input_buffers_bucket_by_bucket(monkeypatch):
+    monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
+    seen = []
+    real = apply.spans_of
+
+    def spans_of(params, bucket_bytes):
+        seen.append(real(params, bucket_bytes))
+        return seen[-1]
+
+    monkeypatch.setattr(apply, "spans_of", spans_of)
+    model, tx = _model(), TXS["adamw"]()
+    state = init_state(model, tx, seed=0)
+    step = ftrain.make_step(model, _mse, tx, donate=True)
+    before = {
+        part: {k: t.data_ptr() for k, t in _leaves(state, part).items()}
+        for part in ("params", "opt")
+    }
+    new, _ = step(state, _batch(0))
+    assert len(seen[-1]) == len(flatten(state["params"])[0]) == 4, "one bucket per leaf"
+    for part in ("params", "opt"):
+        after = {k: t.data_ptr() for k, t in _leaves(new, part).items()}
+        big = [k for k, t in _leaves(new, part).items() if t.ndim > 0]
+        assert big and all(after[k] == before[part][k] for k in big), part
+    with pytest.raises(RuntimeError, match="donated"):
+        step(state, _batch(1))
+
+
+def test_pinned_state_is_never_written_by_a_bucketed_donated_step(monkeypatch):
+    from ftrain.state import pin
+
+    monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
+    model, tx = _model(), TXS["clip_adamw"]()
+    state = init_state(model, tx, seed=0)
+    pin(state)
+    snapshot = state.clone()
+    ftrain.make_step(model, _mse, tx, donate=True)(state, _batch(0))
+    assert tree_equal(state, snapshot), first_difference(state, snapshot)
+
+
+def _recorder(log):
+    """A leafwise identity that records, per bucket, how many earlier buckets' gradients
+    are still alive."""
+    refs = []
+
+    def flat(keys, u, state, params):
+        log.append(sum(r() is not None for r in refs))
+        refs.extend(weakref.ref(t) for t in u)
+        return list(u), state
+
+    return o.make_transform("recorder", lambda p: TensorDict(), flat, prepare=leafwise(flat, "r"))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_each_buckets_gradients_are_freed_before_the_next_bucket(donate, monkeypatch):
+    monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
+    log = []
+    model, tx = _model(), o.chain(_recorder(log), o.adamw(1e-2))
+    state = init_state(model, tx, seed=0)
+    ftrain.make_step(model, _mse, tx, donate=donate)(state, _batch(0))
+    assert log == [0, 0, 0, 0], "no earlier bucket's gradient may still be alive"
+
+
+def test_a_transform_without_prepare_runs_on_the_whole_tree(monkeypatch):
+    plain = o.GradientTransformation(lambda p: TensorDict(), lambda u, s, p=None: (u * 0.5, s))
+    tx = o.chain(plain, o.sgd(0.1, momentum=0.9))
+    assert prepare_of(tx) is None
+    reference = _train(tx, None, False, monkeypatch)
+    assert tree_equal(reference, _train(tx, 1, True, monkeypatch))
+
+
+def test_a_per_bucket_state_entry_that_is_not_per_leaf_is_refused(monkeypatch):
+    """The contract: state that is not per leaf is 0-d. A vector entry would be written by
+    the first bucket and read, already overwritten, by the next; the step refuses it."""
+
+    def flat(keys, u, state, params):
+        return list(u), new_td({"seen": state["seen"] + len(u)})
+
+    counter = o.make_transform(
+        "counter", lambda p: new_td({"seen": torch.zeros(2)}), flat, prepare=leafwise(flat, "c")
+    )
+    tx = o.chain(counter, o.sgd(0.1))
+    monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
+    model = _model()
+    step = ftrain.make_step(model, _mse, tx, donate=True)
+    with pytest.raises(RuntimeError, match="came from two buckets"):
+        step(init_state(model, tx, seed=0), _batch(0))
+
+
+def test_spans_cut_consecutive_leaves_by_bytes():
+    leaves = [torch.zeros(4), torch.zeros(4), torch.zeros(16), torch.zeros(1)]
+    assert apply.spans_of(leaves, 32) == [[0, 1], [2], [3]]
+    assert apply.spans_of(leaves, 1) == [[0], [1], [2], [3]]
+    assert apply.spans_of(leaves, 2**20) == [[0, 1, 2, 3]]
