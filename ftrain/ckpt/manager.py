@@ -302,7 +302,7 @@ class CheckpointManager:
         pin(state)
         self._thread = threading.Thread(
             target=self._run_background,
-            args=(state, snapshot, step, attrs, t0, blocking, plan),
+            args=(state, self._write, snapshot, step, attrs, t0, blocking, plan),
             name=f"ftrain-ckpt-{step}",
         )
         self._thread.start()
@@ -315,28 +315,53 @@ class CheckpointManager:
         metrics: dict | None = None,
         metadata: dict | None = None,
         host_rng: dict[int, dict] | None = None,
+        group=None,
     ) -> bool:
         """Save a sharded state (DTensor leaves) with every rank writing its own rows into
-        one store (:mod:`ftrain.ckpt.sharded`); every rank calls it, synchronously, once
-        all ranks decided to save this step (no policy check here). A local directory
-        or an object store (each rank uploads its own chunk objects in parallel; rank 0
-        puts the manifest and marker once all confirmed); a failure raises on every rank
-        and commits nothing.
+        one store (:mod:`ftrain.ckpt.sharded`); every rank calls it, once all ranks decided
+        to save this step (no policy check here). A local directory or an object store
+        (each rank uploads its own chunk objects in parallel; rank 0 puts the manifest and
+        marker once all confirmed); a failure raises on every rank and commits nothing.
+
+        With ``async_save`` every rank's part is written in a background thread, as
+        :meth:`save` does, and the call returns in milliseconds; the two-phase commit's
+        collectives then run on ``group`` (default: a gloo group made now, collectively,
+        by :func:`ftrain.dist.checkpoint_group`), never on the group the training step
+        uses. A failure is raised on every rank by the next ``save_sharded`` / ``wait``.
 
         Raises:
-            CheckpointSaveError: a rank could not write its part, or the commit failed.
+            CheckpointSaveError: (sync) a rank could not write its part, or the commit
+                failed; (async) the previous save did.
         """
-        from ftrain.ckpt.sharded import save_all_ranks
-
         t0 = time.perf_counter()
         self._check_usable()
         step, now = self._read_step(state), time.time()
         self.wait()
         attrs = self._attributes(step, now, metrics, metadata, host_rng)
         self._last_step, self._last_time = step, now
+        if not self.async_save:
+            self._write_sharded(state, step, attrs, t0, 0.0, group)
+            return True
+        if group is None:
+            from ftrain.dist import checkpoint_group
+
+            group = checkpoint_group()
+        pin(state)
+        blocking = time.perf_counter() - t0
+        self._thread = threading.Thread(
+            target=self._run_background,
+            args=(state, self._write_sharded, state, step, attrs, t0, blocking, group),
+            name=f"ftrain-ckpt-sharded-{step}",
+        )
+        self._thread.start()
+        return True
+
+    def _write_sharded(self, state, step: int, attrs: dict, t0: float, blocking: float, group):
+        from ftrain.ckpt.sharded import save_all_ranks
+
         try:
             done = save_all_ranks(
-                self, state, step, attrs, lambda m: _marker_extra(m, attrs, 0.0, t0)
+                self, state, step, attrs, lambda m: _marker_extra(m, attrs, blocking, t0), group
             )
         except OSError as e:
             self._last_step, self._last_time = self._committed_last
@@ -346,7 +371,6 @@ class CheckpointManager:
             self._after_commit(step, final, time.perf_counter() - t0, manifest)
         else:
             self._written.add(step)
-        return True
 
     def wants(self, state: TensorDictBase, *, force: bool = False) -> bool:
         """Whether ``save(state, force=force)`` would write now (the save policy and the
@@ -403,9 +427,9 @@ class CheckpointManager:
             raise ValueError(f"metadata/metrics must be JSON-serialisable: {e}") from e
         return attrs
 
-    def _run_background(self, state: TensorDictBase, *args: object) -> None:
+    def _run_background(self, state: TensorDictBase, write, *args: object) -> None:
         try:
-            self._write(*args)  # type: ignore[arg-type]
+            write(*args)
         except BaseException as e:  # noqa: BLE001 - surfaced by the next call
             self._error = e
         finally:

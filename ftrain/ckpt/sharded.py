@@ -272,10 +272,13 @@ class _ObjectTarget(_LocalTarget):
         self.manager.directory.abort_step(key)
 
 
-def save_all_ranks(manager, state: TensorDictBase, step: int, attrs: dict, marker_extra):
+def save_all_ranks(
+    manager, state: TensorDictBase, step: int, attrs: dict, marker_extra, group=None
+):
     """The two-phase commit (see the module doc). Every rank calls it. Returns
     ``(committed path, manifest)`` on rank 0 and ``None`` on the others once the step is
-    committed; raises ``OSError`` on every rank otherwise."""
+    committed; raises ``OSError`` on every rank otherwise. ``group``: the process group
+    of its collectives (one of its own when it runs in a background thread)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     target = (
         _LocalTarget(manager) if isinstance(manager.directory, Path) else _ObjectTarget(manager)
@@ -286,20 +289,22 @@ def save_all_ranks(manager, state: TensorDictBase, step: int, attrs: dict, marke
             handle = target.begin(step)
         except OSError as e:
             error = f"rank 0 cannot stage step {step} in {manager.directory}: {e}"
-    where = broadcast_json(None if handle is None else target.name(handle))
+    where = broadcast_json(None if handle is None else target.name(handle), group=group)
     if where is None:
-        raise OSError(broadcast_json(error))
+        raise OSError(broadcast_json(error, group=group))
     try:
         report = {"ok": True, "manifest": target.write(where, state, attrs, rank, world)}
     except (OSError, ValueError) as e:
         report = {"ok": False, "error": f"rank {rank}: {e}"}
-    parts = gather_json(report)
+    parts = gather_json(report, group)
     final = _commit(target, handle, step, parts, marker_extra) if rank == 0 else None
-    ok = broadcast_int(1 if final is not None else 0)
+    ok = broadcast_int(1 if final is not None else 0, group=group)
     if not ok:
         errors = [p["error"] for p in parts if not p["ok"]] if parts else []
-        raise OSError(broadcast_json("; ".join(errors) or "the commit failed on rank 0"))
-    broadcast_json(None)  # keeps every rank's collective sequence the same on success
+        raise OSError(
+            broadcast_json("; ".join(errors) or "the commit failed on rank 0", group=group)
+        )
+    broadcast_json(None, group=group)  # keeps every rank's collective sequence the same on success
     return final
 
 

@@ -21,6 +21,7 @@ from ftrain.ckpt import (
     CheckpointLocationError,
     CheckpointManager,
     CheckpointNotFoundError,
+    CheckpointSaveError,
     CheckpointStoreError,
 )
 from ftrain.cli.build import (
@@ -258,9 +259,11 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
                     on_nonfinite=t.on_nonfinite,
                     watchdog=_watchdog(cfg, session),
                 )
+            session.finish(result)
         except NonFiniteError as err:
             return _diverged(err, p.manager)
-        session.finish(result)
+        except CheckpointSaveError as err:  # each rank said which step did not commit
+            return _save_failed(err, p.manager)
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
 
 
@@ -294,6 +297,19 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
         flush=True,
     )
     return watchdog
+
+
+def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
+    """A checkpoint that did not commit stops the run (a week of training must not go on
+    unsaved): one message, where a re-run resumes, exit 1 (no traceback)."""
+    latest = manager.latest_step()
+    where = f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
+    print(
+        f"ftrain: {err}\nftrain: newest committed checkpoint: {where}; fix the cause (disk, "
+        "permissions, the object store) and re-run the same command to resume",
+        file=sys.stderr,
+    )
+    return EXIT_ERROR
 
 
 def _diverged(err: NonFiniteError, manager: CheckpointManager) -> int:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from ftrain.ckpt import CheckpointManager, CheckpointSaveError, hostrng
 from ftrain.ckpt.commit import MARKER, step_dirname
 from ftrain.data import val_batches
-from ftrain.dist import World, agree_any, all_mean, broadcast_int, gather_json
+from ftrain.dist import World, agree_any, all_mean, broadcast_int, checkpoint_group, gather_json
 from ftrain.loop import LoopResult
 from ftrain.metrics import (
     Heartbeat,
@@ -68,6 +68,7 @@ class Session:
         # saves accepted by the manager whose commit is not yet known: {step: wall start}
         self._pending: dict[int, float] = {}
         self.sharded = False  # the optimizer state is sharded over the ranks (dist.shard)
+        self._ckpt_group = None  # the async sharded saves' process group (made on first use)
 
     # -- lifecycle --------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -209,19 +210,30 @@ class Session:
             self._committed([step])
 
     def _save_sharded(self, state, metrics: dict, host_rng, reason: str) -> bool:
-        """All ranks: the multi-writer two-phase save (sync), into a directory or an object
-        store alike (each rank writes its own chunks); rank 0 records it."""
-        t0, started = time.perf_counter(), time.time()
+        """All ranks: the multi-writer two-phase save, into a directory or an object store
+        alike (each rank writes its own chunks). Async (``checkpoint.async_save``) in a
+        background thread whose collectives run on a gloo group of their own. Every rank
+        tracks the step, so each one says it if the step does not commit."""
+        t0, started, step = time.perf_counter(), time.time(), int(state["step"])
+        async_save = bool(self.cfg.checkpoint.async_save)
+        if async_save and self._ckpt_group is None:  # collective: every rank, same point
+            self._ckpt_group = checkpoint_group(self.cfg.dist.timeout_s)
+        earlier = list(self._pending)  # the manager waits for them before it starts
         try:
             self.manager.save_sharded(
-                state, metrics=metrics, metadata=self.metadata, host_rng=host_rng
+                state,
+                metrics=metrics,
+                metadata=self.metadata,
+                host_rng=host_rng,
+                group=self._ckpt_group,
             )
         except CheckpointSaveError as err:  # raised on every rank: each says so
-            self._pending.setdefault(int(state["step"]), started)
+            if not async_save:  # (async: the failed save is the pending one)
+                self._pending.setdefault(step, started)
             self._failed(err)
             raise
-        if self.world.is_coordinator:
-            self._started(int(state["step"]), reason, t0, started, async_save=False)
+        self._committed(earlier)
+        self._started(step, reason, t0, started, async_save=async_save)
         return True
 
     def _marker_time(self, step: int, started: float) -> float | None:
@@ -302,7 +314,7 @@ class Session:
 
     def finish(self, result: LoopResult) -> None:
         step = int(result.state["step"])
-        if self.world.is_coordinator:
+        if self.world.is_coordinator or self.sharded:  # sharded: every rank wrote a part
             self.wait_commits()  # the final save counts only once committed
         else:
             self.manager.wait()

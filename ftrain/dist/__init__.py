@@ -20,6 +20,7 @@ __all__ = [
     "all_mean",
     "broadcast_int",
     "broadcast_json",
+    "checkpoint_group",
     "gather_json",
     "init_world",
     "local_device",
@@ -102,13 +103,24 @@ def local_device(device: torch.device) -> torch.device:
     return local
 
 
+def checkpoint_group(timeout_s: float = 600):
+    """A new gloo process group of every rank, for the collectives of checkpoint saves
+    that run in a background thread (an async sharded save): on the default group they
+    could interleave with the training step's collectives in a different order on each
+    rank. Collective: every rank calls it at the same point, in its main thread.
+    ``None`` outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
+def _device(group=None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -122,30 +134,31 @@ def agree_any(flag: bool) -> bool:
     return bool(t.item())
 
 
-def broadcast_int(value: int | None, src: int = 0) -> int | None:
-    """Rank ``src``'s value on every rank (``None`` travels as -1)."""
+def broadcast_int(value: int | None, src: int = 0, group=None) -> int | None:
+    """Rank ``src``'s value on every rank (``None`` travels as -1); ``group``: a process
+    group of every rank other than the default one (e.g. :func:`checkpoint_group`)."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    t = torch.tensor([-1 if value is None else value], dtype=torch.int64, device=_device())
-    dist.broadcast(t, src)
+    t = torch.tensor([-1 if value is None else value], dtype=torch.int64, device=_device(group))
+    dist.broadcast(t, src, group=group)
     v = int(t.item())
     return None if v == -1 else v
 
 
-def broadcast_json(value: object, src: int = 0) -> object:
+def broadcast_json(value: object, src: int = 0, group=None) -> object:
     """Rank ``src``'s JSON-able ``value`` on every rank (UTF-8 bytes in a uint8 tensor; no
     pickle). Outside a process group: ``value``."""
     import json
 
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    dev = _device()
+    dev = _device(group)
     raw = json.dumps(value).encode() if dist.get_rank() == src else b""
-    n = broadcast_int(len(raw), src)
+    n = broadcast_int(len(raw), src, group)
     buf = torch.zeros(n, dtype=torch.uint8, device=dev)
     if dist.get_rank() == src:
         buf[:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
-    dist.broadcast(buf, src)
+    dist.broadcast(buf, src, group=group)
     return json.loads(bytes(buf.cpu().numpy()))
 
 
@@ -160,7 +173,7 @@ def all_mean(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist(), strict=True))
 
 
-def gather_json(value: object) -> list | None:
+def gather_json(value: object, group=None) -> list | None:
     """Every rank's JSON-able ``value``, in rank order, on rank 0 (``None`` elsewhere).
 
     Travels as UTF-8 JSON bytes in uint8 tensors (no pickle): one all-gather of the lengths,
@@ -171,15 +184,15 @@ def gather_json(value: object) -> list | None:
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
     raw = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-    dev = _device()
+    dev = _device(group)
     size = torch.tensor([raw.numel()], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     longest = int(max(int(s.item()) for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
     padded[: raw.numel()] = raw.to(dev)
     parts = [torch.zeros_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     if dist.get_rank() != 0:
         return None
     return [

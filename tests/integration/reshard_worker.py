@@ -4,6 +4,7 @@
     (DIR may be an object-store URL, s3://bucket/prefix, for the tests in tests/s3/)
     torchrun --nproc-per-node=N reshard_worker.py save DIR         # each rank writes its rows
     torchrun --nproc-per-node=M reshard_worker.py load OUT DIR...  # each rank reads its rows
+    torchrun --nproc-per-node=2 reshard_worker.py overlap DIR OUT  # async save + training
 
 ``save`` trains GPT-2 tiny for two AdamW steps (so the moments are not zeros) once per shard
 mode into ``DIR/<mode>``: sharded with ``save_sharded`` on N > 1 ranks, whole with ``save``
@@ -15,6 +16,7 @@ rank's figures (bytes read, its share) go to the JSON file ``OUT`` (rank 0 write
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -105,11 +107,43 @@ def _check(where: str, sharder: sharding.Sharder) -> dict:
     }
 
 
+def overlap(where: str, out: Path) -> None:
+    """An async sharded save while the training goes on: ``save_sharded`` returns, three
+    more data-parallel steps run (their collectives on the default group, the save's on
+    its own), then the saved step restores bit for bit. Rank 0 writes each rank's
+    blocking seconds (async, and a sync save of the same state) to ``out``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, tx, state = _parts()
+    step = ftrain.make_step(model, lm_loss, tx, dp=True, shard="optimizer")
+    state, _ = step(sharding.shard_state(state, step.sharder), _batch(0, rank, world))
+    mgr = CheckpointManager(f"{where}/async", async_save=True, chunk_bytes=CHUNK_BYTES)
+    t0 = time.perf_counter()
+    mgr.save_sharded(state)
+    blocking = time.perf_counter() - t0
+    saved, later = state, state
+    for i in range(1, 4):
+        later, _ = step(later, _batch(i, rank, world))
+    mgr.wait()
+    sync = CheckpointManager(f"{where}/sync", async_save=False, chunk_bytes=CHUNK_BYTES)
+    t0 = time.perf_counter()
+    sync.save_sharded(later)
+    sync_s = time.perf_counter() - t0
+    back = mgr.restore(target=_parts()[2], rows=step.sharder)
+    got, want = flatten(back)[1], flatten(saved)[1]
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    differ = [k for k in want if not (k in got and torch.equal(local(got[k]), local(want[k])))]
+    every = gather_json({"blocking_s": blocking, "sync_s": sync_s, "differ": differ})
+    if rank == 0:
+        out.write_text(json.dumps({"steps": mgr.all_steps(), "ranks": every}))
+
+
 if __name__ == "__main__":
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     if sys.argv[1] == "save":
         save(sys.argv[2])  # a directory or an s3:// URL
+    elif sys.argv[1] == "overlap":
+        overlap(sys.argv[2], Path(sys.argv[3]))
     else:
         load(Path(sys.argv[2]), sys.argv[3:])
     if dist.is_initialized():
