@@ -113,6 +113,33 @@ def test_cli_sharded_run_resumes_bit_exact_and_on_another_world_size(
     assert torch.equal(a["data"]["position"], b["data"]["position"])
 
 
+def test_a_one_rank_checkpoint_resumes_sharded_on_two_ranks_and_continues(
+    cli, cache_dir, tmp_path, reference
+):
+    """1 -> 2 through the CLI: each rank reads its rows of a step one process wrote, and
+    the global sample order continues: steps 4-6 see the reference's batches (their loss
+    matches the uninterrupted 2-rank run's to reduction-order rounding) and the cursor
+    ends where the reference's does."""
+    from .conftest import records
+
+    whole, _ = reference("optimizer")
+    run, common = tmp_path / "grow", _common("optimizer")
+    cli(run, *common, "trainer.max_steps=3", "trainer.eval_every=null", check=0)
+    out = _torchrun(run, cache_dir, *common, "trainer.max_steps=6", "trainer.eval_every=3")
+    assert "world size changed: checkpoint written by 1 rank(s), resumed on 2" in out, out
+    assert "resharded from 1 to 2 ranks" in out
+    for rank in (0, 1):
+        assert f"[rank={rank}][step=3] read " in out, out
+    assert records(run, "resume")[-1]["position"] == 12
+    want = {r["step"]: r["loss"] for r in records(whole, "step")}
+    got = {r["step"]: r["loss"] for r in records(run, "step") if r["step"] > 3}
+    assert sorted(got) == [4, 5, 6]
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= 1e-3 * abs(want[step]), (step, loss, want[step])
+    a, b = _state(whole, 6), _state(run, 6)
+    assert torch.equal(a["data"]["position"], b["data"]["position"])
+
+
 def _flip_rank1_rows(step_dir: Path) -> Path:
     """Flip a byte in a chunk of optimizer rows that only rank 1 (of 2) reads: with one chunk
     per shard, chunk 1 of a moment is rank 1's rows."""
