@@ -236,32 +236,38 @@ class Session:
         self._started(step, reason, t0, started, async_save=async_save)
         return True
 
-    def _marker_time(self, step: int, started: float) -> float | None:
-        """When ``step``'s marker was committed, if one is in place written after ``started``
-        (an older directory of the same step number does not count)."""
+    def _marker(self, step: int, started: float):
+        """``(mtime, path)`` of ``step``'s marker if one is in place written after
+        ``started`` (an older directory of the same step number does not count), else
+        ``None``."""
         dirs = [self.manager.directory, getattr(self.manager, "fallback_directory", None)]
         for d in filter(None, dirs):
             try:
                 base = d if hasattr(d, "url") else Path(d)  # an ObjectRoot has stat() too
-                mtime = (base / step_dirname(step) / MARKER).stat().st_mtime
+                path = base / step_dirname(step) / MARKER
+                mtime = path.stat().st_mtime
             except OSError:
                 continue
             if mtime >= started - 1.0:  # coarse file-system clocks
-                return mtime
+                return mtime, path
         return None
 
     def _seen_commits(self) -> None:
         """Record the pending saves whose marker is in place (two stats per pending save)."""
-        seen = [s for s, t in self._pending.items() if self._marker_time(s, t) is not None]
+        seen = [s for s, t in self._pending.items() if self._marker(s, t) is not None]
         self._committed(seen)
 
     def _committed(self, steps: list[int]) -> None:
+        """A ``committed`` record per step: seconds from start to marker and, from the
+        marker, the step's bytes and how many this save wrote and linked (incremental)."""
         for step in sorted(steps):
             started = self._pending.pop(step, None)
             if started is None:
                 continue
-            when = self._marker_time(step, started)
-            fields = {"after_s": round(when - started, 3)} if when is not None else {}
+            found = self._marker(step, started) if self.world.is_coordinator else None
+            fields = {}
+            if found is not None:
+                fields = {"after_s": round(found[0] - started, 3)} | _save_bytes(found[1])
             self.writer.write("committed", step=step, **fields)
 
     def _failed(self, err: BaseException) -> None:
@@ -338,3 +344,18 @@ class Session:
             )
         except Exception as err:  # the plot is a convenience: never fail a finished run
             print(f"ftrain: could not write the plot ({err!r}); training is done", file=sys.stderr)
+
+
+def _save_bytes(marker_path) -> dict:
+    """``bytes`` / ``written_bytes`` / ``linked_bytes`` from a marker (JSON; advisory: an
+    unreadable marker gives none, the commit stands on its own checks)."""
+    import json
+
+    try:
+        marker = json.loads(marker_path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    keys = ("bytes", "written_bytes", "linked_bytes")
+    return {
+        k: marker[k] for k in keys if isinstance(marker, dict) and isinstance(marker.get(k), int)
+    }

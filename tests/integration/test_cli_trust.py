@@ -50,6 +50,8 @@ def test_records_are_true_and_damage_or_overwrite_never_mix_or_block(cli, tmp_pa
     # an async save is recorded when queued, and as committed once that is known
     assert saves == [("save_started", 2), ("committed", 2), ("save_started", 4), ("committed", 4)]
     assert [r["step"] for r in records(run, "committed")] == _committed(run) == [2, 4]
+    for r in records(run, "committed"):  # the marker's bytes: written + linked = the step's
+        assert r["written_bytes"] + r["linked_bytes"] == r["bytes"] > 0, r
 
     # a damaged metrics.jsonl: one 0xff byte, a line that is JSON but not an object
     with open(run / "metrics.jsonl", "ab") as f:

@@ -14,7 +14,7 @@ from ftrain.config import load_config
 from ftrain.state import first_difference
 from ftrain.state.tree import flatten, path_str
 
-from .conftest import TINY
+from .conftest import TINY, records
 from .test_cli import _committed, _wait_for_step
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
@@ -74,6 +74,9 @@ def test_lora_run_stopped_and_resumed_is_bit_identical(cli, base_run, tmp_path):
     out = cli(split, *common, "trainer.max_steps=6", check=0)
     assert "resumed from step 3" in out.stdout and "initialised params" not in out.stdout
     assert first_difference(_restore(whole, 6), _restore(split, 6)) is None
+    # the frozen base is linked, not rewritten: the records say how much each save wrote
+    later = [r for r in records(whole, "committed") if r["step"] == 6][0]
+    assert later["linked_bytes"] > later["written_bytes"] > 0, later
 
 
 @pytest.mark.slow
