@@ -14,6 +14,7 @@ from ..integration.test_sharding import _common, _torchrun, check_row_restore
 from .conftest import objects
 
 
+@pytest.mark.long  # ~70 s; the CLI test below covers the same-size path in CI
 def test_ranks_upload_their_own_rows_and_restore_downloads_only_theirs(bucket, tmp_path):
     """1 rank and 2 ranks save GPT-2 tiny sharded into the bucket; 2 ranks restore both,
     each downloading only the chunk objects of its rows, bit-exact (as on a local disk)."""
