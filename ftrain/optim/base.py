@@ -36,8 +36,8 @@ from ftrain.optim.bucketed import (
     Source,
     call_body,
     handed_on,
+    hands_on,
     owning,
-    owns,
     prepare_of,
 )
 from ftrain.state.tree import Key as Path
@@ -446,12 +446,12 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientT
                 new_states = {}
                 for n, member in bodies:
                     out, new_states[n] = call_body(member, idx, updates, params, owned)
-                    owned = handed_on(member, out, updates, owned, new_states[n])
+                    owned = handed_on(member, out, updates, owned)
                     updates = out
                 return updates, new_td(new_states)
 
-            # owning only if every member is: an unmarked one's output may alias anything
-            return owning(body) if all(owns(member) for _, member in bodies) else body
+            # its output is the last member's: handed on owned only if that one's is
+            return owning(body, hands_on=not bodies or hands_on(bodies[-1][1]))
 
     return make_transform(name, init, flat, frozen_of, prepare)
 

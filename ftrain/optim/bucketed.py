@@ -41,7 +41,7 @@ allocating pass over a bucket costs up to ~10x an in-place one, the fresh pages 
 faulted in). In-place and out-of-place kernels give the same bits. The step passes its
 own gradients as owned when each one is a tensor of its own (:func:`sole_owners`); a
 chain passes a member's output on as owned when that member is an owning built-in whose
-output holds no input it did not own and no tensor of its new state (:func:`handed_on`).
+output holds no input it did not own and never its state's tensors (:func:`handed_on`).
 A body that is not marked is never called with ``owned`` and its output is never owned.
 """
 
@@ -61,6 +61,7 @@ __all__ = [
     "Source",
     "call_body",
     "handed_on",
+    "hands_on",
     "leafwise",
     "mul",
     "owning",
@@ -131,15 +132,25 @@ class Source:
 Prepare = Callable[[Source, TensorDictBase], Body]
 
 
-def owning(body: Body) -> Body:
-    """Mark ``body`` as taking ``owned=True`` (see the module docstring)."""
+def owning(body: Body, hands_on: bool = True) -> Body:
+    """Mark ``body`` as taking ``owned=True`` (see the module docstring).
+
+    ``hands_on``: its updates are always new tensors or its own inputs (never its state's,
+    never views), so an output that is none of its unowned inputs can be handed on owned.
+    """
     body.takes_owned = True  # type: ignore[attr-defined]
+    body.hands_on = hands_on  # type: ignore[attr-defined]
     return body
 
 
 def owns(body: Body) -> bool:
     """Whether ``body`` is marked :func:`owning`."""
     return getattr(body, "takes_owned", False)
+
+
+def hands_on(body: Body) -> bool:
+    """Whether ``body`` is marked :func:`owning` with ``hands_on``."""
+    return getattr(body, "hands_on", False)
 
 
 def call_body(body: Body, idx: list[int], updates: Leaves, params, owned: bool):
@@ -149,16 +160,12 @@ def call_body(body: Body, idx: list[int], updates: Leaves, params, owned: bool):
     return body(idx, updates, params)
 
 
-def handed_on(body: Body, out: Leaves, inputs: Leaves, owned: bool, state) -> bool:
-    """Whether ``body``'s output ``out`` may be passed on as owned.
-
-    Only an owning (built-in) body's: its updates are fresh tensors, its inputs or its
-    new state's tensors, never views of anything, so identity tells them apart.
-    """
-    if not owns(body) or len({id(t) for t in out}) != len(out):
+def handed_on(body: Body, out: Leaves, inputs: Leaves, owned: bool) -> bool:
+    """Whether ``body``'s output ``out`` may be passed on as owned: a handing-on body's,
+    of distinct tensors, none of them an input it did not own."""
+    if not hands_on(body) or len({id(t) for t in out}) != len(out):
         return False
-    held = {id(t) for t in flatten(state)[1]} | (set() if owned else {id(t) for t in inputs})
-    return not any(id(t) in held for t in out)
+    return owned or not {id(t) for t in inputs} & {id(t) for t in out}
 
 
 def mul(leaves: Leaves, factor, owned: bool) -> Leaves:
@@ -191,7 +198,9 @@ def prepare_of(tx) -> Prepare | None:
     return getattr(tx.update, "prepare", None)
 
 
-def leafwise(flat, name: str, per_leaf: tuple[str, ...] = ()) -> Prepare:
+def leafwise(
+    flat, name: str, per_leaf: tuple[str, ...] = (), aliases_state: bool = False
+) -> Prepare:
     """``prepare`` for a flat function that is leafwise: ``body`` calls ``flat`` itself on
     the bucket's leaves and on the bucket's slice of the state.
 
@@ -201,6 +210,8 @@ def leafwise(flat, name: str, per_leaf: tuple[str, ...] = ()) -> Prepare:
         name: the transform's name, for errors.
         per_leaf: the state entries that are trees shaped like the params (``("mu", "nu")``
             of ``scale_by_adam``); every other entry is passed whole (0-d by the contract).
+        aliases_state: ``flat`` may return its new state's tensors as its updates
+            (``trace``): its body takes ``owned``, its output is never handed on owned.
     """
 
     def prepare(src: Source, state: TensorDictBase) -> Body:
@@ -225,7 +236,7 @@ def leafwise(flat, name: str, per_leaf: tuple[str, ...] = ()) -> Prepare:
                 return flat(_pick(idx, keys), u, sub, params, owned=True)
             return flat(_pick(idx, keys), u, sub, params)
 
-        return owning(body) if takes_owned else body
+        return owning(body, hands_on=not aliases_state) if takes_owned else body
 
     takes_owned = "owned" in inspect.signature(flat).parameters
     return prepare

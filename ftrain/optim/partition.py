@@ -49,7 +49,7 @@ from ftrain.optim.base import (
     unflatten,
     with_zeros,
 )
-from ftrain.optim.bucketed import Body, Source, call_body, leafwise, owning, owns, prepare_of
+from ftrain.optim.bucketed import Body, Source, call_body, hands_on, leafwise, owning, prepare_of
 
 __all__ = ["frozen", "learning_rates", "multi_transform"]
 
@@ -268,8 +268,8 @@ def _bucketed_groups(src: Source, state: TensorDictBase, groups: dict, preps) ->
                 out[j] = v
         return out, new_td(states)
 
-    # owning only if every label's body is: an unmarked one's output may alias anything
-    return owning(body) if all(owns(member) for _, member in bodies) else body
+    # its output holds every label's: handed on owned only if each label's is
+    return owning(body, hands_on=all(hands_on(member) for _, member in bodies))
 
 
 def _may_freeze(tx: GradientTransformation) -> bool:

@@ -29,7 +29,7 @@ from ftrain.optim.base import (
     member_state,
     new_td,
 )
-from ftrain.optim.bucketed import Body, Source, call_body, mul, owning, owns, prepare_of
+from ftrain.optim.bucketed import Body, Source, call_body, hands_on, mul, owning, prepare_of
 from ftrain.state.tree import rebuild, structure
 
 __all__ = [
@@ -395,7 +395,7 @@ def _bucketed_loss_scale(src: Source, ls, old_inner, rule, inner_prepare) -> Bod
         out, new_inner = call_body(inner_body, idx, unscaled, params, True)
         return out, new_td({"loss_scale": new_ls, "inner": new_inner})
 
-    return owning(body) if owns(inner_body) else body
+    return owning(body, hands_on=hands_on(inner_body))  # unscale writes into owned updates
 
 
 def mean_across_ranks(group=None) -> GradientTransformation:

@@ -351,4 +351,6 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf
         return out, new_td({"trace": unflatten(keys, buf, device=state["trace"].device)})
 
-    return make_transform("trace", init, flat, prepare=_leafwise(flat, "trace"))
+    # its update is its new state's buffer (no nesterov): never handed on owned
+    prepare = leafwise(flat, "trace", ("trace",), aliases_state=True)
+    return make_transform("trace", init, flat, prepare=prepare)
