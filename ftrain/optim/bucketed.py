@@ -225,8 +225,8 @@ def leafwise(
         keys = src.keys
 
         def body(idx, u, params, owned=False):
-            sub = state
-            if stored:  # the flat function checks the slice's paths against the bucket's
+            sub = state  # a bucket of every leaf (a small model) needs no slice
+            if stored and len(idx) != len(keys):  # flat checks the slice's paths
                 sliced = {
                     entry: unflatten(_pick(idx, sk), _pick(idx, sl), device=state[entry].device)
                     for entry, (sk, sl) in stored.items()
