@@ -101,7 +101,8 @@ def update_and_apply(
             grads[i] = None
         ps = pick(span, params)
         # the step's own gradients: tx may write into them (no allocating pass)
-        u, bucket_state = call_body(body, span, g, ps, sole_owners(g, storages))
+        owned = sole_owners(g, storages)
+        u, bucket_state = call_body(body, span, g, ps, owned, donated=in_place)
         del g
         if in_place:
             u = _unaliased(u, ps + writer.targets(bucket_state))

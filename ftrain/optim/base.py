@@ -442,10 +442,10 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientT
                 bodies.append((n, prep(src, member_state(state, n))))
                 src = src.then(bodies[-1][1])
 
-            def body(idx, updates, params, owned=False):
+            def body(idx, updates, params, owned=False, donated=False):
                 new_states = {}
                 for n, member in bodies:
-                    out, new_states[n] = call_body(member, idx, updates, params, owned)
+                    out, new_states[n] = call_body(member, idx, updates, params, owned, donated)
                     owned = handed_on(member, out, updates, owned)
                     updates = out
                 return updates, new_td(new_states)

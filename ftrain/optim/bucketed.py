@@ -43,6 +43,12 @@ own gradients as owned when each one is a tensor of its own (:func:`sole_owners`
 chain passes a member's output on as owned when that member is an owning built-in whose
 output holds no input it did not own and never its state's tensors (:func:`handed_on`).
 A body that is not marked is never called with ``owned`` and its output is never owned.
+
+Donated state. A donating step (``make_step(donate=True)``) also calls owning bodies with
+``donated=True``: the per-leaf entries of the state they were prepared with are its to
+overwrite, so ``scale_by_adam`` and ``trace`` update their moments in place, as
+``torch.optim`` does, instead of making new ones that the step then copies back. 0-d
+entries (counts) are never written: every later bucket still reads the old values.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ __all__ = [
 
 Leaves = list[torch.Tensor]
 # body(idx, updates, params) -> (updates, state) for the leaves at positions idx; an
-# owning body also takes owned=True (it may then write into updates)
+# owning body also takes owned=True (it may then write into updates) and donated=True
+# (it may write its new per-leaf state into the old one's buffers)
 Body = Callable[..., tuple[Leaves, TensorDictBase]]
 
 
@@ -153,10 +160,12 @@ def hands_on(body: Body) -> bool:
     return getattr(body, "hands_on", False)
 
 
-def call_body(body: Body, idx: list[int], updates: Leaves, params, owned: bool):
-    """``body(idx, updates, params)``, with ``owned=True`` only when both allow it."""
-    if owned and owns(body):
-        return body(idx, updates, params, owned=True)
+def call_body(
+    body: Body, idx: list[int], updates: Leaves, params, owned: bool, donated: bool = False
+):
+    """``body(idx, updates, params)``, with ``owned``/``donated`` only for an owning body."""
+    if (owned or donated) and owns(body):
+        return body(idx, updates, params, owned=owned, donated=donated)
     return body(idx, updates, params)
 
 
@@ -206,7 +215,9 @@ def leafwise(
 
     Args:
         flat: the transform's flat update (its only implementation); if it takes an
-            ``owned`` keyword (it may then write into its updates), the body is owning.
+            ``owned`` keyword (it may then write into its updates), the body is owning,
+            and a ``donated`` keyword (it may write its per-leaf state in place) is passed
+            when the step donates.
         name: the transform's name, for errors.
         per_leaf: the state entries that are trees shaped like the params (``("mu", "nu")``
             of ``scale_by_adam``); every other entry is passed whole (0-d by the contract).
@@ -224,7 +235,7 @@ def leafwise(
                 )
         keys = src.keys
 
-        def body(idx, u, params, owned=False):
+        def body(idx, u, params, owned=False, donated=False):
             sub = state  # a bucket of every leaf (a small model) needs no slice
             if stored and len(idx) != len(keys):  # flat checks the slice's paths
                 sliced = {
@@ -232,11 +243,11 @@ def leafwise(
                     for entry, (sk, sl) in stored.items()
                 }
                 sub = new_td({k: state[k] for k in state.keys()} | sliced)
-            if owned:
-                return flat(_pick(idx, keys), u, sub, params, owned=True)
-            return flat(_pick(idx, keys), u, sub, params)
+            given = {"owned": owned, "donated": donated}
+            flags = {k: True for k in takes if given[k]}  # only what flat knows
+            return flat(_pick(idx, keys), u, sub, params, **flags)
 
-        return owning(body, hands_on=not aliases_state) if takes_owned else body
+        return owning(body, hands_on=not aliases_state) if "owned" in takes else body
 
-    takes_owned = "owned" in inspect.signature(flat).parameters
+    takes = {"owned", "donated"} & set(inspect.signature(flat).parameters)
     return prepare

@@ -255,14 +255,14 @@ def _bucketed_groups(src: Source, state: TensorDictBase, groups: dict, preps) ->
             label_of[i], local[i] = n, j
         bodies.append((label, prep(src.part(idx), member_state(state, label, "multi_transform"))))
 
-    def body(idx, u, params, owned=False):
+    def body(idx, u, params, owned=False, donated=False):
         out: list = [None] * len(idx)
         states = {}
         for n, (label, member) in enumerate(bodies):
             sel = [j for j, i in enumerate(idx) if label_of[i] == n]
             local_idx = [local[idx[j]] for j in sel]  # each label owns its part of u
             sub, states[label] = call_body(
-                member, local_idx, pick(sel, u), pick(sel, params), owned
+                member, local_idx, pick(sel, u), pick(sel, params), owned, donated
             )
             for j, v in zip(sel, sub, strict=True):
                 out[j] = v

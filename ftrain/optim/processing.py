@@ -170,7 +170,7 @@ def _clipper(name: str, max_norm: float, coefficient) -> GradientTransformation:
     def prepare(src: Source, state: TensorDictBase) -> Body:
         coef = coefficient(_streamed_norm(src), max_norm) if src.keys else None
 
-        def body(idx, u, params, owned=False):
+        def body(idx, u, params, owned=False, donated=False):  # stateless
             return (_scaled(u, coef, owned) if u else u), empty_state()
 
         return owning(body)
@@ -379,7 +379,7 @@ def _bucketed_loss_scale(src: Source, ls, old_inner, rule, inner_prepare) -> Bod
     new_ls = _next_scale(ls, found_inf, rule, device)
     if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical
 
-        def skipped(idx, u, params, owned=False):  # fresh updates either way
+        def skipped(idx, u, params, owned=False, donated=False):  # fresh updates, old state
             out = [torch.full_like(t, -0.0) for t in u]
             return out, new_td({"loss_scale": new_ls, "inner": old_inner.copy()})
 
@@ -390,9 +390,9 @@ def _bucketed_loss_scale(src: Source, ls, old_inner, rule, inner_prepare) -> Bod
 
     inner_body = inner_prepare(src.then(unscale), old_inner)
 
-    def body(idx, u, params, owned=False):
+    def body(idx, u, params, owned=False, donated=False):
         unscaled = unscale(idx, u, params, owned)[0]  # new tensors, or u written: owned
-        out, new_inner = call_body(inner_body, idx, unscaled, params, True)
+        out, new_inner = call_body(inner_body, idx, unscaled, params, True, donated)
         return out, new_td({"loss_scale": new_ls, "inner": new_inner})
 
     return owning(body, hands_on=hands_on(inner_body))  # unscale writes into owned updates

@@ -138,14 +138,18 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         mu = _zeros_like_tree(params)
         return new_td({"count": _zero_count(), "mu": mu, "nu": mu.clone()})
 
-    def flat(keys, g, state, params, owned=False):  # its updates are new tensors either way
+    def flat(keys, g, state, params, owned=False, donated=False):
         mu = _state_leaves(state, "mu", keys, "scale_by_adam state 'mu'")
         nu = _state_leaves(state, "nu", keys, "scale_by_adam state 'nu'")
         count = state["count"] + 1
         if not g:
             return g, new_td({"count": count, "mu": {}, "nu": {}})
-        mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-        nu = torch._foreach_mul(nu, b2)
+        if donated:  # torch.optim's in-place moments: the same kernels, the same bits
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+        else:
+            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+            nu = torch._foreach_mul(nu, b2)
         torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
         t = count.to(torch.float64)
         bc1 = _scalar(1.0 - b1**t, g)
@@ -153,7 +157,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         denom = torch._foreach_sqrt(nu)
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
-        out = torch._foreach_div(mu, denom)
+        # donated, g is dead now and the update goes into it (the same division, no new
+        # buffer); pure, a new buffer holds the next params anyway, so a copy would not pay
+        if owned and donated:
+            torch._foreach_copy_(g, mu)
+            torch._foreach_div_(g, denom)
+            out = g
+        else:
+            out = torch._foreach_div(mu, denom)
         del denom  # freed before the last pass: one fewer set of buffers at the peak
         torch._foreach_div_(out, bc1)
         dev = state["mu"].device
@@ -341,11 +352,14 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     def init(params: TensorDictBase) -> TensorDictBase:
         return new_td({"trace": _zeros_like_tree(params)})
 
-    def flat(keys, g, state, params, owned=False):  # new tensors (or the new state's)
+    def flat(keys, g, state, params, owned=False, donated=False):  # new or the state's
         buf = _state_leaves(state, "trace", keys, "trace state 'trace'")
         if not g:
             return g, new_td({"trace": {}})
-        buf = torch._foreach_mul(buf, decay)
+        if donated:
+            torch._foreach_mul_(buf, decay)
+        else:
+            buf = torch._foreach_mul(buf, decay)
         torch._foreach_add_(buf, g)
         # pure: the update may share storage with the new state (nobody mutates either)
         out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf

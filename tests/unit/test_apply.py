@@ -307,3 +307,17 @@ def test_sole_owners_refuses_aliases_views_and_held_storage():
     assert not sole_owners([a[:2]], set())  # a view: its storage is larger
     assert not sole_owners([torch.zeros(()).expand(4)], set())  # stride 0
     assert not sole_owners([a], {a.untyped_storage().data_ptr()})
+
+
+@pytest.mark.parametrize("tx", [o.adamw(1e-2), o.sgd(0.1, momentum=0.9)], ids=["adamw", "sgd"])
+def test_a_donated_body_updates_its_moments_in_place_with_the_pure_bits(tx):
+    body, keys, grads, params = _bodies(tx)
+    state = init_state(_model(), tx, seed=0)["opt"]
+    body = prepare_of(tx)(Source.of(keys, grads, params, [list(range(len(keys)))]), state)
+    idx = list(range(len(keys)))
+    ref_out, ref_state = body(idx, [t.clone() for t in grads], params)
+    old = {id(t) for t in flatten(state)[1] if t.ndim > 0}
+    out, new = body(idx, grads, params, owned=True, donated=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
+    assert tree_equal(ref_state, new), first_difference(ref_state, new)
+    assert {id(t) for t in flatten(new)[1] if t.ndim > 0} == old, "moments written in place"
