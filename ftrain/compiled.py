@@ -35,7 +35,7 @@ from ftrain.step import _Bound, _loss_and_aux, _merge_aux, _train_mode, carry_fr
 
 __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 
-# trainer.compile=auto compiles a run with at least this many steps to go. Measured on a
+# trainer.compile=auto compiles a run of at least this many steps. Measured on a
 # 2-core CPU (docs/benchmarks.md): the compiled step saves 6-110 ms a step over the eager
 # one and compiles in 4-20 s, so it pays after ~50 (MLP 6x2048) to ~3,400 (GPT-2 tiny)
 # steps; the margin covers the slowest compile measured.
@@ -43,16 +43,15 @@ AUTO_MIN_STEPS = 5_000
 
 
 def should_compile(
-    setting: bool | str, steps_to_run: int, world_size: int = 1, shard: str = "none"
+    setting: bool | str, steps: int, world_size: int = 1, shard: str = "none"
 ) -> tuple[bool, str]:
     """Whether a run compiles its step (``trainer.compile``), and why.
 
     Args:
         setting: ``True``/``False`` (as given) or ``"auto"``: compile when the run has at
-            least :data:`AUTO_MIN_STEPS` steps to go and its step can be one graph (one
-            rank, an unsharded state: ``make_step`` refuses ``compile`` with ``dp`` and
-            ``shard``).
-        steps_to_run: the steps this start will run (``max_steps`` minus those done).
+            least :data:`AUTO_MIN_STEPS` steps and its step can be one graph (one rank, an
+            unsharded state: ``make_step`` refuses ``compile`` with ``dp`` and ``shard``).
+        steps: the run's length (``trainer.max_steps``).
         world_size: ranks of the run.
         shard: ``dist.shard`` as it applies.
 
@@ -61,18 +60,18 @@ def should_compile(
 
     Example:
         >>> should_compile("auto", 200)
-        (False, 'eager: 200 steps to run, fewer than the 5,000 that repay a compile')
+        (False, 'eager: a 200-step run, shorter than the 5,000 steps that repay a compile')
     """
     if setting != "auto":
         return bool(setting), f"trainer.compile={str(bool(setting)).lower()}"
     if world_size > 1 or shard != "none":
         return False, f"eager: a {world_size}-rank, shard={shard} step is not one graph"
-    if steps_to_run < AUTO_MIN_STEPS:
+    if steps < AUTO_MIN_STEPS:
         return False, (
-            f"eager: {steps_to_run:,} steps to run, fewer than the "
-            f"{AUTO_MIN_STEPS:,} that repay a compile"
+            f"eager: a {steps:,}-step run, shorter than the {AUTO_MIN_STEPS:,} steps that "
+            "repay a compile"
         )
-    return True, f"compiling the step: {steps_to_run:,} steps to run repay the compile"
+    return True, f"compiling the step: a {steps:,}-step run repays the compile"
 
 
 class CompiledCore:

@@ -191,9 +191,10 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
 
 
 def _compile(t: DictConfig, p: _Parts, world: World) -> bool:
-    """``trainer.compile`` for this start; ``auto`` says what it chose and why."""
-    done = int(p.report.step) if p.report.resumed else 0
-    chosen, why = should_compile(t.compile, t.max_steps - done, world.size, p.shard)
+    """``trainer.compile`` for this start; ``auto`` says what it chose and why. It decides on
+    the run's length, not on the steps left: a resumed run makes its start's choice, so its
+    numbers (compiled and eager differ by ~1e-6) do not depend on where it stopped."""
+    chosen, why = should_compile(t.compile, t.max_steps, world.size, p.shard)
     if t.compile == "auto" and world.is_coordinator:
         print(f"ftrain: trainer.compile=auto: {why}", file=sys.stderr, flush=True)
     return chosen

@@ -145,7 +145,7 @@ def test_compile_auto_compiles_only_runs_that_repay_it_and_can_be_one_graph():
 
     assert should_compile("auto", AUTO_MIN_STEPS) == (
         True,
-        f"compiling the step: {AUTO_MIN_STEPS:,} steps to run repay the compile",
+        f"compiling the step: a {AUTO_MIN_STEPS:,}-step run repays the compile",
     )
     assert should_compile("auto", AUTO_MIN_STEPS - 1)[0] is False
     assert should_compile("auto", 10**6, world_size=2) == (
