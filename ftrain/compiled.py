@@ -35,10 +35,10 @@ from ftrain.step import _Bound, _loss_and_aux, _merge_aux, _train_mode, carry_fr
 
 __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 
-# trainer.compile=auto compiles a run of at least this many steps. Measured on a
-# 2-core CPU (docs/benchmarks.md): the compiled step saves 6-110 ms a step over the eager
-# one and compiles in 4-20 s, so it pays after ~50 (MLP 6x2048) to ~3,400 (GPT-2 tiny)
-# steps; the margin covers the slowest compile measured.
+# trainer.compile=auto compiles a run of at least this many steps. Measured on a 2-core
+# CPU (docs/benchmarks.md, "Step time"): the compiled step saves 6-65 ms a step over the
+# eager one and compiles cold in 8-20 s on an idle machine, so it pays after ~210 (MLP
+# 6x2048) to ~2,800 (GPT-2 tiny) steps; the margin covers a slower compile.
 AUTO_MIN_STEPS = 5_000
 
 
