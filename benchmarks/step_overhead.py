@@ -23,12 +23,19 @@ Workloads: ``mlp512`` (6 × Linear 512, batch 64), ``mlp1024`` (6 × 1024, batch
 ``mlp2048`` (6 × 2048, batch 256), ``gpt2tiny`` (GPT-2 tiny, dropout 0, batch 8 × 64).
 The final parameters of every variant are checked against ``imperative``.
 
+On a shared machine (``--cpu-time``, with ``--threads 1``): the figure is the **thread
+CPU time** of the round (``time.thread_time``: user + system time of the one thread that
+runs every kernel, page faults included) instead of wall time, which also counts the
+time spent waiting for a core another job holds. With one intra-op thread nothing runs
+outside the measured thread (two OpenMP threads also stall on each other's core).
+
 Memory (``--memory``): peak RSS (``VmHWM``) of a **fresh subprocess per variant**
 training GPT-2 small (vocab 256, batch 1 × 128) for a few steps, as a ratio to the
 imperative loop's.
 
     .venv/bin/python benchmarks/step_overhead.py                     # everything
     .venv/bin/python benchmarks/step_overhead.py --rounds 2 --steps 3 --only mlp512
+    .venv/bin/python benchmarks/step_overhead.py --threads 1 --cpu-time  # a busy machine
     .venv/bin/python benchmarks/step_overhead.py --memory --only none  # memory only
     .venv/bin/python benchmarks/step_overhead.py --memory --only none --bucket-mb none
         # the same with tx.update on the whole tree (no buckets: the pre-bucketing step)
@@ -175,12 +182,12 @@ def build(variant: str, workload: str):
 # ----------------------------------------------------------------------------- time
 
 
-def _run(step, batches) -> float:
+def _run(step, batches, clock=time.perf_counter) -> float:
     """Seconds for these steps, with the usual per-step loss read (one host sync)."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for batch in batches:
         float(step(batch).detach())
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def paired(workload: str, variants: list[str], args) -> dict:
@@ -194,11 +201,12 @@ def paired(workload: str, variants: list[str], args) -> dict:
         compile_s[v] = _run(step, batches[:1])  # the first step compiles the compiled ones
         _run(step, batches[1 : args.warmup])
     times: dict[str, list[float]] = {v: [] for v in variants}
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     for r in range(args.rounds):
         chunk = batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
-            times[v].append(_run(runners[v], chunk) / args.steps)
+            times[v].append(_run(runners[v], chunk, clock) / args.steps)
     return {"times": times, "first_step_s": compile_s, "max_diff": _diffs(params, variants)}
 
 
@@ -217,9 +225,11 @@ def report(workload: str, res: dict, args) -> None:
     times = res["times"]
     base = times.get("imperative")
     kind, size, batch = WORKLOADS[workload]
+    clock = "thread CPU time" if args.cpu_time else "wall time"
     print(
         f"\n### {workload} ({kind} {size}, batch {batch}): {args.rounds} rounds × "
-        f"{args.steps} steps after {args.warmup} warm-up, torch.set_num_threads({args.threads})\n"
+        f"{args.steps} steps after {args.warmup} warm-up, torch.set_num_threads({args.threads}), "
+        f"{clock}\n"
     )
     print(
         "| variant | ms/step (median) | × imperative (median of round ratios) | "
@@ -294,6 +304,9 @@ def main() -> None:
     p.add_argument("--only", default=",".join(WORKLOADS), help="workloads, or 'none'")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--cpu-time", action="store_true", help="time rounds by thread CPU time (use --threads 1)"
+    )
     p.add_argument("--memory", action="store_true", help="also peak RSS on GPT-2 small")
     p.add_argument("--memory-model", default="small")
     p.add_argument("--memory-steps", type=int, default=3)
@@ -305,7 +318,13 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     if args.memory_worker:
         return memory_worker(args.memory_worker, args.memory_model, args.memory_steps)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}")
+    if args.cpu_time and args.threads != 1:
+        p.error("--cpu-time measures the calling thread: use it with --threads 1")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"load average {load}"
+    )
     for workload in [w for w in args.only.split(",") if w and w != "none"]:
         report(workload, paired(workload, variants, args), args)
     if args.memory:

@@ -11,6 +11,8 @@ bucket in turn:
 2. ``tx``'s bucketed body computes its updates and new optimizer entries
    (:mod:`ftrain.optim.bucketed`; the global quantities — clip norm, loss-scale skip —
    were fixed over all buckets before the first),
+   — given the gradients as *owned* when each is a tensor of its own, so clipping,
+   weight decay and the learning rate write into them instead of allocating,
 3. donated: the new per-leaf optimizer entries are copied into the old buffers and the
    updates added to the parameters in place; pure: they become the new state's tensors,
    and the input state is not touched.
@@ -30,7 +32,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ftrain.optim.base import FlatFn, pick
-from ftrain.optim.bucketed import Prepare, Source
+from ftrain.optim.bucketed import Prepare, Source, call_body, sole_owners
 from ftrain.state.tree import Key, flatten, rebuild, structure
 
 __all__ = ["BUCKET_BYTES", "spans_of", "update_and_apply"]
@@ -91,13 +93,16 @@ def update_and_apply(
     body = prepare(Source.of(keys, grads, params, spans), opt)
     writer = _StateWriter(opt, in_place)
     held = {id(t) for t in params} | {id(t) for t in writer.old.values()}
+    storages = {t.untyped_storage().data_ptr() for t in (*params, *writer.old.values())}
     new = list(params)
     for span in spans:
         g = pick(span, grads)
         for i in span:  # the bucket's gradients die with this iteration
             grads[i] = None
         ps = pick(span, params)
-        u, bucket_state = body(span, g, ps)
+        # the step's own gradients: tx may write into them (no allocating pass)
+        owned = sole_owners(g, storages)
+        u, bucket_state = call_body(body, span, g, ps, owned, donated=in_place)
         del g
         if in_place:
             u = _unaliased(u, ps + writer.targets(bucket_state))

@@ -33,7 +33,45 @@ from ftrain.optim.processing import global_norm_of
 from ftrain.state.tree import Key, flatten, rebuild, structure, unflatten
 from ftrain.step import _Bound, _loss_and_aux, _merge_aux, _train_mode, carry_frozen
 
-__all__ = ["CompiledCore"]
+__all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
+
+# trainer.compile=auto compiles a run of at least this many steps. Measured on a 2-core
+# CPU (docs/benchmarks.md, "Step time"): the compiled step saves 6-65 ms a step over the
+# eager one and compiles cold in 8-20 s on an idle machine, so it pays after ~210 (MLP
+# 6x2048) to ~2,800 (GPT-2 tiny) steps; the margin covers a slower compile.
+AUTO_MIN_STEPS = 5_000
+
+
+def should_compile(
+    setting: bool | str, steps: int, world_size: int = 1, shard: str = "none"
+) -> tuple[bool, str]:
+    """Whether a run compiles its step (``trainer.compile``), and why.
+
+    Args:
+        setting: ``True``/``False`` (as given) or ``"auto"``: compile when the run has at
+            least :data:`AUTO_MIN_STEPS` steps and its step can be one graph (one rank, an
+            unsharded state: ``make_step`` refuses ``compile`` with ``dp`` and ``shard``).
+        steps: the run's length (``trainer.max_steps``).
+        world_size: ranks of the run.
+        shard: ``dist.shard`` as it applies.
+
+    Returns:
+        ``(compile, reason)``.
+
+    Example:
+        >>> should_compile("auto", 200)
+        (False, 'eager: a 200-step run, shorter than the 5,000 steps that repay a compile')
+    """
+    if setting != "auto":
+        return bool(setting), f"trainer.compile={str(bool(setting)).lower()}"
+    if world_size > 1 or shard != "none":
+        return False, f"eager: a {world_size}-rank, shard={shard} step is not one graph"
+    if steps < AUTO_MIN_STEPS:
+        return False, (
+            f"eager: a {steps:,}-step run, shorter than the {AUTO_MIN_STEPS:,} steps that "
+            "repay a compile"
+        )
+    return True, f"compiling the step: a {steps:,}-step run repays the compile"
 
 
 class CompiledCore:

@@ -44,6 +44,7 @@ from ftrain.cli.resume import (
     start_state,
 )
 from ftrain.cli.session import Session
+from ftrain.compiled import should_compile
 from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
@@ -190,6 +191,16 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     )
 
 
+def _compile(t: DictConfig, p: _Parts, world: World) -> bool:
+    """``trainer.compile`` for this start; ``auto`` says what it chose and why. It decides on
+    the run's length, not on the steps left: a resumed run makes its start's choice, so its
+    numbers (compiled and eager differ by ~1e-6) do not depend on where it stopped."""
+    chosen, why = should_compile(t.compile, t.max_steps, world.size, p.shard)
+    if t.compile == "auto" and world.is_coordinator:
+        print(f"ftrain: trainer.compile=auto: {why}", file=sys.stderr, flush=True)
+    return chosen
+
+
 def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
     """The ``logger=`` group's loggers, on the coordinator only (built from this start's
     composed config, never from checkpoint metadata)."""
@@ -222,7 +233,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
             grad_accum=t.grad_accum,
             precision=t.precision,
             donate=t.donate,
-            compile=t.compile,
+            compile=_compile(t, p, world),
             shard=p.shard,
         )
         if step.sharder is not None:  # a fresh state's rows (a resumed one holds them already)

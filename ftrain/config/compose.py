@@ -331,7 +331,10 @@ def _check_trainer(t: DictConfig) -> None:
 
 
 def _check_fault_keys(t: DictConfig) -> None:
-    """``trainer.on_nonfinite`` and ``trainer.hang_timeout_s`` (see docs/fault-tolerance.md)."""
+    """``trainer.compile``, ``trainer.on_nonfinite`` and ``trainer.hang_timeout_s`` (see
+    docs/configuration.md, docs/fault-tolerance.md)."""
+    if t.compile not in (True, False, "auto"):  # auto: ftrain.compiled.should_compile
+        raise ConfigError(f"trainer.compile must be true, false or auto, got {t.compile!r}")
     if t.on_nonfinite not in ("stop", "skip", "continue"):
         raise ConfigError(
             f"trainer.on_nonfinite must be stop, skip or continue, got {t.on_nonfinite!r}"
@@ -491,7 +494,9 @@ def _check_shard(cfg: DictConfig) -> None:
     if shard not in ("none", "optimizer", "full"):
         raise _bad("dist.shard", shard, "must be none, optimizer or full")
     clash = [
-        f"{k}={v}" for k, v in (("trainer.donate", t.donate), ("trainer.compile", t.compile)) if v
+        f"{k}={v}"
+        for k, v in (("trainer.donate", t.donate), ("trainer.compile", t.compile is True))
+        if v
     ] + (["trainer.precision=fp16"] if t.precision == "fp16" else [])
     if shard != "none" and clash:
         raise _bad(

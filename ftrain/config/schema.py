@@ -121,7 +121,9 @@ class TrainerConfig:
     log_every: int = 1
     device: str = "auto"
     donate: bool = False
-    compile: bool = False  # the step's tensor core under torch.compile (ftrain.compiled)
+    # true | false | auto: the step's tensor core under torch.compile (ftrain.compiled);
+    # auto compiles when the run is long enough to repay the compile (should_compile)
+    compile: Any = False
     on_nonfinite: str = "stop"  # stop | skip | continue (ftrain.loop)
     hang_timeout_s: float | None = None  # null: no hang watchdog (ftrain.watchdog)
 

@@ -30,9 +30,18 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 # One pytree implementation for the whole library (sorted, insertion-order independent).
-from ftrain.optim.bucketed import Body, Prepare, Source, prepare_of
+from ftrain.optim.bucketed import (
+    Body,
+    Prepare,
+    Source,
+    call_body,
+    handed_on,
+    hands_on,
+    owning,
+    prepare_of,
+)
 from ftrain.state.tree import Key as Path
-from ftrain.state.tree import flatten, new_td, path_str, unflatten
+from ftrain.state.tree import entries, flatten, is_node, new_td, path_str, unflatten
 
 __all__ = [
     "FlatUpdate",
@@ -163,14 +172,13 @@ def tree_get(tree: TensorDictBase, name: str | Path, default=_MISSING):
 
 
 def _find(td: TensorDictBase, prefix: Path, suffix: Path, found: list[Path]) -> None:
-    for k in sorted(td.keys()):
+    items = entries(td)  # the step asks every update (the loss scale): no TensorDict.get
+    for k in sorted(items):
         path = (*prefix, k)
         if path[-len(suffix) :] == suffix:
             found.append(path)
-            continue
-        v = td.get(k)
-        if isinstance(v, TensorDictBase):
-            _find(v, path, suffix, found)
+        elif is_node(items[k]):
+            _find(items[k], path, suffix, found)
 
 
 # ----------------------------------------------------------------------------- transforms
@@ -434,13 +442,16 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientT
                 bodies.append((n, prep(src, member_state(state, n))))
                 src = src.then(bodies[-1][1])
 
-            def body(idx, updates, params):
+            def body(idx, updates, params, owned=False, donated=False):
                 new_states = {}
                 for n, member in bodies:
-                    updates, new_states[n] = member(idx, updates, params)
+                    out, new_states[n] = call_body(member, idx, updates, params, owned, donated)
+                    owned = handed_on(member, out, updates, owned)
+                    updates = out
                 return updates, new_td(new_states)
 
-            return body
+            # its output is the last member's: handed on owned only if that one's is
+            return owning(body, hands_on=not bodies or hands_on(bodies[-1][1]))
 
     return make_transform(name, init, flat, frozen_of, prepare)
 

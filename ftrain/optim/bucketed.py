@@ -33,10 +33,27 @@ A transform without ``prepare`` (a user's plain ``update``, ``mean_across_ranks`
 composition with such a member) is not bucketable, and the step runs it on the whole
 tree as before. :func:`leafwise` makes ``prepare`` for a flat function that is leafwise
 by nature (every built-in optimizer transform).
+
+Owned updates. A body marked :func:`owning` also takes ``owned=True``: the caller gives
+up the bucket's ``updates`` (nobody else holds them), so the body may write into them
+instead of allocating new ones (clipping, weight decay, the learning rate: on a CPU an
+allocating pass over a bucket costs up to ~10x an in-place one, the fresh pages are
+faulted in). In-place and out-of-place kernels give the same bits. The step passes its
+own gradients as owned when each one is a tensor of its own (:func:`sole_owners`); a
+chain passes a member's output on as owned when that member is an owning built-in whose
+output holds no input it did not own and never its state's tensors (:func:`handed_on`).
+A body that is not marked is never called with ``owned`` and its output is never owned.
+
+Donated state. A donating step (``make_step(donate=True)``) also calls owning bodies with
+``donated=True``: the per-leaf entries of the state they were prepared with are its to
+overwrite, so ``scale_by_adam`` and ``trace`` update their moments in place, as
+``torch.optim`` does, instead of making new ones that the step then copies back. 0-d
+entries (counts) are never written: every later bucket still reads the old values.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -44,11 +61,26 @@ from tensordict import TensorDictBase
 
 from ftrain.state.tree import Key, flatten, new_td, unflatten
 
-__all__ = ["Body", "Prepare", "Source", "leafwise", "prepare_of"]
+__all__ = [
+    "Body",
+    "Prepare",
+    "Source",
+    "call_body",
+    "handed_on",
+    "hands_on",
+    "leafwise",
+    "mul",
+    "owning",
+    "owns",
+    "prepare_of",
+    "sole_owners",
+]
 
 Leaves = list[torch.Tensor]
-# body(idx, updates, params) -> (updates, state) for the leaves at positions idx
-Body = Callable[[list[int], Leaves, "Leaves | None"], tuple[Leaves, TensorDictBase]]
+# body(idx, updates, params) -> (updates, state) for the leaves at positions idx; an
+# owning body also takes owned=True (it may then write into updates) and donated=True
+# (it may write its new per-leaf state into the old one's buffers)
+Body = Callable[..., tuple[Leaves, TensorDictBase]]
 
 
 def _pick(idx: Sequence[int], items):
@@ -107,20 +139,90 @@ class Source:
 Prepare = Callable[[Source, TensorDictBase], Body]
 
 
+def owning(body: Body, hands_on: bool = True) -> Body:
+    """Mark ``body`` as taking ``owned=True`` (see the module docstring).
+
+    ``hands_on``: its updates are always new tensors or its own inputs (never its state's,
+    never views), so an output that is none of its unowned inputs can be handed on owned.
+    """
+    body.takes_owned = True  # type: ignore[attr-defined]
+    body.hands_on = hands_on  # type: ignore[attr-defined]
+    return body
+
+
+def owns(body: Body) -> bool:
+    """Whether ``body`` is marked :func:`owning`."""
+    return getattr(body, "takes_owned", False)
+
+
+def hands_on(body: Body) -> bool:
+    """Whether ``body`` is marked :func:`owning` with ``hands_on``."""
+    return getattr(body, "hands_on", False)
+
+
+def call_body(
+    body: Body, idx: list[int], updates: Leaves, params, owned: bool, donated: bool = False
+):
+    """``body(idx, updates, params)``, with ``owned``/``donated`` only for an owning body."""
+    if (owned or donated) and owns(body):
+        return body(idx, updates, params, owned=owned, donated=donated)
+    return body(idx, updates, params)
+
+
+def handed_on(body: Body, out: Leaves, inputs: Leaves, owned: bool) -> bool:
+    """Whether ``body``'s output ``out`` may be passed on as owned: a handing-on body's,
+    of distinct tensors, none of them an input it did not own."""
+    if not hands_on(body) or len({id(t) for t in out}) != len(out):
+        return False
+    return owned or not {id(t) for t in inputs} & {id(t) for t in out}
+
+
+def mul(leaves: Leaves, factor, owned: bool) -> Leaves:
+    """``leaves * factor``: written into ``leaves`` when the caller gave them up."""
+    if not owned:
+        return torch._foreach_mul(leaves, factor)
+    torch._foreach_mul_(leaves, factor)
+    return leaves
+
+
+def sole_owners(leaves: Leaves, held: set[int]) -> bool:
+    """True when every leaf is a dense tensor with a storage of its own (no other leaf's,
+    none of ``held``'s storage pointers) that it covers exactly: writing into one changes
+    nothing else. Autograd may hand one gradient to two inputs (``(a + b).sum()``), or an
+    expanded one with a stride of 0, or a custom backward's saved tensor."""
+    seen: set[int] = set()
+    for t in leaves:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in held or ptr in seen or not t.is_contiguous():
+            return False
+        if storage.nbytes() != t.numel() * t.element_size() or not ptr:
+            return False
+        seen.add(ptr)
+    return True
+
+
 def prepare_of(tx) -> Prepare | None:
     """``tx``'s ``prepare`` (None: not bucketable, run it on the whole tree)."""
     return getattr(tx.update, "prepare", None)
 
 
-def leafwise(flat, name: str, per_leaf: tuple[str, ...] = ()) -> Prepare:
+def leafwise(
+    flat, name: str, per_leaf: tuple[str, ...] = (), aliases_state: bool = False
+) -> Prepare:
     """``prepare`` for a flat function that is leafwise: ``body`` calls ``flat`` itself on
     the bucket's leaves and on the bucket's slice of the state.
 
     Args:
-        flat: the transform's flat update (its only implementation).
+        flat: the transform's flat update (its only implementation); if it takes an
+            ``owned`` keyword (it may then write into its updates), the body is owning,
+            and a ``donated`` keyword (it may write its per-leaf state in place) is passed
+            when the step donates.
         name: the transform's name, for errors.
         per_leaf: the state entries that are trees shaped like the params (``("mu", "nu")``
             of ``scale_by_adam``); every other entry is passed whole (0-d by the contract).
+        aliases_state: ``flat`` may return its new state's tensors as its updates
+            (``trace``): its body takes ``owned``, its output is never handed on owned.
     """
 
     def prepare(src: Source, state: TensorDictBase) -> Body:
@@ -133,16 +235,19 @@ def leafwise(flat, name: str, per_leaf: tuple[str, ...] = ()) -> Prepare:
                 )
         keys = src.keys
 
-        def body(idx, u, params):
-            sub = state
-            if stored:  # the flat function checks the slice's paths against the bucket's
+        def body(idx, u, params, owned=False, donated=False):
+            sub = state  # a bucket of every leaf (a small model) needs no slice
+            if stored and len(idx) != len(keys):  # flat checks the slice's paths
                 sliced = {
                     entry: unflatten(_pick(idx, sk), _pick(idx, sl), device=state[entry].device)
                     for entry, (sk, sl) in stored.items()
                 }
                 sub = new_td({k: state[k] for k in state.keys()} | sliced)
-            return flat(_pick(idx, keys), u, sub, params)
+            given = {"owned": owned, "donated": donated}
+            flags = {k: True for k in takes if given[k]}  # only what flat knows
+            return flat(_pick(idx, keys), u, sub, params, **flags)
 
-        return body
+        return owning(body, hands_on=not aliases_state) if "owned" in takes else body
 
+    takes = {"owned", "donated"} & set(inspect.signature(flat).parameters)
     return prepare

@@ -49,7 +49,7 @@ from ftrain.optim.base import (
     unflatten,
     with_zeros,
 )
-from ftrain.optim.bucketed import Body, Source, leafwise, prepare_of
+from ftrain.optim.bucketed import Body, Source, call_body, hands_on, leafwise, owning, prepare_of
 
 __all__ = ["frozen", "learning_rates", "multi_transform"]
 
@@ -78,7 +78,7 @@ def frozen() -> GradientTransformation:
         ...                      {"frozen": masks.glob("wte.*"), "train": None})
     """
 
-    def flat(keys, u, state, params):
+    def flat(keys, u, state, params, owned=False):  # fresh zeros either way
         return [torch.zeros_like(t) for t in u], empty_state()
 
     return make_transform(
@@ -255,19 +255,21 @@ def _bucketed_groups(src: Source, state: TensorDictBase, groups: dict, preps) ->
             label_of[i], local[i] = n, j
         bodies.append((label, prep(src.part(idx), member_state(state, label, "multi_transform"))))
 
-    def body(idx, u, params):
+    def body(idx, u, params, owned=False, donated=False):
         out: list = [None] * len(idx)
         states = {}
         for n, (label, member) in enumerate(bodies):
             sel = [j for j, i in enumerate(idx) if label_of[i] == n]
-            sub, states[label] = member(
-                [local[idx[j]] for j in sel], pick(sel, u), pick(sel, params)
+            local_idx = [local[idx[j]] for j in sel]  # each label owns its part of u
+            sub, states[label] = call_body(
+                member, local_idx, pick(sel, u), pick(sel, params), owned, donated
             )
             for j, v in zip(sel, sub, strict=True):
                 out[j] = v
         return out, new_td(states)
 
-    return body
+    # its output holds every label's: handed on owned only if each label's is
+    return owning(body, hands_on=all(hands_on(member) for _, member in bodies))
 
 
 def _may_freeze(tx: GradientTransformation) -> bool:

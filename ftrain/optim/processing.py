@@ -29,7 +29,7 @@ from ftrain.optim.base import (
     member_state,
     new_td,
 )
-from ftrain.optim.bucketed import Body, Source, prepare_of
+from ftrain.optim.bucketed import Body, Source, call_body, hands_on, mul, owning, prepare_of
 from ftrain.state.tree import rebuild, structure
 
 __all__ = [
@@ -145,14 +145,15 @@ def global_norm(tree: TensorDictBase) -> torch.Tensor:
     return global_norm_of(flatten(tree)[1])
 
 
-def _scaled(leaves: Leaves, coef: torch.Tensor) -> Leaves:
-    """Every leaf times ``coef`` (cast to each leaf's dtype; one kernel per dtype group)."""
+def _scaled(leaves: Leaves, coef: torch.Tensor, owned: bool = False) -> Leaves:
+    """Every leaf times ``coef`` (cast to each leaf's dtype; one kernel per dtype group),
+    in place when the caller gave up ``leaves`` (``owned``)."""
     if all(t.dtype == coef.dtype for t in leaves):
-        return torch._foreach_mul(leaves, coef)
+        return mul(leaves, coef, owned)
     out = list(leaves)
     for dtype in {t.dtype for t in leaves}:
         idx = [i for i, t in enumerate(leaves) if t.dtype == dtype]
-        scaled = torch._foreach_mul([leaves[i] for i in idx], coef.to(dtype))
+        scaled = mul([leaves[i] for i in idx], coef.to(dtype), owned)
         for i, v in zip(idx, scaled, strict=True):
             out[i] = v
     return out
@@ -169,10 +170,10 @@ def _clipper(name: str, max_norm: float, coefficient) -> GradientTransformation:
     def prepare(src: Source, state: TensorDictBase) -> Body:
         coef = coefficient(_streamed_norm(src), max_norm) if src.keys else None
 
-        def body(idx, u, params):
-            return (_scaled(u, coef) if u else u), empty_state()
+        def body(idx, u, params, owned=False, donated=False):  # stateless
+            return (_scaled(u, coef, owned) if u else u), empty_state()
 
-        return body
+        return owning(body)
 
     return make_transform(name, lambda params: empty_state(), flat, prepare=prepare)
 
@@ -378,22 +379,23 @@ def _bucketed_loss_scale(src: Source, ls, old_inner, rule, inner_prepare) -> Bod
     new_ls = _next_scale(ls, found_inf, rule, device)
     if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical
 
-        def skipped(idx, u, params):
+        def skipped(idx, u, params, owned=False, donated=False):  # fresh updates, old state
             out = [torch.full_like(t, -0.0) for t in u]
             return out, new_td({"loss_scale": new_ls, "inner": old_inner.copy()})
 
-        return skipped
+        return owning(skipped)
 
-    def unscale(idx, u, params):
-        return (torch._foreach_mul(u, inv) if u else u), None
+    def unscale(idx, u, params, owned=False):
+        return (mul(u, inv, owned) if u else u), None
 
     inner_body = inner_prepare(src.then(unscale), old_inner)
 
-    def body(idx, u, params):
-        out, new_inner = inner_body(idx, unscale(idx, u, params)[0], params)
+    def body(idx, u, params, owned=False, donated=False):
+        unscaled = unscale(idx, u, params, owned)[0]  # new tensors, or u written: owned
+        out, new_inner = call_body(inner_body, idx, unscaled, params, True, donated)
         return out, new_td({"loss_scale": new_ls, "inner": new_inner})
 
-    return body
+    return owning(body, hands_on=hands_on(inner_body))  # unscale writes into owned updates
 
 
 def mean_across_ranks(group=None) -> GradientTransformation:

@@ -2,7 +2,8 @@
 
 Each factory closes over its settings; its state holds only what changes. Every ``update``
 is a :class:`~ftrain.optim.base.FlatUpdate` whose flat function is pure: it uses
-out-of-place ``torch._foreach_*`` kernels (in-place ones only on tensors it just made).
+out-of-place ``torch._foreach_*`` kernels (in-place ones only on tensors it just made, or,
+in a bucketed update, on updates its caller gave up: ``owned``, :mod:`ftrain.optim.bucketed`).
 Gradient processing (clipping, loss scaling, the cross-rank mean) is in
 :mod:`ftrain.optim.processing`.
 
@@ -33,7 +34,7 @@ from ftrain.optim.base import (
     per_structure,
     unflatten,
 )
-from ftrain.optim.bucketed import leafwise
+from ftrain.optim.bucketed import leafwise, mul
 from ftrain.optim.schedule import Schedule
 
 __all__ = [
@@ -85,6 +86,14 @@ def _leafwise(flat, *per_leaf: str):
     return leafwise(flat, name, per_leaf)
 
 
+def _add(u: Leaves, params: Leaves, alpha: float, owned: bool) -> Leaves:
+    """``u + alpha * params``: written into ``u`` when the caller gave it up (``owned``)."""
+    if not owned:
+        return torch._foreach_add(u, params, alpha=alpha)
+    torch._foreach_add_(u, params, alpha=alpha)
+    return u
+
+
 def _scalar(value: torch.Tensor, leaves: Leaves) -> float | torch.Tensor:
     """A 0-d tensor as a foreach scalar: a Python float when it lives on the CPU (no device
     sync; rounds like torch.optim), else a device tensor in the leaves' dtype (fused path).
@@ -129,14 +138,18 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         mu = _zeros_like_tree(params)
         return new_td({"count": _zero_count(), "mu": mu, "nu": mu.clone()})
 
-    def flat(keys, g, state, params):
+    def flat(keys, g, state, params, owned=False, donated=False):
         mu = _state_leaves(state, "mu", keys, "scale_by_adam state 'mu'")
         nu = _state_leaves(state, "nu", keys, "scale_by_adam state 'nu'")
         count = state["count"] + 1
         if not g:
             return g, new_td({"count": count, "mu": {}, "nu": {}})
-        mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-        nu = torch._foreach_mul(nu, b2)
+        if donated:  # torch.optim's in-place moments: the same kernels, the same bits
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+        else:
+            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+            nu = torch._foreach_mul(nu, b2)
         torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
         t = count.to(torch.float64)
         bc1 = _scalar(1.0 - b1**t, g)
@@ -144,7 +157,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         denom = torch._foreach_sqrt(nu)
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
-        out = torch._foreach_div(mu, denom)
+        # donated, g is dead now and the update goes into it (the same division, no new
+        # buffer); pure, a new buffer holds the next params anyway, so a copy would not pay
+        if owned and donated:
+            torch._foreach_copy_(g, mu)
+            torch._foreach_div_(g, denom)
+            out = g
+        else:
+            out = torch._foreach_div(mu, denom)
         del denom  # freed before the last pass: one fewer set of buffers at the peak
         torch._foreach_div_(out, bc1)
         dev = state["mu"].device
@@ -201,7 +221,7 @@ def add_decayed_weights(
     def init(params: TensorDictBase) -> TensorDictBase:
         return empty_state()
 
-    def flat(keys, u, state, params):
+    def flat(keys, u, state, params, owned=False):
         if params is None:
             raise ValueError(
                 "add_decayed_weights needs the parameters: call update(updates, state, params)"
@@ -210,9 +230,9 @@ def add_decayed_weights(
         if wd == 0.0 or not u or idx == []:
             return u, empty_state()
         if idx is None:
-            return torch._foreach_add(u, params, alpha=wd), empty_state()
+            return _add(u, params, wd, owned), empty_state()
         out = list(u)
-        decayed = torch._foreach_add([u[i] for i in idx], [params[i] for i in idx], alpha=wd)
+        decayed = _add([u[i] for i in idx], [params[i] for i in idx], wd, owned)
         for i, v in zip(idx, decayed, strict=True):
             out[i] = v
         return out, empty_state()
@@ -268,10 +288,10 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         count = _zero_count()
         return new_td({"count": count, "learning_rate": rate(count)})
 
-    def flat(keys, u, state, params):
+    def flat(keys, u, state, params, owned=False):
         count = state["count"]
         factor = -const if schedule is None else _scalar(-rate(count), u)
-        out = torch._foreach_mul(u, factor) if u else u
+        out = mul(u, factor, owned) if u else u
         return out, new_td({"count": count + 1, "learning_rate": rate(count + 1)})
 
     return make_transform("scale_by_learning_rate", init, flat, prepare=_leafwise(flat))
@@ -297,8 +317,8 @@ def scale(factor: float) -> GradientTransformation:
     def init(params: TensorDictBase) -> TensorDictBase:
         return empty_state()
 
-    def flat(keys, u, state, params):
-        return (torch._foreach_mul(u, factor) if u else u), empty_state()
+    def flat(keys, u, state, params, owned=False):
+        return (mul(u, factor, owned) if u else u), empty_state()
 
     return make_transform("scale", init, flat, prepare=_leafwise(flat))
 
@@ -332,14 +352,19 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     def init(params: TensorDictBase) -> TensorDictBase:
         return new_td({"trace": _zeros_like_tree(params)})
 
-    def flat(keys, g, state, params):
+    def flat(keys, g, state, params, owned=False, donated=False):  # new or the state's
         buf = _state_leaves(state, "trace", keys, "trace state 'trace'")
         if not g:
             return g, new_td({"trace": {}})
-        buf = torch._foreach_mul(buf, decay)
+        if donated:
+            torch._foreach_mul_(buf, decay)
+        else:
+            buf = torch._foreach_mul(buf, decay)
         torch._foreach_add_(buf, g)
         # pure: the update may share storage with the new state (nobody mutates either)
         out = torch._foreach_add(g, buf, alpha=decay) if nesterov else buf
         return out, new_td({"trace": unflatten(keys, buf, device=state["trace"].device)})
 
-    return make_transform("trace", init, flat, prepare=_leafwise(flat, "trace"))
+    # its update is its new state's buffer (no nesterov): never handed on owned
+    prepare = leafwise(flat, "trace", ("trace",), aliases_state=True)
+    return make_transform("trace", init, flat, prepare=prepare)

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 import ftrain
 from ftrain import apply
 from ftrain.optim import masks
-from ftrain.optim.bucketed import leafwise, prepare_of
+from ftrain.optim.bucketed import Source, hands_on, leafwise, owns, prepare_of, sole_owners
 from ftrain.state import first_difference, init_state, tree_equal
 from ftrain.state.tree import flatten, new_td
 
@@ -210,3 +210,114 @@ def test_spans_cut_consecutive_leaves_by_bytes():
     assert apply.spans_of(leaves, 32) == [[0, 1], [2], [3]]
     assert apply.spans_of(leaves, 1) == [[0], [1], [2], [3]]
     assert apply.spans_of(leaves, 2**20) == [[0, 1, 2, 3]]
+
+
+# ----------------------------------------------------------------------------- owned updates
+
+
+def _bodies(tx, seed=0):
+    """``(body, keys, grads, params)`` of ``tx``'s bucketed update on the test model."""
+    state = init_state(_model(), tx, seed=0)
+    keys, params = flatten(state["params"])
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    body = prepare_of(tx)(Source.of(keys, grads, params, [list(range(len(keys)))]), state["opt"])
+    return body, keys, grads, params
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_an_owned_bucket_gives_the_same_bits_and_leaves_the_state_alone(name):
+    """Given the updates as owned, a body may write into them: same results, bit for bit,
+    and no tensor of its state (old or new) is written (a trace buffer is never the next
+    member's scratch)."""
+    tx = TXS[name]()
+    if name == "multi_frozen":  # the step passes the trainable leaves only
+        tx = o.chain(o.clip_by_global_norm(0.02), o.sgd(0.1, momentum=0.9))
+    body, keys, grads, params = _bodies(tx)
+    idx = list(range(len(keys)))
+    ref_out, ref_state = body(idx, [t.clone() for t in grads], params)
+    assert owns(body)
+    out, state = body(idx, grads, params, owned=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
+    assert tree_equal(ref_state, state), first_difference(ref_state, state)
+
+
+def test_the_chain_hands_a_members_fresh_output_on_but_never_a_state_buffer():
+    body, keys, grads, params = _bodies(o.chain(o.clip_by_global_norm(1e-3), o.adamw(1e-2)))
+    kept = [t.clone() for t in grads]
+    out, _ = body(list(range(len(keys))), grads, params, owned=True)
+    assert not any(torch.equal(a, b) for a, b in zip(grads, kept, strict=True)), "clip in place"
+    trace_body = _bodies(o.sgd(0.1, momentum=0.9))[0]
+    assert owns(trace_body) and hands_on(trace_body)  # the chain's output is scale_by_lr's
+    lone_trace = prepare_of(o.trace(0.9))
+    assert not hands_on(lone_trace(Source.of(keys, grads, params, [[0]]), _trace_state(keys)))
+
+
+def _trace_state(keys):
+    return o.trace(0.9).init(init_state(_model(), o.sgd(0.1), seed=0)["params"])
+
+
+class _Shared(torch.nn.Module):
+    """Two parameters whose gradients autograd hands out as one tensor (``(a + b).sum()``),
+    plus one whose gradient is a custom backward's saved tensor: the parameter itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+        self.c = torch.nn.Parameter(torch.full((3,), 2.0))
+
+    def forward(self, x):
+        return ((self.a + self.b) * x).sum() + _ItselfAsGrad.apply(self.c)
+
+
+class _ItselfAsGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w):
+        ctx.save_for_backward(w)
+        return w.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.saved_tensors[0]  # the parameter's own storage
+
+
+def test_gradients_that_are_not_the_steps_own_are_never_written(monkeypatch):
+    """A gradient shared by two leaves, or one that is the state's own parameter, is not
+    owned: the pure step leaves its input intact and matches the whole-tree update."""
+    tx = o.chain(o.clip_by_global_norm(0.1), o.adamw(1e-2))
+    runs = []
+    for bucket in (None, 2**30):
+        monkeypatch.setattr(apply, "BUCKET_BYTES", bucket)
+        model = _Shared()
+        state = init_state(model, tx, seed=0)
+        step = ftrain.make_step(model, lambda m, b: m(b["x"]), tx)
+        for _ in range(3):
+            snapshot = state.clone()
+            new, _ = step(state, TensorDict(x=torch.full((3,), 0.5)))
+            assert tree_equal(state, snapshot), first_difference(state, snapshot)
+            state = new
+        runs.append(state)
+    assert tree_equal(*runs), first_difference(*runs)
+
+
+def test_sole_owners_refuses_aliases_views_and_held_storage():
+    a = torch.zeros(4)
+    assert sole_owners([a, torch.zeros(4)], set())
+    assert not sole_owners([a, a], set())
+    assert not sole_owners([a[:2]], set())  # a view: its storage is larger
+    assert not sole_owners([torch.zeros(()).expand(4)], set())  # stride 0
+    assert not sole_owners([a], {a.untyped_storage().data_ptr()})
+
+
+@pytest.mark.parametrize("tx", [o.adamw(1e-2), o.sgd(0.1, momentum=0.9)], ids=["adamw", "sgd"])
+def test_a_donated_body_updates_its_moments_in_place_with_the_pure_bits(tx):
+    body, keys, grads, params = _bodies(tx)
+    state = init_state(_model(), tx, seed=0)["opt"]
+    body = prepare_of(tx)(Source.of(keys, grads, params, [list(range(len(keys)))]), state)
+    idx = list(range(len(keys)))
+    ref_out, ref_state = body(idx, [t.clone() for t in grads], params)
+    old = {id(t) for t in flatten(state)[1] if t.ndim > 0}
+    out, new = body(idx, grads, params, owned=True, donated=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
+    assert tree_equal(ref_state, new), first_difference(ref_state, new)
+    assert {id(t) for t in flatten(new)[1] if t.ndim > 0} == old, "moments written in place"

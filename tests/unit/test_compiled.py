@@ -138,3 +138,20 @@ def test_compile_refuses_what_it_cannot_put_in_one_graph():
     model, tx = _mlp(), _tx()
     with pytest.raises(ValueError, match="compile=True"):
         ftrain.make_step(model, mse_loss, tx, compile=True, clip=1.0)
+
+
+def test_compile_auto_compiles_only_runs_that_repay_it_and_can_be_one_graph():
+    from ftrain.compiled import AUTO_MIN_STEPS, should_compile
+
+    assert should_compile("auto", AUTO_MIN_STEPS) == (
+        True,
+        f"compiling the step: a {AUTO_MIN_STEPS:,}-step run repays the compile",
+    )
+    assert should_compile("auto", AUTO_MIN_STEPS - 1)[0] is False
+    assert should_compile("auto", 10**6, world_size=2) == (
+        False,
+        "eager: a 2-rank, shard=none step is not one graph",
+    )
+    assert should_compile("auto", 10**6, shard="optimizer")[0] is False
+    assert should_compile(True, 1) == (True, "trainer.compile=true")
+    assert should_compile(False, 10**6) == (False, "trainer.compile=false")

@@ -31,6 +31,7 @@ from ftrain.config import ConfigError, load_config
         ("model=model_schema", ["model=model_schema", "not an option", "model=gpt2_tiny"]),
         ("data=data_schema", ["data=data_schema", "data=stdlib"]),
         ("+trainer.max_step=10", ["trainer.max_step", "max_steps"]),
+        ("trainer.compile=sometimes", ["trainer.compile must be true, false or auto"]),
         ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
         ("+model.n_layers=2", ["model.n_layers"]),
     ],
@@ -60,9 +61,12 @@ def test_valid_edges_and_null_are_accepted():
             "optim.clip=null",
             "+recipe=gpt2",
             "+my_recipe_key=1",  # a key outside ftrain's groups is the recipe's business
+            "trainer.compile=auto",
         ]
     )
     assert cfg.checkpoint.every_steps == 1 and cfg.my_recipe_key == 1
+    assert cfg.trainer.compile == "auto"
+    assert load_config(["trainer.compile=auto", "dist.shard=optimizer"]).dist.shard == "optimizer"
 
 
 def test_init_from_and_from_hf_are_exclusive_and_checked():
