@@ -299,13 +299,7 @@ class CheckpointManager:
         blocking = time.perf_counter() - t0
         # The writer reads the caller's tensors (no copy): pin the state so a donate=True
         # step does not overwrite them before the commit.
-        pin(state)
-        self._thread = threading.Thread(
-            target=self._run_background,
-            args=(state, self._write, snapshot, step, attrs, t0, blocking, plan),
-            name=f"ftrain-ckpt-{step}",
-        )
-        self._thread.start()
+        self._start_background(state, step, self._write, snapshot, step, attrs, t0, blocking, plan)
         return True
 
     def save_sharded(
@@ -346,14 +340,10 @@ class CheckpointManager:
             from ftrain.dist import checkpoint_group
 
             group = checkpoint_group()
-        pin(state)
         blocking = time.perf_counter() - t0
-        self._thread = threading.Thread(
-            target=self._run_background,
-            args=(state, self._write_sharded, state, step, attrs, t0, blocking, group),
-            name=f"ftrain-ckpt-sharded-{step}",
+        self._start_background(
+            state, step, self._write_sharded, state, step, attrs, t0, blocking, group
         )
-        self._thread.start()
         return True
 
     def _write_sharded(self, state, step: int, attrs: dict, t0: float, blocking: float, group):
@@ -426,6 +416,15 @@ class CheckpointManager:
         except (TypeError, ValueError) as e:
             raise ValueError(f"metadata/metrics must be JSON-serialisable: {e}") from e
         return attrs
+
+    def _start_background(self, state: TensorDictBase, step: int, write, *args: object) -> None:
+        """Run ``write(*args)`` in the one background save thread; ``state`` stays pinned
+        (a donating step never overwrites it) until the write ends."""
+        pin(state)
+        self._thread = threading.Thread(
+            target=self._run_background, args=(state, write, *args), name=f"ftrain-ckpt-{step}"
+        )
+        self._thread.start()
 
     def _run_background(self, state: TensorDictBase, write, *args: object) -> None:
         try:
