@@ -16,6 +16,9 @@ Variants (AdamW lr 1e-3, weight decay 0.01, clip 1.0 with torch's rule on both s
 - ``donate``: ``make_step(..., donate=True)``;
 - ``compiled``: ``make_step(..., compile=True)`` (the whole step's tensor core compiled);
 - ``compiled_donate`` (only when named in ``--variants``): the same with ``donate=True``;
+- ``pure_fused``, ``donate_fused`` (only when named): ``pure`` / ``donate`` with
+  ``adamw(..., fused=True)`` (Adam's moments and update in torch's fused kernel), and
+  ``imperative_fused``: ``torch.optim.AdamW(fused=True)``, its fair baseline;
 - ``imperative_compiled``: ``torch.compile(model)`` + a compiled ``optimizer.step`` (the
   PyTorch tutorial's recipe), clipping eager.
 
@@ -62,7 +65,7 @@ WORKLOADS = {  # name -> (kind, width or GPT size, batch)
     "mlp2048": ("mlp", 2048, 256),
     "gpt2tiny": ("gpt", "tiny", 8),
 }
-# --variants also knows compiled_donate (not run by default)
+# --variants also knows compiled_donate, pure_fused, donate_fused, imperative_fused
 VARIANTS = ("imperative", "pure", "donate", "compiled", "imperative_compiled")
 SEQ = {"tiny": 64, "small": 128}
 
@@ -124,9 +127,10 @@ def make_batches(workload: str, n: int) -> list[dict[str, torch.Tensor]]:
 # ----------------------------------------------------------------------------- variants
 
 
-def imperative(model: nn.Module, loss_fn, compiled: bool = False):
+def imperative(model: nn.Module, loss_fn, compiled: bool = False, fused: bool = False):
     """``step(batch) -> loss`` and ``params() -> {name: tensor}`` of the imperative loop."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+    kernel = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **kernel)
     forward = torch.compile(model) if compiled else model
     opt_step = torch.compile(opt.step) if compiled else opt.step
     model.train()
@@ -148,7 +152,8 @@ def functional(model: nn.Module, loss_fn, variant: str):
     from ftrain.state.tree import flatten, path_str
 
     tx = ftrain.optim.chain(
-        ftrain.optim.clip_by_global_norm_torch(CLIP), ftrain.optim.adamw(LR, weight_decay=WD)
+        ftrain.optim.clip_by_global_norm_torch(CLIP),
+        ftrain.optim.adamw(LR, weight_decay=WD, fused=variant.endswith("_fused")),
     )
     box = [ftrain.init_state(model, tx, seed=0)]
     model.to("meta")  # the state owns the weights now, as in ftrain use
@@ -156,7 +161,7 @@ def functional(model: nn.Module, loss_fn, variant: str):
         model,
         loss_fn,
         tx,
-        donate=variant in ("donate", "compiled_donate"),
+        donate="donate" in variant,
         compile=variant.startswith("compiled"),
     )
 
@@ -175,7 +180,8 @@ def build(variant: str, workload: str):
     model = make_model(workload)
     loss_fn = mlp_loss if WORKLOADS.get(workload, ("gpt",))[0] == "mlp" else gpt_loss
     if variant.startswith("imperative"):
-        return imperative(model, loss_fn, compiled=variant == "imperative_compiled")
+        compiled, fused = variant == "imperative_compiled", variant == "imperative_fused"
+        return imperative(model, loss_fn, compiled=compiled, fused=fused)
     return functional(model, loss_fn, variant)
 
 

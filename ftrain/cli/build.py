@@ -26,7 +26,13 @@ from ftrain.ckpt import (
     LatestN,
 )
 from ftrain.cli.finetune import group_settings, labeller, lora_enabled, uses_groups
-from ftrain.cli.targets import call_target, gpt2, instantiate_model, resolve_loss
+from ftrain.cli.targets import (
+    build_optimizer,
+    call_target,
+    gpt2,
+    instantiate_model,
+    resolve_loss,
+)
 from ftrain.config import ConfigError
 from ftrain.data import Source
 from ftrain.data.sources import source_from_config
@@ -174,7 +180,7 @@ def _optimizer(cfg: DictConfig, o: DictConfig, horizon: int):
     Raises:
         ConfigError: no ``optim._target_`` or one that cannot be built.
     """
-    return call_target("optim", o, build_schedule(cfg, horizon, o.lr))
+    return build_optimizer(o, build_schedule(cfg, horizon, o.lr))
 
 
 def build_sources(cfg: DictConfig) -> tuple[Source, Source]:

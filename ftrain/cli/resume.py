@@ -54,6 +54,7 @@ SAFE_PREFIXES = (
     "trainer.on_nonfinite",  # only what happens after a bad step (switch to skip, resume)
     "trainer.hang_timeout_s",
     "trainer.compile",  # the compiled step matches the eager one to 1e-5
+    "optim.fused",  # the same Adam formula, rounded in another order (1e-6 relative)
     "checkpoint.",
     "dist.",
     "run.",

@@ -40,6 +40,7 @@ __all__ = [
     "BUILTIN_TARGETS",
     "OWN_KEYS",
     "adamw",
+    "build_optimizer",
     "call_target",
     "check_recorded_targets",
     "constant",
@@ -53,7 +54,7 @@ __all__ = [
 # The keys of each group that ftrain reads itself: never passed to the group's target.
 OWN_KEYS = {
     "model": ("_target_", "name", "loss", "lora"),
-    "optim": ("_target_", "name", "lr", "clip", "freeze", "groups"),
+    "optim": ("_target_", "name", "lr", "clip", "freeze", "groups", "fused"),
     "schedule": ("_target_", "name", "decay_steps"),
 }
 
@@ -159,12 +160,13 @@ def gpt2(
     return GPT(shape, generator=generator)
 
 
-def adamw(lr, *, b1, b2, eps, weight_decay, momentum=0.0, nesterov=False):
+def adamw(lr, *, b1, b2, eps, weight_decay, momentum=0.0, nesterov=False, fused=False):
     """``optim=adamw``: decay only on >= 2-D weights (GPT-2 practice). ``momentum`` and
-    ``nesterov`` are the optim schema's SGD settings, unused here."""
+    ``nesterov`` are the optim schema's SGD settings, unused here; ``fused``:
+    ``optim.fused``."""
     del momentum, nesterov
     mask = optim.masks.ndim_at_least(2)
-    return optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+    return optim.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask, fused=fused)
 
 
 def sgd(lr, *, momentum, nesterov, weight_decay, b1=0.9, b2=0.95, eps=1e-8):
@@ -233,6 +235,30 @@ def _takes(target: str, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def build_optimizer(node: Mapping, schedule):
+    """``optim._target_(schedule, **other keys)``, with ``fused=True`` added when
+    ``optim.fused`` is set (a target without that argument is a clear error, not ignored).
+
+    Raises:
+        ConfigError: see :func:`call_target`; ``optim.fused=true`` for a target that takes
+            no ``fused``.
+    """
+    if not node.get("fused", False):
+        return call_target("optim", node, schedule)
+    target = _spec("optim", node)["_target_"]
+    try:
+        takes_fused = _takes(target, "fused")
+    except Exception as err:  # not importable: reported like an instantiate failure
+        raise _target_error("optim", target, err) from None
+    if not takes_fused:
+        raise ConfigError(
+            f"optim.fused=true, but optim._target_={target!r} takes no 'fused' argument "
+            "(the fused kernel is Adam's: optim=adamw); drop optim.fused, or give your "
+            "target a fused argument"
+        )
+    return call_target("optim", node, schedule, fused=True)
 
 
 def instantiate_model(node: Mapping, generator: torch.Generator) -> nn.Module:

@@ -59,6 +59,8 @@ class OptimConfig:
     weight_decay: float = 0.1
     momentum: float = 0.0
     nesterov: bool = False
+    # Adam's moments and update in torch's fused kernel (optim.adamw(fused=True))
+    fused: bool = False
     clip: float | None = 1.0
     # globs over parameter paths that get no gradient and no optimizer state
     freeze: list[str] = field(default_factory=list)

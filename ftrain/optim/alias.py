@@ -61,7 +61,11 @@ def sgd(
 
 
 def adam(
-    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+    lr: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    fused: bool = False,
 ) -> GradientTransformation:
     """Adam, as ``torch.optim.Adam`` without weight decay.
 
@@ -73,6 +77,8 @@ def adam(
         b1: first-moment decay, in [0, 1).
         b2: second-moment decay, in [0, 1).
         eps: denominator epsilon, >= 0.
+        fused: the moments and update in torch's fused Adam kernel (see
+            :func:`~ftrain.optim.scale_by_adam`).
 
     Returns:
         A :class:`GradientTransformation` (named after the function when nested in a chain).
@@ -83,7 +89,7 @@ def adam(
     Example:
         >>> tx = adam(3e-4, b2=0.95)
     """
-    return chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr), name="adam")
+    return chain(scale_by_adam(b1, b2, eps, fused), scale_by_learning_rate(lr), name="adam")
 
 
 def adamw(
@@ -93,6 +99,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     mask: _masks.Mask | None = None,
+    fused: bool = False,
 ) -> GradientTransformation:
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW``.
 
@@ -109,6 +116,9 @@ def adamw(
         weight_decay: decoupled decay coefficient, >= 0.
         mask: which parameters decay (predicate on paths or TensorDict of bools; ``None``:
             all), e.g. ``masks.ndim_at_least(2)``; replaces torch's param groups.
+        fused: Adam's moments and update in torch's fused kernel, 3-4x faster on a CPU,
+            rounded in another order (see :func:`~ftrain.optim.scale_by_adam`); the same
+            state either way.
 
     Returns:
         A :class:`GradientTransformation` (named after the function when nested in a chain).
@@ -121,7 +131,7 @@ def adamw(
         ...            b2=0.95, weight_decay=0.1, mask=masks.ndim_at_least(2))
     """
     return chain(
-        scale_by_adam(b1, b2, eps),
+        scale_by_adam(b1, b2, eps, fused),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr),
         name="adamw",

@@ -108,11 +108,21 @@ def _scalar(value: torch.Tensor, leaves: Leaves) -> float | torch.Tensor:
 # ----------------------------------------------------------------------------- transforms
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, fused: bool = False
+) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moments (``torch.optim.Adam(W)`` numerics).
 
     With ``t = count + 1``: ``mu = lerp(mu, g, 1 - b1)``, ``nu = b2 * nu + (1 - b2) * g**2``,
     ``update = (mu / (sqrt(nu) / sqrt(1 - b2**t) + eps)) / (1 - b1**t)``.
+
+    ``fused=True`` computes the same formula in torch's fused Adam kernel (what
+    ``torch.optim.Adam(fused=True)`` runs): one pass over gradient and moments instead of
+    eight, 3-4x faster on a CPU. Moments and update are rounded in another order
+    (100 AdamW steps land within 1e-6 of torch.optim in fp32,
+    2e-15 in fp64, as torch's fused and foreach AdamW do of each other; bf16 and fp16
+    leaves are computed in fp32 inside the kernel). Same state layout, so a run may switch
+    it at a resume (the resumed steps are then rounded the other way).
 
     State: ``count`` (int64, 0-d, CPU), ``mu`` and ``nu`` (TensorDicts shaped like params).
 
@@ -120,6 +130,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         b1: decay of the first moment, in [0, 1).
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator, >= 0.
+        fused: use torch's fused kernel (floating-point leaves on a device it supports).
 
     Returns:
         A :class:`GradientTransformation` named ``scale_by_adam``.
@@ -176,7 +187,71 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             }
         )
 
-    return make_transform("scale_by_adam", init, flat, prepare=_leafwise(flat, "mu", "nu"))
+    if fused:
+        flat = _fused_adam(b1, b2, eps, compiled=flat)
+    prepare = leafwise(flat, "scale_by_adam", ("mu", "nu"))
+    return make_transform("scale_by_adam", init, flat, prepare=prepare)
+
+
+def _fused_adam(b1: float, b2: float, eps: float, compiled):
+    """``scale_by_adam``'s flat update in ``torch._fused_adam_``.
+
+    The kernel updates its "params" in place as ``p - lr / bc1 * mu / denom``; run on a
+    zero buffer with ``lr = -1`` the result is exactly Adam's update ``mu / denom / bc1``
+    (``0 - x`` is ``-x``). The moments are written in place: the state's own when the step
+    donates it, else copies (the input state is never touched). Under ``torch.compile``
+    the foreach form (``compiled``) runs instead: the compiler fuses it, and it cannot
+    functionalise the kernel's in-place writes.
+    """
+
+    def flat(keys, g, state, params, owned=False, donated=False):
+        if torch.compiler.is_compiling():
+            return compiled(keys, g, state, params)
+        mu = _state_leaves(state, "mu", keys, "scale_by_adam state 'mu'")
+        nu = _state_leaves(state, "nu", keys, "scale_by_adam state 'nu'")
+        count = state["count"] + 1
+        if not g:
+            return g, new_td({"count": count, "mu": {}, "nu": {}})
+        if not donated:
+            mu, nu = _copies(mu), _copies(nu)
+        out = [torch.zeros_like(t, memory_format=torch.preserve_format) for t in g]
+        for idx in _by_device_and_dtype(g):
+            # float32, as torch.optim keeps it (exact to 2**24 steps, far past b**t == 0)
+            step = count.to(device=g[idx[0]].device, dtype=torch.float32)
+            torch._fused_adam_(
+                *([t[i] for i in idx] for t in (out, g, mu, nu)),
+                [],
+                [step] * len(idx),
+                lr=-1.0,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=0.0,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+            )
+        dev = state["mu"].device
+        return out, new_td(
+            {
+                "count": count,
+                "mu": unflatten(keys, mu, device=dev),
+                "nu": unflatten(keys, nu, device=dev),
+            }
+        )
+
+    return flat
+
+
+def _copies(leaves: Leaves) -> Leaves:
+    return [t.clone(memory_format=torch.preserve_format) for t in leaves]
+
+
+def _by_device_and_dtype(leaves: Leaves) -> list[list[int]]:
+    """Positions of ``leaves`` grouped by (device, dtype): one fused call takes one of each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(leaves):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
 
 
 def add_decayed_weights(

@@ -48,14 +48,19 @@ def main(out_path: str) -> None:
         GPTConfig.tiny(block_size=16, dropout=0.0), generator=torch.Generator().manual_seed(0)
     )
     model = model.to(torch.float64)
-    tx = optim.chain(
-        optim.clip_by_global_norm(0.5),  # small: clipping is active, so the global norm matters
-        optim.adamw(3e-3, weight_decay=0.1, mask=optim.masks.ndim_at_least(2)),
+    tx, fused = (
+        optim.chain(
+            optim.clip_by_global_norm(0.5),  # small: clipping is active, the global norm matters
+            optim.adamw(3e-3, weight_decay=0.1, mask=optim.masks.ndim_at_least(2), fused=f),
+        )
+        for f in (False, True)
     )
     state = ftrain.init_state(model, tx, seed=0)
     plain = ftrain.make_step(model, lm_loss, tx, dp=True)
     a = state
     runs = {mode: _Run(model, tx, state, mode) for mode in ("optimizer", "full")}
+    # torch's fused Adam kernel on the DTensor shards (the same state layout)
+    runs["optimizer_fused"] = _Run(model, fused, state, "optimizer")
     for i in range(STEPS):
         a, ma = plain(a, _batch(i, rank, world))
         for run in runs.values():

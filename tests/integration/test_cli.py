@@ -123,6 +123,20 @@ def test_interrupted_and_resumed_run_is_bit_identical(cli, tmp_path):
     assert losses_a == losses_b
 
 
+def test_a_fused_adam_run_resumes_bit_identical_and_may_switch_kernels(cli, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    fused = ["optim.fused=true", "checkpoint.every_steps=3"]
+    cli(whole, "trainer.max_steps=6", *fused, check=0)
+    cli(split, "trainer.max_steps=3", *fused, check=0)
+    cli(split, "trainer.max_steps=6", *fused, check=0)
+    assert first_difference(_final_state(whole, 6), _final_state(split, 6)) is None
+    # the same formula and state: switching the kernel at a resume is not a config change
+    cli(split, "trainer.max_steps=7", "optim.fused=false", "checkpoint.every_steps=3", check=0)
+    out = cli(tmp_path / "sgd", "optim=sgd", "optim.fused=true", check=2)
+    assert "optim.fused=true" in out.stderr and "optim=adamw" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_extending_max_steps_keeps_the_recorded_lr_schedule(cli, tmp_path):
     run = tmp_path / "run"
     cli(

@@ -48,6 +48,7 @@ TXS = {
     ),
     "sgd_momentum": lambda: o.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
     "clip_adamw": lambda: o.chain(o.clip_by_global_norm(0.05), o.adamw(1e-2)),
+    "clip_adamw_fused": lambda: o.chain(o.clip_by_global_norm(0.05), o.adamw(1e-2, fused=True)),
     # a reduction behind a member that changes the values: its input is computed per bucket
     "scale_clip_torch": lambda: o.chain(
         o.scale(3.0), o.clip_by_global_norm_torch(0.05), o.sgd(0.1, momentum=0.9)
@@ -309,7 +310,11 @@ def test_sole_owners_refuses_aliases_views_and_held_storage():
     assert not sole_owners([a], {a.untyped_storage().data_ptr()})
 
 
-@pytest.mark.parametrize("tx", [o.adamw(1e-2), o.sgd(0.1, momentum=0.9)], ids=["adamw", "sgd"])
+@pytest.mark.parametrize(
+    "tx",
+    [o.adamw(1e-2), o.adamw(1e-2, fused=True), o.sgd(0.1, momentum=0.9)],
+    ids=["adamw", "adamw_fused", "sgd"],
+)
 def test_a_donated_body_updates_its_moments_in_place_with_the_pure_bits(tx):
     body, keys, grads, params = _bodies(tx)
     state = init_state(_model(), tx, seed=0)["opt"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from ftrain import optim as ftrain_optim
 from ftrain.cli.app import app_help
 from ftrain.cli.build import build_model, build_sources, build_tx
 from ftrain.cli.resume import compat_diff
@@ -79,6 +80,28 @@ def test_builtin_options_build_the_same_objects_as_before():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
 
 
+def test_optim_fused_builds_torchs_fused_adam_and_is_refused_where_there_is_none(user_conf):
+    cfg = load_config(["optim.fused=true", "schedule=constant"])
+    model, _ = build_model(cfg)
+    params = TensorDict.from_module(model).detach()
+    grads = params.apply(lambda t: torch.full_like(t, 0.01) + t * 0.1)
+    got = build_tx(cfg).update(grads, build_tx(cfg).init(params), params)[0]
+    o, mask = ftrain_optim, ftrain_optim.masks.ndim_at_least(2)
+    for fused in (True, False):
+        want = o.chain(
+            o.clip_by_global_norm(1.0),
+            o.adamw(o.schedule.constant(6e-4), 0.9, 0.95, 1e-8, 0.1, mask, fused=fused),
+        )
+        same = (got == want.update(grads, want.init(params), params)[0]).all()
+        assert bool(same) is fused, "optim.fused=true must build the fused kernel's chain"
+    for bad in (
+        ["optim=sgd", "optim.fused=true"],
+        [user_conf, "optim=plain_sgd", "+optim.fused=1"],
+    ):
+        with pytest.raises(ConfigError, match=r"optim.fused=true, but optim._target_=.*fused"):
+            build_tx(load_config(bad))
+
+
 @pytest.mark.parametrize(
     "overrides",
     [[], ["optim=sgd", "schedule=constant"], ["data=text", "data.path=/tmp"], ["+recipe=gpt2"]],
@@ -88,7 +111,7 @@ def test_a_checkpoint_recorded_before_targets_is_compatible(overrides):
     old = to_plain(load_config(overrides))
     for group in ("model", "optim", "schedule", "data"):
         del old[group]["_target_"]
-    del old["model"]["loss"]
+    del old["model"]["loss"], old["optim"]["fused"]  # fused: added later still
     assert compat_diff(old, current) == ([], [])
 
 

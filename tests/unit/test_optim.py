@@ -183,6 +183,61 @@ def test_adam_matches_torch(dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_fused_adamw_matches_torch(dtype, kernel):
+    """``fused=True`` (torch's fused Adam kernel) is within the same bounds of torch's fused
+    AdamW and of its foreach AdamW as the foreach chain is."""
+    lr, wd = 2**-9, 2**-3  # 1 - lr * wd is exact in fp32: see assert_matches_torch
+    ours = run_ftrain(optim.adamw(lr, b2=0.95, weight_decay=wd, fused=True), dtype)
+    theirs = run_torch(
+        lambda m: torch.optim.AdamW(
+            m.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=wd, **{kernel: True}
+        ),
+        dtype,
+    )
+    assert_matches_torch(ours, theirs)
+
+
+def _assert_rounding_close(got: TensorDict, want: TensorDict) -> None:
+    """Equal up to rounding: a few ulps of fp32 / fp64, leaf by leaf."""
+    for k, a, b in zip(*optim.flatten(got), optim.flatten(want)[1], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, optim.path_str(k)
+        tol = 1e-6 if a.dtype == torch.float32 else 1e-14
+        assert torch.allclose(a, b, rtol=tol, atol=0), optim.path_str(k)
+
+
+def test_fused_adam_is_the_foreach_formula_and_keeps_the_input_state():
+    params = make_params()  # fp32 and fp64 leaves: one kernel call per dtype
+    fused, plain = optim.scale_by_adam(fused=True), optim.scale_by_adam()
+    state = fused.init(params)
+    for seed in range(3):
+        snapshot = state.clone()
+        got, new = fused.update(make_grads(seed), state, params)
+        want, ref = plain.update(make_grads(seed), state, params)
+        assert (state == snapshot).all(), "the pure update wrote into its input state"
+        assert int(new["count"]) == int(ref["count"]) == seed + 1
+        _assert_rounding_close(got, want)
+        _assert_rounding_close(new.exclude("count"), ref.exclude("count"))
+        state = new
+
+
+def test_fused_adam_runs_bf16_leaves_in_fp32_inside_the_kernel():
+    g = torch.Generator().manual_seed(3)
+    p32 = TensorDict(w=torch.randn(64, generator=g))
+    grads = [torch.randn(64, generator=g) for _ in range(5)]
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        tx = optim.scale_by_adam(fused=True)
+        params = p32.to(dtype)
+        state = tx.init(params)
+        for grad in grads:
+            u, state = tx.update(TensorDict(w=grad.to(dtype)), state, params)
+        assert u["w"].dtype == dtype
+        runs[dtype] = u["w"].float()
+    assert torch.allclose(runs[torch.bfloat16], runs[torch.float32], rtol=2e-2, atol=1e-2)
+
+
+@DTYPES
 def test_clip_then_adamw_matches_clip_grad_norm(dtype):
     lr, wd = 2**-9, 2**-3  # 1 - lr * wd is exact in fp32: see assert_matches_torch
     tx = optim.chain(optim.clip_by_global_norm_torch(0.05), optim.adamw(lr, weight_decay=wd))
@@ -279,6 +334,7 @@ def user_negate() -> optim.GradientTransformation:
 
 TRANSFORMS = {
     "scale_by_adam": lambda: optim.scale_by_adam(),
+    "scale_by_adam_fused": lambda: optim.scale_by_adam(fused=True),
     "add_decayed_weights": lambda: optim.add_decayed_weights(0.1),
     "add_decayed_weights_ndim_mask": lambda: optim.add_decayed_weights(0.1, masks.ndim_at_least(2)),
     "add_decayed_weights_exclude_mask": lambda: optim.add_decayed_weights(
@@ -307,6 +363,7 @@ TRANSFORMS = {
     "adam": lambda: optim.adam(1e-2),
     "adamw": lambda: optim.adamw(WARMUP_COSINE, weight_decay=0.1),
     "adamw_masked": lambda: optim.adamw(1e-2, weight_decay=0.1, mask=masks.ndim_at_least(2)),
+    "adamw_fused": lambda: optim.adamw(WARMUP_COSINE, weight_decay=0.1, fused=True),
 }
 
 
