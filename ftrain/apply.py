@@ -24,6 +24,11 @@ per-leaf partials.
 
 A ``tx`` that is not bucketable (a user transform with a plain ``update``) runs on the whole
 tree as before, and donation then only adds the updates in place.
+
+A ``tx`` whose bucketed form *applies* its updates (``adamw(fused=True)``, and chains
+ending in it: :func:`ftrain.optim.bucketed.applying`) returns each bucket's new parameters
+itself — one fused pass over parameter, gradient and moments — and the step only collects
+them; with ``BUCKET_BYTES = None`` it runs as one bucket.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ftrain.optim.base import FlatFn, pick
-from ftrain.optim.bucketed import Prepare, Source, call_body, sole_owners
+from ftrain.optim.bucketed import Prepare, Source, applies, call_body, sole_owners
 from ftrain.state.tree import Key, flatten, rebuild, structure
 
 __all__ = ["BUCKET_BYTES", "spans_of", "update_and_apply"]
@@ -86,22 +91,19 @@ def update_and_apply(
     Returns:
         ``(new_params, new_opt)``.
     """
-    if prepare is None or BUCKET_BYTES is None:
+    applied = prepare is not None and applies(prepare)  # tx writes the new params itself
+    if prepare is None or (BUCKET_BYTES is None and not applied):
         updates, new_opt = update(keys, grads, opt, params)
         return _apply(params, updates, in_place), new_opt
-    spans = spans_of(params, BUCKET_BYTES)
+    spans = spans_of(params, BUCKET_BYTES) if BUCKET_BYTES else [list(range(len(params)))]
     body = prepare(Source.of(keys, grads, params, spans), opt)
+    if applied:
+        return _applied_buckets(body, spans, grads, opt, params, in_place)
     writer = _StateWriter(opt, in_place)
     held = {id(t) for t in params} | {id(t) for t in writer.old.values()}
-    storages = {t.untyped_storage().data_ptr() for t in (*params, *writer.old.values())}
     new = list(params)
-    for span in spans:
-        g = pick(span, grads)
-        for i in span:  # the bucket's gradients die with this iteration
-            grads[i] = None
+    for span, g, owned in _buckets(spans, grads, params, writer):
         ps = pick(span, params)
-        # the step's own gradients: tx may write into them (no allocating pass)
-        owned = sole_owners(g, storages)
         u, bucket_state = call_body(body, span, g, ps, owned, donated=in_place)
         del g
         if in_place:
@@ -115,6 +117,36 @@ def update_and_apply(
             new[i] = t
         del u, bucket_state, out
     return new, writer.state()
+
+
+def _applied_buckets(body, spans, grads: list, opt, params: Leaves, in_place: bool):
+    """The buckets of an applying ``tx`` (``adamw(fused=True)``): its body returns each
+    bucket's new parameters (written into ``params`` when donating) and its state."""
+    writer = _StateWriter(opt, in_place)
+    new = list(params)
+    for span, g, owned in _buckets(spans, grads, params, writer):
+        out, bucket_state = call_body(
+            body, span, g, pick(span, params), owned, donated=in_place, apply=True
+        )
+        del g
+        (writer.write if in_place else writer.take)(bucket_state)
+        for i, t in zip(span, out, strict=True):
+            new[i] = t
+        del out, bucket_state
+    return new, writer.state()
+
+
+def _buckets(spans, grads: list, params: Leaves, writer: _StateWriter):
+    """``(span, its gradients, owned)`` per bucket; each bucket's entries of ``grads`` are
+    set to None as it is handed out, so the gradients die with the bucket. ``owned``: the
+    step's own gradients, which tx may write into (no allocating pass)."""
+    storages = {t.untyped_storage().data_ptr() for t in (*params, *writer.old.values())}
+    for span in spans:
+        g = pick(span, grads)
+        for i in span:
+            grads[i] = None
+        yield span, g, sole_owners(g, storages)
+        del g
 
 
 def _apply(params: Leaves, updates: Leaves, in_place: bool) -> Leaves:

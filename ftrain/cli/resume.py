@@ -180,6 +180,7 @@ ADDED_KEYS = {
     "model.lora.targets": ["c_attn", "c_proj"],
     "model.lora.dropout": 0.0,
     "optim.freeze": [],
+    "optim.fused": False,
     "init.from": None,
     "init.from_hf": None,
 }

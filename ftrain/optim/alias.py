@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ftrain.optim import masks as _masks
 from ftrain.optim.base import GradientTransformation, chain
-from ftrain.optim.schedule import Schedule
+from ftrain.optim.fused import applying_adamw
+from ftrain.optim.schedule import Schedule, rate_of
 from ftrain.optim.transform import (
     add_decayed_weights,
     scale_by_adam,
@@ -116,9 +117,10 @@ def adamw(
         weight_decay: decoupled decay coefficient, >= 0.
         mask: which parameters decay (predicate on paths or TensorDict of bools; ``None``:
             all), e.g. ``masks.ndim_at_least(2)``; replaces torch's param groups.
-        fused: Adam's moments and update in torch's fused kernel, 3-4x faster on a CPU,
-            rounded in another order (see :func:`~ftrain.optim.scale_by_adam`); the same
-            state either way.
+        fused: torch's fused AdamW kernel (:mod:`ftrain.optim.fused`): the step's update
+            of each parameter is one pass (decay, moments, rate and apply), as
+            ``torch.optim.AdamW(fused=True)``; rounded in another order than the foreach
+            chain (within 1e-6 of torch.optim in fp32); the same state either way.
 
     Returns:
         A :class:`GradientTransformation` (named after the function when nested in a chain).
@@ -130,9 +132,10 @@ def adamw(
         >>> tx = adamw(schedule.warmup_cosine(6e-4, 2000, 600_000, end=6e-5),
         ...            b2=0.95, weight_decay=0.1, mask=masks.ndim_at_least(2))
     """
-    return chain(
+    tx = chain(
         scale_by_adam(b1, b2, eps, fused),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr),
         name="adamw",
     )
+    return applying_adamw(tx, b1, b2, eps, weight_decay, mask, rate_of(lr)) if fused else tx

@@ -34,6 +34,8 @@ from ftrain.optim.bucketed import (
     Body,
     Prepare,
     Source,
+    applies,
+    applying,
     call_body,
     handed_on,
     hands_on,
@@ -442,16 +444,25 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientT
                 bodies.append((n, prep(src, member_state(state, n))))
                 src = src.then(bodies[-1][1])
 
-            def body(idx, updates, params, owned=False, donated=False):
+            def body(idx, updates, params, owned=False, donated=False, apply=False):
                 new_states = {}
-                for n, member in bodies:
-                    out, new_states[n] = call_body(member, idx, updates, params, owned, donated)
+                for i, (n, member) in enumerate(bodies):
+                    last = apply and i == len(bodies) - 1  # the last member applies
+                    out, new_states[n] = call_body(
+                        member, idx, updates, params, owned, donated, apply=last
+                    )
                     owned = handed_on(member, out, updates, owned)
                     updates = out
+                if apply and not bodies:  # nothing to apply: the parameters as they are
+                    updates = params if donated else [p.clone() for p in params]
                 return updates, new_td(new_states)
 
             # its output is the last member's: handed on owned only if that one's is
-            return owning(body, hands_on=not bodies or hands_on(bodies[-1][1]))
+            out = owning(body, hands_on=not bodies or hands_on(bodies[-1][1]))
+            return applying(out) if applies(prepare) else out
+
+        if preps and applies(preps[-1][1]):  # the last member applies its updates itself
+            applying(prepare)
 
     return make_transform(name, init, flat, frozen_of, prepare)
 

@@ -44,6 +44,17 @@ chain passes a member's output on as owned when that member is an owning built-i
 output holds no input it did not own and never its state's tensors (:func:`handed_on`).
 A body that is not marked is never called with ``owned`` and its output is never owned.
 
+Applied updates. A body whose ``prepare`` is marked :func:`applying` also takes
+``apply=True``: it then returns the bucket's **new parameters** instead of its updates —
+written into ``params`` when ``donated``, new tensors otherwise — so a fused kernel can
+read and write each parameter once (``adamw(fused=True)``: torch's fused AdamW, which
+also folds the decay, the rate and ``p + u`` into its one pass). Combinators pass
+``apply`` on to the member that produces their output (a chain's last, every label of a
+``multi_transform``, ``dynamic_loss_scale``'s inner) and apply a member that cannot
+(:func:`call_body` adds its updates). The step asks for applied updates whenever the
+prepare allows it; the result is then the kernel's, which rounds ``p + tx.update(...)``
+in its own order.
+
 Donated state. A donating step (``make_step(donate=True)``) also calls owning bodies with
 ``donated=True``: the per-leaf entries of the state they were prepared with are its to
 overwrite, so ``scale_by_adam`` and ``trace`` update their moments in place, as
@@ -65,6 +76,9 @@ __all__ = [
     "Body",
     "Prepare",
     "Source",
+    "add_updates",
+    "applies",
+    "applying",
     "call_body",
     "handed_on",
     "hands_on",
@@ -160,13 +174,51 @@ def hands_on(body: Body) -> bool:
     return getattr(body, "hands_on", False)
 
 
+def applying(fn):
+    """Mark a ``prepare`` (and the bodies it makes) as taking ``apply=True`` (see the module
+    docstring); returns ``fn``."""
+    fn.applies = True  # type: ignore[attr-defined]
+    return fn
+
+
+def applies(fn) -> bool:
+    """Whether a ``prepare`` or a body is marked :func:`applying`."""
+    return getattr(fn, "applies", False)
+
+
 def call_body(
-    body: Body, idx: list[int], updates: Leaves, params, owned: bool, donated: bool = False
+    body: Body,
+    idx: list[int],
+    updates: Leaves,
+    params,
+    owned: bool,
+    donated: bool = False,
+    apply: bool = False,
 ):
-    """``body(idx, updates, params)``, with ``owned``/``donated`` only for an owning body."""
+    """``body(idx, updates, params)``, with ``owned``/``donated`` only for an owning body.
+
+    ``apply``: return the new parameters instead of the updates: from the body itself when
+    it is :func:`applying`, else its updates added here (in place when ``donated``).
+    """
+    if apply and applies(body):
+        return body(idx, updates, params, owned=owned, donated=donated, apply=True)
     if (owned or donated) and owns(body):
-        return body(idx, updates, params, owned=owned, donated=donated)
-    return body(idx, updates, params)
+        out, state = body(idx, updates, params, owned=owned, donated=donated)
+    else:
+        out, state = body(idx, updates, params)
+    return (add_updates(params, out, donated), state) if apply else (out, state)
+
+
+def add_updates(params: Leaves, updates: Leaves, in_place: bool) -> Leaves:
+    """``params + updates``: written into ``params`` when they are donated (an update that
+    *is* a parameter is read before any parameter is written: cloned first)."""
+    if not params:
+        return params
+    if not in_place:
+        return torch._foreach_add(params, updates)
+    ids = {id(p) for p in params}
+    torch._foreach_add_(params, [u.clone() if id(u) in ids else u for u in updates])
+    return params
 
 
 def handed_on(body: Body, out: Leaves, inputs: Leaves, owned: bool) -> bool:

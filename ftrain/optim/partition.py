@@ -49,7 +49,17 @@ from ftrain.optim.base import (
     unflatten,
     with_zeros,
 )
-from ftrain.optim.bucketed import Body, Source, call_body, hands_on, leafwise, owning, prepare_of
+from ftrain.optim.bucketed import (
+    Body,
+    Source,
+    applies,
+    applying,
+    call_body,
+    hands_on,
+    leafwise,
+    owning,
+    prepare_of,
+)
 
 __all__ = ["frozen", "learning_rates", "multi_transform"]
 
@@ -241,6 +251,9 @@ def multi_transform(
             trainable_only(trainable, src, "multi_transform")
             return _bucketed_groups(src, state, groups.of(src.keys, src.params), preps)
 
+        if any(applies(p) for _, p in preps):
+            applying(prepare)
+
     return make_transform("multi_transform", init, flat, trainable.frozen_of, prepare)
 
 
@@ -255,21 +268,23 @@ def _bucketed_groups(src: Source, state: TensorDictBase, groups: dict, preps) ->
             label_of[i], local[i] = n, j
         bodies.append((label, prep(src.part(idx), member_state(state, label, "multi_transform"))))
 
-    def body(idx, u, params, owned=False, donated=False):
+    def body(idx, u, params, owned=False, donated=False, apply=False):
         out: list = [None] * len(idx)
         states = {}
         for n, (label, member) in enumerate(bodies):
             sel = [j for j, i in enumerate(idx) if label_of[i] == n]
             local_idx = [local[idx[j]] for j in sel]  # each label owns its part of u
             sub, states[label] = call_body(
-                member, local_idx, pick(sel, u), pick(sel, params), owned, donated
+                member, local_idx, pick(sel, u), pick(sel, params), owned, donated, apply
             )
             for j, v in zip(sel, sub, strict=True):
                 out[j] = v
         return out, new_td(states)
 
     # its output holds every label's: handed on owned only if each label's is
-    return owning(body, hands_on=all(hands_on(member) for _, member in bodies))
+    out = owning(body, hands_on=all(hands_on(member) for _, member in bodies))
+    # applied when a label can apply itself (the others' updates are added per label)
+    return applying(out) if any(applies(member) for _, member in bodies) else out
 
 
 def _may_freeze(tx: GradientTransformation) -> bool:

@@ -29,7 +29,17 @@ from ftrain.optim.base import (
     member_state,
     new_td,
 )
-from ftrain.optim.bucketed import Body, Source, call_body, hands_on, mul, owning, prepare_of
+from ftrain.optim.bucketed import (
+    Body,
+    Source,
+    applies,
+    applying,
+    call_body,
+    hands_on,
+    mul,
+    owning,
+    prepare_of,
+)
 from ftrain.state.tree import rebuild, structure
 
 __all__ = [
@@ -365,6 +375,9 @@ def dynamic_loss_scale(
             old_inner = member_state(state, "inner", fn)
             return _bucketed_loss_scale(src, ls, old_inner, rule, inner_prepare)
 
+        if applies(inner_prepare):
+            applying(prepare)
+
     # inner's frozen leaves are frozen here too: the step leaves them out of the update
     return make_transform(fn, init, flat, getattr(inner.update, "frozen_of", None), prepare)
 
@@ -379,23 +392,32 @@ def _bucketed_loss_scale(src: Source, ls, old_inner, rule, inner_prepare) -> Bod
     new_ls = _next_scale(ls, found_inf, rule, device)
     if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical
 
-        def skipped(idx, u, params, owned=False, donated=False):  # fresh updates, old state
-            out = [torch.full_like(t, -0.0) for t in u]
+        def skipped(idx, u, params, owned=False, donated=False, apply=False):  # old state
+            if apply:  # the parameters as they were: kept (donated) or copied
+                out = params if donated else [p.clone() for p in params]
+            else:
+                out = [torch.full_like(t, -0.0) for t in u]
             return out, new_td({"loss_scale": new_ls, "inner": old_inner.copy()})
 
-        return owning(skipped)
+        return _applying_if(inner_prepare, owning(skipped))
 
     def unscale(idx, u, params, owned=False):
         return (mul(u, inv, owned) if u else u), None
 
     inner_body = inner_prepare(src.then(unscale), old_inner)
 
-    def body(idx, u, params, owned=False, donated=False):
+    def body(idx, u, params, owned=False, donated=False, apply=False):
         unscaled = unscale(idx, u, params, owned)[0]  # new tensors, or u written: owned
-        out, new_inner = call_body(inner_body, idx, unscaled, params, True, donated)
+        out, new_inner = call_body(inner_body, idx, unscaled, params, True, donated, apply)
         return out, new_td({"loss_scale": new_ls, "inner": new_inner})
 
-    return owning(body, hands_on=hands_on(inner_body))  # unscale writes into owned updates
+    # unscale writes into owned updates
+    return _applying_if(inner_prepare, owning(body, hands_on=hands_on(inner_body)))
+
+
+def _applying_if(inner_prepare, body: Body) -> Body:
+    """``body``, marked applying when the inner transform's prepare is."""
+    return applying(body) if applies(inner_prepare) else body
 
 
 def mean_across_ranks(group=None) -> GradientTransformation:

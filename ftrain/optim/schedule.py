@@ -30,6 +30,7 @@ __all__ = [
     "cosine_decay",
     "join",
     "linear",
+    "rate_of",
     "warmup_cosine",
 ]
 
@@ -258,3 +259,27 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
         return value
 
     return schedule
+
+
+def rate_of(learning_rate: float | Schedule) -> Schedule:
+    """``count -> rate`` for a constant rate or a schedule: a 0-d float64 tensor on the
+    count's device (what ``scale_by_learning_rate`` and ``adamw(fused=True)`` evaluate).
+
+    Example:
+        >>> float(rate_of(0.1)(torch.tensor(3)))
+        0.1
+    """
+    if callable(learning_rate):
+
+        def scheduled(count: Count) -> torch.Tensor:
+            device = count.device if isinstance(count, torch.Tensor) else None
+            return torch.as_tensor(learning_rate(count), dtype=torch.float64, device=device)
+
+        return scheduled
+    value = float(learning_rate)
+
+    def constant_rate(count: Count) -> torch.Tensor:
+        device = count.device if isinstance(count, torch.Tensor) else None
+        return torch.full((), value, dtype=torch.float64, device=device)
+
+    return constant_rate

@@ -35,7 +35,8 @@ from ftrain.optim.base import (
     unflatten,
 )
 from ftrain.optim.bucketed import leafwise, mul
-from ftrain.optim.schedule import Schedule
+from ftrain.optim.fused import adam_flat
+from ftrain.optim.schedule import Schedule, rate_of
 
 __all__ = [
     "add_decayed_weights",
@@ -188,70 +189,9 @@ def scale_by_adam(
         )
 
     if fused:
-        flat = _fused_adam(b1, b2, eps, compiled=flat)
+        flat = adam_flat(b1, b2, eps, foreach=flat)
     prepare = leafwise(flat, "scale_by_adam", ("mu", "nu"))
     return make_transform("scale_by_adam", init, flat, prepare=prepare)
-
-
-def _fused_adam(b1: float, b2: float, eps: float, compiled):
-    """``scale_by_adam``'s flat update in ``torch._fused_adam_``.
-
-    The kernel updates its "params" in place as ``p - lr / bc1 * mu / denom``; run on a
-    zero buffer with ``lr = -1`` the result is exactly Adam's update ``mu / denom / bc1``
-    (``0 - x`` is ``-x``). The moments are written in place: the state's own when the step
-    donates it, else copies (the input state is never touched). Under ``torch.compile``
-    the foreach form (``compiled``) runs instead: the compiler fuses it, and it cannot
-    functionalise the kernel's in-place writes.
-    """
-
-    def flat(keys, g, state, params, owned=False, donated=False):
-        if torch.compiler.is_compiling():
-            return compiled(keys, g, state, params)
-        mu = _state_leaves(state, "mu", keys, "scale_by_adam state 'mu'")
-        nu = _state_leaves(state, "nu", keys, "scale_by_adam state 'nu'")
-        count = state["count"] + 1
-        if not g:
-            return g, new_td({"count": count, "mu": {}, "nu": {}})
-        if not donated:
-            mu, nu = _copies(mu), _copies(nu)
-        out = [torch.zeros_like(t, memory_format=torch.preserve_format) for t in g]
-        for idx in _by_device_and_dtype(g):
-            # float32, as torch.optim keeps it (exact to 2**24 steps, far past b**t == 0)
-            step = count.to(device=g[idx[0]].device, dtype=torch.float32)
-            torch._fused_adam_(
-                *([t[i] for i in idx] for t in (out, g, mu, nu)),
-                [],
-                [step] * len(idx),
-                lr=-1.0,
-                beta1=b1,
-                beta2=b2,
-                weight_decay=0.0,
-                eps=eps,
-                amsgrad=False,
-                maximize=False,
-            )
-        dev = state["mu"].device
-        return out, new_td(
-            {
-                "count": count,
-                "mu": unflatten(keys, mu, device=dev),
-                "nu": unflatten(keys, nu, device=dev),
-            }
-        )
-
-    return flat
-
-
-def _copies(leaves: Leaves) -> Leaves:
-    return [t.clone(memory_format=torch.preserve_format) for t in leaves]
-
-
-def _by_device_and_dtype(leaves: Leaves) -> list[list[int]]:
-    """Positions of ``leaves`` grouped by (device, dtype): one fused call takes one of each."""
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(leaves):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return list(groups.values())
 
 
 def add_decayed_weights(
@@ -353,11 +293,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
             f"learning_rate must be a float or a schedule count -> value, got {learning_rate!r}"
         )
 
-    def rate(count: torch.Tensor) -> torch.Tensor:
-        if schedule is None:
-            return torch.full((), const, dtype=torch.float64, device=count.device)
-        value = schedule(count)
-        return torch.as_tensor(value, dtype=torch.float64, device=count.device)
+    rate = rate_of(learning_rate)
 
     def init(params: TensorDictBase) -> TensorDictBase:
         count = _zero_count()

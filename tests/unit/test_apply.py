@@ -61,6 +61,11 @@ TXS = {
         },
         {"fixed": masks.glob("0.bias"), "head": masks.glob("2.*"), "body": None},
     ),
+    # a label that applies its own updates (fused) beside one whose updates are added
+    "multi_fused": lambda: o.multi_transform(
+        {"head": o.adamw(1e-2, fused=True, mask=masks.ndim_at_least(2)), "body": o.sgd(0.1)},
+        {"head": masks.glob("2.*"), "body": None},
+    ),
 }
 
 
@@ -101,10 +106,10 @@ def _check_pure(tx, monkeypatch):
         state = new
 
 
-def test_fp16_loss_scale_skip_is_bit_identical_bucketed(monkeypatch):
-    tx = o.dynamic_loss_scale(
-        o.chain(o.clip_by_global_norm(0.5), o.sgd(0.05, momentum=0.9)), init_scale=2.0**10
-    )
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "adamw_fused"])
+def test_fp16_loss_scale_skip_is_bit_identical_bucketed(fused, monkeypatch):
+    inner = o.adamw(1e-2, fused=True) if fused else o.sgd(0.05, momentum=0.9)
+    tx = o.dynamic_loss_scale(o.chain(o.clip_by_global_norm(0.5), inner), init_scale=2.0**10)
     run = dict(steps=5, precision="fp16", overflow_at=2)
     reference = _train(tx, None, False, monkeypatch, **run)
     assert int(reference["opt", "loss_scale", "skipped"]) == 1, "step 2 must overflow"
@@ -326,3 +331,25 @@ def test_a_donated_body_updates_its_moments_in_place_with_the_pure_bits(tx):
     assert all(torch.equal(a, b) for a, b in zip(ref_out, out, strict=True))
     assert tree_equal(ref_state, new), first_difference(ref_state, new)
     assert {id(t) for t in flatten(new)[1] if t.ndim > 0} == old, "moments written in place"
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+def test_a_fused_adamw_step_is_torchs_fused_adamw_bit_for_bit(donate, monkeypatch):
+    """``adamw(fused=True)`` applies its updates in torch's fused AdamW kernel: the step
+    lands exactly where ``torch.optim.AdamW(fused=True)`` does, bucketed or not."""
+    for bucket in (1, None):
+        monkeypatch.setattr(apply, "BUCKET_BYTES", bucket)
+        model, ref = _model(), _model()
+        tx = o.adamw(o.schedule.linear(1e-2, 1e-3, 5), b2=0.95, weight_decay=0.1, fused=True)
+        state = init_state(model, tx, seed=0)
+        step = ftrain.make_step(model, _mse, tx, donate=donate)
+        opt = torch.optim.AdamW(ref.parameters(), 1e-2, (0.9, 0.95), weight_decay=0.1, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: float(1 - 0.18 * min(s, 5)))
+        for i in range(6):
+            state, _ = step(state, _batch(i))
+            opt.zero_grad()
+            _mse(ref, _batch(i)).backward()
+            opt.step()
+            sched.step()
+        for name, p in ref.named_parameters():
+            assert torch.equal(state["params"][tuple(name.split("."))], p.detach()), name
