@@ -150,11 +150,12 @@ def test_donated_step_writes_into_the_input_buffers_bucket_by_bucket(monkeypatch
         step(state, _batch(1))
 
 
-def test_pinned_state_is_never_written_by_a_bucketed_donated_step(monkeypatch):
+@pytest.mark.parametrize("name", ["clip_adamw", "clip_adamw_fused"])
+def test_pinned_state_is_never_written_by_a_bucketed_donated_step(name, monkeypatch):
     from ftrain.state import pin
 
     monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
-    model, tx = _model(), TXS["clip_adamw"]()
+    model, tx = _model(), TXS[name]()
     state = init_state(model, tx, seed=0)
     pin(state)
     snapshot = state.clone()
@@ -175,11 +176,12 @@ def _recorder(log):
     return o.make_transform("recorder", lambda p: TensorDict(), flat, prepare=leafwise(flat, "r"))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("donate", [False, True])
-def test_each_buckets_gradients_are_freed_before_the_next_bucket(donate, monkeypatch):
+def test_each_buckets_gradients_are_freed_before_the_next_bucket(donate, fused, monkeypatch):
     monkeypatch.setattr(apply, "BUCKET_BYTES", 1)
     log = []
-    model, tx = _model(), o.chain(_recorder(log), o.adamw(1e-2))
+    model, tx = _model(), o.chain(_recorder(log), o.adamw(1e-2, fused=fused))
     state = init_state(model, tx, seed=0)
     ftrain.make_step(model, _mse, tx, donate=donate)(state, _batch(0))
     assert log == [0, 0, 0, 0], "no earlier bucket's gradient may still be alive"
