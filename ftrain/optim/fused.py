@@ -105,19 +105,19 @@ def applying_adamw(
         return [i in idx for i in range(len(keys))]
 
     def prepare(src: Source, state: TensorDictBase) -> Body:
-        plain = plain_prepare(src, state)
+        plain: list[Body] = []  # the chain's own body, made only if asked for updates
         adam, lr_state = state["scale_by_adam"], state["scale_by_learning_rate"]
-        check_keys(src.keys, flatten(adam["mu"])[0], "adamw state 'scale_by_adam.mu'")
+        moments = [_leaves(adam, name, src.keys) for name in ("mu", "nu")]  # once, not per bucket
         lr_count = lr_state["count"]
         lr = float(rate(lr_count))  # counts live on the CPU: a Python double, as torch.optim
         done = {"count": lr_count + 1, "learning_rate": rate(lr_count + 1)}
 
         def body(idx, g, params, owned=False, donated=False, apply=False):
             if not apply:
-                return call_body(plain, idx, g, params, owned, donated)
+                plain[:] = plain or [plain_prepare(src, state)]
+                return call_body(plain[0], idx, g, params, owned, donated)
             keys = pick(idx, src.keys)
-            sub = new_td({name: _slice(adam[name], idx) for name in ("mu", "nu")})
-            mu, nu = _moments(sub, keys, donated)
+            mu, nu = (pick(idx, m) if donated else _copies(pick(idx, m)) for m in moments)
             new = params if donated else _copies(params)
             count = adam["count"] + 1
             wd = decays(keys, params)
@@ -160,14 +160,17 @@ def _fused(kernel, params, grads, mu, nu, count, lr, b1, b2, eps, weight_decay=0
         )
 
 
+def _leaves(state: TensorDictBase, name: str, keys) -> Leaves:
+    """The leaves of the moment ``name``, checked to be those of ``keys``."""
+    skeys, leaves = flatten(state[name])
+    check_keys(keys, skeys, f"scale_by_adam state {name!r}")
+    return leaves
+
+
 def _moments(state: TensorDictBase, keys, donated: bool) -> tuple[Leaves, Leaves]:
     """The state's moment leaves for ``keys``: its own buffers when donated, else copies."""
-    out = []
-    for name in ("mu", "nu"):
-        skeys, leaves = flatten(state[name])
-        check_keys(keys, skeys, f"scale_by_adam state {name!r}")
-        out.append(leaves if donated else _copies(leaves))
-    return out[0], out[1]
+    mu, nu = (_leaves(state, name, keys) for name in ("mu", "nu"))
+    return (mu, nu) if donated else (_copies(mu), _copies(nu))
 
 
 def _copies(leaves: Leaves) -> Leaves:
@@ -182,14 +185,6 @@ def _adam_state(keys, count, mu: Leaves, nu: Leaves, device) -> TensorDictBase:
             "nu": unflatten(keys, nu, device=device),
         }
     )
-
-
-def _slice(tree: TensorDictBase, idx: list[int]) -> TensorDictBase:
-    """The leaves of ``tree`` at positions ``idx`` (sorted paths) as a tree."""
-    keys, leaves = flatten(tree)
-    if len(idx) == len(keys):
-        return tree
-    return unflatten(pick(idx, keys), pick(idx, leaves), device=tree.device)
 
 
 def _where(flags: list[bool], value: bool) -> list[int]:

@@ -36,9 +36,18 @@ def test_ci_runs_the_readme_test_command():
     )
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
 def test_readme_links_exist():
     for link in re.findall(r"\]\((docs/[^)]+)\)", (ROOT / "README.md").read_text()):
-        assert (ROOT / link).exists(), link
+        path, _, anchor = link.partition("#")
+        assert (ROOT / path).exists(), link
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.M)
+            assert anchor in {_slug(h) for h in headings}, link
 
 
 def test_data_md_evaluation_example_runs(tmp_path):
