@@ -1,6 +1,7 @@
 """A prepared GPU check (under 5 minutes on one or more CUDA GPUs): ``python benchmarks/gpu_check.py``.
 
-1. GPT-2 small, bf16 autocast: a few pure steps on ``cuda:0`` (ms/step after warm-up).
+1. GPT-2 small, bf16 autocast: a few pure steps on ``cuda:0`` (ms/step after warm-up);
+   ``adamw(fused=True)`` donated against ``torch.optim.AdamW(fused=True)`` (GPT-2 tiny).
 2. Checkpoints from the GPU: a sync save, an async save (time the step loop is blocked,
    target <= 2 % of the sync save), a restore, verified.
 3. Bit-exact resume with deterministic algorithms on: 4 steps straight vs 2 steps, save,
@@ -56,6 +57,33 @@ def check_step(device: str) -> str:
         state, m = step(state, batch_at(i))
     torch.cuda.synchronize()
     return f"GPT-2 small bf16: {(time.perf_counter() - t0) / 10 * 1e3:.1f} ms/step, loss {float(m['loss']):.3f}"
+
+
+def check_fused(device: str) -> str:
+    """``adamw(fused=True)``'s donated step against ``torch.optim.AdamW(fused=True)`` on the
+    GPU: the same kernel, so the parameters should agree to the gradients' rounding."""
+    torch.use_deterministic_algorithms(True)
+    shape = GPTConfig.tiny(block_size=64, dropout=0.0)
+    model = GPT(shape, generator=torch.Generator().manual_seed(0)).to(device)
+    ref = GPT(shape, generator=torch.Generator().manual_seed(0)).to(device)
+    tx = optim.adamw(3e-4, weight_decay=0.1, fused=True)
+    state = ftrain.state.place(ftrain.init_state(model, tx, seed=0), device)
+    step = ftrain.make_step(model, lm_loss, tx, donate=True)
+    opt = torch.optim.AdamW(ref.parameters(), 3e-4, weight_decay=0.1, fused=True)
+    for i in range(4):
+        t = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(i))
+        batch = {"x": t[:, :-1].to(device), "y": t[:, 1:].to(device)}
+        state, _ = step(state, batch)
+        opt.zero_grad(set_to_none=True)
+        lm_loss(ref, batch)[0].backward()
+        opt.step()
+    worst = max(
+        float((state["params"][tuple(n.split("."))] - p.detach()).abs().max())
+        for n, p in ref.named_parameters()
+    )
+    if worst > 1e-5:
+        raise AssertionError(f"fused step differs from torch's fused AdamW by {worst:.3g}")
+    return f"adamw(fused=True) donated vs torch.optim.AdamW(fused=True): max abs diff {worst:.3g}"
 
 
 def check_saves(device: str) -> str:
@@ -157,6 +185,7 @@ def main() -> int:
     print(f"gpu_check: {n} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     checks = [
         ("step", lambda: check_step("cuda:0")),
+        ("fused", lambda: check_fused("cuda:0")),
         ("saves", lambda: check_saves("cuda:0")),
         ("resume", lambda: check_resume("cuda:0")),
     ]
