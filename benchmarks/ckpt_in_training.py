@@ -10,7 +10,8 @@ The machine is shared and noisy, so the design is paired: each process compares 
 intervals with its own neighbouring plain intervals (medians), and processes for the
 variants are interleaved. "overhead per save" = median(save interval) / median(plain
 interval) - 1 is what checkpointing at that interval costs in throughput (target: ≤ 2 %
-async at an interval where sync costs ≥ 20 %).
+async at an interval where sync costs ≥ 20 %). "CPU in save()" is the process's CPU time
+(every thread) during the ``save`` call: for a sync save, what the whole write costs.
 
     .venv/bin/python benchmarks/ckpt_in_training.py --dir /tmp/ckpt_train --reps 3
     .venv/bin/python benchmarks/ckpt_in_training.py --variants sync,async,async:1 --threads 1
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -77,14 +79,16 @@ def worker(args) -> None:
             _nice_writer(manager)
     for b in batches[:2]:  # warm-up (allocator, first-call paths); not timed
         state, metrics = step(state, b)
-    plain, saving, blocking = [], [], []
+    plain, saving, blocking, cpu = [], [], [], []
     it = iter(batches[2:])
     for block in range(args.steps // args.every):
         with_save = manager is not None and block % 2 == 1
         t0 = time.perf_counter()
         if with_save:  # the save of the state at this interval's start
+            before = _cpu_s()
             manager.save(state, metrics={"loss": float(metrics["loss"])})
             blocking.append(time.perf_counter() - t0)
+            cpu.append(_cpu_s() - before)  # sync: the whole write's CPU; async: its call's
         for _ in range(args.every):
             state, metrics = step(state, next(it))
             float(metrics["loss"])
@@ -102,11 +106,18 @@ def worker(args) -> None:
                 "plain_s": plain,
                 "saving_s": saving,
                 "blocking_s": blocking,
+                "save_cpu_s": cpu,
                 "state_mb": nbytes / 1e6,
                 "params": sum(p.numel() for p in state["params"].flatten_keys().values()),
             }
         )
     )
+
+
+def _cpu_s() -> float:
+    """This process's user + system CPU seconds so far (every thread)."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def _run(variant: str, args) -> dict:
@@ -139,15 +150,16 @@ def main(args) -> None:
     )
     print(
         "| checkpoints | interval s, no save | interval s, with save | overhead per save "
-        "| blocking per save ms |"
+        "| blocking per save ms | CPU in save() ms |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for v in variants:
         plain = statistics.median(x for r in runs[v] for x in r["plain_s"])
         saving = [x for r in runs[v] for x in r["saving_s"]]
         block = [b for r in runs[v] for b in r["blocking_s"]]
+        cpu = [c for r in runs[v] for c in r["save_cpu_s"]]
         if not saving:
-            print(f"| {v} | {plain:.3f} | – | – | – |")
+            print(f"| {v} | {plain:.3f} | – | – | – | – |")
             continue
         # paired: each process's save intervals against its own neighbouring plain ones
         ratios = [
@@ -155,7 +167,8 @@ def main(args) -> None:
         ]
         print(
             f"| {v} | {plain:.3f} | {statistics.median(saving):.3f} | "
-            f"{(statistics.median(ratios) - 1) * 100:+.1f} % | {statistics.median(block) * 1e3:.1f} |"
+            f"{(statistics.median(ratios) - 1) * 100:+.1f} % | {statistics.median(block) * 1e3:.1f} | "
+            f"{statistics.median(cpu) * 1e3:.0f} |"
         )
 
 
