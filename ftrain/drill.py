@@ -197,7 +197,7 @@ def machine(plan: Plan) -> str:
     """Every rank SIGKILLed at once (a machine dies; the agent restarts the group)."""
     run = plan.root / "machine"
     proc = _torchrun(plan, run)
-    killed_at = _kill_at(run, proc, plan.kill, ranks=range(plan.nproc))
+    killed_at = _kill_at(run, proc, plan.kill, range(plan.nproc), after_commit=plan.commit)
     _finish(proc, "machine-death run")
     _resumed_from(run, plan.commit)
     _same_next_step(plan, run)
@@ -215,7 +215,7 @@ def kill(plan: Plan) -> str:
     restarts the group; with a sharded state they cannot, and the last commit is used."""
     run = plan.root / "kill"
     proc = _torchrun(plan, run)
-    killed_at = _kill_at(run, proc, plan.kill, ranks=[plan.nproc - 1])
+    killed_at = _kill_at(run, proc, plan.kill, [plan.nproc - 1], after_commit=plan.commit)
     _finish(proc, "kill run")
     resume = _records(run, "resume")
     start = resume[-1].get("from_step") if resume else None
@@ -243,20 +243,33 @@ def _bit_identical(plan: Plan, run: Path) -> None:
         raise DrillFailed(f"final state differs from the reference: {diff}")
 
 
-def _kill_at(run: Path, proc, step: int, ranks) -> int:
-    """SIGKILL the given ranks (pids from their heartbeats) once the first reached ``step``."""
+def _kill_at(run: Path, proc, step: int, ranks, after_commit: int) -> int:
+    """SIGKILL the given ranks (pids from their heartbeats) once the first reached ``step``
+    and step ``after_commit`` is committed. An async save of that step may still be being
+    written at ``step`` on a busy machine; a kill before its commit would test a fresh
+    start, not the resume the scenario is about. It must land before step
+    ``2 * after_commit``, whose save waits for it."""
     beats = [run / (f"heartbeat.rank{r}.json" if r else "heartbeat.json") for r in ranks]
     deadline = time.time() + _TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
             raise DrillFailed(f"the run ended before step {step}:\n{proc.stdout.read()[-2000:]}")
         infos = [_beat(b) for b in beats]
-        if all(infos) and infos[0].get("step", -1) >= step:
+        reached = infos[0].get("step", -1) if all(infos) else -1
+        if reached >= step and _committed(run, after_commit):
             for info in infos:
                 os.kill(int(info["pid"]), signal.SIGKILL)
             return int(infos[0]["step"])
+        if reached >= 2 * after_commit:
+            raise DrillFailed(f"step {after_commit} was not committed by step {reached}")
         time.sleep(0.005)
     raise DrillFailed(f"ranks {list(ranks)} never reached step {step}")
+
+
+def _committed(run: Path, step: int) -> bool:
+    from ftrain.ckpt.commit import committed_steps
+
+    return step in committed_steps(run / "checkpoints")
 
 
 def _beat(path: Path) -> dict:
