@@ -119,8 +119,8 @@ def scale_by_adam(
 
     ``fused=True`` computes the same formula in torch's fused Adam kernel (what
     ``torch.optim.Adam(fused=True)`` runs): one pass over gradient and moments instead of
-    eight, 3-4x faster on a CPU. Moments and update are rounded in another order
-    (100 AdamW steps land within 1e-6 of torch.optim in fp32,
+    eight (the step's figures: docs/benchmarks.md, "Fused AdamW"). Moments and update are
+    rounded in another order (100 AdamW steps land within 1e-6 of torch.optim in fp32,
     2e-15 in fp64, as torch's fused and foreach AdamW do of each other; bf16 and fp16
     leaves are computed in fp32 inside the kernel). Same state layout, so a run may switch
     it at a resume (the resumed steps are then rounded the other way).
