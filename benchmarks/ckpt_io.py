@@ -8,6 +8,13 @@ of ``--reps`` rounds, ratios against torch.save / safetensors / O_DIRECT. ``--co
 adds compressed ftrain rows, ``--bf16`` stores every float tensor as bfloat16. Results
 go to docs/benchmarks.md ("Checkpoint I/O").
 
+Two load figures: ``load`` is the time the load call takes; ``ready`` adds one read of
+every 4 KiB page of every loaded tensor (what the first training step or ``.cuda()`` does
+first). They differ for loaders whose tensors are lazily mapped files: safetensors'
+``load_file`` returns tensors over a private ``mmap`` of the file, whose page-table
+entries are only made at first touch; ftrain, torch.load and the raw loaders return
+tensors already in the process's memory (the touch costs them a few ms).
+
     .venv/bin/python benchmarks/ckpt_io.py --dir /tmp/ckpt_bench --reps 3
     .venv/bin/python benchmarks/ckpt_io.py --only torch.save safetensors "ftrain sync" \
         --codecs zstd blosc-lz4 --reps 3 [--bf16]
@@ -27,6 +34,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.ckpt import CheckpointManager
+from ftrain.ckpt import format as ckpt_format
 
 
 def gpt2_adamw_state(
@@ -183,7 +191,11 @@ def dcp_load(tensors, path: Path) -> dict:
 
 
 # ---- ftrain --------------------------------------------------------------------------
-def ftrain_methods(state: TensorDict, async_save: bool, compression: str | None = None):
+def ftrain_methods(
+    state: TensorDict, async_save: bool, compression: str | None = None, piece: int | None = None
+):
+    """``piece``: restore's read-and-checksum piece (``ftrain.ckpt.format.READ_PIECE``) for
+    this method's loads; None keeps the library's."""
     stats: dict = {}
 
     def save(_, path: Path) -> None:
@@ -194,9 +206,24 @@ def ftrain_methods(state: TensorDict, async_save: bool, compression: str | None 
         m.close()
 
     def load(_, path: Path) -> TensorDict:
-        return CheckpointManager(path).restore()
+        kept = ckpt_format.READ_PIECE
+        ckpt_format.READ_PIECE = piece or kept
+        try:
+            return CheckpointManager(path).restore()
+        finally:
+            ckpt_format.READ_PIECE = kept
 
     return save, load, stats
+
+
+def touch_pages(out) -> float:
+    """Read one byte of every 4 KiB page of every tensor in ``out``; a checksum of them."""
+    leaves = out.values() if isinstance(out, dict) else flat(out).values()
+    total = 0
+    for t in leaves:
+        raw = t.reshape(-1).view(torch.uint8)
+        total += int(raw[::4096].sum()) if raw.numel() else 0
+    return total
 
 
 def disk_bytes(path: Path) -> int:
@@ -217,9 +244,15 @@ def bench_once(name, save, load, tensors, root: Path, res: dict, stats=None) -> 
     t0 = time.perf_counter()
     out = load(tensors, path)
     res["load"].append(time.perf_counter() - t0)
+    touch_pages(out)
+    res["ready"].append(time.perf_counter() - t0)
     del out
     shutil.rmtree(path, ignore_errors=True)
-    print(f"  {name:<28} save {res['save'][-1]:6.2f} s  load {res['load'][-1]:6.2f} s", flush=True)
+    print(
+        f"  {name:<28} save {res['save'][-1]:6.2f} s  load {res['load'][-1]:6.2f} s"
+        f"  ready {res['ready'][-1]:6.2f} s",
+        flush=True,
+    )
 
 
 def medians(res: dict) -> dict:
@@ -234,6 +267,11 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--codecs", nargs="*", default=[], help="extra ftrain rows, e.g. zstd")
     ap.add_argument("--bf16", action="store_true", help="store every float tensor as bf16")
+    ap.add_argument(
+        "--whole-chunk-crc",
+        action="store_true",
+        help="add an ftrain row whose restore checksums each chunk after reading all of it",
+    )
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     state = gpt2_adamw_state(n_layer=args.layers)
@@ -255,18 +293,22 @@ def main() -> None:
     }
     for codec in args.codecs:
         methods[f"ftrain sync {codec}"] = ftrain_methods(state, False, codec)
+    if args.whole_chunk_crc:  # the A/B of restore's piecewise checksum, in the same rounds
+        methods["ftrain sync, crc per whole chunk"] = ftrain_methods(state, False, piece=1 << 40)
     methods = {n: m for n, m in methods.items() if not args.only or any(o in n for o in args.only)}
-    raw: dict = {n: {"save": [], "load": [], "blocking": [], "bytes": []} for n in methods}
+    raw: dict = {
+        n: {k: [] for k in ("save", "load", "ready", "blocking", "bytes")} for n in methods
+    }
     for rep in range(args.reps):  # interleaved: every method once per round
         print(f"round {rep + 1}/{args.reps}", flush=True)
         for name, (s, lo, stt) in methods.items():
             bench_once(name, s, lo, tensors, args.dir, raw[name], stt)
     results = {n: medians(r) for n, r in raw.items()}
     print(
-        "\n| method | save s | load s | size GB | save / torch.save | save / O_DIRECT"
-        " | load / safetensors | load / O_DIRECT |"
+        "\n| method | save s | load s | ready s | size GB | save / torch.save | save / O_DIRECT"
+        " | load / safetensors | ready / safetensors | load / O_DIRECT |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ref = {
         k: results.get(n)
         for k, n in [
@@ -276,8 +318,9 @@ def main() -> None:
         ]
     }
     for name, r in results.items():
-        cells = [f"{r['save']:.2f}", f"{r['load']:.2f}", f"{r['bytes'] / 1e9:.3f}"]
-        for key, field in [("ts", "save"), ("od", "save"), ("st", "load"), ("od", "load")]:
+        cells = [f"{r[k]:.2f}" for k in ("save", "load", "ready")] + [f"{r['bytes'] / 1e9:.3f}"]
+        pairs = [("ts", "save"), ("od", "save"), ("st", "load"), ("st", "ready"), ("od", "load")]
+        for key, field in pairs:
             cells.append(f"{r[field] / ref[key][field]:.2f}×" if ref[key] else "-")
         extra = f" (blocking {r['blocking'] * 1e3:.1f} ms)" if "blocking" in r else ""
         print(f"| {name}{extra} | " + " | ".join(cells) + " |")

@@ -38,7 +38,7 @@ from tensordict import TensorDictBase
 
 from ftrain.optim.base import FlatFn, pick
 from ftrain.optim.bucketed import Prepare, Source, applies, call_body, sole_owners
-from ftrain.state.tree import Key, flatten, rebuild, structure
+from ftrain.state.tree import Key, Structure, flatten, rebuild, structure
 
 __all__ = ["BUCKET_BYTES", "spans_of", "update_and_apply"]
 
@@ -76,6 +76,7 @@ def update_and_apply(
     opt: TensorDictBase,
     params: Leaves,
     in_place: bool,
+    opt_flat: tuple[Structure, Leaves] | None = None,
 ) -> tuple[Leaves, TensorDictBase]:
     """``params + tx.update(grads)``, bucket by bucket when ``prepare`` allows it.
 
@@ -87,6 +88,7 @@ def update_and_apply(
             once its bucket is done, so the gradients are freed as they are used.
         opt: the optimizer state.
         in_place: donate: write into ``params`` and ``opt``'s buffers.
+        opt_flat: ``structure(opt)`` when the caller has it (one walk of the state less).
 
     Returns:
         ``(new_params, new_opt)``.
@@ -97,9 +99,9 @@ def update_and_apply(
         return _apply(params, updates, in_place), new_opt
     spans = spans_of(params, BUCKET_BYTES) if BUCKET_BYTES else [list(range(len(params)))]
     body = prepare(Source.of(keys, grads, params, spans), opt)
+    writer = _StateWriter(opt_flat or structure(opt), in_place)
     if applied:
-        return _applied_buckets(body, spans, grads, opt, params, in_place)
-    writer = _StateWriter(opt, in_place)
+        return _applied_buckets(body, spans, grads, writer, params, in_place)
     held = {id(t) for t in params} | {id(t) for t in writer.old.values()}
     new = list(params)
     for span, g, owned in _buckets(spans, grads, params, writer):
@@ -119,10 +121,9 @@ def update_and_apply(
     return new, writer.state()
 
 
-def _applied_buckets(body, spans, grads: list, opt, params: Leaves, in_place: bool):
+def _applied_buckets(body, spans, grads: list, writer, params: Leaves, in_place: bool):
     """The buckets of an applying ``tx`` (``adamw(fused=True)``): its body returns each
     bucket's new parameters (written into ``params`` when donating) and its state."""
-    writer = _StateWriter(opt, in_place)
     new = list(params)
     for span, g, owned in _buckets(spans, grads, params, writer):
         out, bucket_state = call_body(
@@ -204,8 +205,8 @@ class _StateWriter:
     the old values. The new state has the old one's layout, empty sub-trees included.
     """
 
-    def __init__(self, opt: TensorDictBase, in_place: bool) -> None:
-        self.layout, leaves = structure(opt)
+    def __init__(self, opt_flat: tuple[Structure, Leaves], in_place: bool) -> None:
+        self.layout, leaves = opt_flat
         self.old = dict(zip(self.layout.keys, leaves, strict=True))
         self.new: dict[Key, torch.Tensor] = {}
         self.in_place = in_place

@@ -91,8 +91,10 @@ class CompiledCore:
         self.compiles = 0
         self._modules: tuple = ()
 
-    def __call__(self, p, b, opt, micro, gen, scale, in_place: bool, keep=None):
-        key, layout, args = self._prepare(p, b, opt, micro, scale, in_place, keep)
+    def __call__(self, p, b, opt, micro, gen, scale, in_place: bool, keep=None, opt_flat=None):
+        key, layout, args = self._prepare(
+            p, b, opt_flat or structure(opt), micro, scale, in_place, keep
+        )
         fn = self.cache.get(key)
         fresh = fn is None
         if fresh:
@@ -107,13 +109,13 @@ class CompiledCore:
 
     def explain(self, p, b, opt, micro, scale=None, in_place: bool = False, keep=None):
         """``torch._dynamo.explain`` of the core for these inputs (graph count, breaks)."""
-        key, layout, args = self._prepare(p, b, opt, micro, scale, in_place, keep)
+        key, layout, args = self._prepare(p, b, structure(opt), micro, scale, in_place, keep)
         with _train_mode(self._modules_now()):
             return torch._dynamo.explain(self._pure(key, p, b, layout))(*args)
 
-    def _prepare(self, p, b, opt, micro, scale, in_place, keep):
+    def _prepare(self, p, b, opt_flat, micro, scale, in_place, keep):
         (pkeys, params), (bkeys, buffers) = p, b
-        layout, oleaves = structure(opt)
+        layout, oleaves = opt_flat
         mkeys, first = flatten(micro[0])
         mleaves = [first] + [flatten(mb)[1] for mb in micro[1:]]
         shapes = tuple(tuple(t.shape) for t in first)

@@ -45,12 +45,12 @@ from torch.func import functional_call
 from ftrain import rng
 from ftrain.apply import update_and_apply
 from ftrain.nn import use_generator
-from ftrain.optim.base import Trainable, flat_update, pick, tree_get
+from ftrain.optim.base import Trainable, flat_update, leaf_get, pick
 from ftrain.optim.bucketed import prepare_of
-from ftrain.optim.partition import learning_rates
+from ftrain.optim.partition import learning_rates, learning_rates_in
 from ftrain.optim.processing import clip_by_global_norm_torch, global_norm_of, mean_across_ranks
 from ftrain.state.init import check_usable, is_pinned, mark_donated
-from ftrain.state.tree import Key, flatten, new_td, unflatten
+from ftrain.state.tree import Key, Structure, flatten, new_td, structure, unflatten
 
 __all__ = ["Step", "evaluate", "make_eval_step", "make_step"]
 
@@ -266,8 +266,8 @@ def _deprecated_clip(clip: float | None):
     return flat_update(clip_by_global_norm_torch(clip))
 
 
-def _loss_scale(opt: TensorDictBase, precision: str, clip: float | None):
-    scale = tree_get(opt, ("loss_scale", "scale"), None)
+def _loss_scale(opt_flat: tuple[Structure, list], precision: str, clip: float | None):
+    scale = leaf_get(opt_flat[0].keys, opt_flat[1], ("loss_scale", "scale"), None)
     if precision == "fp16" and scale is None:
         raise ValueError(
             "precision='fp16' needs dynamic loss scaling in the optimizer: "
@@ -340,7 +340,10 @@ def learning_rate_metrics(opt: TensorDictBase) -> dict[str, torch.Tensor]:
     """``{"lr": ...}`` of this update; with several parameter groups (``multi_transform``)
     also ``lr_<label>`` per group, and ``lr`` is the group ``default``'s (else the first
     label's in sorted order)."""
-    rates = learning_rates(opt)
+    return _rate_metrics(learning_rates(opt))
+
+
+def _rate_metrics(rates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if len(rates) <= 1:
         return {"lr": next(iter(rates.values()), _NAN)}
     by_label = dict(zip(_group_labels(list(rates)), rates.values(), strict=True))
@@ -457,14 +460,15 @@ def make_step(
         bkeys, buffers = flatten(state["buffers"])
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
         opt = state["opt"]
+        opt_flat = structure(opt)  # the optimizer state, walked once per step for all below
         if sharder is not None:
             _check_sharded(opt if not sharder.full else state["params"])
-        scale = _loss_scale(opt, precision, clip)
+        scale = _loss_scale(opt_flat, precision, clip)
         # a state an in-flight async save still reads is never overwritten
         in_place = donate and not is_pinned(state)
         keep = _trainable(trainable, pkeys, params)
         new_params, new_buffers, new_opt, loss, grad_norm, aux = core(
-            (pkeys, params), (bkeys, buffers), opt, micro, gen, scale, in_place, keep
+            (pkeys, params), (bkeys, buffers), opt, micro, gen, scale, in_place, keep, opt_flat
         )
         new_state = _new_state(
             step=state["step"] + 1,
@@ -476,7 +480,8 @@ def make_step(
         )
         if in_place:
             mark_donated(state)
-        return new_state, _metrics(loss, grad_norm, learning_rate_metrics(opt), micro, aux)
+        lrs = _rate_metrics(learning_rates_in(opt_flat[0].keys, opt_flat[1]))
+        return new_state, _metrics(loss, grad_norm, lrs, micro, aux)
 
     step.core = core  # type: ignore[attr-defined]  # e.g. compile_seconds of a compiled step
     step.sharder = sharder  # type: ignore[attr-defined]  # for shard_state / gather_state
@@ -496,7 +501,7 @@ class _EagerCore:
         self.collective, self.old_clip = _collective(dp and sharder is None), _deprecated_clip(clip)
         self.sharder = sharder
 
-    def __call__(self, p, b, opt, micro, gen, scale, in_place, keep):
+    def __call__(self, p, b, opt, micro, gen, scale, in_place, keep, opt_flat=None):
         (pkeys, params), (bkeys, buffers) = p, b
         buffers = [t.clone() for t in buffers]  # a forward may update buffers in place
         # shard="full": the state holds rows; the forward and backward need whole params
@@ -522,7 +527,7 @@ class _EagerCore:
             if self.sharder is None:  # bucket by bucket, grads freed as they are used
                 grads = list(grads)  # the only reference to them, which it consumes
                 new, new_opt = update_and_apply(
-                    self.update, self.prepare, tkeys, grads, opt, tparams, in_place
+                    self.update, self.prepare, tkeys, grads, opt, tparams, in_place, opt_flat
                 )
             else:
                 new, new_opt = self._sharded_update(tkeys, grads, opt, tparams)

@@ -163,14 +163,38 @@ def tree_get(tree: TensorDictBase, name: str | Path, default=_MISSING):
     suffix = (name,) if isinstance(name, str) else tuple(name)
     found: list[Path] = []
     _find(tree, (), suffix, found)
+    at = _the_one(found, suffix, default)
+    return default if at is None else tree.get(at)
+
+
+def leaf_get(
+    keys: Sequence[Path], leaves: Sequence[torch.Tensor], name: str | Path, default=_MISSING
+):
+    """:func:`tree_get` for a leaf of a tree already flattened (``keys``, ``leaves``): the
+    same match, errors and default, without walking the tree again.
+
+    Example:
+        >>> keys, leaves = flatten(adamw(1e-3).init(TensorDict({"w": torch.ones(2)})))
+        >>> float(leaf_get(keys, leaves, "learning_rate"))
+        0.001
+    """
+    suffix = (name,) if isinstance(name, str) else tuple(name)
+    n = len(suffix)
+    found = [i for i, k in enumerate(keys) if k[-n:] == suffix]
+    at = _the_one([keys[i] for i in found], suffix, default)
+    return default if at is None else leaves[found[0]]
+
+
+def _the_one(found: list[Path], suffix: Path, default) -> Path | None:
+    """The one path found (None: nothing, and a default was given)."""
     if len(found) > 1:
         shown = [path_str(p) for p in found]
         raise ValueError(f"tree_get: {path_str(suffix)!r} is ambiguous, it matches {shown}")
     if found:
-        return tree.get(found[0])
+        return found[0]
     if default is _MISSING:
         raise KeyError(f"tree_get: no entry ending with {path_str(suffix)!r}")
-    return default
+    return None
 
 
 def _find(td: TensorDictBase, prefix: Path, suffix: Path, found: list[Path]) -> None:

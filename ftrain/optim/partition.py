@@ -25,7 +25,7 @@ One difference from optax on purpose: gradient processing that spans the tree
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -301,5 +301,10 @@ def learning_rates(opt: TensorDictBase) -> dict[str, torch.Tensor]:
         >>> list(learning_rates(adamw(1e-3).init(TensorDict({"w": torch.ones(2)}))))
         ['scale_by_learning_rate.learning_rate']
     """
-    keys, leaves = flatten(opt)
+    return learning_rates_in(*flatten(opt))
+
+
+def learning_rates_in(keys: Sequence[Path], leaves: Sequence[torch.Tensor]) -> dict:
+    """:func:`learning_rates` of an optimizer state already flattened (the step walks its
+    state once and reads everything it needs from that walk)."""
     return {path_str(k): t for k, t in zip(keys, leaves, strict=True) if k[-1] == "learning_rate"}

@@ -1,6 +1,6 @@
 """Options of the chaos suite: kill count (CI or long mode) and seed; the end-of-run report.
 
-CI mode (default): 20 kills (14 on 1 rank, 6 on 2 ranks). Long mode:
+CI mode (default): 12 kills (8 on 1 rank, 4 on 2 ranks). Long mode:
 ``python -m pytest tests/chaos --chaos-long`` (100 kills), or any count with
 ``FTRAIN_CHAOS_KILLS=N``. Replay a plan with ``--chaos-seed=N`` or ``FTRAIN_CHAOS_SEED=N``;
 without one each session draws a fresh seed, printed in the report and in every failure.
@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.conftest import cache_dir  # noqa: F401 - the shared fixture
 
-CI_KILLS = 20
+CI_KILLS = 12
 LONG_KILLS = 100
 
 _reports: list[str] = []

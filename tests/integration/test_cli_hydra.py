@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from ftrain.ckpt import CheckpointManager
 
 from .conftest import SMALL_CORPUS, TINY, records
@@ -98,6 +100,11 @@ def test_help_and_hydra_flags(cache_dir, tmp_path):
 
     shown = _ftrain("--cfg", "hydra", cache_dir=cache_dir, cwd=tmp_path)
     assert shown.returncode == 0 and "override_dirname" in shown.stdout, shown.stderr
+    assert not list(tmp_path.iterdir()), "no outputs/ or .hydra/ is written"
+
+
+@pytest.mark.long  # four more CLI start-ups (~35 s): Hydra's own flags, passed through
+def test_hydra_info_help_and_shell_completion(cache_dir, tmp_path):
     info = _ftrain("--info", "searchpath", cache_dir=cache_dir, cwd=tmp_path)
     assert info.returncode == 0 and "pkg://ftrain.conf" in info.stdout, info.stderr
     hydra_help = _ftrain("--hydra-help", cache_dir=cache_dir, cwd=tmp_path)

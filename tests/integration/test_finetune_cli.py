@@ -66,6 +66,7 @@ def test_lora_from_a_base_run_trains_adapters_only(cli, base_run, tmp_path):
     assert moments and all(lora.is_adapter(m) for m in moments)  # no moments for the base
 
 
+@pytest.mark.long  # CI keeps the SIGKILL variant below (the harder path, the same resume)
 def test_lora_run_stopped_and_resumed_is_bit_identical(cli, base_run, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     common = [*LORA, f"init.from={base_run}", "checkpoint.every_steps=3"]

@@ -226,6 +226,7 @@ def test_export_keeps_bf16_in_both_formats(tmp_path):
         torch.testing.assert_close(hf(x).logits.float(), model(x).float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.long  # ~27 s; CI checks eval and export against the recorded run instead
 def test_diff_across_two_runs_and_within_one(run8, cli, tmp_path):
     other = tmp_path / "seed1"
     cli(other, "trainer.max_steps=4", "checkpoint.every_steps=4", "trainer.seed=1", check=0)

@@ -84,7 +84,9 @@ def _state(run, step):
     return CheckpointManager(Path(run) / "checkpoints", async_save=False).restore(step)
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "full"])
+# CI runs ZeRO-1 end to end; ZeRO-3 through the CLI is long mode (~40 s; the full mode's
+# step, save and row restore are covered in CI by the worker tests above and below)
+@pytest.mark.parametrize("mode", ["optimizer", pytest.param("full", marks=pytest.mark.long)])
 def test_cli_sharded_run_resumes_bit_exact_and_on_another_world_size(
     cli, cache_dir, tmp_path, reference, mode
 ):

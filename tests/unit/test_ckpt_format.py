@@ -228,3 +228,32 @@ def test_large_chunks_go_through_o_direct_or_its_fallback(tmp_path, monkeypatch)
     assert _direct._refused
     a, b = (sorted((tmp_path / d / "step_00000004" / "w").glob("c.*")) for d in "ab")
     assert [f.read_bytes() for f in a] == [f.read_bytes() for f in b]
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("where", ["start", "second MiB", "payload end", "padding"])
+def test_a_flipped_byte_anywhere_in_a_padded_chunk_is_caught(tmp_path, where):
+    """A flip at the start, deep inside, at the last payload byte or in the zero padding of
+    a multi-MiB chunk must fail its crc32c: restore verifies every byte it reads."""
+    rows, cols = 13, MIB // 8  # 3.5 MiB row-chunks of 7 rows; the last has 6: padding
+    td = TensorDict({"w": random_bits((rows, cols), torch.float32)}, batch_size=[])
+    st_ = protocol.begin(tmp_path, 0)
+    manifest = write_tree(st_.path, td, {}, chunk_bytes=7 * cols * 4)
+    final = protocol.commit(st_, manifest)
+    _, manifest = protocol.read_committed(final)
+    assert_same(read_tree(final, manifest), td)  # padded tail: bit-exact
+    chunks = sorted((final / "w").glob("c*"), key=lambda p: p.name)
+    data = bytearray(chunks[-1].read_bytes())
+    chunk_rows = (len(data) - 4) // (cols * 4)
+    payload = (rows - chunk_rows * (len(chunks) - 1)) * cols * 4
+    assert len(chunks) == 2 and 3 * MIB <= payload < len(data) - 4  # padded, several MiB
+    offset = {"start": 3, "second MiB": MIB + 17, "payload end": payload - 1}.get(
+        where, payload + 5
+    )
+    data[offset] ^= 0x40
+    os.chmod(chunks[-1], 0o644)
+    chunks[-1].write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="crc32c mismatch"):
+        read_tree(final, manifest)

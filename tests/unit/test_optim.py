@@ -476,3 +476,21 @@ def test_tree_get_finds_nested_hyperparameters_and_refuses_ambiguity():
     with pytest.raises(ValueError, match="ambiguous"):
         optim.tree_get(two, "learning_rate")
     assert float(optim.tree_get(two, ("sgd_1", "scale_by_learning_rate", "learning_rate"))) == 0.2
+
+
+def test_leaf_get_on_a_flattened_state_matches_tree_get():
+    from ftrain.optim.base import leaf_get
+    from ftrain.state.tree import flatten
+
+    params = make_params()
+    tx = optim.dynamic_loss_scale(optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.3)))
+    keys, leaves = flatten(tx.init(params))
+    assert float(leaf_get(keys, leaves, "learning_rate")) == 0.3
+    assert float(leaf_get(keys, leaves, ("loss_scale", "scale"))) == 2.0**16
+    assert leaf_get(keys, leaves, "no_such_entry", None) is None
+    with pytest.raises(KeyError, match="no_such_entry"):
+        leaf_get(keys, leaves, "no_such_entry")
+    two = flatten(optim.chain(optim.sgd(0.1), optim.sgd(0.2)).init(params))
+    with pytest.raises(ValueError, match="ambiguous"):
+        leaf_get(*two, "learning_rate")
+    assert float(leaf_get(*two, ("sgd_1", "scale_by_learning_rate", "learning_rate"))) == 0.2
