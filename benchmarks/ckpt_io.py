@@ -34,7 +34,6 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.ckpt import CheckpointManager
-from ftrain.ckpt import format as ckpt_format
 
 
 def gpt2_adamw_state(
@@ -192,10 +191,9 @@ def dcp_load(tensors, path: Path) -> dict:
 
 # ---- ftrain --------------------------------------------------------------------------
 def ftrain_methods(
-    state: TensorDict, async_save: bool, compression: str | None = None, piece: int | None = None
+    state: TensorDict, async_save: bool, compression: str | None = None, mapped: bool = False
 ):
-    """``piece``: restore's read-and-checksum piece (``ftrain.ckpt.format.READ_PIECE``) for
-    this method's loads; None keeps the library's."""
+    """``mapped``: restore with ``CheckpointManager.restore(mmap=True)``."""
     stats: dict = {}
 
     def save(_, path: Path) -> None:
@@ -206,12 +204,7 @@ def ftrain_methods(
         m.close()
 
     def load(_, path: Path) -> TensorDict:
-        kept = ckpt_format.READ_PIECE
-        ckpt_format.READ_PIECE = piece or kept
-        try:
-            return CheckpointManager(path).restore()
-        finally:
-            ckpt_format.READ_PIECE = kept
+        return CheckpointManager(path).restore(**({"mmap": True} if mapped else {}))
 
     return save, load, stats
 
@@ -267,11 +260,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--codecs", nargs="*", default=[], help="extra ftrain rows, e.g. zstd")
     ap.add_argument("--bf16", action="store_true", help="store every float tensor as bf16")
-    ap.add_argument(
-        "--whole-chunk-crc",
-        action="store_true",
-        help="add an ftrain row whose restore checksums each chunk after reading all of it",
-    )
+
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     state = gpt2_adamw_state(n_layer=args.layers)
@@ -293,8 +282,7 @@ def main() -> None:
     }
     for codec in args.codecs:
         methods[f"ftrain sync {codec}"] = ftrain_methods(state, False, codec)
-    if args.whole_chunk_crc:  # the A/B of restore's piecewise checksum, in the same rounds
-        methods["ftrain sync, crc per whole chunk"] = ftrain_methods(state, False, piece=1 << 40)
+    methods["ftrain sync, mmap restore"] = ftrain_methods(state, False, mapped=True)
     methods = {n: m for n, m in methods.items() if not args.only or any(o in n for o in args.only)}
     raw: dict = {
         n: {k: [] for k in ("save", "load", "ready", "blocking", "bytes")} for n in methods

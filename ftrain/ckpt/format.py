@@ -437,7 +437,12 @@ def write_chunk(
     return crc, size
 
 
-def _open_sized(path: Path, want: int) -> int:
+def open_sized(path: Path, want: int) -> int:
+    """Open a chunk file for reading (never through a link) and check its size.
+
+    Raises:
+        CorruptCheckpointError: missing, a link, unreadable, or not ``want`` bytes long.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:  # missing, a symbolic link (ELOOP), a directory, unreadable
@@ -461,7 +466,8 @@ def _read_exact(fd: int, path: Path, dest: memoryview) -> None:
         got += n
 
 
-def _check_crc(path: Path, crc: int, stored: int, expected: int) -> None:
+def check_crc(path: Path, crc: int, stored: int, expected: int) -> None:
+    """Raise CorruptCheckpointError unless the computed, stored and manifest crcs agree."""
     if crc != stored or crc != expected:
         raise CorruptCheckpointError(
             f"{path}: crc32c mismatch (computed {crc:#010x}, stored {stored:#010x}, "
@@ -475,7 +481,7 @@ def read_chunk_into(path: Path, dest: memoryview, pad: int, expected_crc: int) -
     Raises:
         CorruptCheckpointError: missing, truncated or oversized file, or a crc mismatch.
     """
-    fd = _open_sized(path, len(dest) + pad + 4)
+    fd = open_sized(path, len(dest) + pad + 4)
     try:
         _read_exact(fd, path, dest)
         tail = os.pread(fd, pad + 4, len(dest))
@@ -485,7 +491,7 @@ def read_chunk_into(path: Path, dest: memoryview, pad: int, expected_crc: int) -
         os.close(fd)
     crc = crc32c.crc32c(tail[:-4], value=crc32c.crc32c(dest)) if pad else crc32c.crc32c(dest)
     stored = int.from_bytes(tail[-4:], "little") if len(tail) == pad + 4 else -1
-    _check_crc(path, crc, stored, expected_crc)
+    check_crc(path, crc, stored, expected_crc)
 
 
 def read_compressed_into(
@@ -497,7 +503,7 @@ def read_compressed_into(
         CorruptCheckpointError: missing or wrongly sized file, a crc mismatch, or a frame
             that does not decode to the full chunk.
     """
-    fd = _open_sized(path, stored + 4)
+    fd = open_sized(path, stored + 4)
     buf = bytearray(stored + 4)
     try:
         _read_exact(fd, path, memoryview(buf))
@@ -523,7 +529,7 @@ def decode_verified(
         CorruptCheckpointError: a crc mismatch, or a frame that does not decode in full.
     """
     body = memoryview(raw)[:stored]
-    _check_crc(where, crc32c.crc32c(body), int.from_bytes(raw[stored:], "little"), expected_crc)
+    check_crc(where, crc32c.crc32c(body), int.from_bytes(raw[stored:], "little"), expected_crc)
     if spec.compression is None:
         dest[:] = body[: len(dest)]
         return

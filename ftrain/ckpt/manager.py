@@ -46,6 +46,7 @@ from ftrain.ckpt.format import (
 )
 from ftrain.ckpt.index import INDEX, entry_for, load_or_rebuild, mark_best, write_index
 from ftrain.ckpt.location import parse_location
+from ftrain.ckpt.mapped import read_tree_mapped
 from ftrain.ckpt.meta import json_scalar, read_root_attributes, versions
 from ftrain.ckpt.policies import (
     KeepAll,
@@ -587,6 +588,7 @@ class CheckpointManager:
         host_rng: bool = False,
         check_metadata: Callable[[dict], None] | None = None,
         rows: Sharder | None = None,
+        mmap: bool = False,
     ) -> TensorDictBase:
         """Load the newest committed step that verifies (or exactly ``step``).
 
@@ -612,6 +614,10 @@ class CheckpointManager:
                 rank calls it (no collective here: agreeing on the step is the caller's).
                 On an object store the same, object by object
                 (:func:`ftrain.ckpt.objio.download_owned`).
+            mmap: map each array stored as one uncompressed chunk copy-on-write instead of
+                copying it (:mod:`ftrain.ckpt.mapped`): a faster cold restore whose pages
+                stay shared with the page cache until written; every chunk is still
+                verified before this returns. Local directories, whole arrays only.
 
         Returns:
             A nested TensorDict (CPU tensors unless ``target`` says otherwise).
@@ -622,6 +628,7 @@ class CheckpointManager:
             ValueError: the checkpoint does not match ``target``, or ``only`` names no key.
         """
         self.wait()
+        _check_mmap(mmap, rows, self._dirs)
         only_t = (only,) if isinstance(only, str) else tuple(only) if only is not None else None
         cands = [(s, p) for s, ps in reversed(self._locations().items()) for p in ps]
         if step is not None:
@@ -640,7 +647,7 @@ class CheckpointManager:
                 if check_metadata is not None:
                     check_metadata(attrs)
                 check_only(manifest, only_t)
-                td = self._read(path, manifest, only_t, rows)
+                td = self._read(path, manifest, only_t, rows, mmap)
                 rng_states = hostrng.for_rank(attrs, self.rank) if host_rng else None
             except CorruptCheckpointError as e:
                 problems.append(f"{path}: {e}")
@@ -661,7 +668,9 @@ class CheckpointManager:
         err.problems = problems  # "path: why" of each candidate, for a caller's report
         raise err
 
-    def _read(self, path, manifest: dict, only: tuple[str, ...] | None, rows) -> TensorDictBase:
+    def _read(
+        self, path, manifest: dict, only: tuple[str, ...] | None, rows, mmap: bool = False
+    ) -> TensorDictBase:
         """The step's tree (this rank's rows of it with ``rows``); sets ``read_bytes``."""
         if rows is not None and isinstance(path, Path):
             from ftrain.ckpt.sharded import read_owned
@@ -677,7 +686,8 @@ class CheckpointManager:
                 path, manifest, rows, only=only, concurrency=path.root.concurrency
             )
             return td
-        td = read_tree(path, manifest, only=only, workers=self.io_workers)
+        read = read_tree_mapped if mmap else read_tree
+        td = read(path, manifest, only=only, workers=self.io_workers)
         self.read_bytes = sum(s.nbytes for s in selected_specs(manifest, only).values())
         return td
 
@@ -729,6 +739,22 @@ class CheckpointManager:
             if exc is None:
                 raise
             log.exception("a checkpoint save failed while handling another exception")
+
+
+def _check_mmap(mmap: bool, rows, dirs: list) -> None:
+    if not mmap:
+        return
+    if rows is not None:
+        raise ValueError(
+            "restore(mmap=True) maps whole arrays; with rows= (a sharded "
+            "restore) leave mmap at False"
+        )
+    remote = [str(d) for d in dirs if not isinstance(d, Path)]
+    if remote:
+        raise ValueError(
+            f"restore(mmap=True) maps local files; {remote} is an object store: "
+            "leave mmap at False there"
+        )
 
 
 def _marker_extra(manifest: dict, attrs: dict, blocking: float, t0: float) -> dict:
