@@ -10,7 +10,7 @@ import pytest
 from ftrain.ckpt import CheckpointManager
 from ftrain.state import first_difference
 
-from ..integration.conftest import cache_dir, cli  # noqa: F401 - fixtures
+from ..integration.conftest import cache_dir, cli, forkserver  # noqa: F401 - fixtures
 
 INJECT = str(Path(__file__).parent / "inject")
 SAVES = ("checkpoint.every_steps=2", "checkpoint.keep_last=3")
