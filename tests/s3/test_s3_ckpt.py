@@ -375,3 +375,12 @@ def test_ranks_upload_their_own_chunks_and_the_coordinator_commits(bucket):
     root.put(f"{step.key}/manifest.json", raw)
     root.put_new(f"{step.key}/COMMITTED", json_bytes(protocol.marker_document(8, raw)))
     assert first_difference(CheckpointManager(root.url).restore(), state) is None
+
+
+def test_a_mapped_restore_from_an_object_store_is_refused_naming_the_fix(bucket):
+    url = f"s3://{bucket}/run/mapped"
+    m = CheckpointManager(url)
+    assert m.save(make_state(1))
+    m.close()
+    with pytest.raises(ValueError, match="object store: leave mmap at False"):
+        CheckpointManager(url).restore(mmap=True)

@@ -131,3 +131,17 @@ def test_mmap_with_rows_is_refused_naming_the_fix(tmp_path):
     m = save_steps(tmp_path, 1)
     with pytest.raises(ValueError, match="leave mmap at False"):
         m.restore(mmap=True, rows=object())
+
+
+def test_a_file_system_that_cannot_map_files_gets_a_verified_read(tmp_path, monkeypatch):
+    import mmap as mmap_module
+
+    save_steps(tmp_path, 1)
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # ENODEV: what mmap says on such a file system
+
+    monkeypatch.setattr(mmap_module, "mmap", refuse)
+    restored = CheckpointManager(tmp_path).restore(mmap=True)
+    assert first_difference(restored, make_state(1)) is None
+    assert not any("step_00000001" in f for f in mapped_files())
