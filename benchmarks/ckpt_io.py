@@ -23,6 +23,7 @@ tensors already in the process's memory (the touch costs them a few ms).
 from __future__ import annotations
 
 import argparse
+import gc
 import mmap
 import os
 import shutil
@@ -240,12 +241,22 @@ def bench_once(name, save, load, tensors, root: Path, res: dict, stats=None) -> 
     touch_pages(out)
     res["ready"].append(time.perf_counter() - t0)
     del out
+    gc.collect()  # free this method's tensors now, not inside the next method's timing
     shutil.rmtree(path, ignore_errors=True)
     print(
         f"  {name:<28} save {res['save'][-1]:6.2f} s  load {res['load'][-1]:6.2f} s"
         f"  ready {res['ready'][-1]:6.2f} s",
         flush=True,
     )
+
+
+def paired_ratio(times: list[float], ref: list[float] | None) -> str:
+    """The median of the per-round ratios: both sides of each ratio ran in the same round,
+    so a slow round of the virtual disk slows both instead of one median."""
+    if not ref:
+        return "-"
+    ratios = [t / r for t, r in zip(times, ref, strict=True)]
+    return f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
 def medians(res: dict) -> dict:
@@ -294,9 +305,10 @@ def main() -> None:
     results = {n: medians(r) for n, r in raw.items()}
     print(
         "\n| method | save s | load s | ready s | size GB | save / torch.save | save / O_DIRECT"
-        " | load / safetensors | ready / safetensors | load / O_DIRECT |"
+        " | load / safetensors | ready / safetensors | ready / safetensors, paired"
+        " | load / O_DIRECT |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ref = {
         k: results.get(n)
         for k, n in [
@@ -310,6 +322,7 @@ def main() -> None:
         pairs = [("ts", "save"), ("od", "save"), ("st", "load"), ("st", "ready"), ("od", "load")]
         for key, field in pairs:
             cells.append(f"{r[field] / ref[key][field]:.2f}×" if ref[key] else "-")
+        cells.insert(-1, paired_ratio(raw[name]["ready"], raw.get("safetensors", {}).get("ready")))
         extra = f" (blocking {r['blocking'] * 1e3:.1f} ms)" if "blocking" in r else ""
         print(f"| {name}{extra} | " + " | ".join(cells) + " |")
 

@@ -320,8 +320,19 @@ def plan_array(
         return ArraySpec(key, name, shape, tuple(max(1, d) for d in shape), **kw)
     nbytes = tensor.numel() * tensor.element_size()
     n = max(1, min(shape[0], math.ceil(nbytes / chunk_bytes)))
-    rows = math.ceil(shape[0] / n)
+    rows = _page_rows(math.ceil(shape[0] / n), nbytes // shape[0], shape[0])
     return ArraySpec(key, name, shape, (rows, *shape[1:]), **kw)
+
+
+def _page_rows(rows: int, row_bytes: int, total: int) -> int:
+    """``rows`` rounded up so a chunk is whole 4 KiB pages (a mapped restore can then map
+    the chunk files side by side as one tensor), unless that adds more than an eighth or
+    the chunks are small enough to be read through the page cache anyway."""
+    step = 4096 // math.gcd(row_bytes, 4096)
+    aligned = -(-rows // step) * step
+    if rows >= total or rows * row_bytes < DIRECT_MIN_BYTES or (aligned - rows) * 8 > rows:
+        return rows
+    return min(aligned, total)
 
 
 def _fill_value(zdtype: str) -> bool | int | float | list[float]:
@@ -438,13 +449,16 @@ def write_chunk(
 
 
 def open_sized(path: Path, want: int) -> int:
-    """Open a chunk file for reading (never through a link) and check its size.
+    """Open a chunk file for reading (never through a link; a FIFO planted in its place
+    does not block the open, ``O_NONBLOCK``, and then fails the size check) and check its
+    size.
 
     Raises:
         CorruptCheckpointError: missing, a link, unreadable, or not ``want`` bytes long.
     """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, flags)
     except OSError as e:  # missing, a symbolic link (ELOOP), a directory, unreadable
         raise CorruptCheckpointError(f"{path}: chunk file cannot be opened ({e})") from e
     size = os.fstat(fd).st_size
@@ -484,12 +498,23 @@ def read_chunk_into(path: Path, dest: memoryview, pad: int, expected_crc: int) -
     fd = open_sized(path, len(dest) + pad + 4)
     try:
         _read_exact(fd, path, dest)
-        tail = os.pread(fd, pad + 4, len(dest))
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: chunk unreadable ({e})") from e
+        check_tail(fd, path, crc32c.crc32c(dest), len(dest), pad, expected_crc)
     finally:
         os.close(fd)
-    crc = crc32c.crc32c(tail[:-4], value=crc32c.crc32c(dest)) if pad else crc32c.crc32c(dest)
+
+
+def check_tail(fd: int, path: Path, crc: int, offset: int, pad: int, expected_crc: int) -> None:
+    """Finish verifying an uncompressed chunk whose payload (``offset`` bytes, crc32c
+    ``crc``) is checked already: read its ``pad`` bytes and stored crc from ``fd``.
+
+    Raises:
+        CorruptCheckpointError: unreadable, short, or a crc mismatch.
+    """
+    try:
+        tail = os.pread(fd, pad + 4, offset)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: chunk unreadable ({e})") from e
+    crc = crc32c.crc32c(tail[:-4], value=crc) if pad else crc
     stored = int.from_bytes(tail[-4:], "little") if len(tail) == pad + 4 else -1
     check_crc(path, crc, stored, expected_crc)
 

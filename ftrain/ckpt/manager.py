@@ -61,7 +61,6 @@ from ftrain.ckpt.store import (
     DEFAULT_WORKERS,
     flatten,
     read_tree,
-    selected_specs,
     specs_of,
     write_tree,
 )
@@ -688,7 +687,7 @@ class CheckpointManager:
             return td
         read = read_tree_mapped if mmap else read_tree
         td = read(path, manifest, only=only, workers=self.io_workers)
-        self.read_bytes = sum(s.nbytes for s in selected_specs(manifest, only).values())
+        self.read_bytes = sum(t.nbytes for t in td.values(True, True))  # no third parse
         return td
 
     def _remember_restored(self, step: int, path: Path, manifest: dict, out) -> None:

@@ -1,20 +1,24 @@
 """Restore by mapping chunk files copy-on-write: ``CheckpointManager.restore(mmap=True)``.
 
 Why. A plain restore reads every chunk into fresh tensor memory: the kernel copies each
-page out of the page cache into pages it must first fault in and zero. An array stored as
-one uncompressed chunk is already its tensor's bytes, in order, at offset 0 of its file,
-so it can be the tensor: the file is mapped ``MAP_PRIVATE`` (pages shared with the page
-cache until written; a write copies that page, the file never changes) and the tensor is a
-view of the mapping. The chunk's crc32c is computed over the mapping before restore
-returns — that pass is what brings the pages in — so every byte is verified exactly as in
-a plain restore, and a mismatch makes the step corrupt (restore falls back) the same way.
+page out of the page cache into pages it must first fault in and zero. An uncompressed
+chunk file is already its slice of the tensor's bytes, in order, at offset 0 of the file,
+so it can *be* that slice: each array gets one reserved address range the size of its
+tensor, and every chunk file is mapped ``MAP_PRIVATE | MAP_FIXED`` at its chunk's offset in
+it (pages shared with the page cache until written; a write copies that page, the file
+never changes). The tensor is a view of the range. Every chunk's crc32c is computed over
+its mapping before restore returns — that pass is what brings the pages in — so every
+byte is verified exactly as in a plain restore, and a mismatch makes the step corrupt
+(restore falls back) the same way.
 
-What is mapped: uncompressed arrays of one chunk, without padding, of at least
-:data:`MAP_MIN_BYTES`. Multi-chunk arrays (a tensor must be one contiguous range),
-compressed arrays (the file is not the bytes) and small arrays are read as usual, on the
-same threads.
+What is mapped: uncompressed arrays of at least :data:`MAP_MIN_BYTES` whose chunks start
+on page boundaries (one chunk, or a chunk size that is a multiple of the page size, which
+``plan_array`` chooses where that costs little). Compressed arrays (the file is not the
+bytes), small arrays and unaligned chunks are read as usual, on the same threads. A file
+system that cannot map a file gets that chunk read into anonymous memory at the same place
+in the range, verified the same way.
 
-The contract: a mapped tensor reads its checkpoint file for as long as it lives. ftrain
+The contract: a mapped tensor reads its checkpoint files for as long as it lives. ftrain
 never writes into a committed step's files (a step is replaced by renaming, pruned by
 unlinking, and an unlinked file stays readable through the mapping), so that holds for
 every file ftrain manages. A file truncated or rewritten *in place* by something else
@@ -25,8 +29,10 @@ file systems whose mappings do not promise that.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 import crc32c
@@ -37,7 +43,7 @@ from ftrain.ckpt._threads import run_pools
 from ftrain.ckpt.format import (
     DIRECT_MIN_BYTES,
     ArraySpec,
-    check_crc,
+    check_tail,
     open_sized,
     parse_dtype,
     read_chunk,
@@ -49,10 +55,21 @@ from ftrain.ckpt.store import allocate_tree, byte_view, check_no_links, check_si
 __all__ = ["MAP_MIN_BYTES", "mappable", "read_tree_mapped"]
 
 MAP_MIN_BYTES = DIRECT_MIN_BYTES  # smaller arrays are read: a mapping costs ~2 syscalls
+PAGE = mmap.PAGESIZE
+MAP_FIXED = 0x10  # the same value on Linux, the BSDs and macOS; Python's mmap lacks it
+PROT_NONE = 0  # likewise
+
+_libc = ctypes.CDLL(None, use_errno=True)  # ctypes calls release the GIL: chunks map in parallel
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def mappable(spec: ArraySpec) -> bool:
-    """True when the array's one chunk file holds exactly its bytes (then a tensor can map it).
+    """True when the array's chunk files can be mapped side by side as one tensor:
+    uncompressed, at least :data:`MAP_MIN_BYTES`, every chunk starting on a page.
 
     Example:
         >>> from ftrain.ckpt.format import plan_array
@@ -60,10 +77,10 @@ def mappable(spec: ArraySpec) -> bool:
         True
     """
     return (
-        spec.n_chunks == 1
+        spec.n_chunks > 0
         and spec.compression is None
-        and spec.chunk_nbytes == spec.nbytes
         and spec.nbytes >= MAP_MIN_BYTES
+        and (spec.n_chunks == 1 or spec.chunk_nbytes % PAGE == 0)
     )
 
 
@@ -77,40 +94,66 @@ def read_tree_mapped(
     """
     specs = selected_specs(manifest, only)
     check_no_links(root)
-    check_sizes(root, specs)
+    check_sizes(root, specs, prefetch=True)
     out, tensors = allocate_tree(manifest, specs, only)
-    mapped = [k for k, s in specs.items() if mappable(s)]
-    reads = []
+    regions = {k: _Region(s.nbytes) for k, s in specs.items() if mappable(s)}
+    reads, maps = [], []
     for k, s in specs.items():
-        if s.n_chunks and k not in mapped:
+        if k in regions:  # each job holds its region: no range is released while mapped into
+            maps += [(regions[k], _chunk_path(root, s, i), s, i) for i in range(s.n_chunks)]
+        elif s.n_chunks:
             reads += read_chunks_into(root, s, byte_view(tensors[k]))
-    jobs = [
-        (root.joinpath(*k.split("/"), *specs[k].chunk_key(0).split("/")), specs[k]) for k in mapped
-    ]
-    views, _ = run_pools([(_map_chunk, jobs, workers), (read_chunk, reads, max(1, workers // 2))])
-    for k, view in zip(mapped, views, strict=True):
-        out[tuple(k.split("/"))] = view
+    run_pools([(_map_chunk, maps, workers), (read_chunk, reads, max(1, workers // 2))])
+    for k, region in regions.items():
+        out[tuple(k.split("/"))] = region.tensor(specs[k])
     return out
 
 
-def _map_chunk(job: tuple[Path, ArraySpec]) -> torch.Tensor:
-    """Map one chunk file copy-on-write, verify it, and return the tensor over it."""
-    path, spec = job
-    n = spec.nbytes
-    fd = open_sized(path, n + 4)
+def _chunk_path(root: Path, spec: ArraySpec, i: int) -> Path:
+    return root.joinpath(*spec.key.split("/"), *spec.chunk_key(i).split("/"))
+
+
+class _Region:
+    """An address range reserved (``PROT_NONE``) for one tensor; chunk files are mapped
+    into it in place. Unmapped when the last tensor viewing it is freed."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.size = -(-nbytes // PAGE) * PAGE
+        self.base = _mmap(0, self.size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
+        self.buffer = (ctypes.c_ubyte * nbytes).from_address(self.base)
+        weakref.finalize(self.buffer, _libc.munmap, self.base, self.size)
+
+    def tensor(self, spec: ArraySpec) -> torch.Tensor:
+        raw = torch.frombuffer(self.buffer, dtype=torch.uint8)  # keeps the range alive
+        return raw.view(parse_dtype(spec.dtype)).view(spec.shape)
+
+
+def _mmap(addr: int, length: int, prot: int, flags: int, fd: int) -> int:
+    """``mmap(2)`` at file offset 0; raises OSError where it fails."""
+    got = _libc.mmap(addr or None, length, prot, flags, fd, 0)
+    if got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return got
+
+
+def _map_chunk(job: tuple[_Region, Path, ArraySpec, int]) -> None:
+    """Map chunk ``i`` at its place in the region and verify it over the mapping; a file
+    that cannot be mapped is read into anonymous memory there instead, and verified."""
+    region, path, spec, i = job
+    start, stop = spec.chunk_span(i)
+    addr, length, pad = region.base + start, stop - start, spec.chunk_nbytes - (stop - start)
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+    view = memoryview(region.buffer)[start:stop]
+    fd = open_sized(path, spec.chunk_nbytes + 4)
     try:
-        m = mmap.mmap(fd, n + 4, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError:  # a file system that cannot map files: read it like any other chunk
-        m = None
+        try:
+            _mmap(addr, length, rw, mmap.MAP_PRIVATE | MAP_FIXED, fd)
+        except OSError:  # a file system that cannot map files: read this chunk instead
+            _mmap(addr, length, rw, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1)
+            read_chunk_into(path, view, pad, spec.crc32c[i])
+            return
+        _libc.madvise(addr, length, mmap.MADV_WILLNEED)  # read ahead: the crc pass streams
+        check_tail(fd, path, crc32c.crc32c(view), length, pad, spec.crc32c[i])
     finally:
         os.close(fd)
-    if m is None:
-        out = torch.empty(spec.shape, dtype=parse_dtype(spec.dtype))
-        read_chunk_into(path, byte_view(out), 0, spec.crc32c[0])
-        return out
-    m.madvise(mmap.MADV_WILLNEED)  # read ahead the whole file: the crc pass then streams
-    with memoryview(m) as view:
-        crc = crc32c.crc32c(view[:n])
-        check_crc(path, crc, int.from_bytes(view[n:], "little"), spec.crc32c[0])
-    raw = torch.frombuffer(m, dtype=torch.uint8, count=n)  # keeps the mapping alive
-    return raw.view(parse_dtype(spec.dtype)).view(spec.shape)

@@ -48,6 +48,7 @@ from ftrain.ckpt.format import (
     array_zarr_json,
     check_key,
     json_bytes,
+    open_sized,
     parse_dtype,
     plan_array,
     read_chunk,
@@ -522,21 +523,42 @@ def check_memory(where: object, specs: dict[str, ArraySpec], extra_bytes: int = 
         )
 
 
-def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
+def check_sizes(
+    root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0, *, prefetch: bool = False
+) -> None:
     """Before allocating anything: every chunk file exists with its recorded size (so the
     declared shapes are backed by bytes on disk), and the whole result (plus
-    ``extra_bytes``) fits in memory."""
+    ``extra_bytes``) fits in memory.
+
+    ``prefetch`` (a restore that reads every chunk) also asks the kernel to start reading
+    each file (``POSIX_FADV_WILLNEED``), up to half the available memory: the disk then has
+    the whole restore queued while the checks, the allocation and the first chunks' crc
+    run, instead of one chunk per I/O thread (measured: cold mapped restore of the GPT-2
+    state 0.88× -> 0.65× safetensors)."""
     check_memory(root, specs, extra_bytes)
+    budget = _available_memory() // 2 if prefetch else 0
     for s in specs.values():
         for i in range(s.n_chunks):
             path = root.joinpath(*s.key.split("/"), *s.chunk_key(i).split("/"))
             want = (s.stored[i] if s.compression else s.chunk_nbytes) + 4
-            try:
-                size = os.lstat(path).st_size
-            except OSError as e:
-                raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
-            if size != want:
-                raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
+            _check_size(path, want, budget > 0)
+            budget -= want
+
+
+def _check_size(path: Path, want: int, prefetch: bool) -> None:
+    if prefetch:
+        fd = open_sized(path, want)
+        try:
+            os.posix_fadvise(fd, 0, want, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+        return
+    try:
+        size = os.lstat(path).st_size
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
+    if size != want:
+        raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
 
 
 def _selected(key: str, only: tuple[str, ...] | None) -> bool:
@@ -565,7 +587,7 @@ def read_tree(
         return root.read_tree(manifest, only=only)
     specs = selected_specs(manifest, only)
     check_no_links(root)
-    check_sizes(root, specs)
+    check_sizes(root, specs, prefetch=True)
     out, tensors = allocate_tree(manifest, specs, only)
     chunks = []
     for k, s in specs.items():

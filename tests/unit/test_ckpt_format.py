@@ -89,10 +89,14 @@ def test_chunking_roundtrip_property(tmp_path_factory, rows, cols, chunk_bytes, 
     assert_same(roundtrip(tmp_path_factory.mktemp("p"), td, chunk_bytes=chunk_bytes), td)
 
 
-def test_plan_limits_padding_to_fewer_rows_than_chunks():
+def test_plan_cuts_whole_pages_where_that_pads_little():
     spec = plan_array("w", torch.empty(50257, 768), chunk_bytes=16 << 20)
     n, rows = spec.n_chunks, spec.chunk_shape[0]
-    assert n == 10 and rows * n - 50257 < n
+    assert n == 10 and spec.chunk_nbytes % 4096 == 0 and (rows * n - 50257) * 8 < rows
+    odd = plan_array("o", torch.empty(600, 1025), chunk_bytes=1 << 20)  # pages: 1024-row steps
+    assert odd.chunk_shape[0] == 200 and odd.n_chunks == 3  # 824 more rows of 200: not aligned
+    small = plan_array("s", torch.empty(4000, 96), chunk_bytes=64 << 10)  # read, not mapped
+    assert small.chunk_shape[0] == 167 and small.chunk_nbytes % 4096
     assert spec.chunk_key(3) == "c.3.0" and plan_array("s", torch.tensor(1.0)).chunk_key(0) == "c"
 
 

@@ -1,9 +1,11 @@
-"""``restore(mmap=True)``: single-chunk arrays mapped copy-on-write, every chunk verified,
+"""``restore(mmap=True)``: page-aligned arrays mapped copy-on-write (one chunk file, or many
+side by side in one range), every chunk verified,
 bit-exact, writable without touching the files, alive after the step is deleted, and a
 state that trains exactly like a plainly restored one."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import warnings
@@ -28,7 +30,8 @@ def make_state(step: int) -> TensorDict:
             "step": torch.tensor(step),
             "params": {
                 "big": torch.randn(512, 256, generator=g),  # 512 KiB, one chunk: mapped
-                "wide": torch.randn(4096, 96, generator=g),  # 1.5 MiB > chunk_bytes: read
+                "wide": torch.randn(4000, 96, generator=g),  # 2 chunks of 189 pages: mapped
+                "odd": torch.randn(600, 1025, generator=g),  # 3 chunks, not whole pages: read
                 "half": torch.randn(512, 512, generator=g).bfloat16(),  # mapped, bf16
                 "small": torch.randn(7, generator=g),  # read
             },
@@ -50,18 +53,40 @@ def mapped_files() -> set[str]:
         return {line.split(None, 5)[5].strip() for line in f if len(line.split()) == 6}
 
 
-def test_mapped_restore_is_bit_exact_and_maps_only_single_chunk_arrays(tmp_path):
+def chunk_files(root: Path, spec) -> list[str]:
+    return [str(root / spec.key / spec.chunk_key(i)) for i in range(spec.n_chunks)]
+
+
+def test_mapped_restore_is_bit_exact_and_maps_only_page_aligned_arrays(tmp_path):
     m = save_steps(tmp_path, 1)
     restored = m.restore(mmap=True)
     assert first_difference(restored, make_state(1)) is None
     _, manifest = read_committed(tmp_path / "step_00000001")
     specs = specs_of(manifest)
     expect = {k for k, s in specs.items() if mappable(s)}
-    assert expect == {"params/big", "params/half", "mask"}
+    assert expect == {"params/big", "params/wide", "params/half", "mask"}
+    assert specs["params/wide"].n_chunks == 2 and specs["params/odd"].n_chunks == 3
     files = mapped_files()
     for key, spec in specs.items():
-        chunk = tmp_path / "step_00000001" / key / spec.chunk_key(0).replace("/", os.sep)
-        assert (str(chunk) in files) == (key in expect), key
+        for chunk in chunk_files(tmp_path / "step_00000001", spec):
+            assert (chunk in files) == (key in expect), chunk
+
+
+def test_chunk_files_sit_side_by_side_in_one_address_range_freed_with_the_tensor(tmp_path):
+    save_steps(tmp_path, 1)
+    wide = CheckpointManager(tmp_path).restore(mmap=True)["params", "wide"]
+    _, manifest = read_committed(tmp_path / "step_00000001")
+    spec = specs_of(manifest)["params/wide"]
+    assert spec.chunk_nbytes * 2 > wide.nbytes  # the last chunk is padded: only its rows map
+    with open("/proc/self/maps") as f:
+        ranges = {line.split()[-1]: line.split()[0] for line in f if str(tmp_path) in line}
+    starts = [
+        int(ranges[c].split("-")[0], 16) for c in chunk_files(tmp_path / "step_00000001", spec)
+    ]
+    assert starts == [wide.data_ptr() + spec.chunk_span(i)[0] for i in range(2)]
+    del wide
+    gc.collect()
+    assert not any(str(tmp_path) in f for f in mapped_files())  # unmapped with the tensor
 
 
 def test_a_mapped_tensor_is_writable_without_changing_the_file(tmp_path):
@@ -80,25 +105,28 @@ def test_mapped_tensors_outlive_the_deleted_step(tmp_path):
     assert first_difference(restored, make_state(1)) is None
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_mapped_chunk_is_corruption_and_restore_falls_back(tmp_path, damage):
+@pytest.mark.parametrize(
+    ("key", "damage"),
+    [("big", "flip"), ("big", "truncate"), ("wide", "flip"), ("wide", "pad"), ("wide", "crc")],
+)
+def test_a_damaged_mapped_chunk_is_corruption_and_restore_falls_back(tmp_path, key, damage):
     save_steps(tmp_path, 1, 2)
     _, manifest = read_committed(tmp_path / "step_00000002")
-    spec = specs_of(manifest)["params/big"]
-    chunk = tmp_path / "step_00000002" / "params" / "big" / spec.chunk_key(0)
+    spec = specs_of(manifest)[f"params/{key}"]
+    chunk = Path(chunk_files(tmp_path / "step_00000002", spec)[-1])
     os.chmod(chunk, 0o644)
-    if damage == "flip":
-        data = bytearray(chunk.read_bytes())
-        data[len(data) // 3] ^= 0x10
+    data = bytearray(chunk.read_bytes())
+    if damage == "truncate":
+        os.truncate(chunk, len(data) - 4096)
+    else:  # a payload byte, a byte of the edge chunk's zero padding, the stored crc
+        data[{"flip": len(data) // 3, "pad": -5, "crc": -1}[damage]] ^= 0x10
         chunk.write_bytes(bytes(data))
-    else:
-        os.truncate(chunk, chunk.stat().st_size - 4096)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         restored = CheckpointManager(tmp_path).restore(mmap=True)
     assert int(restored["step"]) == 1 and first_difference(restored, make_state(1)) is None
     assert any("step_00000002" in str(w.message) for w in seen)
-    with warnings.catch_warnings(), pytest.raises(CheckpointNotFoundError, match="big"):
+    with warnings.catch_warnings(), pytest.raises(CheckpointNotFoundError, match=f"{key}/c"):
         warnings.simplefilter("ignore")
         CheckpointManager(tmp_path).restore(2, mmap=True)
 
@@ -133,15 +161,50 @@ def test_mmap_with_rows_is_refused_naming_the_fix(tmp_path):
         m.restore(mmap=True, rows=object())
 
 
-def test_a_file_system_that_cannot_map_files_gets_a_verified_read(tmp_path, monkeypatch):
-    import mmap as mmap_module
+@pytest.mark.parametrize("damage", [None, "flip"])
+def test_a_file_system_that_cannot_map_files_gets_a_verified_read(tmp_path, monkeypatch, damage):
+    from ftrain.ckpt import mapped
 
-    save_steps(tmp_path, 1)
+    save_steps(tmp_path, 1, 2)
+    if damage:  # the read that replaces a refused mapping verifies like any other
+        chunk = tmp_path / "step_00000002" / "params" / "wide" / "c.1.0"
+        os.chmod(chunk, 0o644)
+        data = bytearray(chunk.read_bytes())
+        data[100] ^= 1
+        chunk.write_bytes(bytes(data))
+    real = mapped._mmap
 
-    def refuse(*args, **kwargs):
-        raise OSError(19, "No such device")  # ENODEV: what mmap says on such a file system
+    def refuse_files(addr, length, prot, flags, fd):
+        if fd >= 0:  # ENODEV: what mmap(2) says on a file system that cannot map files
+            raise OSError(19, "No such device")
+        return real(addr, length, prot, flags, fd)
 
-    monkeypatch.setattr(mmap_module, "mmap", refuse)
-    restored = CheckpointManager(tmp_path).restore(mmap=True)
-    assert first_difference(restored, make_state(1)) is None
-    assert not any("step_00000001" in f for f in mapped_files())
+    monkeypatch.setattr(mapped, "_mmap", refuse_files)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        restored = CheckpointManager(tmp_path).restore(mmap=True)
+    assert int(restored["step"]) == (1 if damage else 2)
+    assert first_difference(restored, make_state(int(restored["step"]))) is None
+    assert not any(str(tmp_path) in f for f in mapped_files())
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_read_bytes_counts_the_payload_restored(tmp_path, mapped):
+    m = save_steps(tmp_path, 1)
+    params = make_state(1)["params"]
+    m.restore(mmap=mapped, only="params")
+    assert m.read_bytes == sum(t.nbytes for t in params.values(True, True))
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_fifo_in_place_of_a_chunk_is_corruption_not_a_hang(tmp_path, mapped):
+    save_steps(tmp_path, 1, 2)
+    for key in ("big", "wide"):  # the prefetch pass opens every chunk file: none may block
+        chunk = tmp_path / "step_00000002" / "params" / key / "c.0.0"
+        chunk.unlink()
+        os.mkfifo(chunk)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        restored = CheckpointManager(tmp_path).restore(mmap=mapped)
+    assert int(restored["step"]) == 1 and first_difference(restored, make_state(1)) is None
+    assert any("c.0.0: chunk is 0 bytes" in str(w.message) for w in seen)
