@@ -18,6 +18,8 @@ tensors already in the process's memory (the touch costs them a few ms).
     .venv/bin/python benchmarks/ckpt_io.py --dir /tmp/ckpt_bench --reps 3
     .venv/bin/python benchmarks/ckpt_io.py --only torch.save safetensors "ftrain sync" \
         --codecs zstd blosc-lz4 --reps 3 [--bf16]
+    .venv/bin/python benchmarks/ckpt_io.py --only torch.save safetensors "ftrain sync" \
+        --load-rounds 9     # the resume case: saved once, then cold loads only
 """
 
 from __future__ import annotations
@@ -259,6 +261,35 @@ def paired_ratio(times: list[float], ref: list[float] | None) -> str:
     return f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
+def load_rounds(methods: dict, tensors, root: Path, rounds: int) -> None:
+    """The resume case: every checkpoint written once, up front, then only cold loads
+    (round ``r`` starts at method ``r``, so no method always follows the same one). Loads
+    right after a save read differently on this VM (the host's cache and writeback)."""
+    paths = {}
+    for name, (save, _, _) in methods.items():
+        paths[name] = root / ("loads_" + "".join(c if c.isalnum() else "_" for c in name))
+        shutil.rmtree(paths[name], ignore_errors=True)
+        save(tensors, paths[name])
+    ready: dict = {n: [] for n in methods}
+    names = list(methods)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            drop_cache(paths[name])
+            t0 = time.perf_counter()
+            out = methods[name][1](tensors, paths[name])
+            touch_pages(out)
+            ready[name].append(time.perf_counter() - t0)
+            del out
+            gc.collect()
+        print(f"round {r + 1}/{rounds}: " + "  ".join(f"{n} {v[-1]:.2f}" for n, v in ready.items()))
+    print("\n| method | ready s (median) | ready / safetensors, paired |\n|---|---:|---:|")
+    for name, times in ready.items():
+        ratio = paired_ratio(times, ready.get("safetensors"))
+        print(f"| {name} | {statistics.median(times):.2f} | {ratio} |")
+    for p in paths.values():
+        shutil.rmtree(p, ignore_errors=True)
+
+
 def medians(res: dict) -> dict:
     return {k: statistics.median(v) for k, v in res.items() if v}
 
@@ -271,6 +302,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--codecs", nargs="*", default=[], help="extra ftrain rows, e.g. zstd")
     ap.add_argument("--bf16", action="store_true", help="store every float tensor as bf16")
+    ap.add_argument(
+        "--load-rounds",
+        type=int,
+        default=0,
+        help="instead: save each method once, then this many rounds of cold loads only",
+    )
 
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -298,6 +335,8 @@ def main() -> None:
     raw: dict = {
         n: {k: [] for k in ("save", "load", "ready", "blocking", "bytes")} for n in methods
     }
+    if args.load_rounds:
+        return load_rounds(methods, tensors, args.dir, args.load_rounds)
     for rep in range(args.reps):  # interleaved: every method once per round
         print(f"round {rep + 1}/{args.reps}", flush=True)
         for name, (s, lo, stt) in methods.items():

@@ -50,7 +50,15 @@ from ftrain.ckpt.format import (
     read_chunk_into,
     read_chunks_into,
 )
-from ftrain.ckpt.store import allocate_tree, byte_view, check_no_links, check_sizes, selected_specs
+from ftrain.ckpt.store import (
+    allocate_tree,
+    byte_view,
+    check_no_links,
+    check_sizes,
+    job_file,
+    prefetch_pool,
+    selected_specs,
+)
 
 __all__ = ["MAP_MIN_BYTES", "mappable", "read_tree_mapped"]
 
@@ -94,7 +102,7 @@ def read_tree_mapped(
     """
     specs = selected_specs(manifest, only)
     check_no_links(root)
-    check_sizes(root, specs, prefetch=True)
+    check_sizes(root, specs)
     out, tensors = allocate_tree(manifest, specs, only)
     regions = {k: _Region(s.nbytes) for k, s in specs.items() if mappable(s)}
     reads, maps = [], []
@@ -103,7 +111,8 @@ def read_tree_mapped(
             maps += [(regions[k], _chunk_path(root, s, i), s, i) for i in range(s.n_chunks)]
         elif s.n_chunks:
             reads += read_chunks_into(root, s, byte_view(tensors[k]))
-    run_pools([(_map_chunk, maps, workers), (read_chunk, reads, max(1, workers // 2))])
+    hints = prefetch_pool([(j[1], j[2].chunk_nbytes + 4) for j in maps] + [*map(job_file, reads)])
+    run_pools([(_map_chunk, maps, workers), (read_chunk, reads, max(1, workers // 2)), hints])
     for k, region in regions.items():
         out[tuple(k.split("/"))] = region.tensor(specs[k])
     return out

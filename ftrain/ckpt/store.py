@@ -48,7 +48,6 @@ from ftrain.ckpt.format import (
     array_zarr_json,
     check_key,
     json_bytes,
-    open_sized,
     parse_dtype,
     plan_array,
     read_chunk,
@@ -523,42 +522,58 @@ def check_memory(where: object, specs: dict[str, ArraySpec], extra_bytes: int = 
         )
 
 
-def check_sizes(
-    root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0, *, prefetch: bool = False
-) -> None:
+def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
     """Before allocating anything: every chunk file exists with its recorded size (so the
     declared shapes are backed by bytes on disk), and the whole result (plus
-    ``extra_bytes``) fits in memory.
-
-    ``prefetch`` (a restore that reads every chunk) also asks the kernel to start reading
-    each file (``POSIX_FADV_WILLNEED``), up to half the available memory: the disk then has
-    the whole restore queued while the checks, the allocation and the first chunks' crc
-    run, instead of one chunk per I/O thread (measured: cold mapped restore of the GPT-2
-    state 0.88× -> 0.65× safetensors)."""
+    ``extra_bytes``) fits in memory."""
     check_memory(root, specs, extra_bytes)
-    budget = _available_memory() // 2 if prefetch else 0
     for s in specs.values():
         for i in range(s.n_chunks):
             path = root.joinpath(*s.key.split("/"), *s.chunk_key(i).split("/"))
             want = (s.stored[i] if s.compression else s.chunk_nbytes) + 4
-            _check_size(path, want, budget > 0)
-            budget -= want
+            try:
+                size = os.lstat(path).st_size
+            except OSError as e:
+                raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
+            if size != want:
+                raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
 
 
-def _check_size(path: Path, want: int, prefetch: bool) -> None:
-    if prefetch:
-        fd = open_sized(path, want)
-        try:
-            os.posix_fadvise(fd, 0, want, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-        return
+def prefetch_pool(files: list[tuple[Path, int]]) -> tuple:
+    """A :func:`run_pools` entry that asks the kernel to start reading ``(path, size)``
+    files in the order given (``POSIX_FADV_WILLNEED``), up to half the available memory.
+
+    Why: each I/O thread waits on one chunk at a time, so without it the disk sees only a
+    few requests in flight; with it the whole restore is queued while the first chunks
+    are checksummed (cold mapped restore of the GPT-2 state 0.88x -> 0.65x safetensors in
+    one measurement, docs/benchmarks.md). A hint only: the reads that follow verify."""
+    budget, todo = _available_memory() // 2, []
+    for path, size in files:
+        if budget < size:
+            break
+        todo.append((path, size))
+        budget -= size
+    return (_prefetch_file, todo, 1)
+
+
+def job_file(job: tuple) -> tuple[Path, int]:
+    """``(path, file size)`` of one :func:`ftrain.ckpt.format.read_chunks_into` job."""
+    path, dest, pad, _, stored, _ = job
+    return path, (len(dest) + pad if stored is None else stored) + 4
+
+
+def _prefetch_file(job: tuple[Path, int]) -> None:
+    path, size = job
+    try:  # O_NONBLOCK: a FIFO planted in a chunk's place must not stall the hint
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # missing or a link: the verified read reports it
     try:
-        size = os.lstat(path).st_size
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
-    if size != want:
-        raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # not a regular file (ESPIPE): likewise
+    finally:
+        os.close(fd)
 
 
 def _selected(key: str, only: tuple[str, ...] | None) -> bool:
@@ -587,7 +602,7 @@ def read_tree(
         return root.read_tree(manifest, only=only)
     specs = selected_specs(manifest, only)
     check_no_links(root)
-    check_sizes(root, specs, prefetch=True)
+    check_sizes(root, specs)
     out, tensors = allocate_tree(manifest, specs, only)
     chunks = []
     for k, s in specs.items():
@@ -637,7 +652,8 @@ def read_jobs(root: Path, chunks: list, workers: int) -> None:
         (j for j in chunks if len(j[1]) + j[2] >= DIRECT_MIN_BYTES), key=lambda j: -len(j[1])
     )
     rest = [j for j in chunks if len(j[1]) + j[2] < DIRECT_MIN_BYTES]
-    run_pools([(read_chunk, big, workers), (read_chunk, rest, max(1, workers // 2))])
+    hints = prefetch_pool([job_file(j) for j in big + rest])
+    run_pools([(read_chunk, big, workers), (read_chunk, rest, max(1, workers // 2)), hints])
 
 
 def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -> int:
