@@ -208,3 +208,16 @@ def test_a_fifo_in_place_of_a_chunk_is_corruption_not_a_hang(tmp_path, mapped):
         restored = CheckpointManager(tmp_path).restore(mmap=mapped)
     assert int(restored["step"]) == 1 and first_difference(restored, make_state(1)) is None
     assert any("c.0.0: chunk is 0 bytes" in str(w.message) for w in seen)
+
+
+def test_prefetch_hints_stop_at_half_the_available_memory_and_never_raise(tmp_path, monkeypatch):
+    from ftrain.ckpt import store
+
+    files = [(tmp_path / f"c.{i}", 100) for i in range(5)]
+    files[0][0].write_bytes(b"x" * 100)
+    os.mkfifo(files[1][0])
+    monkeypatch.setattr(store, "_available_memory", lambda: 500)
+    hint, todo, threads = store.prefetch_pool(files)
+    assert todo == files[:2] and threads == 1
+    for f in files:  # a file, a FIFO, missing ones: hints only, the verified read reports
+        hint(f)
