@@ -34,7 +34,7 @@ from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError, parse_location
 from ftrain.ckpt.meta import read_root_attributes
-from ftrain.ckpt.store import read_tree, specs_of, verify_tree
+from ftrain.ckpt.reader import read_tree, specs_of, verify_tree
 
 
 class _Invalid(dict):

@@ -57,13 +57,8 @@ from ftrain.ckpt.policies import (
     best_policies,
     newest_finite,
 )
-from ftrain.ckpt.store import (
-    DEFAULT_WORKERS,
-    flatten,
-    read_tree,
-    specs_of,
-    write_tree,
-)
+from ftrain.ckpt.reader import read_tree, specs_of
+from ftrain.ckpt.store import DEFAULT_WORKERS, flatten, write_tree
 from ftrain.ckpt.target import check_only, match_target
 from ftrain.state.init import check_usable, pin, unpin
 

@@ -50,7 +50,7 @@ from ftrain.ckpt.format import (
     read_chunk_into,
     read_chunks_into,
 )
-from ftrain.ckpt.store import (
+from ftrain.ckpt.reader import (
     allocate_tree,
     byte_view,
     check_no_links,
@@ -95,7 +95,7 @@ def mappable(spec: ArraySpec) -> bool:
 def read_tree_mapped(
     root: Path, manifest: dict, *, only: tuple[str, ...] | None, workers: int
 ) -> TensorDict:
-    """:func:`ftrain.ckpt.store.read_tree` with mappable arrays mapped copy-on-write.
+    """:func:`ftrain.ckpt.reader.read_tree` with mappable arrays mapped copy-on-write.
 
     Raises:
         CorruptCheckpointError: any chunk fails verification (size, crc32c, a link).

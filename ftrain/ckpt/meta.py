@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ftrain.ckpt.format import CorruptCheckpointError, read_json
-from ftrain.ckpt.store import doc_checksum
+from ftrain.ckpt.reader import doc_checksum
 
 __all__ = ["json_scalar", "read_root_attributes", "versions"]
 

@@ -44,17 +44,16 @@ from ftrain.ckpt.format import (
 )
 from ftrain.ckpt.incremental import FallbackBytes, Reuse
 from ftrain.ckpt.objstore import ObjectKey, gather_bounded
-from ftrain.ckpt.store import (
+from ftrain.ckpt.reader import (
     allocate_tree,
-    build_manifest,
     byte_view,
     check_array_doc,
     check_memory,
     doc_checksum,
-    flatten,
     selected_specs,
     specs_of,
 )
+from ftrain.ckpt.store import build_manifest, flatten
 
 __all__ = [
     "Part",

@@ -18,7 +18,7 @@ from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CorruptCheckpointError
 from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.meta import read_root_attributes
-from ftrain.ckpt.store import read_tree, specs_of
+from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.target import check_only
 
 __all__ = ["committed_steps_at", "read_subtree"]

@@ -47,18 +47,20 @@ from ftrain.ckpt.format import (
     tensor_bytes,
 )
 from ftrain.ckpt.incremental import FallbackBytes
-from ftrain.ckpt.store import (
-    _HAVE_SYNCFS,
-    _Writer,
+from ftrain.ckpt.reader import (
     allocate_tree,
-    build_manifest,
     byte_view,
     check_no_links,
     check_sizes,
-    flatten,
-    merge_manifests,
     read_jobs,
     selected_specs,
+)
+from ftrain.ckpt.store import (
+    _HAVE_SYNCFS,
+    _Writer,
+    build_manifest,
+    flatten,
+    merge_manifests,
     syncfs,
 )
 from ftrain.dist import broadcast_int, broadcast_json, gather_json
@@ -381,7 +383,7 @@ def read_owned(
     """One rank's restore of a sharded state: of every array that
     ``owner.owned_rows(key, shape)`` gives a row range for, only the chunks that overlap
     those rows, made into a leaf by ``owner.from_rows(local, shape)``; every other array
-    whole. Every chunk read is checked (size, crc32c), as by :func:`~ftrain.ckpt.store.read_tree`.
+    whole. Every chunk read is checked (size, crc32c), as by :func:`~ftrain.ckpt.reader.read_tree`.
 
     Args:
         root: the committed step directory; ``manifest`` its verified manifest.

@@ -1,19 +1,16 @@
-"""Write a whole TensorDict into a step directory, and read (part of) it back.
+"""Write a whole TensorDict into a step directory (reading it back:
+:mod:`ftrain.ckpt.reader`).
 
 The writer fans chunk writes out over two thread pools side by side (``os.write`` releases
 the GIL): large chunks (O_DIRECT, disk-bound) largest first, and the metadata-bound rest
 (``zarr.json`` documents, small chunks, and the directories they need, made on demand by
 whichever job needs one first). Creating the ~800 directories and ~1,100 small files of a
 GPT-2 state costs about as long as writing its data on a VM disk; overlapping the two
-hides most of it. The reader splits its work the same way. Durability:
+hides most of it. Durability:
 on Linux one ``syncfs`` of the staging directory's file system after all files are written
 (a GPT-2 state has ~2,000 files and directories; fsync-ing each one costs more than the
 data); elsewhere every file is fsync'd in its worker (overlapping with other writes) and
 every directory bottom-up.
-The reader trusts the manifest (sealed by the marker) for shapes, dtypes and checksums,
-checks every chunk's size before allocating and its crc32c while reading straight into
-freshly allocated tensors; :func:`verify_tree` also
-checks every ``zarr.json`` document against its checksum and the manifest.
 
 Multi-rank seam: :func:`write_tree` takes ``rank`` and ``world``. Chunk ``i`` of every
 array belongs to rank ``i % world``; only rank 0 writes ``zarr.json`` documents. Each
@@ -33,7 +30,7 @@ from pathlib import Path
 
 import crc32c
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from ftrain.ckpt._threads import run_parallel, run_pools
 from ftrain.ckpt.codecs import parse_compression
@@ -44,22 +41,15 @@ from ftrain.ckpt.format import (
     FORMAT_VERSION,
     NAME_RE,
     ArraySpec,
-    CorruptCheckpointError,
-    array_zarr_json,
-    check_key,
     json_bytes,
-    parse_dtype,
     plan_array,
-    read_chunk,
-    read_chunks_into,
-    read_json,
     tensor_bytes,
     write_chunk,
     write_json,
 )
 from ftrain.ckpt.incremental import FallbackBytes, Reuse
 
-__all__ = ["flatten", "merge_manifests", "read_tree", "verify_tree", "write_tree"]
+__all__ = ["flatten", "merge_manifests", "write_tree"]
 
 RESERVED = {"zarr.json"}
 ROOT_RESERVED = {"manifest.json", "COMMITTED"}
@@ -409,272 +399,3 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def specs_of(manifest: dict) -> dict[str, ArraySpec]:
-    """Every array of a manifest, validated (keys, groups, shapes, checksums) before use."""
-    arrays, groups = manifest.get("arrays"), manifest.get("groups")
-    if not isinstance(arrays, dict) or not isinstance(groups, list):
-        raise CorruptCheckpointError("manifest has no 'arrays'/'groups'")
-    for g in groups:
-        if g != "":
-            check_key(g)
-    if "" not in groups:
-        raise CorruptCheckpointError("manifest lists no root group")
-    docs = manifest.get("documents", {})
-    if not isinstance(docs, dict) or not all(_is_checksum(v) for v in docs.values()):
-        raise CorruptCheckpointError("manifest 'documents' is not {path: [crc32c, length]}")
-    specs = {k: ArraySpec.from_json(k, v) for k, v in arrays.items()}
-    _check_hierarchy(groups, specs, docs if "documents" in manifest else None)
-    return specs
-
-
-def _check_hierarchy(groups: list, specs: dict, docs: dict | None) -> None:
-    """The node lists agree with each other: every array sits in a listed group, no name is
-    both, and (when recorded) exactly the listed nodes have checksummed documents — so a
-    group added to or dropped from the manifest cannot change the restored tree."""
-    names = set(groups)
-    if len(names) != len(groups) or names & set(specs):
-        raise CorruptCheckpointError("manifest lists a node twice")
-    for key in list(specs) + [g for g in groups if g]:
-        parent = key.rpartition("/")[0]
-        if parent not in names:
-            raise CorruptCheckpointError(f"manifest node {key!r} has no parent group {parent!r}")
-    if docs is not None:
-        want = {f"{n}/zarr.json" if n else "zarr.json" for n in list(names) + list(specs)}
-        if set(docs) != want:
-            odd = sorted(set(docs) ^ want)[:3]
-            raise CorruptCheckpointError(f"manifest documents do not match its nodes: {odd}")
-
-
-def _is_checksum(v: object) -> bool:
-    return isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
-
-
-def doc_checksum(manifest: dict, rel: str) -> list | None:
-    """The ``[crc32c, length]`` recorded for the document ``rel`` (``None``: a step written
-    before documents were checksummed)."""
-    docs = manifest.get("documents")
-    if docs is None:
-        return None
-    if rel not in docs:
-        raise CorruptCheckpointError(f"manifest has no checksum for {rel}")
-    return docs[rel]
-
-
-def _check_array_meta(root: Path, spec: ArraySpec, manifest: dict) -> None:
-    rel = f"{spec.key}/zarr.json"
-    path = root.joinpath(*spec.key.split("/"), "zarr.json")
-    doc = read_json(path, checksum=doc_checksum(manifest, rel))
-    check_array_doc(path, doc, spec, manifest["format_version"])
-
-
-def check_array_doc(where: object, doc: dict, spec: ArraySpec, fmt: int) -> None:
-    """An array's ``zarr.json`` agrees with its manifest entry (what plain readers use), as
-    format ``fmt`` (the step's, which the marker sealed) writes it.
-
-    Raises:
-        CorruptCheckpointError: a field differs; the message names it and both values.
-    """
-    want = array_zarr_json(spec, fmt)
-    for field in ("shape", "data_type", "chunk_grid", "codecs", "chunk_key_encoding"):
-        if doc.get(field) != want[field]:
-            raise CorruptCheckpointError(
-                f"{where}: {field} is {doc.get(field)!r}, the manifest says {want[field]!r}"
-            )
-
-
-def check_no_links(root: Path) -> None:
-    """Refuse a step that contains symbolic links: ftrain never writes them, and following
-    one could read (or, for cleanup, delete) outside the step directory."""
-    stack = [root]
-    while stack:
-        try:
-            entries = list(os.scandir(stack.pop()))
-        except OSError as e:
-            raise CorruptCheckpointError(f"{root}: cannot list ({e})") from e
-        for e in entries:
-            if e.is_symlink():
-                raise CorruptCheckpointError(f"{e.path}: symbolic link inside a checkpoint")
-            if e.is_dir(follow_symlinks=False):
-                stack.append(Path(e.path))
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_memory(where: object, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
-    """Refuse (as corruption) a step whose declared arrays (plus ``extra_bytes``: the rows
-    of other arrays a rank reads) do not fit in memory."""
-    total = sum(s.nbytes for s in specs.values()) + extra_bytes
-    avail = _available_memory()
-    if total > avail:
-        raise CorruptCheckpointError(
-            f"{where}: restoring needs {total:,} bytes of memory, only {avail:,} are available"
-        )
-
-
-def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
-    """Before allocating anything: every chunk file exists with its recorded size (so the
-    declared shapes are backed by bytes on disk), and the whole result (plus
-    ``extra_bytes``) fits in memory."""
-    check_memory(root, specs, extra_bytes)
-    for s in specs.values():
-        for i in range(s.n_chunks):
-            path = root.joinpath(*s.key.split("/"), *s.chunk_key(i).split("/"))
-            want = (s.stored[i] if s.compression else s.chunk_nbytes) + 4
-            try:
-                size = os.lstat(path).st_size
-            except OSError as e:
-                raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
-            if size != want:
-                raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
-
-
-def prefetch_pool(files: list[tuple[Path, int]]) -> tuple:
-    """A :func:`run_pools` entry that asks the kernel to start reading ``(path, size)``
-    files in the order given (``POSIX_FADV_WILLNEED``), up to half the available memory.
-
-    Why: each I/O thread waits on one chunk at a time, so without it the disk sees only a
-    few requests in flight; with it the whole restore is queued while the first chunks
-    are checksummed (cold mapped restore of the GPT-2 state 0.88x -> 0.65x safetensors in
-    one measurement, docs/benchmarks.md). A hint only: the reads that follow verify."""
-    budget, todo = _available_memory() // 2, []
-    for path, size in files:
-        if budget < size:
-            break
-        todo.append((path, size))
-        budget -= size
-    return (_prefetch_file, todo, 1)
-
-
-def job_file(job: tuple) -> tuple[Path, int]:
-    """``(path, file size)`` of one :func:`ftrain.ckpt.format.read_chunks_into` job."""
-    path, dest, pad, _, stored, _ = job
-    return path, (len(dest) + pad if stored is None else stored) + 4
-
-
-def _prefetch_file(job: tuple[Path, int]) -> None:
-    path, size = job
-    try:  # O_NONBLOCK: a FIFO planted in a chunk's place must not stall the hint
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return  # missing or a link: the verified read reports it
-    try:
-        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass  # not a regular file (ESPIPE): likewise
-    finally:
-        os.close(fd)
-
-
-def _selected(key: str, only: tuple[str, ...] | None) -> bool:
-    return only is None or any(key == p or key.startswith(p + "/") for p in only)
-
-
-def read_tree(
-    root: Path,
-    manifest: dict,
-    *,
-    only: tuple[str, ...] | None = None,
-    workers: int = DEFAULT_WORKERS,
-) -> TensorDict:
-    """Read a committed step into a nested CPU TensorDict, verifying as it goes.
-
-    Args:
-        root: the step directory.
-        manifest: its parsed ``manifest.json``.
-        only: key paths (``"params"``, ``"opt/mu"``) to read; ``None`` reads all.
-        workers: I/O threads.
-
-    Raises:
-        CorruptCheckpointError: any metadata or chunk fails verification.
-    """
-    if not isinstance(root, Path):  # an object-store step (ftrain.ckpt.objstore)
-        return root.read_tree(manifest, only=only)
-    specs = selected_specs(manifest, only)
-    check_no_links(root)
-    check_sizes(root, specs)
-    out, tensors = allocate_tree(manifest, specs, only)
-    chunks = []
-    for k, s in specs.items():
-        if s.n_chunks:
-            chunks += read_chunks_into(root, s, byte_view(tensors[k]))
-    read_jobs(root, chunks, workers)
-    return out
-
-
-def selected_specs(manifest: dict, only: tuple[str, ...] | None) -> dict[str, ArraySpec]:
-    """The validated specs of the arrays ``only`` selects (``None``: all)."""
-    return {k: s for k, s in specs_of(manifest).items() if _selected(k, only)}
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous tensor (the destination of chunk reads)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def allocate_tree(
-    manifest: dict, specs: dict[str, ArraySpec], only: tuple[str, ...] | None
-) -> tuple[TensorDict, dict[str, torch.Tensor]]:
-    """The result tree of a restore, with empty destination tensors (sizes already
-    checked), and ``{key: tensor}`` to read the chunks into."""
-    out = TensorDict({}, batch_size=[])
-    for g in manifest["groups"]:
-        if g and (_selected(g, only) or any(p.startswith(g + "/") for p in only or ())):
-            out[tuple(g.split("/"))] = TensorDict({}, batch_size=[])
-    tensors = {}
-    for k, s in specs.items():
-        tensors[k] = out[tuple(k.split("/"))] = _empty(s.shape, parse_dtype(s.dtype))
-    return out, tensors
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A destination tensor. (Huge-page mappings per tensor were measured slower here:
-    1.18 s vs 0.73 s for the GPT-2 state, THP defrag=madvise; see docs/benchmarks.md.)"""
-    return torch.empty(shape, dtype=dtype)
-
-
-def read_jobs(root: Path, chunks: list, workers: int) -> None:
-    """Large chunks on ``workers`` threads, largest first; side by side, the small chunks on
-    half as many (the same split as the writer: the ~450 small reads would otherwise form a
-    phase of their own). Restore trusts the manifest for shapes, dtypes and checksums, so it
-    does not read the arrays' ``zarr.json`` documents (``verify`` checks them)."""
-    big = sorted(
-        (j for j in chunks if len(j[1]) + j[2] >= DIRECT_MIN_BYTES), key=lambda j: -len(j[1])
-    )
-    rest = [j for j in chunks if len(j[1]) + j[2] < DIRECT_MIN_BYTES]
-    hints = prefetch_pool([job_file(j) for j in big + rest])
-    run_pools([(read_chunk, big, workers), (read_chunk, rest, max(1, workers // 2)), hints])
-
-
-def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -> int:
-    """Verify every document and chunk of a step without keeping the data; returns the
-    payload bytes.
-
-    Raises:
-        CorruptCheckpointError: any metadata or chunk fails verification.
-    """
-    if not isinstance(root, Path):  # an object-store step (ftrain.ckpt.objstore)
-        return root.verify_tree(manifest)
-    specs = specs_of(manifest)
-    check_no_links(root)
-    for g in manifest["groups"]:
-        rel = f"{g}/zarr.json" if g else "zarr.json"
-        read_json(root.joinpath(*rel.split("/")), checksum=doc_checksum(manifest, rel))
-    run_parallel(lambda s: _check_array_meta(root, s, manifest), specs.values(), workers)
-    for s in specs.values():  # one array's buffer at a time: verifying needs little memory
-        if s.n_chunks:
-            check_sizes(root, {s.key: s})
-            run_parallel(
-                read_chunk, read_chunks_into(root, s, memoryview(bytearray(s.nbytes))), workers
-            )
-    return sum(s.nbytes for s in specs.values())

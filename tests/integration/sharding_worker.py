@@ -110,8 +110,8 @@ def _check_store(state, where: Path, rank: int, world: int) -> dict:
     """Save with every rank writing its own rows; check the store from outside."""
     from ftrain.ckpt import CheckpointManager
     from ftrain.ckpt import commit as protocol
+    from ftrain.ckpt.reader import specs_of
     from ftrain.ckpt.sharded import read_rows, write_part
-    from ftrain.ckpt.store import specs_of
 
     mgr = CheckpointManager(where / "ckpt", async_save=False)
     mgr.save_sharded(state)

@@ -23,7 +23,7 @@ from tensordict import TensorDict
 
 from ftrain.ckpt import CheckpointManager, CorruptCheckpointError
 from ftrain.ckpt import commit as protocol
-from ftrain.ckpt.store import verify_tree
+from ftrain.ckpt.reader import verify_tree
 
 ZYGOTE = textwrap.dedent(
     """

@@ -14,7 +14,8 @@ from ftrain.ckpt import CheckpointManager
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.format import CorruptCheckpointError
-from ftrain.ckpt.store import flatten, read_tree, write_tree
+from ftrain.ckpt.reader import read_tree
+from ftrain.ckpt.store import flatten, write_tree
 
 from .test_ckpt_format import DTYPES, PLAIN_ZARR_READER, assert_same, bits, random_bits
 

@@ -19,7 +19,8 @@ from tensordict import TensorDict
 
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import ArraySpec, CorruptCheckpointError, array_zarr_json, plan_array
-from ftrain.ckpt.store import flatten, read_tree, write_tree
+from ftrain.ckpt.reader import read_tree
+from ftrain.ckpt.store import flatten, write_tree
 
 DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,

@@ -30,7 +30,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from ftrain.ckpt import CheckpointFormatError, CheckpointManager, CheckpointNotFoundError, store
+from ftrain.ckpt import (
+    CheckpointFormatError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    reader,
+    store,
+)
 from ftrain.ckpt.__main__ import main as ckpt_main
 
 EXAMPLES = int(os.environ.get("FTRAIN_FUZZ_EXAMPLES", "60"))
@@ -265,7 +271,7 @@ def test_restore_of_a_mutated_checkpoint_is_exact_or_ftrains_error(pristine, mon
         guard = _Guard(root)
         with monkeypatch.context() as m:
             m.setattr(os, "open", guard.open(os.open))
-            m.setattr(store, "_empty", guard.empty(store._empty))
+            m.setattr(reader, "_empty", guard.empty(reader._empty))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:

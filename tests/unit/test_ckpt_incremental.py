@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from ftrain.ckpt import CheckpointManager, CheckpointSaveError, LatestN, store
+from ftrain.ckpt import CheckpointManager, CheckpointSaveError, LatestN, reader, store
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt import incremental as incr
 from ftrain.ckpt.format import plan_array
@@ -433,7 +433,7 @@ def test_redone_steps_after_a_resume_from_an_earlier_step(tmp_path):
     aside = m.set_aside_steps()
     assert sorted(aside) == [2, 3]  # the old 2 replaced, the old 3 superseded
     for (p,) in aside.values():
-        assert store.verify_tree(p, json.loads((p / "manifest.json").read_bytes())) > 0
+        assert reader.verify_tree(p, json.loads((p / "manifest.json").read_bytes())) > 0
     assert same(m.restore(2), redo[2]) and same(m.restore(3), redo[3])
     verify_ok(d)
 

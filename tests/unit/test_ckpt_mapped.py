@@ -19,7 +19,7 @@ import ftrain
 from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError
 from ftrain.ckpt.commit import read_committed
 from ftrain.ckpt.mapped import mappable
-from ftrain.ckpt.store import specs_of
+from ftrain.ckpt.reader import specs_of
 from ftrain.state import first_difference
 
 
@@ -211,13 +211,13 @@ def test_a_fifo_in_place_of_a_chunk_is_corruption_not_a_hang(tmp_path, mapped):
 
 
 def test_prefetch_hints_stop_at_half_the_available_memory_and_never_raise(tmp_path, monkeypatch):
-    from ftrain.ckpt import store
+    from ftrain.ckpt import reader
 
     files = [(tmp_path / f"c.{i}", 100) for i in range(5)]
     files[0][0].write_bytes(b"x" * 100)
     os.mkfifo(files[1][0])
-    monkeypatch.setattr(store, "_available_memory", lambda: 500)
-    hint, todo, threads = store.prefetch_pool(files)
+    monkeypatch.setattr(reader, "_available_memory", lambda: 500)
+    hint, todo, threads = reader.prefetch_pool(files)
     assert todo == files[:2] and threads == 1
     for f in files:  # a file, a FIFO, missing ones: hints only, the verified read reports
         hint(f)
