@@ -72,6 +72,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -146,6 +147,17 @@ def _mmap(addr: int, length: int, prot: int, flags: int, fd: int) -> int:
     return got
 
 
+def _writable_reservation(addr: int, length: int) -> None:
+    """Make this chunk's part of the (anonymous, ``PROT_NONE``) reservation writable, to
+    read the chunk into. Not a second ``MAP_FIXED`` mapping: a ``MAP_FIXED`` that failed
+    may have unmapped the range, and mapping over it again could clobber whatever another
+    thread got there meanwhile; ``mprotect`` only ever touches a range that is mapped, and
+    fails (``ENOMEM``) if any of it is not."""
+    if _libc.mprotect(addr, length, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mapped restore: the reserved range was lost ({os.strerror(err)})")
+
+
 def _map_chunk(job: tuple[_Region, Path, ArraySpec, int]) -> None:
     """Map chunk ``i`` at its place in the region and verify it over the mapping; a file
     that cannot be mapped is read into anonymous memory there instead, and verified."""
@@ -159,7 +171,7 @@ def _map_chunk(job: tuple[_Region, Path, ArraySpec, int]) -> None:
         try:
             _mmap(addr, length, rw, mmap.MAP_PRIVATE | MAP_FIXED, fd)
         except OSError:  # a file system that cannot map files: read this chunk instead
-            _mmap(addr, length, rw, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1)
+            _writable_reservation(addr, length)
             read_chunk_into(path, view, pad, spec.crc32c[i])
             return
         _libc.madvise(addr, length, mmap.MADV_WILLNEED)  # read ahead: the crc pass streams
