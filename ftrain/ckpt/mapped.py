@@ -55,8 +55,8 @@ from ftrain.ckpt.reader import (
     byte_view,
     check_no_links,
     check_sizes,
-    job_file,
-    prefetch_pool,
+    chunk_files,
+    prefetching,
     selected_specs,
 )
 
@@ -102,18 +102,18 @@ def read_tree_mapped(
         CorruptCheckpointError: any chunk fails verification (size, crc32c, a link).
     """
     specs = selected_specs(manifest, only)
-    check_no_links(root)
-    check_sizes(root, specs)
-    out, tensors = allocate_tree(manifest, specs, only)
-    regions = {k: _Region(s.nbytes) for k, s in specs.items() if mappable(s)}
-    reads, maps = [], []
-    for k, s in specs.items():
-        if k in regions:  # each job holds its region: no range is released while mapped into
-            maps += [(regions[k], _chunk_path(root, s, i), s, i) for i in range(s.n_chunks)]
-        elif s.n_chunks:
-            reads += read_chunks_into(root, s, byte_view(tensors[k]))
-    hints = prefetch_pool([(j[1], j[2].chunk_nbytes + 4) for j in maps] + [*map(job_file, reads)])
-    run_pools([(_map_chunk, maps, workers), (read_chunk, reads, max(1, workers // 2)), hints])
+    check_no_links(root)  # first: nothing is opened, not even for a hint, through a link
+    with prefetching(chunk_files(root, specs)):
+        check_sizes(root, specs)
+        out, tensors = allocate_tree(manifest, specs, only)
+        regions = {k: _Region(s.nbytes) for k, s in specs.items() if mappable(s)}
+        reads, maps = [], []
+        for k, s in specs.items():
+            if k in regions:  # each job holds its region: no range is freed while mapped into
+                maps += [(regions[k], _chunk_path(root, s, i), s, i) for i in range(s.n_chunks)]
+            elif s.n_chunks:
+                reads += read_chunks_into(root, s, byte_view(tensors[k]))
+        run_pools([(_map_chunk, maps, workers), (read_chunk, reads, max(1, workers // 2))])
     for k, region in regions.items():
         out[tuple(k.split("/"))] = region.tensor(specs[k])
     return out

@@ -4,7 +4,7 @@
 The reader trusts the manifest (sealed by the marker) for shapes, dtypes and checksums
 (:func:`specs_of` validates every field before anything acts on it), checks every chunk's
 size before allocating, queues every chunk file's read with the kernel
-(:func:`prefetch_pool`), and checks each chunk's crc32c while reading straight into freshly
+(:func:`prefetching`), and checks each chunk's crc32c while reading straight into freshly
 allocated tensors, the large chunks and the small ones on thread pools side by side (the
 writer's split). :func:`verify_tree` also checks every ``zarr.json`` document against its
 checksum and the manifest.
@@ -12,7 +12,10 @@ checksum and the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,8 +43,8 @@ __all__ = [
     "check_no_links",
     "check_sizes",
     "doc_checksum",
-    "job_file",
-    "prefetch_pool",
+    "chunk_files",
+    "prefetching",
     "read_jobs",
     "read_tree",
     "selected_specs",
@@ -161,44 +164,64 @@ def check_memory(where: object, specs: dict[str, ArraySpec], extra_bytes: int = 
         )
 
 
+def chunk_files(
+    root: Path, specs: dict[str, ArraySpec], which: Callable[[ArraySpec], range] | None = None
+) -> list[tuple[Path, int]]:
+    """``(path, size)`` of the chunk files of ``specs`` as the manifest records them: all,
+    or chunks ``which(spec)`` of each."""
+    return [
+        (
+            root.joinpath(*s.key.split("/"), *s.chunk_key(i).split("/")),
+            (s.stored[i] if s.compression else s.chunk_nbytes) + 4,
+        )
+        for s in specs.values()
+        for i in (range(s.n_chunks) if which is None else which(s))
+    ]
+
+
 def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
     """Before allocating anything: every chunk file exists with its recorded size (so the
     declared shapes are backed by bytes on disk), and the whole result (plus
     ``extra_bytes``) fits in memory."""
     check_memory(root, specs, extra_bytes)
-    for s in specs.values():
-        for i in range(s.n_chunks):
-            path = root.joinpath(*s.key.split("/"), *s.chunk_key(i).split("/"))
-            want = (s.stored[i] if s.compression else s.chunk_nbytes) + 4
-            try:
-                size = os.lstat(path).st_size
-            except OSError as e:
-                raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
-            if size != want:
-                raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
+    for path, want in chunk_files(root, specs):
+        try:
+            size = os.lstat(path).st_size
+        except OSError as e:
+            raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
+        if size != want:
+            raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
 
 
-def prefetch_pool(files: list[tuple[Path, int]]) -> tuple:
-    """A :func:`run_pools` entry that asks the kernel to start reading ``(path, size)``
+@contextlib.contextmanager
+def prefetching(files: list[tuple[Path, int]]) -> Iterator[None]:
+    """For the block: a thread asks the kernel to start reading the ``(path, size)``
     files in the order given (``POSIX_FADV_WILLNEED``), up to half the available memory.
 
     Why: each I/O thread waits on one chunk at a time, so without it the disk sees only a
-    few requests in flight; with it the whole restore is queued while the first chunks
-    are checksummed (cold mapped restore of the GPT-2 state 0.88x -> 0.65x safetensors in
-    one measurement, docs/benchmarks.md). A hint only: the reads that follow verify."""
+    few requests in flight; with it the whole restore is queued from the start, while the
+    size checks, the allocation and the first chunks' crc run (cold mapped restore of the
+    GPT-2 state 0.88x -> 0.71x safetensors, docs/benchmarks.md). Hints only: what is read
+    is verified as always, and a hint never opens through a final symbolic link or blocks
+    on a FIFO."""
+    hints = threading.Thread(
+        target=run_parallel, args=(_prefetch_file, _within_half_memory(files), 1), daemon=True
+    )
+    hints.start()
+    try:
+        yield
+    finally:
+        hints.join()
+
+
+def _within_half_memory(files: list[tuple[Path, int]]) -> list[tuple[Path, int]]:
     budget, todo = _available_memory() // 2, []
     for path, size in files:
         if budget < size:
             break
         todo.append((path, size))
         budget -= size
-    return (_prefetch_file, todo, 1)
-
-
-def job_file(job: tuple) -> tuple[Path, int]:
-    """``(path, file size)`` of one :func:`ftrain.ckpt.format.read_chunks_into` job."""
-    path, dest, pad, _, stored, _ = job
-    return path, (len(dest) + pad if stored is None else stored) + 4
+    return todo
 
 
 def _prefetch_file(job: tuple[Path, int]) -> None:
@@ -240,14 +263,15 @@ def read_tree(
     if not isinstance(root, Path):  # an object-store step (ftrain.ckpt.objstore)
         return root.read_tree(manifest, only=only)
     specs = selected_specs(manifest, only)
-    check_no_links(root)
-    check_sizes(root, specs)
-    out, tensors = allocate_tree(manifest, specs, only)
-    chunks = []
-    for k, s in specs.items():
-        if s.n_chunks:
-            chunks += read_chunks_into(root, s, byte_view(tensors[k]))
-    read_jobs(root, chunks, workers)
+    check_no_links(root)  # first: nothing is opened, not even for a hint, through a link
+    with prefetching(chunk_files(root, specs)):
+        check_sizes(root, specs)
+        out, tensors = allocate_tree(manifest, specs, only)
+        chunks = []
+        for k, s in specs.items():
+            if s.n_chunks:
+                chunks += read_chunks_into(root, s, byte_view(tensors[k]))
+        read_jobs(root, chunks, workers)
     return out
 
 
@@ -291,8 +315,7 @@ def read_jobs(root: Path, chunks: list, workers: int) -> None:
         (j for j in chunks if len(j[1]) + j[2] >= DIRECT_MIN_BYTES), key=lambda j: -len(j[1])
     )
     rest = [j for j in chunks if len(j[1]) + j[2] < DIRECT_MIN_BYTES]
-    hints = prefetch_pool([job_file(j) for j in big + rest])
-    run_pools([(read_chunk, big, workers), (read_chunk, rest, max(1, workers // 2)), hints])
+    run_pools([(read_chunk, big, workers), (read_chunk, rest, max(1, workers // 2))])
 
 
 def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -> int:

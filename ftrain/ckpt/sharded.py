@@ -52,6 +52,8 @@ from ftrain.ckpt.reader import (
     byte_view,
     check_no_links,
     check_sizes,
+    chunk_files,
+    prefetching,
     read_jobs,
     selected_specs,
 )
@@ -399,19 +401,25 @@ def read_owned(
             its crc32c; the step does not fit in memory.
     """
     specs = selected_specs(manifest, only)
-    check_no_links(root)
     owned = {k: owner.owned_rows(k, s.shape) for k, s in specs.items()}
     whole = {k: s for k, s in specs.items() if owned[k] is None}
-    local_bytes = sum(r[1] * (s.nbytes // s.shape[0]) for k, s in specs.items() if (r := owned[k]))
-    check_sizes(root, whole, extra_bytes=local_bytes)  # before anything is allocated
-    out, tensors = allocate_tree(manifest, whole, only)
-    read_jobs(
-        root,
-        [j for k, s in whole.items() for j in read_chunks_into(root, s, byte_view(tensors[k]))],
-        workers,
-    )
     sharded = [k for k in specs if owned[k] is not None]
-    rows = run_parallel(lambda k: read_rows(root, specs[k], *owned[k]), sharded, workers)
+    mine = chunk_files(
+        root, {k: specs[k] for k in sharded}, lambda s: overlapping(s, *owned[s.key])
+    )
+    check_no_links(root)  # first: nothing is opened, not even for a hint, through a link
+    with prefetching(chunk_files(root, whole) + mine):
+        local_bytes = sum(
+            r[1] * (specs[k].nbytes // specs[k].shape[0]) for k in sharded if (r := owned[k])
+        )
+        check_sizes(root, whole, extra_bytes=local_bytes)  # before anything is allocated
+        out, tensors = allocate_tree(manifest, whole, only)
+        read_jobs(
+            root,
+            [j for k, s in whole.items() for j in read_chunks_into(root, s, byte_view(tensors[k]))],
+            workers,
+        )
+        rows = run_parallel(lambda k: read_rows(root, specs[k], *owned[k]), sharded, workers)
     for k, local in zip(sharded, rows, strict=True):
         out[tuple(k.split("/"))] = owner.from_rows(local, specs[k].shape)
     read = sum(s.nbytes for s in whole.values())
