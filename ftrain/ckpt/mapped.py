@@ -14,7 +14,8 @@ byte is verified exactly as in a plain restore, and a mismatch makes the step co
 What is mapped: uncompressed arrays of at least :data:`MAP_MIN_BYTES` whose chunks start
 on page boundaries (one chunk, or a chunk size that is a multiple of the page size, which
 ``plan_array`` chooses where that costs little). Compressed arrays (the file is not the
-bytes), small arrays and unaligned chunks are read as usual, on the same threads. A file
+bytes), small arrays and unaligned chunks are read as usual, on the same threads; so are
+the smallest mappable arrays past the process's mapping budget (``vm.max_map_count``). A file
 system that cannot map a file gets that chunk read into anonymous memory at the same place
 in the range, verified the same way.
 
@@ -106,7 +107,7 @@ def read_tree_mapped(
     with prefetching(chunk_files(root, specs)):
         check_sizes(root, specs)
         out, tensors = allocate_tree(manifest, specs, only)
-        regions = {k: _Region(s.nbytes) for k, s in specs.items() if mappable(s)}
+        regions = {k: _Region(specs[k].nbytes) for k in _to_map(specs)}
         reads, maps = [], []
         for k, s in specs.items():
             if k in regions:  # each job holds its region: no range is freed while mapped into
@@ -117,6 +118,41 @@ def read_tree_mapped(
     for k, region in regions.items():
         out[tuple(k.split("/"))] = region.tensor(specs[k])
     return out
+
+
+def _to_map(specs: dict[str, ArraySpec]) -> list[str]:
+    """The mappable arrays, largest first, as many as the process's mapping budget allows.
+
+    Each mapped chunk is one kernel mapping (and may split the reservation into one more),
+    and a process may hold only ``vm.max_map_count`` of them (65,530 by default), which
+    torch's allocations share: at most half of what is left goes to this restore, and the
+    arrays past it are read."""
+    budget = (_max_map_count() - _map_count()) // 2
+    chosen = []
+    for k in sorted(
+        (k for k, s in specs.items() if mappable(s)), key=lambda k: (-specs[k].nbytes, k)
+    ):
+        budget -= 2 * specs[k].n_chunks
+        if budget < 0:
+            break
+        chosen.append(k)
+    return chosen
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+def _map_count() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
 
 
 def _chunk_path(root: Path, spec: ArraySpec, i: int) -> Path:

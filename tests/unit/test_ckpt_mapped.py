@@ -223,3 +223,17 @@ def test_prefetch_hints_stop_at_half_the_available_memory_and_never_raise(tmp_pa
     monkeypatch.setattr(reader, "_available_memory", lambda: 10_000)
     with reader.prefetching(files):  # the hint thread never raises into the block
         pass
+
+
+def test_past_the_mapping_budget_the_smaller_arrays_are_read(tmp_path, monkeypatch):
+    from ftrain.ckpt import mapped
+
+    save_steps(tmp_path, 1)
+    # half of 13 left: 2 mappings per chunk of the largest mappable arrays, ties by key:
+    # wide (2 chunks), then mask (1 of the three 512 KiB arrays), not a third
+    monkeypatch.setattr(mapped, "_map_count", lambda: 0)
+    monkeypatch.setattr(mapped, "_max_map_count", lambda: 13)
+    restored = CheckpointManager(tmp_path).restore(mmap=True)
+    assert first_difference(restored, make_state(1)) is None
+    files = {f for f in mapped_files() if str(tmp_path) in f}
+    assert {Path(f).parent.name for f in files} == {"mask", "wide"}
