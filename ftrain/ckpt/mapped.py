@@ -167,7 +167,10 @@ class _Region:
         self.size = -(-nbytes // PAGE) * PAGE
         self.base = _mmap(0, self.size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
         self.buffer = (ctypes.c_ubyte * nbytes).from_address(self.base)
-        weakref.finalize(self.buffer, _libc.munmap, self.base, self.size)
+        unmap = weakref.finalize(self.buffer, _libc.munmap, self.base, self.size)
+        # never at interpreter exit: a save still writing then may read these tensors, and
+        # the process's mappings go with it anyway
+        unmap.atexit = False
 
     def tensor(self, spec: ArraySpec) -> torch.Tensor:
         raw = torch.frombuffer(self.buffer, dtype=torch.uint8)  # keeps the range alive

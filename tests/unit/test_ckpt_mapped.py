@@ -237,3 +237,25 @@ def test_past_the_mapping_budget_the_smaller_arrays_are_read(tmp_path, monkeypat
     assert first_difference(restored, make_state(1)) is None
     files = {f for f in mapped_files() if str(tmp_path) in f}
     assert {Path(f).parent.name for f in files} == {"mask", "wide"}
+
+
+def test_an_async_save_of_a_mapped_state_finishes_at_interpreter_exit(tmp_path):
+    import subprocess
+    import sys
+
+    save_steps(tmp_path / "a", 1)
+    script = (
+        "import sys\n"
+        "from ftrain.ckpt import CheckpointManager\n"
+        "state = CheckpointManager(sys.argv[1]).restore(mmap=True)\n"
+        "CheckpointManager(sys.argv[2], async_save=True).save(state)\n"  # exits mid-save
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    again = CheckpointManager(tmp_path / "b").restore()  # every chunk verified
+    assert first_difference(again, make_state(1)) is None
