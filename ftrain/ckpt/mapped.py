@@ -106,8 +106,11 @@ def read_tree_mapped(
     check_no_links(root)  # first: nothing is opened, not even for a hint, through a link
     with prefetching(chunk_files(root, specs)):
         check_sizes(root, specs)
-        out, tensors = allocate_tree(manifest, specs, only)
         regions = {k: _Region(specs[k].nbytes) for k in _to_map(specs)}
+        # destinations only for the arrays that are read: a mapped one is its region
+        out, tensors = allocate_tree(
+            manifest, {k: specs[k] for k in specs if k not in regions}, only
+        )
         reads, maps = [], []
         for k, s in specs.items():
             if k in regions:  # each job holds its region: no range is freed while mapped into
