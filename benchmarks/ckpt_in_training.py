@@ -13,6 +13,13 @@ interval) - 1 is what checkpointing at that interval costs in throughput (target
 async at an interval where sync costs ≥ 20 %). "CPU in save()" is the process's CPU time
 (every thread) during the ``save`` call: for a sync save, what the whole write costs.
 
+The second table measures each save's cost from step times instead of interval totals:
+its blocking plus what the steps its write overlapped (and the one after, and ``--tail``
+more) took beyond the process's median plain step. Only those few steps carry noise, so
+the cost per save is resolved where whole-interval ratios are not (their noise, ±3 % of an
+interval, is larger than the 2 % target at long intervals); divided by an interval it is
+the overhead there, as long as a write fits in the interval.
+
     .venv/bin/python benchmarks/ckpt_in_training.py --dir /tmp/ckpt_train --reps 3
     .venv/bin/python benchmarks/ckpt_in_training.py --variants sync,async,async:1 --threads 1
 """
@@ -52,6 +59,7 @@ def worker(args) -> None:
     from ftrain.ckpt import CheckpointManager
     from ftrain.ckpt.policies import LatestN
     from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
+    from ftrain.state import is_pinned
 
     torch.set_num_threads(args.threads)
     cfg = GPTConfig(block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
@@ -80,18 +88,28 @@ def worker(args) -> None:
     for b in batches[:2]:  # warm-up (allocator, first-call paths); not timed
         state, metrics = step(state, b)
     plain, saving, blocking, cpu = [], [], [], []
+    plain_steps, windows = [], []  # step times of plain intervals; of each save's window
     it = iter(batches[2:])
     for block in range(args.steps // args.every):
         with_save = manager is not None and block % 2 == 1
         t0 = time.perf_counter()
+        saved = state
         if with_save:  # the save of the state at this interval's start
             before = _cpu_s()
             manager.save(state, metrics={"loss": float(metrics["loss"])})
             blocking.append(time.perf_counter() - t0)
             cpu.append(_cpu_s() - before)  # sync: the whole write's CPU; async: its call's
+        times, writing = [], []
         for _ in range(args.every):
+            t = time.perf_counter()
             state, metrics = step(state, next(it))
             float(metrics["loss"])
+            times.append(time.perf_counter() - t)
+            writing.append(with_save and is_pinned(saved))  # the write outlived this step
+        if with_save:
+            windows.append(_window(times, writing, args.tail))
+        else:
+            plain_steps += times
         if with_save:
             manager.wait()  # a write longer than the interval costs its rest here
         (saving if with_save else plain).append(time.perf_counter() - t0)
@@ -107,11 +125,20 @@ def worker(args) -> None:
                 "saving_s": saving,
                 "blocking_s": blocking,
                 "save_cpu_s": cpu,
+                "plain_step_s": plain_steps,
+                "window_step_s": windows,
                 "state_mb": nbytes / 1e6,
                 "params": sum(p.numel() for p in state["params"].flatten_keys().values()),
             }
         )
     )
+
+
+def _window(times: list[float], writing: list[bool], tail: int) -> list[float]:
+    """The step times of a save's window: every step the write overlapped, the first one
+    after it ended, and ``tail`` more (a late effect of the write, e.g. cache pressure)."""
+    last = max((i for i, w in enumerate(writing) if w), default=-1)
+    return times[: last + 2 + tail]
 
 
 def _cpu_s() -> float:
@@ -122,7 +149,8 @@ def _cpu_s() -> float:
 
 def _run(variant: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant]
-    for name in ("dir", "steps", "every", "batch", "seq", "layers", "heads", "width", "threads"):
+    names = ("dir", "steps", "every", "batch", "seq", "layers", "heads", "width", "threads", "tail")
+    for name in names:
         cmd += [f"--{name}", str(getattr(args, name))]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -170,6 +198,52 @@ def main(args) -> None:
             f"{(statistics.median(ratios) - 1) * 100:+.1f} % | {statistics.median(block) * 1e3:.1f} | "
             f"{statistics.median(cpu) * 1e3:.0f} |"
         )
+    _report_windows(runs, variants, args)
+
+
+def _save_costs(run: dict) -> list[float]:
+    """Seconds of training each save cost: its blocking plus what the steps in its window
+    took beyond this process's median plain step (paired: the same process, neighbouring
+    intervals). Only the few steps a write overlaps carry its noise, not a whole interval."""
+    base = statistics.median(run["plain_step_s"])
+    return [
+        b + sum(t - base for t in w)
+        for b, w in zip(run["blocking_s"], run["window_step_s"], strict=True)
+    ]
+
+
+def _report_windows(runs: dict, variants: tuple, args) -> None:
+    """The per-save cost from step times, and what it is at ``--every`` and at the advisor's Young/Daly interval (``advisor.advised_every_steps``' rule: the blocking
+    cost, a ``--mtbf`` MTBF, at least one whole write)."""
+    from ftrain.ckpt.advisor import young_daly
+
+    print(
+        f"\nPer save, from step times (window: the steps a write overlaps + 1 + {args.tail}; "
+        f"MTBF {args.mtbf_h:g} h)\n"
+    )
+    print(
+        "| checkpoints | saves | step ms | cost per save ms (q1–q3) | window steps "
+        f"| at {args.every} steps | advisor's interval s | at advisor's |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for v in variants:
+        done = [r for r in runs[v] if r["blocking_s"]]
+        if not done:
+            continue
+        costs = sorted(c for r in done for c in _save_costs(r))
+        step_s = statistics.median(t for r in done for t in r["plain_step_s"])
+        window = statistics.median(len(w) for r in done for w in r["window_step_s"])
+        writes = statistics.median(sum(w) for r in done for w in r["window_step_s"])
+        block = statistics.median(b for r in done for b in r["blocking_s"])
+        tau = max(young_daly(block, args.mtbf_h * 3600), writes)
+        cost = statistics.median(costs)
+        q1, q3 = costs[len(costs) // 4], costs[(3 * len(costs)) // 4]
+        at = cost / (args.every * step_s) * 100  # valid while a write fits in the interval
+        print(
+            f"| {v} | {len(costs)} | {step_s * 1e3:.0f} | {cost * 1e3:.0f} ({q1 * 1e3:.0f}–"
+            f"{q3 * 1e3:.0f}) | {window:g} | {at:+.1f} % | {tau:.1f} "
+            f"| {cost / tau * 100:+.2f} % |"
+        )
 
 
 if __name__ == "__main__":
@@ -185,6 +259,8 @@ if __name__ == "__main__":
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tail", type=int, default=2, help="steps counted after a write ends")
+    p.add_argument("--mtbf-h", type=float, default=6.0, help="MTBF for the advisor's interval")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:

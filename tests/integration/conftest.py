@@ -48,10 +48,16 @@ class ForkServer:
             [sys.executable, "-c", boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
 
-    def run(self, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(
+        self, args: list[str], env: dict, timeout: float, *, cwd=None, module: str = "ftrain"
+    ) -> subprocess.CompletedProcess:
+        """``python -m MODULE ARGS`` (in ``cwd``, with exactly ``env``), as ``subprocess.run``
+        with ``capture_output=True, text=True`` would return it."""
         self.jobs += 1
         out, err = (self.scratch / f"{self.jobs}.{name}" for name in ("out", "err"))
-        job = {"args": args, "env": env, "stdout": str(out), "stderr": str(err)}
+        job = {"args": args, "env": env, "stdout": str(out), "stderr": str(err), "module": module}
+        if cwd is not None:
+            job["cwd"] = str(cwd)
         self.proc.stdin.write((json.dumps(job) + "\n").encode())
         self.proc.stdin.flush()
         pid = json.loads(self._line(120))["pid"]
@@ -61,7 +67,7 @@ class ForkServer:
             os.kill(pid, signal.SIGKILL)
             self._line(60)
             raise
-        cmd = [sys.executable, "-m", "ftrain", *args]
+        cmd = [sys.executable, "-m", module, *args]
         code = os.waitstatus_to_exitcode(status)
         return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
 

@@ -12,7 +12,8 @@ fresh ``python -m ftrain``. Tests that send signals or run under torchrun still 
 fresh interpreter (``popen_cli``, the torchrun tests).
 
 Protocol (one job at a time): a JSON line on stdin
-``{"args", "env", "cwd", "stdout", "stderr"}``; the server answers ``{"pid": N}`` when the
+``{"args", "env", "cwd", "stdout", "stderr", "module"}`` (``module``: the ``-m`` module run,
+``ftrain`` unless given, e.g. ``ftrain.ckpt``); the server answers ``{"pid": N}`` when the
 child starts and ``{"status": S}`` (``os.waitpid``'s) when it ends.
 """
 
@@ -34,7 +35,7 @@ import ftrain.cli.app  # noqa: F401
 
 
 def _child(job: dict) -> None:
-    """Become ``python -m ftrain ARGS`` in the job's environment; never returns."""
+    """Become ``python -m MODULE ARGS`` in the job's environment; never returns."""
     os.environ.clear()
     os.environ.update(job["env"])
     extra = [p for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -53,10 +54,11 @@ def _child(job: dict) -> None:
     os.close(devnull)
     random.seed()  # a fresh interpreter seeds these from the OS; a fork would share them
     numpy.random.seed()
-    sys.argv = ["ftrain", *job["args"]]
+    module = job.get("module", "ftrain")
+    sys.argv = [module, *job["args"]]
     code: object = 0
     try:
-        runpy.run_module("ftrain", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code
     except BaseException:  # noqa: BLE001 - what an interpreter prints for an uncaught error

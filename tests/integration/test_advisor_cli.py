@@ -39,7 +39,7 @@ def _seconds(cell: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, cache_dir):
+def run_dir(tmp_path_factory, cache_dir, forkserver):
     """12 steps, checkpoints every 4, with a SIGKILL after step 6 and a resume."""
     run = tmp_path_factory.mktemp("advise") / "run"
     env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
@@ -55,7 +55,7 @@ def run_dir(tmp_path_factory, cache_dir):
     _wait_for_step(run, proc, 6)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = subprocess.run([*base, "trainer.max_steps=12"], capture_output=True, text=True, env=env)
+    done = forkserver.run([*base[3:], "trainer.max_steps=12"], env, 240)  # the resume
     assert done.returncode == 0, done.stdout + done.stderr
     return run
 

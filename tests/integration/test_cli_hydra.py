@@ -18,18 +18,17 @@ from .conftest import SMALL_CORPUS, TINY, records
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def _ftrain(*args, cache_dir, cwd=None, env=None, timeout=300):
-    path = os.pathsep.join(filter(None, [(env or {}).get("PYTHONPATH"), ROOT]))
-    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1", **(env or {}))
-    env["PYTHONPATH"] = path
-    return subprocess.run(
-        [sys.executable, "-m", "ftrain", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        timeout=timeout,
-    )
+@pytest.fixture
+def ftrain_cli(cache_dir, forkserver):
+    """``python -m ftrain ARGS`` (a child of the session's fork server: see conftest)."""
+
+    def run(*args, cwd=None, env=None, timeout=300):
+        path = os.pathsep.join(filter(None, [(env or {}).get("PYTHONPATH"), ROOT]))
+        full = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1", **(env or {}))
+        full["PYTHONPATH"] = path
+        return forkserver.run(list(args), full, timeout, cwd=cwd)
+
+    return run
 
 
 def _committed(ckpt_dir):
@@ -40,10 +39,10 @@ def _job_dirs(sweep_dir):
     return sorted(p for p in Path(sweep_dir).iterdir() if (p / "checkpoints").is_dir())
 
 
-def test_multirun_runs_one_job_per_value_and_a_rerun_resumes_each(cache_dir, tmp_path):
+def test_multirun_runs_one_job_per_value_and_a_rerun_resumes_each(ftrain_cli, tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"]
-    first = _ftrain(*args, "trainer.max_steps=2", cache_dir=cache_dir, cwd=tmp_path)
+    first = ftrain_cli(*args, "trainer.max_steps=2", cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     jobs = _job_dirs(sweep)
     assert [d.name.split("optim.lr=")[1].split(",")[0] for d in jobs] == ["0.001", "0.003"]
@@ -55,23 +54,22 @@ def test_multirun_runs_one_job_per_value_and_a_rerun_resumes_each(cache_dir, tmp
 
     # the same sweep with a longer max_steps continues both jobs (max_steps is not in the
     # job's directory name)
-    again = _ftrain(*args, "trainer.max_steps=3", cache_dir=cache_dir, cwd=tmp_path)
+    again = ftrain_cli(*args, "trainer.max_steps=3", cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert _job_dirs(sweep) == jobs
     assert again.stdout.count("resumed from step 2") == 2
     assert all(_committed(d / "checkpoints")[-1] == 3 for d in jobs)
 
 
-def test_multirun_exit_status_reflects_a_failed_job(cache_dir, tmp_path):
+def test_multirun_exit_status_reflects_a_failed_job(ftrain_cli, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = _ftrain(
+    proc = ftrain_cli(
         "-m",
         *TINY,
         "trainer.max_steps=1",
         f"init.from=null,{tmp_path / 'no-such-run'}",
         f"hydra.sweep.dir={sweep}",
         "hydra.sweep.subdir=job${hydra.job.num}",
-        cache_dir=cache_dir,
         cwd=tmp_path,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -80,47 +78,43 @@ def test_multirun_exit_status_reflects_a_failed_job(cache_dir, tmp_path):
     assert _committed(sweep / "job0" / "checkpoints") == [1]
 
 
-def test_multirun_config_errors_and_torchrun_are_refused_before_any_job(cache_dir, tmp_path):
-    bad = _ftrain("-m", *TINY, "optim.lr=1e-3,-1", cache_dir=cache_dir, cwd=tmp_path)
+def test_multirun_config_errors_and_torchrun_are_refused_before_any_job(ftrain_cli, tmp_path):
+    bad = ftrain_cli("-m", *TINY, "optim.lr=1e-3,-1", cwd=tmp_path)
     assert bad.returncode == 2 and "optim.lr=-1.0" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "runs").exists()
-    ranks = _ftrain(
-        "-m", "optim.lr=1e-3,3e-3", cache_dir=cache_dir, cwd=tmp_path, env={"WORLD_SIZE": "2"}
-    )
+    ranks = ftrain_cli("-m", "optim.lr=1e-3,3e-3", cwd=tmp_path, env={"WORLD_SIZE": "2"})
     assert ranks.returncode == 2 and "torchrun" in ranks.stderr
 
 
-def test_help_and_hydra_flags(cache_dir, tmp_path):
-    helped = _ftrain("--help", cache_dir=cache_dir, cwd=tmp_path)
+def test_help_and_hydra_flags(ftrain_cli, tmp_path):
+    helped = ftrain_cli("--help", cwd=tmp_path)
     assert helped.returncode == 0, helped.stderr
     assert "== Configuration groups ==" in helped.stdout
     assert "model: gpt2, gpt2_tiny*" in helped.stdout and "optim: adamw*, sgd" in helped.stdout
     assert "max_steps=200" in helped.stdout and "-m" in helped.stdout
     assert "_schema" not in helped.stdout
 
-    shown = _ftrain("--cfg", "hydra", cache_dir=cache_dir, cwd=tmp_path)
+    shown = ftrain_cli("--cfg", "hydra", cwd=tmp_path)
     assert shown.returncode == 0 and "override_dirname" in shown.stdout, shown.stderr
     assert not list(tmp_path.iterdir()), "no outputs/ or .hydra/ is written"
 
 
-@pytest.mark.long  # four more CLI start-ups (~35 s): Hydra's own flags, passed through
-def test_hydra_info_help_and_shell_completion(cache_dir, tmp_path):
-    info = _ftrain("--info", "searchpath", cache_dir=cache_dir, cwd=tmp_path)
+# Hydra's own flags, passed through (four forked CLI runs, ~5 s)
+def test_hydra_info_help_and_shell_completion(ftrain_cli, tmp_path):
+    info = ftrain_cli("--info", "searchpath", cwd=tmp_path)
     assert info.returncode == 0 and "pkg://ftrain.conf" in info.stdout, info.stderr
-    hydra_help = _ftrain("--hydra-help", cache_dir=cache_dir, cwd=tmp_path)
+    hydra_help = ftrain_cli("--hydra-help", cwd=tmp_path)
     assert hydra_help.returncode == 0 and "Hydra (1." in hydra_help.stdout
 
-    install = _ftrain("-sc", "install=bash", cache_dir=cache_dir, cwd=tmp_path)
+    install = ftrain_cli("-sc", "install=bash", cwd=tmp_path)
     assert install.returncode == 0 and "hydra_bash_completion" in install.stdout
-    query = _ftrain(
-        "-sc", "query=bash", cache_dir=cache_dir, cwd=tmp_path, env={"COMP_LINE": "ftrain model="}
-    )
+    query = ftrain_cli("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": "ftrain model="})
     assert query.returncode == 0 and query.stdout.split() == ["model=gpt2", "model=gpt2_tiny"]
     assert not list(tmp_path.iterdir()), "no outputs/ or .hydra/ is written"
 
 
-def test_hydra_run_dir_is_honoured_and_other_hydra_settings_refused(cache_dir, tmp_path):
-    shown = _ftrain("--cfg", "job", f"hydra.run.dir={tmp_path}/r", cache_dir=cache_dir)
+def test_hydra_run_dir_is_honoured_and_other_hydra_settings_refused(ftrain_cli, tmp_path):
+    shown = ftrain_cli("--cfg", "job", f"hydra.run.dir={tmp_path}/r")
     assert shown.returncode == 0, shown.stderr
     assert f"dir: {tmp_path}/r/checkpoints" in shown.stdout
     for override, needle in [
@@ -128,7 +122,7 @@ def test_hydra_run_dir_is_honoured_and_other_hydra_settings_refused(cache_dir, t
         ("hydra.job.chdir=true", "never changes the working directory"),
         ("hydra/launcher=basic", "hydra.run.dir"),
     ]:
-        proc = _ftrain(override, cache_dir=cache_dir, cwd=tmp_path)
+        proc = ftrain_cli(override, cwd=tmp_path)
         assert proc.returncode == 2 and needle in proc.stderr, (override, proc.stderr)
 
 
@@ -166,7 +160,7 @@ block_size: 16
 """
 
 
-def test_user_model_from_a_config_dir_trains_and_resumes(cache_dir, tmp_path):
+def test_user_model_from_a_config_dir_trains_and_resumes(ftrain_cli, tmp_path):
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text(textwrap.dedent(USER_MODEL))
     (tmp_path / "my_conf" / "model").mkdir(parents=True)
@@ -183,16 +177,14 @@ def test_user_model_from_a_config_dir_trains_and_resumes(cache_dir, tmp_path):
         "checkpoint.every_steps=2",
     ]
     env = {"PYTHONPATH": str(tmp_path)}
-    whole = _ftrain(
-        *common, "run.dir=whole", "trainer.max_steps=4", cache_dir=cache_dir, cwd=tmp_path, env=env
-    )
+    whole = ftrain_cli(*common, "run.dir=whole", "trainer.max_steps=4", cwd=tmp_path, env=env)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     assert _committed(tmp_path / "whole" / "checkpoints") == [2, 4]
     # the same through hydra.searchpath, stopped at 2 and resumed: the same numbers
     common[:2] = [f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]"]
     for steps in (2, 4):
-        split = _ftrain(
-            *common, "run.dir=split", f"trainer.max_steps={steps}", cache_dir=cache_dir,
+        split = ftrain_cli(
+            *common, "run.dir=split", f"trainer.max_steps={steps}",
             cwd=tmp_path, env=env,
         )  # fmt: skip
         assert split.returncode == 0, split.stdout + split.stderr

@@ -7,9 +7,9 @@ history whose steps replace the old ones; the old history is kept aside, never "
 """
 
 import json
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import crc32c
@@ -26,15 +26,13 @@ def _manager(run) -> CheckpointManager:
     return CheckpointManager(Path(run) / "checkpoints", async_save=False)
 
 
-def _verify(run) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ftrain.ckpt", "verify", str(Path(run) / "checkpoints")],
-        capture_output=True,
-        text=True,
-    )
+def _verify(run, forkserver) -> subprocess.CompletedProcess:
+    """``python -m ftrain.ckpt verify RUN/checkpoints`` (forked: see conftest)."""
+    args = ["verify", str(Path(run) / "checkpoints")]
+    return forkserver.run(args, dict(os.environ), 120, module="ftrain.ckpt")
 
 
-def test_a_corrupt_newest_step_is_redone_and_committed_again(cli, tmp_path):
+def test_a_corrupt_newest_step_is_redone_and_committed_again(cli, forkserver, tmp_path):
     run = tmp_path / "run"
     cli(run, "trainer.max_steps=6", *SAVES, check=0)
     want = _manager(run).restore(6)
@@ -47,7 +45,7 @@ def test_a_corrupt_newest_step_is_redone_and_committed_again(cli, tmp_path):
 
     out = cli(run, "trainer.max_steps=6", *SAVES, check=0)
     assert "resumed from step 3" in out.stdout, out.stdout
-    assert _verify(run).returncode == 0  # the new step 6 verifies
+    assert _verify(run, forkserver).returncode == 0  # the new step 6 verifies
     mgr = _manager(run)
     assert mgr.all_steps() == [3, 6]
     assert first_difference(mgr.restore(6), want) is None  # bit-identical to the first run

@@ -1,8 +1,6 @@
 """Fine-tuning through the real CLI: init.from a base run, LoRA, frozen globs, groups, export."""
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,16 +23,14 @@ def _restore(run_dir, step=None):
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory, cache_dir):
+def base_run(tmp_path_factory, cache_dir, forkserver):
     """A base run of 4 steps, committed at step 4."""
     import os
 
     run = tmp_path_factory.mktemp("base") / "run"
     env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir)
-    cmd = [sys.executable, "-m", "ftrain", f"run.dir={run}", *TINY, "trainer.max_steps=4"]
-    proc = subprocess.run(
-        cmd + ["checkpoint.every_steps=4"], capture_output=True, text=True, env=env
-    )
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=4", "checkpoint.every_steps=4"]
+    proc = forkserver.run(args, env, 240)
     assert proc.returncode == 0, proc.stderr
     return run
 
@@ -100,7 +96,9 @@ def _model(overrides):
     return build_model(load_config([*TINY, *overrides]))[0]
 
 
-def test_merge_lora_export_loads_into_the_plain_model_with_equal_logits(cli, base_run, tmp_path):
+def test_merge_lora_export_loads_into_the_plain_model_with_equal_logits(
+    cli, forkserver, base_run, tmp_path
+):
     from safetensors.torch import load_model
 
     run = tmp_path / "lora"
@@ -113,16 +111,8 @@ def test_merge_lora_export_loads_into_the_plain_model_with_equal_logits(cli, bas
         check=0,
     )
     out = tmp_path / "merged.safetensors"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ftrain.ckpt",
-        "export",
-        str(run / "checkpoints"),
-        str(out),
-        "--merge-lora",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    args = ["export", str(run / "checkpoints"), str(out), "--merge-lora"]
+    done = _ckpt_tool(forkserver, args)
     assert done.returncode == 0, done.stderr
     assert "exported step 3" in done.stdout and "12 LoRA modules merged" in done.stdout
     plain = _model([])
@@ -132,22 +122,18 @@ def test_merge_lora_export_loads_into_the_plain_model_with_equal_logits(cli, bas
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(plain.eval()(x), adapted.eval()(x), rtol=1e-5, atol=1e-5)
-    again = subprocess.run(cmd, capture_output=True, text=True)  # never overwrites
+    again = _ckpt_tool(forkserver, args)  # never overwrites
     assert again.returncode == 2 and "exists" in again.stderr
-    plain_run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ftrain.ckpt",
-            "export",
-            str(base_run / "checkpoints"),
-            str(tmp_path / "b.safetensors"),
-            "--merge-lora",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    base = [str(base_run / "checkpoints"), str(tmp_path / "b.safetensors"), "--merge-lora"]
+    plain_run = _ckpt_tool(forkserver, ["export", *base])
     assert plain_run.returncode == 2 and "no LoRA adapters" in plain_run.stderr
+
+
+def _ckpt_tool(forkserver, args):
+    """``python -m ftrain.ckpt ARGS`` (forked: see conftest)."""
+    import os
+
+    return forkserver.run(args, dict(os.environ), 240, module="ftrain.ckpt")
 
 
 def test_freeze_globs_groups_and_their_errors(cli, base_run, tmp_path):

@@ -6,8 +6,6 @@ transformers models are built from a GPT2Config (nothing is downloaded; HF_HUB_O
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,9 +30,14 @@ def _transformers():
     )
 
 
-def tool(module, *args, env=None):
-    cmd = [sys.executable, "-m", module, *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+@pytest.fixture
+def tool(forkserver):
+    """``python -m MODULE ARGS`` (a child of the session's fork server: see conftest)."""
+
+    def run(module, *args, env=None):
+        return forkserver.run(list(map(str, args)), env or dict(os.environ), 240, module=module)
+
+    return run
 
 
 def _params(run_dir, step=None):
@@ -51,14 +54,12 @@ def _x(n=32, seed=5):
 
 
 @pytest.fixture(scope="module")
-def run8(tmp_path_factory, cache_dir):
+def run8(tmp_path_factory, cache_dir, forkserver):
     """8 steps, checkpoints (and evals) at 4 and 8."""
     run = tmp_path_factory.mktemp("run8") / "run"
     env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir)
-    cmd = [sys.executable, "-m", "ftrain", f"run.dir={run}", *TINY, "trainer.max_steps=8"]
-    proc = subprocess.run(
-        cmd + ["checkpoint.every_steps=4"], capture_output=True, text=True, env=env
-    )
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=8", "checkpoint.every_steps=4"]
+    proc = forkserver.run(args, env, 240)
     assert proc.returncode == 0, proc.stderr
     return run
 
@@ -72,7 +73,7 @@ def _tree(path):
     return {p: p.stat().st_mtime_ns for p in sorted(Path(path).rglob("*"))}
 
 
-def test_eval_reproduces_the_recorded_val_loss(run8, env, tmp_path):
+def test_eval_reproduces_the_recorded_val_loss(tool, run8, env, tmp_path):
     recorded = {r["step"]: r["val_loss"] for r in records(run8, "eval")}
     assert set(recorded) == {4, 8}
     before = _tree(run8)
@@ -101,7 +102,7 @@ def test_eval_reproduces_the_recorded_val_loss(run8, env, tmp_path):
     assert json.loads(out.stdout)["val_loss"] == pytest.approx(recorded[4], rel=1e-6, abs=1e-6)
 
 
-def test_eval_errors_name_the_fix(run8, env, tmp_path):
+def test_eval_errors_name_the_fix(tool, run8, env, tmp_path):
     out = tool("ftrain.eval", run8, "model.n_layer=2", env=env)
     assert out.returncode == 2 and "the model is the checkpoint's" in out.stderr
     out = tool("ftrain.eval", run8, "data.nope=1", env=env)
@@ -112,7 +113,7 @@ def test_eval_errors_name_the_fix(run8, env, tmp_path):
     assert out.returncode == 1 and "no such checkpoint directory" in out.stderr
 
 
-def test_export_hf_loads_in_transformers_with_equal_logits(run8, tmp_path):
+def test_export_hf_loads_in_transformers_with_equal_logits(tool, run8, tmp_path):
     transformers = _transformers()
     out = tmp_path / "hf"
     done = tool("ftrain.ckpt", "export", run8 / "checkpoints", out, "--step", 4, "--format", "hf")
@@ -150,7 +151,7 @@ def _save_hf(path, n_positions=64, vocab_size=256, seed=0):
     return model
 
 
-def test_init_from_hf_with_lora_then_merged_hf_export(cli, tmp_path):
+def test_init_from_hf_with_lora_then_merged_hf_export(tool, cli, tmp_path):
     transformers = _transformers()
     hf = _save_hf(tmp_path / "gpt2")
     run = tmp_path / "lora"
@@ -203,7 +204,7 @@ def test_init_from_hf_refusals(cli, tmp_path):
     assert not list((tmp_path / "r").glob("checkpoints/step_*"))  # nothing trained
 
 
-def test_export_keeps_bf16_in_both_formats(tmp_path):
+def test_export_keeps_bf16_in_both_formats(tool, tmp_path):
     from safetensors import safe_open
 
     transformers = _transformers()
@@ -227,7 +228,7 @@ def test_export_keeps_bf16_in_both_formats(tmp_path):
 
 
 @pytest.mark.long  # ~27 s; CI checks eval and export against the recorded run instead
-def test_diff_across_two_runs_and_within_one(run8, cli, tmp_path):
+def test_diff_across_two_runs_and_within_one(tool, run8, cli, tmp_path):
     other = tmp_path / "seed1"
     cli(other, "trainer.max_steps=4", "checkpoint.every_steps=4", "trainer.seed=1", check=0)
     out = tool("ftrain.ckpt", "diff", f"{run8}:4", f"{other}:4")
