@@ -213,8 +213,11 @@ def _save_costs(run: dict) -> list[float]:
 
 
 def _report_windows(runs: dict, variants: tuple, args) -> None:
-    """The per-save cost from step times, and what it is at ``--every`` and at the advisor's Young/Daly interval (``advisor.advised_every_steps``' rule: the blocking
-    cost, a ``--mtbf`` MTBF, at least one whole write)."""
+    """The per-save cost from step times, and what it is at ``--every`` and at the Young/Daly
+    interval the advisor gives (``advisor.advised_every_steps``' rule, a ``--mtbf-h`` MTBF,
+    at least one whole write) with C = that measured cost (the advisor's C for async saves,
+    ``RunStats.cost_s``) and with C = the blocking time alone (its C before the stall was
+    measured)."""
     from ftrain.ckpt.advisor import young_daly
 
     print(
@@ -223,9 +226,10 @@ def _report_windows(runs: dict, variants: tuple, args) -> None:
     )
     print(
         "| checkpoints | saves | step ms | cost per save ms (q1–q3) | window steps "
-        f"| at {args.every} steps | advisor's interval s | at advisor's |"
+        f"| at {args.every} steps | advisor's interval s | at it | blocking-only interval s "
+        "| at it |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for v in variants:
         done = [r for r in runs[v] if r["blocking_s"]]
         if not done:
@@ -235,14 +239,15 @@ def _report_windows(runs: dict, variants: tuple, args) -> None:
         window = statistics.median(len(w) for r in done for w in r["window_step_s"])
         writes = statistics.median(sum(w) for r in done for w in r["window_step_s"])
         block = statistics.median(b for r in done for b in r["blocking_s"])
-        tau = max(young_daly(block, args.mtbf_h * 3600), writes)
         cost = statistics.median(costs)
+        mtbf = args.mtbf_h * 3600
+        tau, tau_block = (max(young_daly(c, mtbf), writes) for c in (max(cost, block), block))
         q1, q3 = costs[len(costs) // 4], costs[(3 * len(costs)) // 4]
         at = cost / (args.every * step_s) * 100  # valid while a write fits in the interval
         print(
             f"| {v} | {len(costs)} | {step_s * 1e3:.0f} | {cost * 1e3:.0f} ({q1 * 1e3:.0f}–"
-            f"{q3 * 1e3:.0f}) | {window:g} | {at:+.1f} % | {tau:.1f} "
-            f"| {cost / tau * 100:+.2f} % |"
+            f"{q3 * 1e3:.0f}) | {window:g} | {at:+.1f} % | {tau:.1f} | {cost / tau * 100:+.2f} % "
+            f"| {tau_block:.1f} | {cost / tau_block * 100:+.2f} % |"
         )
 
 

@@ -46,11 +46,7 @@ def _measured_rows(a: Advice) -> list[tuple[str, str, str]]:
             _dur(s.step_s),
             f"median of {s.n_steps:,} step-to-step times (metrics.jsonl)",
         ),
-        (
-            "save cost C (blocking)",
-            _dur(s.blocking_s),
-            f"median of {s.n_saves:,} {kind} saves (metrics.jsonl save blocking_s)",
-        ),
+        *_cost_rows(s, kind),
         (
             "save cost (total)",
             _dur(s.total_s),
@@ -68,6 +64,24 @@ def _measured_rows(a: Advice) -> list[tuple[str, str, str]]:
             f"{_dur(s.train_s)} training, {s.failures} failure(s), {s.continuations} planned continuation(s), {s.redo_steps} step(s) redone",
         ),
         ("MTBF", _dur(a.mtbf_s), a.mtbf_source),
+    ]
+
+
+def _cost_rows(s, kind: str) -> list[tuple[str, str, str]]:
+    """C, and what it is made of: blocking only (sync, or an async stall not measured yet),
+    or the measured stall of async saves with their blocking part beside it."""
+    blocking = f"median of {s.n_saves:,} {kind} saves (metrics.jsonl save blocking_s)"
+    if not (s.policy.async_save and s.stall_s is not None):
+        note = "" if not s.policy.async_save else "; the async stall is not measured yet"
+        return [("save cost C (blocking)", _dur(s.blocking_s), blocking + note)]
+    return [
+        (
+            "save cost C (stall)",
+            _dur(s.cost_s),
+            f"median of {s.n_stalls:,} async saves: the steps each write overlapped, beyond "
+            "the median step (metrics.jsonl)",
+        ),
+        ("save cost (blocking)", _dur(s.blocking_s), blocking),
     ]
 
 
@@ -90,7 +104,7 @@ def _plan_rows(plans: list[Plan]) -> list[tuple[str, ...]]:
 def _notes(a: Advice) -> list[str]:
     s, notes = a.stats, []
     if a.mtbf_s is not None and a.advised is not None:
-        tau = young_daly(s.blocking_s, a.mtbf_s)
+        tau = young_daly(s.cost_s, a.mtbf_s)
         if s.policy.async_save and s.total_s and s.total_s > tau:
             notes.append(
                 f"tau* = {_dur(tau)} was raised to one full save ({_dur(s.total_s)}): with at "
@@ -104,7 +118,7 @@ def _notes(a: Advice) -> list[str]:
             notes.append(
                 f"keep_every={k} keeps saved steps divisible by {k}, which with every_steps={n} "
                 f"is only every {math.lcm(n, k)} steps; every_steps={d} divides it and costs "
-                f"{_pct(plan(s, 'aligned', d, a.mtbf_s, s.blocking_s).waste)} "
+                f"{_pct(plan(s, 'aligned', d, a.mtbf_s, s.cost_s).waste)} "
                 "expected waste"
             )
         length = s.policy.max_steps or 0

@@ -9,8 +9,9 @@ work plus the restore time ``R``. The first-order optimum (Young 1974, Daly 2006
 Everything here is plain arithmetic over numbers ftrain already records (see
 ``docs/checkpoint-interval.md``):
 
-- ``RUN_DIR/metrics.jsonl``: step records (step time), ``save`` events (blocking seconds
-  of every save), ``start``/``resume`` events (restore seconds, redone steps, sessions);
+- ``RUN_DIR/metrics.jsonl``: step records (step time), ``save_started`` events (blocking
+  seconds of every save) and ``committed`` ones (when an async write ended: the steps it
+  overlapped give its stall, :func:`_save_stalls`), ``start``/``resume`` events (restore seconds, redone steps, sessions);
 - ``RUN_DIR/checkpoints/checkpoints.json`` (rebuilt from the steps if stale): bytes and
   total save seconds of each retained step, and the run's resolved config (the
   checkpoint policy and planned length) in the newest step's metadata.
@@ -243,6 +244,17 @@ class RunStats:
     failures: int
     continuations: int
     redo_steps: int
+    stall_s: float | None = None
+    n_stalls: int = 0
+
+    @property
+    def cost_s(self) -> float:
+        """C: what one save costs training. A sync save stalls for its blocking time; an
+        async one also for the slowdown of the steps its write overlapped (the writer's
+        CPU, memory bandwidth and disk compete with training), when that was measured."""
+        if self.policy.async_save and self.stall_s is not None:
+            return max(self.blocking_s, self.stall_s)
+        return self.blocking_s
 
 
 def _median(values: list[float]) -> float | None:
@@ -259,14 +271,56 @@ def _sessions(records: list[dict]) -> list[list[dict]]:
     return out
 
 
-def _step_deltas(session: list[dict]) -> list[float]:
-    """Seconds between consecutive step records (step n -> n+1) of one process."""
+def _step_spans(session: list[dict]) -> list[tuple[float, float]]:
+    """``(time of step n's record, time of step n+1's)`` for consecutive steps of one process."""
     steps = [r for r in session if r.get("kind") == "step" and isinstance(r.get("step"), int)]
     return [
-        b["time"] - a["time"]
+        (a["time"], b["time"])
         for a, b in zip(steps, steps[1:], strict=False)
         if b["step"] == a["step"] + 1 and b["time"] > a["time"]
     ]
+
+
+def _step_deltas(session: list[dict]) -> list[float]:
+    """Seconds between consecutive step records (step n -> n+1) of one process."""
+    return [b - a for a, b in _step_spans(session)]
+
+
+def _save_stalls(sessions: list[list[dict]]) -> list[float]:
+    """Per async save: how much longer than the process's median step the steps took whose
+    step-to-step interval overlapped its write (``save_started`` minus its blocking time,
+    to that plus the ``committed`` record's ``after_s``). The step that ran the blocking
+    part is one of them, so the figure includes it; a save whose commit was not recorded
+    (the process died, or it failed) is left out."""
+    stalls = []
+    for session in sessions:
+        deltas = _step_spans(session)
+        if len(deltas) < 3:
+            continue
+        median = statistics.median(b - a for a, b in deltas)
+        for lo, hi in _write_windows(session):
+            over = [b - a - median for a, b in deltas if a < hi and b > lo]
+            if over:
+                stalls.append(sum(over))
+    return stalls
+
+
+def _write_windows(session: list[dict]) -> list[tuple[float, float]]:
+    """``(start, commit)`` wall times of the session's async saves whose commit it recorded."""
+    started: dict[int, float] = {}
+    windows = []
+    for r in session:
+        kind, step = r.get("kind"), r.get("step")
+        if kind == "save_started" and r.get("async_save") and _number(r.get("blocking_s")):
+            started[step] = r["time"] - r["blocking_s"]
+        elif kind == "committed" and step in started and _number(r.get("after_s")):
+            t0 = started.pop(step)
+            windows.append((t0, t0 + r["after_s"]))
+    return windows
+
+
+def _number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _history(sessions: list[list[dict]]) -> dict:
@@ -361,6 +415,7 @@ def measure(run_dir: str | Path, ckpt_dir: str | Path | None = None) -> RunStats
     totals = [e["save_seconds"] for e in entries if e.get("save_seconds") is not None]
     restores = [r["restore_s"] for r in records if r.get("kind") == "resume" and r.get("restore_s")]
     hist = _history(sessions)
+    stalls = _save_stalls(sessions)
     newest = entries[-1]
     return RunStats(
         run_dir=run_dir,
@@ -381,6 +436,8 @@ def measure(run_dir: str | Path, ckpt_dir: str | Path | None = None) -> RunStats
         failures=hist["failures"],
         continuations=hist["continuations"],
         redo_steps=hist["redo"],
+        stall_s=_median(stalls),
+        n_stalls=len(stalls),
     )
 
 
@@ -472,7 +529,8 @@ class Advice:
 
 
 def advise(stats: RunStats, mtbf_s: float | None = None) -> Advice:
-    """Plans for the current interval and the Young/Daly one (blocking and total save cost).
+    """Plans for the current interval and the Young/Daly one (at ``stats.cost_s``, and for
+    async saves also at the total save cost).
 
     ``mtbf_s`` given wins; otherwise it is estimated from the failures in the history.
     """
@@ -484,7 +542,7 @@ def advise(stats: RunStats, mtbf_s: float | None = None) -> Advice:
             if mtbf_s is not None
             else f"unknown: no failure in {format_duration(stats.train_s)} of training"
         )
-    cost = stats.blocking_s
+    cost = stats.cost_s
     current = plan(stats, "current", current_every_steps(stats), mtbf_s, cost)
     advised = total = None
     if mtbf_s is not None:

@@ -275,6 +275,74 @@ def test_measure_reads_the_records_and_the_index(tmp_path):
     assert adv.advise(s).mtbf_s == pytest.approx(s.train_s)  # one failure
 
 
+def _stalled_records(t0: float = 100.0) -> list[dict]:
+    """Steps of 0.5 s; an async save after step 4 (blocking 10 ms) whose 1.21 s write slows
+    steps 5 and 6 by 0.3 s each; one after step 8 that never committed; a sync one after 10."""
+    step_s = {5: 0.81, 6: 0.8}  # 5: the blocking 10 ms + 0.3 s of the writer's competition
+    recs, t = [{"kind": "start", "step": 0, "time": t0 - 0.5}], t0
+    for k in range(1, 13):
+        t += step_s.get(k, 0.5) if k > 1 else 0.0
+        recs.append({"kind": "step", "step": k, "time": t})
+        if k == 4:
+            recs.append(
+                {
+                    "kind": "save_started",
+                    "step": 4,
+                    "blocking_s": 0.01,
+                    "async_save": True,
+                    "time": t + 0.01,
+                }
+            )
+        if k == 8:
+            recs.append(
+                {
+                    "kind": "save_started",
+                    "step": 8,
+                    "blocking_s": 0.01,
+                    "async_save": True,
+                    "time": t + 0.01,
+                }
+            )
+        if k == 10:
+            recs.append(
+                {
+                    "kind": "save_started",
+                    "step": 10,
+                    "blocking_s": 0.2,
+                    "async_save": False,
+                    "time": t + 0.2,
+                }
+            )
+            recs.append({"kind": "committed", "step": 10, "after_s": 0.2, "time": t + 0.2})
+    recs.append({"kind": "committed", "step": 4, "after_s": 1.21, "time": t})  # seen at the end
+    return recs
+
+
+def test_an_async_saves_cost_is_the_stall_of_the_steps_its_write_overlapped(tmp_path):
+    run = _fake_run(tmp_path)  # its policy: async saves
+    _records(run / "metrics.jsonl", _stalled_records())
+    s = adv.measure(run)
+    assert s.step_s == pytest.approx(0.5)
+    # steps 4->5 and 5->6 overlap the write [t4, t4 + 1.21]: 0.31 + 0.30 beyond the median;
+    # the save at 8 has no commit record and the sync one at 10 is not an async stall
+    assert s.n_stalls == 1 and s.stall_s == pytest.approx(0.61)
+    assert s.cost_s == pytest.approx(0.61) and s.blocking_s == pytest.approx(0.01)
+    a = adv.advise(s, 3600.0)
+    assert a.advised.every_steps == round(math.sqrt(2 * 0.61 * 3600) / 0.5)
+    assert a.advised.overhead == pytest.approx(0.61 / a.advised.interval_s)
+    text = render(a)
+    assert "save cost C (stall)" in text and "median of 1 async saves" in text
+    assert "save cost (blocking)" in text
+
+
+def test_a_stall_below_the_blocking_time_or_of_sync_saves_is_not_c():
+    assert _stats(stall_s=0.1).cost_s == 0.5  # noise cannot make a save cheaper than its block
+    assert _stats(stall_s=2.0).cost_s == 2.0
+    sync = adv.Policy(every_steps=100, max_steps=1000, async_save=False)
+    assert _stats(stall_s=2.0, policy=sync).cost_s == 0.5
+    assert "not measured yet" in render(adv.advise(_stats(), 3600.0))
+
+
 def test_a_sigterm_stop_counts_as_a_failure_and_a_fresh_start_does_not():
     recs = [
         {"kind": "start", "time": 0.0},
