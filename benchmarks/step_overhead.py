@@ -23,7 +23,8 @@ Variants (AdamW lr 1e-3, weight decay 0.01, clip 1.0 with torch's rule on both s
   PyTorch tutorial's recipe), clipping eager.
 
 Workloads: ``mlp512`` (6 × Linear 512, batch 64), ``mlp1024`` (6 × 1024, batch 256),
-``mlp2048`` (6 × 2048, batch 256), ``gpt2tiny`` (GPT-2 tiny, dropout 0, batch 8 × 64).
+``mlp2048`` (6 × 2048, batch 256), ``gpt2tiny`` (GPT-2 tiny, dropout 0, batch 8 × 64),
+``gpt2micro`` (GPT-2 tiny's layers at width 8, batch 1 × 8: the fixed cost per step).
 The final parameters of every variant are checked against ``imperative``.
 
 On a shared machine (``--cpu-time``, with ``--threads 1``): the figure is the **thread
@@ -64,10 +65,13 @@ WORKLOADS = {  # name -> (kind, width or GPT size, batch)
     "mlp1024": ("mlp", 1024, 256),
     "mlp2048": ("mlp", 2048, 256),
     "gpt2tiny": ("gpt", "tiny", 8),
+    # GPT-2 tiny's 52 leaves at width 8, one 8-token sequence: kernels cost next to
+    # nothing, so the time is each loop's fixed Python and dispatch cost per step
+    "gpt2micro": ("gpt", "micro", 1),
 }
 # --variants also knows compiled_donate, pure_fused, donate_fused, imperative_fused
 VARIANTS = ("imperative", "pure", "donate", "compiled", "imperative_compiled")
-SEQ = {"tiny": 64, "small": 128}
+SEQ = {"tiny": 64, "small": 128, "micro": 8}
 
 
 class MLP(nn.Module):
@@ -105,6 +109,8 @@ def make_model(workload: str) -> nn.Module:
 
     if size == "tiny":
         cfg = GPTConfig.tiny(dropout=0.0)
+    elif size == "micro":
+        cfg = GPTConfig.tiny(dropout=0.0, n_embd=8, block_size=8)
     else:
         cfg = GPTConfig.gpt2(dropout=0.0, vocab_size=256)
     return GPT(cfg, generator=torch.Generator().manual_seed(0))

@@ -38,7 +38,7 @@ from tensordict import TensorDictBase
 
 from ftrain.optim.base import FlatFn, pick
 from ftrain.optim.bucketed import Prepare, Source, applies, call_body, sole_owners
-from ftrain.state.tree import Key, Structure, flatten, rebuild, structure
+from ftrain.state.tree import Key, Structure, entries, flatten, is_node, rebuild, structure
 
 __all__ = ["BUCKET_BYTES", "spans_of", "update_and_apply"]
 
@@ -99,7 +99,10 @@ def update_and_apply(
         return _apply(params, updates, in_place), new_opt
     spans = spans_of(params, BUCKET_BYTES) if BUCKET_BYTES else [list(range(len(params)))]
     body = prepare(Source.of(keys, grads, params, spans), opt)
-    writer = _StateWriter(opt_flat or structure(opt), in_place)
+    # one bucket, and an input state whose nodes are all locked (so "no locked node" in a
+    # bucket state means no node shared with it): the bucket's state may be taken as it is
+    whole = len(spans) == 1 and opt.is_locked
+    writer = _StateWriter(opt_flat or structure(opt), in_place, whole=whole)
     if applied:
         return _applied_buckets(body, spans, grads, writer, params, in_place)
     held = {id(t) for t in params} | {id(t) for t in writer.old.values()}
@@ -203,13 +206,22 @@ class _StateWriter:
     same path, each at most once; 0-d entries (counts, rates, the loss scale: the same from
     every bucket) are taken as they come, never written into, so a later bucket still reads
     the old values. The new state has the old one's layout, empty sub-trees included.
+
+    Out of place with one bucket and a locked input state (``whole``), a bucket state with
+    exactly the old layout, all of its nodes new (none locked: none is a node of the input
+    or an earlier state), *is* the new state: it is kept as it is instead of being rebuilt
+    from its leaves (~100 TensorDict nodes for AdamW on a 50-leaf model: ~0.3 ms a step).
     """
 
-    def __init__(self, opt_flat: tuple[Structure, Leaves], in_place: bool) -> None:
+    def __init__(
+        self, opt_flat: tuple[Structure, Leaves], in_place: bool, whole: bool = False
+    ) -> None:
         self.layout, leaves = opt_flat
         self.old = dict(zip(self.layout.keys, leaves, strict=True))
         self.new: dict[Key, torch.Tensor] = {}
         self.in_place = in_place
+        self.whole = whole and not in_place
+        self.as_is: TensorDictBase | None = None
 
     def _entries(self, bucket_state: TensorDictBase) -> list[tuple[Key, torch.Tensor]]:
         layout, leaves = structure(bucket_state)
@@ -219,6 +231,8 @@ class _StateWriter:
                 f"the optimizer's bucketed update returned state entries {unknown[:3]} that "
                 "its state does not have; a bucketable transform must keep its state's layout"
             )
+        if self.whole and layout == self.layout and _all_new(bucket_state):
+            self.as_is = bucket_state
         return list(zip(layout.keys, leaves, strict=True))
 
     def _writable(self, key: Key, t: torch.Tensor) -> bool:
@@ -257,6 +271,8 @@ class _StateWriter:
             self.new.setdefault(key, t)
 
     def state(self) -> TensorDictBase:
+        if self.as_is is not None:
+            return self.as_is
         missing = [k for k in self.layout.keys if k not in self.new]
         if missing:
             raise ValueError(
@@ -264,3 +280,9 @@ class _StateWriter:
                 "bucketable transform must return every entry of its state"
             )
         return rebuild(self.layout, [self.new[k] for k in self.layout.keys])
+
+
+def _all_new(td: TensorDictBase) -> bool:
+    """No node of ``td`` is locked, so none belongs to an earlier (locked) state: locking
+    the next state then locks only its own nodes."""
+    return not td.is_locked and all(_all_new(v) for v in entries(td).values() if is_node(v))

@@ -15,7 +15,7 @@ from ftrain import apply
 from ftrain.optim import masks
 from ftrain.optim.bucketed import Source, hands_on, leafwise, owns, prepare_of, sole_owners
 from ftrain.state import first_difference, init_state, tree_equal
-from ftrain.state.tree import flatten, new_td
+from ftrain.state.tree import flatten, new_td, structure
 
 o = ftrain.optim
 
@@ -355,3 +355,51 @@ def test_a_fused_adamw_step_is_torchs_fused_adamw_bit_for_bit(donate, monkeypatc
             sched.step()
         for name, p in ref.named_parameters():
             assert torch.equal(state["params"][tuple(name.split("."))], p.detach()), name
+
+
+def _nodes(td) -> list:
+    from ftrain.state.tree import entries, is_node
+
+    out = [td]
+    for v in entries(td).values():
+        out += _nodes(v) if is_node(v) else []
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+@pytest.mark.parametrize("bucket", [1, 2**30], ids=["per_leaf", "one_bucket"])
+def test_a_pure_steps_new_state_shares_no_node_with_its_input(name, bucket, monkeypatch):
+    """One bucket keeps the bucket's own state as the new optimizer state (no rebuild);
+    either way the new state is made of new, locked nodes with the input's layout."""
+    monkeypatch.setattr(apply, "BUCKET_BYTES", bucket)
+    tx = TXS[name]()
+    model = _model()
+    state = init_state(model, tx, seed=0)
+    step = ftrain.make_step(model, _mse, tx)
+    for i in range(3):
+        new, _ = step(state, _batch(i))
+        old_ids = {id(n) for n in _nodes(state)}
+        assert not any(id(n) in old_ids for n in _nodes(new))
+        assert all(n.is_locked for n in _nodes(new))
+        assert structure(new["opt"])[0] == structure(state["opt"])[0]  # empty sub-trees too
+        state = new
+
+
+def test_the_writer_keeps_a_fresh_whole_bucket_state_and_rebuilds_anything_else():
+    old = TensorDict({"a": {"m": torch.zeros(2)}, "e": {}, "n": torch.tensor(0)}, []).lock_()
+    flat = structure(old)
+
+    def written(bucket_state, whole=True, in_place=False):
+        w = apply._StateWriter(flat, in_place, whole=whole)
+        (w.write if in_place else w.take)(bucket_state)
+        return w.state()
+
+    fresh = new_td({"a": {"m": torch.ones(2)}, "e": {}, "n": torch.tensor(1)})
+    assert written(fresh) is fresh
+    for other in (
+        written(fresh, whole=False),  # more than one bucket
+        written(new_td({"a": old["a"], "e": {}, "n": torch.tensor(1)})),  # a node of the input
+        written(new_td({"a": {"m": torch.ones(2)}, "n": torch.tensor(1)})),  # no empty "e"
+    ):
+        assert other is not fresh and structure(other)[0] == flat[0]
+        assert not any(n is old["a"] for n in _nodes(other))
