@@ -210,7 +210,8 @@ class _StateWriter:
     Out of place with one bucket and a locked input state (``whole``), a bucket state with
     exactly the old layout, all of its nodes new (none locked: none is a node of the input
     or an earlier state), *is* the new state: it is kept as it is instead of being rebuilt
-    from its leaves (~100 TensorDict nodes for AdamW on a 50-leaf model: ~0.3 ms a step).
+    from its leaves (~100 TensorDict nodes for AdamW on GPT-2 tiny's 52 leaves: 0.1-0.25 ms
+    a step, ``benchmarks/step_parts.py``).
     """
 
     def __init__(

@@ -11,7 +11,8 @@ Everything here is plain arithmetic over numbers ftrain already records (see
 
 - ``RUN_DIR/metrics.jsonl``: step records (step time), ``save_started`` events (blocking
   seconds of every save) and ``committed`` ones (when an async write ended: the steps it
-  overlapped give its stall, :func:`_save_stalls`), ``start``/``resume`` events (restore seconds, redone steps, sessions);
+  overlapped give its stall, :func:`_save_stalls`), ``start``/``resume`` events (restore
+  seconds, redone steps, sessions);
 - ``RUN_DIR/checkpoints/checkpoints.json`` (rebuilt from the steps if stale): bytes and
   total save seconds of each retained step, and the run's resolved config (the
   checkpoint policy and planned length) in the newest step's metadata.
