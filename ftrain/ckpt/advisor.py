@@ -292,15 +292,25 @@ def _save_stalls(sessions: list[list[dict]]) -> list[float]:
     step-to-step interval overlapped its write (``save_started`` minus its blocking time,
     to that plus the ``committed`` record's ``after_s``). The step that ran the blocking
     part is one of them, so the figure includes it; a save whose commit was not recorded
-    (the process died, or it failed) is left out."""
+    (the process died, or it failed) is left out.
+
+    An interval is counted from the latest of its start, the save's start and the end of
+    an eval in it (the ``eval`` record): an eval run before the save at the same step (the
+    default configs save on eval steps) or later in the write is the eval's time, not the
+    save's."""
     stalls = []
     for session in sessions:
-        deltas = _step_spans(session)
-        if len(deltas) < 3:
+        spans = _step_spans(session)
+        if len(spans) < 3:
             continue
-        median = statistics.median(b - a for a, b in deltas)
+        median = statistics.median(b - a for a, b in spans)
+        evals = [r["time"] for r in session if r.get("kind") == "eval"]
         for lo, hi in _write_windows(session):
-            over = [b - a - median for a, b in deltas if a < hi and b > lo]
+            over = [
+                b - max(a, lo, *(t for t in evals if a < t < b)) - median
+                for a, b in spans
+                if a < hi and b > lo
+            ]
             if over:
                 stalls.append(sum(over))
     return stalls

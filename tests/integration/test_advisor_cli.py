@@ -62,7 +62,8 @@ def run_dir(tmp_path_factory, cache_dir, forkserver):
 
 def _stalls(recs: list[dict]) -> list[float]:
     """The resumed (last) process's async saves: the step-to-step times that overlap each
-    write (its start to its commit), beyond that process's median step."""
+    write (its start to its commit), each from the latest of its start, the save's start and
+    an eval's end in it (this run evaluates on its save steps), beyond the median step."""
     last = max(i for i, r in enumerate(recs) if r["kind"] == "resume")
     session = recs[last:]
     steps = [r for r in session if r["kind"] == "step"]
@@ -70,14 +71,20 @@ def _stalls(recs: list[dict]) -> list[float]:
     spans = [(a["time"], b["time"]) for a, b in pairs if b["step"] == a["step"] + 1]
     median = statistics.median(b - a for a, b in spans)
     after = {r["step"]: r["after_s"] for r in session if r["kind"] == "committed"}
+    evals = [r["time"] for r in session if r["kind"] == "eval"]
     out = []
     for r in session:
         if r["kind"] == "save_started" and r["async_save"] and r["step"] in after:
             lo = r["time"] - r["blocking_s"]
             hi = lo + after[r["step"]]
-            over = [b - a - median for a, b in spans if a < hi and b > lo]
+            over = [b - _start(a, b, lo, evals) - median for a, b in spans if a < hi and b > lo]
             out += [sum(over)] if over else []
     return out
+
+
+def _start(a: float, b: float, save_start: float, evals: list[float]) -> float:
+    """Where the span (a, b) starts counting: after an eval in it and not before the save."""
+    return max(a, save_start, *(t for t in evals if a < t < b))
 
 
 def test_advise_numbers_match_the_records_and_the_index(run_dir):

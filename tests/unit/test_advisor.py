@@ -275,14 +275,19 @@ def test_measure_reads_the_records_and_the_index(tmp_path):
     assert adv.advise(s).mtbf_s == pytest.approx(s.train_s)  # one failure
 
 
-def _stalled_records(t0: float = 100.0) -> list[dict]:
+def _stalled_records(t0: float = 100.0, eval_s: float = 0.0) -> list[dict]:
     """Steps of 0.5 s; an async save after step 4 (blocking 10 ms) whose 1.21 s write slows
-    steps 5 and 6 by 0.3 s each; one after step 8 that never committed; a sync one after 10."""
+    steps 5 and 6 by 0.3 s each; one after step 8 that never committed; a sync one after 10.
+    ``eval_s``: an eval of that long runs after step 4, before its save, and one during the
+    write, after step 5 (how the loop orders them: step record, eval, save)."""
     step_s = {5: 0.81, 6: 0.8}  # 5: the blocking 10 ms + 0.3 s of the writer's competition
     recs, t = [{"kind": "start", "step": 0, "time": t0 - 0.5}], t0
     for k in range(1, 13):
         t += step_s.get(k, 0.5) if k > 1 else 0.0
         recs.append({"kind": "step", "step": k, "time": t})
+        if eval_s and k in (4, 5):
+            t += eval_s
+            recs.append({"kind": "eval", "step": k, "val_loss": 1.0, "time": t})
         if k == 4:
             recs.append(
                 {
@@ -333,6 +338,14 @@ def test_an_async_saves_cost_is_the_stall_of_the_steps_its_write_overlapped(tmp_
     text = render(a)
     assert "save cost C (stall)" in text and "median of 1 async saves" in text
     assert "save cost (blocking)" in text
+
+
+def test_an_eval_before_the_save_or_during_its_write_is_not_charged_to_it(tmp_path):
+    run = _fake_run(tmp_path)
+    _records(run / "metrics.jsonl", _stalled_records(eval_s=2.0))
+    s = adv.measure(run)
+    # the window now also spans the eval after step 5 (2 s longer): still steps 4->5, 5->6
+    assert s.n_stalls == 1 and s.stall_s == pytest.approx(0.61)
 
 
 def test_a_stall_below_the_blocking_time_or_of_sync_saves_is_not_c():
