@@ -26,6 +26,7 @@ so it is safe on a live run. ``ftrain.ckpt.advice_report.render`` prints an
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import re
@@ -300,20 +301,37 @@ def _save_stalls(sessions: list[list[dict]]) -> list[float]:
     save's."""
     stalls = []
     for session in sessions:
-        spans = _step_spans(session)
+        spans = _step_spans(session)  # in time order, as one process wrote them
         if len(spans) < 3:
             continue
         median = statistics.median(b - a for a, b in spans)
-        evals = [r["time"] for r in session if r.get("kind") == "eval"]
+        ends = [b for _, b in spans]
+        evals = sorted(r["time"] for r in session if r.get("kind") == "eval")
         for lo, hi in _write_windows(session):
             over = [
-                b - max(a, lo, *(t for t in evals if a < t < b)) - median
-                for a, b in spans
-                if a < hi and b > lo
+                b - _counted_from(a, b, lo, evals) - median
+                for a, b in _overlapping(spans, ends, lo, hi)
             ]
             if over:
                 stalls.append(sum(over))
     return stalls
+
+
+def _overlapping(spans: list[tuple[float, float]], ends: list[float], lo: float, hi: float):
+    """The spans ``(a, b)`` with ``b > lo`` and ``a < hi``, found by bisection on their
+    (time-ordered) ends: a long run has ~1e5 step spans and ~1e3 saves."""
+    i = bisect.bisect_right(ends, lo)
+    while i < len(spans) and spans[i][0] < hi:
+        yield spans[i]
+        i += 1
+
+
+def _counted_from(a: float, b: float, save_start: float, evals: list[float]) -> float:
+    """Where the step span ``(a, b)`` starts counting for a save: not before the save
+    started, and after the last eval that ended inside it (``evals`` sorted)."""
+    last = bisect.bisect_left(evals, b) - 1  # the last eval before b
+    inside = evals[last] if last >= 0 and evals[last] > a else a
+    return max(a, save_start, inside)
 
 
 def _write_windows(session: list[dict]) -> list[tuple[float, float]]:
