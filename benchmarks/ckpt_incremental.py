@@ -46,7 +46,7 @@ from ftrain import lora, optim
 from ftrain.ckpt import CheckpointManager, LatestN
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt import incremental as incr
-from ftrain.ckpt.store import flatten
+from ftrain.ckpt.store import groups_and_arrays
 from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
 
 SIZES = {"small": {}, "medium": {"n_layer": 24, "n_head": 16, "n_embd": 1024}}
@@ -91,7 +91,7 @@ def timed_save(m: CheckpointManager, state: TensorDict) -> dict:
 
 def adapter_bytes(state: TensorDict) -> int:
     """The adapters and their optimizer state (what changes in a LoRA step)."""
-    _, leaves = flatten(state)
+    _, leaves = groups_and_arrays(state)
     return sum(t.numel() * t.element_size() for k, t in leaves.items() if "lora" in k)
 
 
@@ -114,7 +114,9 @@ def bench_lora(root: Path, reps: int, vocab: int, size: str) -> dict:
             print(f"  round {rep}: " + _times(res, ("full", "incr")), flush=True)
     dirs = [root / "incr" / f"step_{s:08d}" for s in inc.all_steps()[-2:]]
     res |= {
-        "state_bytes": sum(t.numel() * t.element_size() for t in flatten(state)[1].values()),
+        "state_bytes": sum(
+            t.numel() * t.element_size() for t in groups_and_arrays(state)[1].values()
+        ),
         "adapter_bytes": adapter_bytes(state),
         "du_two": du(*dirs),
         "du_one_full": du(root / "full" / f"step_{full.all_steps()[-1]:08d}"),
@@ -163,7 +165,7 @@ def bench_full_training(root: Path, reps: int) -> dict:
     for rep in range(1, reps + 1):
         state = new_leaves(state)
         state["step"] = torch.tensor(1000 + rep)
-        leaves = flatten(state)[1]
+        leaves = groups_and_arrays(state)[1]
         res["check_new"].append(_seconds(incr.plan_save, inc._last_commit, leaves, 32 << 20, None))
         names = list(managers) if rep % 2 else list(reversed(managers))
         for name in names:
@@ -176,7 +178,7 @@ def bench_full_training(root: Path, reps: int) -> dict:
             _seconds(incr.plan_save, inc._last_commit, leaves, 32 << 20, None)
         )
         print(f"  round {rep}: " + _times(res, names), flush=True)
-    res["leaves"] = len(flatten(state)[1])
+    res["leaves"] = len(groups_and_arrays(state)[1])
     res["linked"] = [r["linked"] for r in res["incremental"]]
     return res
 

@@ -88,12 +88,12 @@ def main(args) -> None:
     def apply_rebuilt():
         """The same with the bucket's state rebuilt node by node (the step before
         ``_StateWriter`` kept a fresh one-bucket state as it is)."""
-        keep = apply_module._all_new
-        apply_module._all_new = lambda td: False
+        keep = apply_module._mirrors_fresh
+        apply_module._mirrors_fresh = lambda new, old: False
         try:
             return apply_once()
         finally:
-            apply_module._all_new = keep
+            apply_module._mirrors_fresh = keep
 
     parts = [
         ("whole pure step", lambda: step(state, batch)),

@@ -102,7 +102,7 @@ def update_and_apply(
     # one bucket, and an input state whose nodes are all locked (so "no locked node" in a
     # bucket state means no node shared with it): the bucket's state may be taken as it is
     whole = len(spans) == 1 and opt.is_locked
-    writer = _StateWriter(opt_flat or structure(opt), in_place, whole=whole)
+    writer = _StateWriter(opt_flat or structure(opt), in_place, like=opt if whole else None)
     if applied:
         return _applied_buckets(body, spans, grads, writer, params, in_place)
     held = {id(t) for t in params} | {id(t) for t in writer.old.values()}
@@ -207,21 +207,24 @@ class _StateWriter:
     every bucket) are taken as they come, never written into, so a later bucket still reads
     the old values. The new state has the old one's layout, empty sub-trees included.
 
-    Out of place with one bucket and a locked input state (``whole``), a bucket state with
-    exactly the old layout, all of its nodes new (none locked: none is a node of the input
+    Out of place with one bucket and a locked input state ``like``, a bucket state that
+    mirrors it node for node, all of its nodes new (none locked: none is a node of the input
     or an earlier state), *is* the new state: it is kept as it is instead of being rebuilt
     from its leaves (~100 TensorDict nodes for AdamW on GPT-2 tiny's 52 leaves: 0.1-0.25 ms
-    a step, ``benchmarks/step_parts.py``).
+    a step, ``benchmarks/step_parts.py``), and checked by one walk that builds no paths.
     """
 
     def __init__(
-        self, opt_flat: tuple[Structure, Leaves], in_place: bool, whole: bool = False
+        self,
+        opt_flat: tuple[Structure, Leaves],
+        in_place: bool,
+        like: TensorDictBase | None = None,
     ) -> None:
         self.layout, leaves = opt_flat
         self.old = dict(zip(self.layout.keys, leaves, strict=True))
         self.new: dict[Key, torch.Tensor] = {}
         self.in_place = in_place
-        self.whole = whole and not in_place
+        self.like = None if in_place else like
         self.as_is: TensorDictBase | None = None
 
     def _entries(self, bucket_state: TensorDictBase) -> list[tuple[Key, torch.Tensor]]:
@@ -232,8 +235,6 @@ class _StateWriter:
                 f"the optimizer's bucketed update returned state entries {unknown[:3]} that "
                 "its state does not have; a bucketable transform must keep its state's layout"
             )
-        if self.whole and layout == self.layout and _all_new(bucket_state):
-            self.as_is = bucket_state
         return list(zip(layout.keys, leaves, strict=True))
 
     def _writable(self, key: Key, t: torch.Tensor) -> bool:
@@ -251,6 +252,9 @@ class _StateWriter:
 
     def take(self, bucket_state: TensorDictBase) -> None:
         """Out of place: the entries become the new state's tensors."""
+        if self.like is not None and not self.new and _mirrors_fresh(bucket_state, self.like):
+            self.as_is = bucket_state
+            return
         for key, t in self._entries(bucket_state):
             self.new[key] = t
 
@@ -283,7 +287,17 @@ class _StateWriter:
         return rebuild(self.layout, [self.new[k] for k in self.layout.keys])
 
 
-def _all_new(td: TensorDictBase) -> bool:
-    """No node of ``td`` is locked, so none belongs to an earlier (locked) state: locking
-    the next state then locks only its own nodes."""
-    return not td.is_locked and all(_all_new(v) for v in entries(td).values() if is_node(v))
+def _mirrors_fresh(new: TensorDictBase, old: TensorDictBase) -> bool:
+    """``new`` has ``old``'s keys at every node (the same layout, empty sub-trees included)
+    and no node of it is locked, so none belongs to an earlier (locked) state: locking the
+    next state then locks only its own nodes."""
+    if new.is_locked:
+        return False
+    mine, theirs = entries(new), entries(old)
+    if mine.keys() != theirs.keys():
+        return False
+    for k, v in mine.items():
+        node = is_node(v)
+        if node != is_node(theirs[k]) or (node and not _mirrors_fresh(v, theirs[k])):
+            return False
+    return True

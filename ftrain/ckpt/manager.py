@@ -58,7 +58,7 @@ from ftrain.ckpt.policies import (
     newest_finite,
 )
 from ftrain.ckpt.reader import read_tree, specs_of
-from ftrain.ckpt.store import DEFAULT_WORKERS, flatten, write_tree
+from ftrain.ckpt.store import DEFAULT_WORKERS, groups_and_arrays, write_tree
 from ftrain.ckpt.target import check_only, match_target
 from ftrain.state.init import check_usable, pin, unpin
 
@@ -280,7 +280,7 @@ class CheckpointManager:
             return False
         self.wait()  # at most one save in flight
         attrs = self._attributes(step, now, metrics, metadata, host_rng)
-        _, leaves = flatten(state)  # raises ValueError now, not in the background
+        _, leaves = groups_and_arrays(state)  # raises ValueError now, not in the background
         plan = (
             incr.plan_save(self._last_commit, leaves, self.chunk_bytes, self.compression)
             if self.incremental
@@ -455,7 +455,7 @@ class CheckpointManager:
             raise CheckpointSaveError(
                 f"[step={step}] save failed in every location: " + "; ".join(errors)
             )
-        last, written = self._last_commit, flatten(snapshot)[1]
+        last, written = self._last_commit, groups_and_arrays(snapshot)[1]
         self._last_commit = incr.remember(last, step, final, manifest, written, plan)
         self._after_commit(step, final, time.perf_counter() - t0, manifest)
 
@@ -693,7 +693,7 @@ class CheckpointManager:
         restored bytes (just verified). A restore later on (e.g. to evaluate an old step)
         leaves the record of this manager's own last commit alone."""
         if self.incremental and self._last_commit is None:
-            leaves = flatten(out)[1]
+            leaves = groups_and_arrays(out)[1]
             plan = incr.SavePlan(incr.identify(leaves), {})
             self._last_commit = incr.remember(None, step, path, manifest, leaves, plan)
 

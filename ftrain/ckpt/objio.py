@@ -53,7 +53,7 @@ from ftrain.ckpt.reader import (
     selected_specs,
     specs_of,
 )
-from ftrain.ckpt.store import build_manifest, flatten
+from ftrain.ckpt.store import build_manifest, groups_and_arrays
 
 __all__ = [
     "Part",
@@ -112,7 +112,7 @@ def upload_tree(
     codec = parse_compression(compression)
     spec_str = codec.spec if codec else None
     reuse = reuse or {}
-    groups, leaves = flatten(state)
+    groups, leaves = groups_and_arrays(state)
     specs = {
         k: reuse[k].spec if k in reuse else plan_array(k, t, chunk_bytes, spec_str)
         for k, t in leaves.items()

@@ -61,7 +61,7 @@ from ftrain.ckpt.store import (
     _HAVE_SYNCFS,
     _Writer,
     build_manifest,
-    flatten,
+    groups_and_arrays,
     merge_manifests,
     syncfs,
 )
@@ -187,7 +187,7 @@ def write_part(
 def _plan(state: TensorDictBase, world: int, chunk_bytes: int, compression: str | None):
     """``(codec, groups, leaves, specs)`` of a sharded save of ``state`` over ``world`` ranks."""
     codec = parse_compression(compression)
-    groups, leaves = flatten(state)
+    groups, leaves = groups_and_arrays(state)
     spec_str = codec.spec if codec else None
     specs = {k: plan_sharded(k, t, world, chunk_bytes, spec_str) for k, t in leaves.items()}
     return codec, groups, leaves, specs

@@ -48,43 +48,44 @@ from ftrain.ckpt.format import (
     write_json,
 )
 from ftrain.ckpt.incremental import FallbackBytes, Reuse
+from ftrain.state.tree import nodes_and_leaves
 
-__all__ = ["flatten", "merge_manifests", "write_tree"]
+__all__ = ["groups_and_arrays", "merge_manifests", "write_tree"]
 
 RESERVED = {"zarr.json"}
 ROOT_RESERVED = {"manifest.json", "COMMITTED"}
 DEFAULT_WORKERS = 4
 
 
-def flatten(td: TensorDictBase) -> tuple[list[str], dict[str, torch.Tensor]]:
-    """Groups (``""`` = root, empty sub-dicts included) and leaves keyed by ``"a/b/c"``.
+def groups_and_arrays(td: TensorDictBase) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """The step's Zarr nodes: groups (``""`` = root, empty sub-dicts included, parents
+    first) and leaves keyed by ``"a/b/c"``, both in the library's one sorted walk
+    (:func:`ftrain.state.tree.nodes_and_leaves`), each name checked.
 
     Raises:
         ValueError: a key that cannot be a Zarr node name (contains ``/``, is empty, starts
             with ``__`` or is reserved), or a leaf that is not a tensor.
     """
-    groups, leaves = [""], {}
+    nodes, keys, values = nodes_and_leaves(td)
+    for path in nodes[1:] + keys:
+        _check_name(path)
+    arrays = {}
+    for key, value in zip(keys, values, strict=True):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"leaf {'/'.join(key)!r} is a {type(value).__name__}, not a tensor")
+        arrays["/".join(key)] = value
+    return ["/".join(n) for n in nodes], arrays
 
-    def walk(node: TensorDictBase, prefix: str) -> None:
-        for name, value in node.items():
-            if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith("__"):
-                raise ValueError(
-                    f"key {name!r} under {prefix or '/'!r} is not a valid node name: use "
-                    "letters, digits, '_', '-' and '.' (not first), no '/'"
-                )
-            if name in RESERVED or (not prefix and name in ROOT_RESERVED):
-                raise ValueError(f"key {name!r} is reserved by the checkpoint format; rename it")
-            path = f"{prefix}/{name}" if prefix else name
-            if isinstance(value, TensorDictBase):
-                groups.append(path)
-                walk(value, path)
-            elif isinstance(value, torch.Tensor):
-                leaves[path] = value
-            else:
-                raise ValueError(f"leaf {path!r} is a {type(value).__name__}, not a tensor")
 
-    walk(td, "")
-    return groups, leaves
+def _check_name(path: tuple[str, ...]) -> None:
+    name, prefix = path[-1], "/".join(path[:-1])
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith("__"):
+        raise ValueError(
+            f"key {name!r} under {prefix or '/'!r} is not a valid node name: use "
+            "letters, digits, '_', '-' and '.' (not first), no '/'"
+        )
+    if name in RESERVED or (not prefix and name in ROOT_RESERVED):
+        raise ValueError(f"key {name!r} is reserved by the checkpoint format; rename it")
 
 
 def _chunk_jobs(tmp: Path, spec: ArraySpec, data: memoryview, rank: int, world: int) -> list:
@@ -170,7 +171,7 @@ def write_tree(
     codec = parse_compression(compression)
     spec_str = codec.spec if codec else None
     reuse = reuse or {}
-    groups, leaves = flatten(state)
+    groups, leaves = groups_and_arrays(state)
     specs = {
         k: reuse[k].spec if k in reuse else plan_array(k, t, chunk_bytes, spec_str)
         for k, t in leaves.items()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tensordict import TensorDictBase
 
-from ftrain.ckpt.store import flatten
+from ftrain.ckpt.store import groups_and_arrays
 
 __all__ = ["check_only", "match_target"]
 
@@ -23,8 +23,8 @@ def match_target(
     td: TensorDictBase, target: TensorDictBase, only: tuple[str, ...] | None
 ) -> TensorDictBase:
     """Validate ``td`` against ``target`` (all differences at once) and move to its devices."""
-    groups_c, got = flatten(td)
-    groups_t, want = flatten(target)
+    groups_c, got = groups_and_arrays(td)
+    groups_t, want = groups_and_arrays(target)
     if only is not None:
         sel = lambda k: any(k == p or k.startswith(p + "/") for p in only)  # noqa: E731
         want = {k: v for k, v in want.items() if sel(k)}

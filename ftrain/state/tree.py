@@ -26,6 +26,7 @@ __all__ = [
     "is_node",
     "map_leaves",
     "new_td",
+    "nodes_and_leaves",
     "path_str",
     "rebuild",
     "replace",
@@ -66,13 +67,16 @@ def _walk(
     keys: list[Path],
     leaves: list[torch.Tensor],
     empty: list[Path] | None = None,
+    nodes: list[Path] | None = None,
 ) -> None:
+    if nodes is not None:
+        nodes.append(prefix)
     items = entries(td)
     for k in sorted(items):
         v = items[k]
         if is_node(v):
             n_leaves, n_empty = len(leaves), len(empty or ())
-            _walk(v, (*prefix, k), keys, leaves, empty)
+            _walk(v, (*prefix, k), keys, leaves, empty, nodes)
             if empty is not None and len(leaves) == n_leaves:  # no leaf below: one entry
                 del empty[n_empty:]
                 empty.append((*prefix, k))
@@ -108,6 +112,29 @@ def flatten(tree: TensorDictBase) -> tuple[list[Path], list[torch.Tensor]]:
     leaves: list[torch.Tensor] = []
     _walk(tree, (), keys, leaves)
     return keys, leaves
+
+
+def nodes_and_leaves(
+    tree: TensorDictBase,
+) -> tuple[list[Path], list[Path], list[torch.Tensor]]:
+    """Every node's path and every leaf's path and value, in one :func:`flatten` walk.
+
+    What a checkpoint stores (:mod:`ftrain.ckpt.store`): a group per node, empty sub-trees
+    included, and an array per leaf. Nodes come parents first (the root is ``()``), leaves
+    in :func:`flatten`'s order: sorted by path, whatever the insertion order.
+
+    Example:
+        >>> nodes, keys, _ = nodes_and_leaves(TensorDict({"b": {}, "a": {"x": torch.ones(1)}}))
+        >>> nodes, keys
+        ([(), ('a',), ('b',)], [('a', 'x')])
+    """
+    if not isinstance(tree, TensorDictBase):
+        flatten(tree)  # raises the TypeError
+    nodes: list[Path] = []
+    keys: list[Path] = []
+    leaves: list[torch.Tensor] = []
+    _walk(tree, (), keys, leaves, nodes=nodes)
+    return nodes, keys, leaves
 
 
 def _nest(keys: Sequence[Path], leaves: Sequence[torch.Tensor]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 import ftrain
 from ftrain import optim, sharding
 from ftrain.ckpt import CheckpointManager
-from ftrain.ckpt.store import flatten
+from ftrain.ckpt.store import groups_and_arrays
 from ftrain.dist import gather_json
 from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
 
@@ -84,7 +84,7 @@ def _check(where: str, sharder: sharding.Sharder) -> dict:
     whole_read = mgr.read_bytes
     mine = sharding.shard_state(mgr.restore(target=fresh, rows=sharder), sharder)
     same, own, sharded_total, replicated = True, 0, 0, 0
-    got, want = flatten(mine)[1], flatten(whole)[1]
+    got, want = groups_and_arrays(mine)[1], groups_and_arrays(whole)[1]
     for key, t in got.items():
         w, nbytes = want[key], want[key].numel() * want[key].element_size()
         rows = sharder.owned_rows(key, tuple(w.shape))
@@ -129,7 +129,7 @@ def overlap(where: str, out: Path) -> None:
     sync.save_sharded(later)
     sync_s = time.perf_counter() - t0
     back = mgr.restore(target=_parts()[2], rows=step.sharder)
-    got, want = flatten(back)[1], flatten(saved)[1]
+    got, want = groups_and_arrays(back)[1], groups_and_arrays(saved)[1]
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     differ = [k for k in want if not (k in got and torch.equal(local(got[k]), local(want[k])))]
     every = gather_json({"blocking_s": blocking, "sync_s": sync_s, "differ": differ})

@@ -147,9 +147,9 @@ def _check_store(state, where: Path, rank: int, world: int) -> dict:
 
 
 def _flat_keys(state):
-    from ftrain.ckpt.store import flatten as store_flatten
+    from ftrain.ckpt.store import groups_and_arrays
 
-    _, leaves = store_flatten(state)
+    _, leaves = groups_and_arrays(state)
     return list(leaves), list(leaves.values())
 
 

@@ -390,7 +390,7 @@ def test_the_writer_keeps_a_fresh_whole_bucket_state_and_rebuilds_anything_else(
     flat = structure(old)
 
     def written(bucket_state, whole=True, in_place=False):
-        w = apply._StateWriter(flat, in_place, whole=whole)
+        w = apply._StateWriter(flat, in_place, like=old if whole else None)
         (w.write if in_place else w.take)(bucket_state)
         return w.state()
 

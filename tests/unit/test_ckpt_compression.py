@@ -15,7 +15,7 @@ from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.format import CorruptCheckpointError
 from ftrain.ckpt.reader import read_tree
-from ftrain.ckpt.store import flatten, write_tree
+from ftrain.ckpt.store import groups_and_arrays, write_tree
 
 from .test_ckpt_format import DTYPES, PLAIN_ZARR_READER, assert_same, bits, random_bits
 
@@ -57,7 +57,7 @@ def test_plain_zarr_reads_compressed_checkpoint(tmp_path, codec):
         capture_output=True, text=True, check=True, cwd=tmp_path,
     )  # fmt: skip
     got = json.loads(res.stdout)
-    _, leaves = flatten(td)
+    _, leaves = groups_and_arrays(td)
     assert set(got["arrays"]) == set(leaves)
     for k, t in leaves.items():
         _, shape, hexbytes = got["arrays"][k]

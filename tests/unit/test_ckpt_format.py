@@ -20,7 +20,8 @@ from tensordict import TensorDict
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import ArraySpec, CorruptCheckpointError, array_zarr_json, plan_array
 from ftrain.ckpt.reader import read_tree
-from ftrain.ckpt.store import flatten, write_tree
+from ftrain.ckpt.store import groups_and_arrays, write_tree
+from ftrain.state.tree import flatten, nodes_and_leaves
 
 DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -52,8 +53,8 @@ def roundtrip(tmp_path: Path, td: TensorDict, chunk_bytes: int = 1 << 20, only=N
 
 
 def assert_same(a: TensorDict, b: TensorDict) -> None:
-    ga, la = flatten(a)
-    gb, lb = flatten(b)
+    ga, la = groups_and_arrays(a)
+    gb, lb = groups_and_arrays(b)
     assert sorted(ga) == sorted(gb) and sorted(la) == sorted(lb)
     for k in la:
         assert la[k].dtype == lb[k].dtype and la[k].shape == lb[k].shape, k
@@ -75,6 +76,28 @@ def test_nested_empty_groups_and_non_contiguous(tmp_path):
     out = roundtrip(tmp_path, td, chunk_bytes=32)
     assert_same(out, td)
     assert isinstance(out["a", "b"], TensorDict) and len(out["a", "b"].keys()) == 0
+
+
+def test_a_step_lists_its_nodes_in_the_trees_one_sorted_walk_whatever_the_insertion_order(
+    tmp_path,
+):
+    """The store walks a state with the library's one flatten (sorted paths), so two trees
+    equal but for insertion order write the same manifest, in the same order."""
+    leaf = torch.arange(3.0)
+    a = TensorDict({"step": torch.tensor(1), "z": {"e": {}}, "b": {"y": leaf, "x": leaf}}, [])
+    b = TensorDict({"b": {"x": leaf, "y": leaf}, "z": {"e": {}}, "step": torch.tensor(1)}, [])
+    nodes, keys, _ = nodes_and_leaves(a)
+    assert nodes == [(), ("b",), ("z",), ("z", "e")] and keys == flatten(a)[0]
+    assert groups_and_arrays(a)[0] == ["", "b", "z", "z/e"]
+    assert list(groups_and_arrays(a)[1]) == ["b/x", "b/y", "step"]
+    manifests = []
+    for name, td in (("a", a), ("b", b)):
+        staging = protocol.begin(tmp_path / name, 1)
+        manifests.append(write_tree(staging.path, td, {}, chunk_bytes=1 << 20))
+    first, second = (json.dumps(m["groups"]) + json.dumps(list(m["arrays"])) for m in manifests)
+    assert first == second
+    with pytest.raises(ValueError, match="'zarr.json' is reserved"):  # manifest.json: root only
+        groups_and_arrays(TensorDict({"a": {"manifest.json": leaf}, "zarr.json": leaf}, []))
 
 
 @settings(max_examples=25, deadline=None)
@@ -157,7 +180,7 @@ def test_plain_zarr_with_the_docs_recipe_reads_every_array_without_ftrain(tmp_pa
     )  # fmt: skip
     got = json.loads(res.stdout)
     assert got["attrs"]["hello"] == 1
-    _, leaves = flatten(td)
+    _, leaves = groups_and_arrays(td)
     assert set(got["arrays"]) == set(leaves)
     for k, t in leaves.items():
         dtype, shape, hexbytes = got["arrays"][k]

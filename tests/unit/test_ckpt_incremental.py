@@ -290,7 +290,9 @@ def test_a_dead_writers_staging_with_links_is_swept_without_touching_the_step(tm
     base = frozen_base()
     with manager(tmp_path, async_save=False) as m:
         m.save(state_at(1, base))
-        plan = incr.plan_save(m._last_commit, store.flatten(state_at(2, base))[1], CHUNK, None)
+        plan = incr.plan_save(
+            m._last_commit, store.groups_and_arrays(state_at(2, base))[1], CHUNK, None
+        )
     staging = protocol.begin(tmp_path / "ckpt", 2)
     store.write_tree(staging.path, state_at(2, base), {}, chunk_bytes=CHUNK, reuse=plan.reuse)
     staging.release()  # the writer "dies": its lock is free, the staging dir stays
@@ -446,8 +448,8 @@ def test_host_snapshot_does_not_copy_reused_device_leaves():
     state = TensorDict({"a": {"dev": dev, "cpu": cpu}, "empty": {}}, []).lock_()
     spec = plan_array("a/dev", dev)
     reuse = {"a/dev": incr.Reuse(Path("/prev"), spec, dev)}
-    host = incr.host_snapshot(state, store.flatten(state)[1], reuse)
-    groups, leaves = store.flatten(host)
+    host = incr.host_snapshot(state, store.groups_and_arrays(state)[1], reuse)
+    groups, leaves = store.groups_and_arrays(host)
     assert groups == ["", "a", "empty"] and set(leaves) == {"a/dev", "a/cpu"}
     assert leaves["a/dev"].device.type == "meta" and leaves["a/dev"].shape == (4, 3)
     assert torch.equal(leaves["a/cpu"], cpu)
