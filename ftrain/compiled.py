@@ -27,11 +27,12 @@ import time
 import torch
 from torch.func import functional_call, grad_and_value
 
+from ftrain.grads import Bound, loss_and_aux, merge_aux, train_mode
 from ftrain.nn import use_generator
 from ftrain.optim.base import pick
 from ftrain.optim.processing import global_norm_of
 from ftrain.state.tree import Key, flatten, rebuild, structure, unflatten
-from ftrain.step import _Bound, _loss_and_aux, _merge_aux, _train_mode, carry_frozen
+from ftrain.step import carry_frozen
 
 __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 
@@ -83,7 +84,7 @@ class CompiledCore:
     """
 
     def __init__(self, model, loss_fn, update, autocast: torch.dtype | None) -> None:
-        self.bound = _Bound(model, loss_fn)
+        self.bound = Bound(model, loss_fn)
         self.update = update
         self.autocast = autocast
         self.cache: dict[tuple, object] = {}
@@ -100,7 +101,7 @@ class CompiledCore:
         if fresh:
             fn = self.cache[key] = torch.compile(self._pure(key, p, b, layout), dynamic=False)
         t0 = time.perf_counter()
-        with _train_mode(self._modules_now()), use_generator(gen):
+        with train_mode(self._modules_now()), use_generator(gen):
             new_t, new_b, new_o, loss, norm, aux = fn(*args)
         if fresh:
             self._report(time.perf_counter() - t0, aux)
@@ -110,7 +111,7 @@ class CompiledCore:
     def explain(self, p, b, opt, micro, scale=None, in_place: bool = False, keep=None):
         """``torch._dynamo.explain`` of the core for these inputs (graph count, breaks)."""
         key, layout, args = self._prepare(p, b, structure(opt), micro, scale, in_place, keep)
-        with _train_mode(self._modules_now()):
+        with train_mode(self._modules_now()):
             return torch._dynamo.explain(self._pure(key, p, b, layout))(*args)
 
     def _prepare(self, p, b, opt_flat, micro, scale, in_place, keep):
@@ -135,7 +136,7 @@ class CompiledCore:
         return _core(self, (tkeys, fkeys), b[0], layout, list(key[3]), key[6])
 
     def _modules_now(self) -> tuple:
-        mods = tuple(self.bound.modules())[1:]  # the model's, without the _Bound wrapper
+        mods = tuple(self.bound.modules())[1:]  # the model's, without the Bound wrapper
         if mods != self._modules:
             self._modules = mods
         return self._modules
@@ -168,7 +169,7 @@ def _core(cc: CompiledCore, keys: tuple, bkeys: list[Key], layout, mkeys, in_pla
             device = ps[0].device.type
             with torch.autocast(device, dtype=autocast or torch.float32, enabled=bool(autocast)):
                 out = functional_call(bound, named, (mb,), tie_weights=True, strict=False)
-            loss, aux = _loss_and_aux(out)
+            loss, aux = loss_and_aux(out)
             scaled = loss / k if scale is None else loss * (scale / k)
             return scaled, (loss.detach().float(), aux)
 
@@ -178,7 +179,7 @@ def _core(cc: CompiledCore, keys: tuple, bkeys: list[Key], layout, mkeys, in_pla
             g, (_, (loss, aux)) = grad_and_value(loss_of, has_aux=True)(params, batch)
             grads = list(g) if grads is None else torch._foreach_add(grads, list(g))
             loss_sum = loss if loss_sum is None else loss_sum + loss
-            _merge_aux(aux_total, aux, k)
+            merge_aux(aux_total, aux, k)
         norm = global_norm_of(grads)
         norm = norm if scale is None else norm / scale
         updates, new_opt = update(pkeys, grads, rebuild(layout, oleaves), params)

@@ -31,7 +31,6 @@ once used).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -44,7 +43,7 @@ from torch.func import functional_call
 
 from ftrain import rng
 from ftrain.apply import update_and_apply
-from ftrain.nn import use_generator
+from ftrain.grads import Bound, Grads, LossFn, loss_and_aux, merge_aux, named_leaves
 from ftrain.optim.base import Trainable, flat_update, leaf_get, pick
 from ftrain.optim.bucketed import prepare_of
 from ftrain.optim.partition import learning_rates, learning_rates_in
@@ -55,21 +54,8 @@ from ftrain.state.tree import Key, Structure, flatten, new_td, structure, unflat
 __all__ = ["Step", "evaluate", "make_eval_step", "make_step"]
 
 Step = Callable[[TensorDictBase, TensorDictBase], tuple[TensorDict, TensorDict]]
-LossFn = Callable[[nn.Module, TensorDictBase], "torch.Tensor | tuple[torch.Tensor, Mapping]"]
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class _Bound(nn.Module):
-    """``loss_fn(model, batch)`` as a module, so ``functional_call`` can bind parameters."""
-
-    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-
-    def forward(self, batch: TensorDictBase):
-        return self.loss_fn(self.model, batch)
 
 
 def _as_tensordict(batch) -> TensorDictBase:
@@ -99,142 +85,6 @@ def _split_batch(batch, k: int) -> tuple[TensorDictBase | None, list[TensorDictB
         )
     chunks = [t.chunk(k) for t in leaves]
     return cursor, [unflatten(keys, [c[i] for c in chunks]) for i in range(k)]
-
-
-def _named(prefix: str, keys: list[Key], leaves: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {prefix + ".".join(k): t for k, t in zip(keys, leaves, strict=True)}
-
-
-def _loss_and_aux(out) -> tuple[torch.Tensor, Mapping]:
-    loss, aux = out if isinstance(out, tuple) else (out, {})
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            f"loss_fn must return a scalar tensor or (scalar tensor, dict), got {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-        )
-    return loss.reshape(()), aux
-
-
-def _merge_aux(total: dict[str, torch.Tensor], aux: Mapping, k: int) -> None:
-    """Sum integer aux metrics (counts) over micro-batches; average floating ones."""
-    for name, value in aux.items():
-        v = torch.as_tensor(value).detach()
-        v = v if not v.is_floating_point() else v.float() / k
-        total[name] = total[name] + v if name in total else v
-
-
-class _Binder:
-    """Puts the state's leaves into the module's parameter and buffer slots for one call.
-
-    What ``functional_call(..., tie_weights=True)`` does, minus its per-call work: the slots
-    (owner module, ``_parameters``/``_buffers`` dict, attribute; every alias of a tied
-    tensor) are looked up once and again only when the module tree changes (checked by
-    identity of its submodules on every call, which also gives the train-mode check).
-    At GPT-2 tiny size ``functional_call`` cost ~0.5 ms a step (~3 %). A path the slots
-    do not know (e.g. a parametrized module) falls back to ``functional_call``.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.modules: tuple[nn.Module, ...] = ()
-        self.slots: dict[Key, list[tuple[dict, str]]] = {}
-
-    def refresh(self) -> tuple[nn.Module, ...]:
-        mods = tuple(self.model.modules())
-        if mods != self.modules:
-            self.modules, self.slots = mods, _slots(self.model)
-        return mods
-
-    @contextlib.contextmanager
-    def bind(self, keys: list[Key], leaves: list[torch.Tensor]):
-        saved: list[tuple[dict, str, torch.Tensor]] = []
-        try:
-            for key, leaf in zip(keys, leaves, strict=True):
-                for table, attr in self.slots[key]:
-                    saved.append((table, attr, table[attr]))
-                    table[attr] = leaf
-            yield
-        finally:
-            for table, attr, old in reversed(saved):
-                table[attr] = old
-
-
-def _slots(model: nn.Module) -> dict[Key, list[tuple[dict, str]]]:
-    """Path of each parameter/buffer (first name of a tied tensor) -> all slots holding it."""
-    if any(hasattr(m, "parametrizations") for m in model.modules()):
-        return {}  # parametrized weights are properties: let functional_call handle them
-    slots: dict[Key, list[tuple[dict, str]]] = {}
-    first: dict[int, Key] = {}
-    for owner_name, owner in model.named_modules(remove_duplicate=False):
-        prefix = tuple(owner_name.split(".")) if owner_name else ()
-        for table in (owner._parameters, owner._buffers):
-            for attr, t in table.items():
-                if t is None:
-                    continue
-                path = first.setdefault(id(t), (*prefix, attr))
-                slots.setdefault(path, []).append((table, attr))
-                if path != (*prefix, attr):  # an alias also answers to its own name
-                    slots[(*prefix, attr)] = slots[path]
-    return slots
-
-
-def _differentiated(params: list[torch.Tensor], keep: list[int] | None):
-    """``(values, leaves)``: every param as the forward sees it, and the ones differentiated
-    (all, or only the trainable indices ``keep``: frozen leaves get no gradient at all)."""
-    if keep is None:
-        leaves = [p.detach().requires_grad_() for p in params]
-        return leaves, leaves
-    values = [p.detach() for p in params]
-    for i in keep:
-        values[i].requires_grad_()
-    return values, [values[i] for i in keep]
-
-
-class _Grads:
-    """Forward + backward over the micro-batches of one step, accumulating gradients of the
-    trainable parameters."""
-
-    def __init__(self, model: nn.Module, loss_fn: LossFn, autocast: torch.dtype | None) -> None:
-        self.bound = _Bound(model, loss_fn)
-        self.binder = _Binder(model)
-        self.autocast = autocast
-
-    def __call__(self, pkeys, params, keep, bkeys, buffers, micro, gen, loss_scale):
-        values, leaves = _differentiated(params, keep)
-        keys, values = pkeys + bkeys, values + buffers
-        grads, loss_sum, aux_total = None, None, {}
-        k = len(micro)
-        with _train_mode(self.binder.refresh()):
-            fast = all(key in self.binder.slots for key in keys)
-            for mb in micro:
-                loss, aux = self._forward(keys, values, fast, mb, gen, leaves[0].device)
-                scaled = loss / k if loss_scale is None else loss * (loss_scale / k)
-                g = torch.autograd.grad(scaled, leaves, allow_unused=True)
-                g = [
-                    torch.zeros_like(t) if gi is None else gi
-                    for t, gi in zip(leaves, g, strict=True)
-                ]
-                grads = g if grads is None else torch._foreach_add(grads, g)
-                loss_sum = (
-                    loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
-                )
-                _merge_aux(aux_total, aux, k)
-        return grads, loss_sum / k, aux_total
-
-    def _forward(self, keys, values, fast, mb, gen, device):
-        with (
-            use_generator(gen),
-            torch.autocast(
-                device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None
-            ),
-        ):
-            if fast:
-                with self.binder.bind(keys, values):
-                    out = self.bound(mb)
-            else:
-                named = _named("model.", keys, values)
-                out = functional_call(self.bound, named, (mb,), tie_weights=True, strict=False)
-        return _loss_and_aux(out)
 
 
 def carry_frozen(params: list[torch.Tensor], keep: list[int] | None, new: list[torch.Tensor]):
@@ -496,7 +346,7 @@ class _EagerCore:
     """
 
     def __init__(self, model, loss_fn, tx, autocast, dp: bool, clip: float | None, sharder=None):
-        self.grads_of = _Grads(model, loss_fn, autocast)
+        self.grads_of = Grads(model, loss_fn, autocast)
         self.update, self.prepare = flat_update(tx), prepare_of(tx)
         self.collective, self.old_clip = _collective(dp and sharder is None), _deprecated_clip(clip)
         self.sharder = sharder
@@ -565,24 +415,6 @@ def _new_state(**parts) -> TensorDict:
     return new_td(parts).lock_()
 
 
-@contextlib.contextmanager
-def _train_mode(modules: tuple[nn.Module, ...]):
-    """Train mode for the block, then the modes as they were (``modules[0]`` is the root).
-
-    ``Module.train`` walks and sets every submodule (~0.2 ms at GPT-2 tiny size, twice per
-    step), so it only runs when some submodule is not already training.
-    """
-    if all(m.training for m in modules):
-        yield
-        return
-    was_training = modules[0].training
-    modules[0].train()
-    try:
-        yield
-    finally:
-        modules[0].train(was_training)
-
-
 def _dropout_key(state: TensorDictBase, rank: int) -> torch.Tensor:
     return rng.step_key(state["rng"], int(state["step"]), rng.STREAM_DROPOUT, rank)
 
@@ -602,7 +434,7 @@ def make_eval_step(model: nn.Module, loss_fn: LossFn, *, precision: str = "fp32"
         ['loss', 'samples']
     """
     _check_args(1, precision, None)
-    bound = _Bound(model, loss_fn)
+    bound = Bound(model, loss_fn)
     autocast = _AUTOCAST[precision]
 
     def eval_step(state: TensorDictBase, batch) -> TensorDict:
@@ -610,7 +442,7 @@ def make_eval_step(model: nn.Module, loss_fn: LossFn, *, precision: str = "fp32"
         _, micro = _split_batch(batch, 1)
         pkeys, params = flatten(state["params"])
         bkeys, buffers = flatten(state["buffers"])
-        named = _named("model.", pkeys, params) | _named("model.", bkeys, buffers)
+        named = named_leaves("model.", pkeys, params) | named_leaves("model.", bkeys, buffers)
         was_training = model.training
         model.eval()
         try:
@@ -622,13 +454,13 @@ def make_eval_step(model: nn.Module, loss_fn: LossFn, *, precision: str = "fp32"
                     enabled=autocast is not None,
                 ),
             ):
-                loss, aux = _loss_and_aux(
+                loss, aux = loss_and_aux(
                     functional_call(bound, named, (micro[0],), tie_weights=True, strict=False)
                 )
         finally:
             model.train(was_training)
         aux_total: dict[str, torch.Tensor] = {}
-        _merge_aux(aux_total, aux, 1)
+        merge_aux(aux_total, aux, 1)
         return _metrics(loss.float(), None, {}, micro, aux_total)
 
     return eval_step

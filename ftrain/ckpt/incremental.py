@@ -62,7 +62,8 @@ import crc32c
 import torch
 from tensordict import TensorDictBase
 
-from ftrain.ckpt.format import ArraySpec, plan_array, tensor_bytes
+from ftrain.ckpt.chunkio import tensor_bytes
+from ftrain.ckpt.format import ArraySpec, plan_array
 
 __all__ = [
     "AUDIT_FRACTION",
@@ -215,7 +216,7 @@ def _windows(n: int) -> list[tuple[int, int]]:
 def _cpu_view(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor without copying. A plain contiguous tensor is read at its
     ``data_ptr`` directly (a fingerprint of every leaf is taken after every save: the eight
-    torch calls of :func:`~ftrain.ckpt.format.tensor_bytes` would cost more than the
+    torch calls of :func:`~ftrain.ckpt.chunkio.tensor_bytes` would cost more than the
     hashing); anything else goes through ``tensor_bytes``."""
     if t.is_contiguous() and not t.is_conj() and not t.is_neg() and t.numel():
         nbytes = t.numel() * t.element_size()

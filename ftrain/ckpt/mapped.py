@@ -41,16 +41,14 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.ckpt._threads import run_pools
-from ftrain.ckpt.format import (
-    DIRECT_MIN_BYTES,
-    ArraySpec,
+from ftrain.ckpt.chunkio import (
     check_tail,
     open_sized,
-    parse_dtype,
     read_chunk,
     read_chunk_into,
     read_chunks_into,
 )
+from ftrain.ckpt.format import DIRECT_MIN_BYTES, ArraySpec, parse_dtype
 from ftrain.ckpt.reader import (
     allocate_tree,
     byte_view,

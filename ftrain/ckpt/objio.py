@@ -31,17 +31,10 @@ import obstore
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain.ckpt import commit as protocol
+from ftrain.ckpt.chunkio import decode_verified, encode_chunk, tensor_bytes
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.documents import step_documents
-from ftrain.ckpt.format import (
-    ArraySpec,
-    CorruptCheckpointError,
-    _encode,
-    decode_verified,
-    json_bytes,
-    plan_array,
-    tensor_bytes,
-)
+from ftrain.ckpt.format import ArraySpec, CorruptCheckpointError, json_bytes, plan_array
 from ftrain.ckpt.incremental import FallbackBytes, Reuse
 from ftrain.ckpt.objstore import ObjectKey, gather_bounded
 from ftrain.ckpt.reader import (
@@ -67,7 +60,7 @@ __all__ = [
 
 def _chunk_object(spec: ArraySpec, payload: memoryview, pad: int) -> tuple[bytes, int, int]:
     """``(object bytes, crc32c, bytes before the crc)`` of one chunk (in a worker thread)."""
-    parts = _encode(payload, pad, spec.codec, spec.itemsize)
+    parts = encode_chunk(payload, pad, spec.codec, spec.itemsize)
     crc = 0
     for part in parts:
         crc = crc32c.crc32c(part, value=crc)

@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.ckpt._threads import run_parallel, run_pools
+from ftrain.ckpt.chunkio import read_chunk, read_chunks_into
 from ftrain.ckpt.format import (
     DIRECT_MIN_BYTES,
     ArraySpec,
@@ -29,8 +30,6 @@ from ftrain.ckpt.format import (
     array_zarr_json,
     check_key,
     parse_dtype,
-    read_chunk,
-    read_chunks_into,
     read_json,
 )
 from ftrain.ckpt.store import DEFAULT_WORKERS

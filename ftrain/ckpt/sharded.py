@@ -34,18 +34,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt._threads import run_parallel, run_pools
+from ftrain.ckpt.chunkio import read_chunk, read_chunks_into, tensor_bytes
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.documents import step_documents
-from ftrain.ckpt.format import (
-    DIRECT_MIN_BYTES,
-    ArraySpec,
-    dtype_name,
-    parse_dtype,
-    plan_array,
-    read_chunk,
-    read_chunks_into,
-    tensor_bytes,
-)
+from ftrain.ckpt.format import DIRECT_MIN_BYTES, ArraySpec, dtype_name, parse_dtype, plan_array
 from ftrain.ckpt.incremental import FallbackBytes
 from ftrain.ckpt.reader import (
     allocate_tree,

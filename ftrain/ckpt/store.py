@@ -33,6 +33,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ftrain.ckpt._threads import run_parallel, run_pools
+from ftrain.ckpt.chunkio import tensor_bytes, write_chunk
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.documents import step_documents
 from ftrain.ckpt.format import (
@@ -43,8 +44,6 @@ from ftrain.ckpt.format import (
     ArraySpec,
     json_bytes,
     plan_array,
-    tensor_bytes,
-    write_chunk,
     write_json,
 )
 from ftrain.ckpt.incremental import FallbackBytes, Reuse
