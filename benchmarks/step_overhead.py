@@ -216,13 +216,28 @@ def paired(workload: str, variants: list[str], args) -> dict:
         compile_s[v] = _run(step, batches[:1])  # the first step compiles the compiled ones
         _run(step, batches[1 : args.warmup])
     times: dict[str, list[float]] = {v: [] for v in variants}
+    faults: dict[str, list[float]] = {v: [] for v in variants}
     clock = time.thread_time if args.cpu_time else time.perf_counter
     for r in range(args.rounds):
         chunk = batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
+            before = _minor_faults()
             times[v].append(_run(runners[v], chunk, clock) / args.steps)
-    return {"times": times, "first_step_s": compile_s, "max_diff": _diffs(params, variants)}
+            faults[v].append((_minor_faults() - before) / args.steps)
+    return {
+        "times": times,
+        "faults": faults,
+        "first_step_s": compile_s,
+        "max_diff": _diffs(params, variants),
+    }
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far: fresh pages the allocator had to map (a
+    step that reuses its buffers takes none; one whose memory glibc returned to the OS
+    takes one per 4 KiB page it writes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _diffs(params: dict, variants: list[str]) -> dict[str, float]:
@@ -248,15 +263,16 @@ def report(workload: str, res: dict, args) -> None:
     )
     print(
         "| variant | ms/step (median) | × imperative (median of round ratios) | "
-        "rounds' ratio range | first step s | max abs param diff |"
+        "rounds' ratio range | first step s | max abs param diff | minor faults/step |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for v, ts in times.items():
         ratios = [a / b for a, b in zip(ts, base, strict=True)] if base else [float("nan")]
         print(
             f"| {v} | {statistics.median(ts) * 1e3:,.2f} | {statistics.median(ratios):.3f}× | "
             f"{min(ratios):.3f}–{max(ratios):.3f} | {res['first_step_s'][v]:.2f} | "
-            f"{res['max_diff'].get(v, float('nan')):.2g} |"
+            f"{res['max_diff'].get(v, float('nan')):.2g} | "
+            f"{statistics.median(res['faults'][v]):,.0f} |"
         )
 
 
