@@ -98,6 +98,8 @@ def test_a_step_lists_its_nodes_in_the_trees_one_sorted_walk_whatever_the_insert
     assert first == second
     with pytest.raises(ValueError, match="'zarr.json' is reserved"):  # manifest.json: root only
         groups_and_arrays(TensorDict({"a": {"manifest.json": leaf}, "zarr.json": leaf}, []))
+    with pytest.raises(ValueError, match="leaf 'a/s' is a NonTensorData, not a tensor"):
+        groups_and_arrays(TensorDict({"a": {"s": "text"}, "b": leaf}, []))
 
 
 @settings(max_examples=25, deadline=None)
