@@ -147,5 +147,10 @@ if __name__ == "__main__":
     else:
         load(Path(sys.argv[2]), sys.argv[3:])
     if dist.is_initialized():
-        dist.barrier()  # no rank tears its gloo pairs down while a peer still sends
-        dist.destroy_process_group()
+        dist.barrier()  # every rank's collectives are done, its results written
+        # Leave without interpreter finalization: gloo's teardown there once aborted a rank
+        # in CI ("terminate called without an active exception", SIGABRT) after a run whose
+        # results were all in; the test checks the results and the exit code of the work.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

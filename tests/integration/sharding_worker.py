@@ -10,6 +10,7 @@ steps. float64 keeps that noise below Adam's eps, so what is compared is the alg
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -73,7 +74,10 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(report, f)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank's work is done; leave as reshard_worker does (no teardown)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Run:
