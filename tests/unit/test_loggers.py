@@ -150,9 +150,12 @@ def test_wandb_offline_run_holds_the_values_and_a_resume_continues_the_same_run(
     again = build_loggers({"wandb": WANDB}, RunInfo(tmp_path, "r", start_step=1, resumed=True))
     _log(again, {2: 3.4})
     again.close()
-    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
+    # Each run directory holds ``run-<id>.wandb``; the directory name may carry wandb's
+    # ``-N`` suffix when both runs started in the same second, so it is not the id.
+    logs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     run_id = (tmp_path / "wandb" / "ftrain-run-id").read_text().strip()
-    assert len(runs) == 2 and all(r.endswith(run_id) for r in runs), "one run id, resumed"
+    ids = [Path(log).stem.removeprefix("run-") for log in logs]
+    assert ids == [run_id, run_id], f"one run id, resumed: {logs}"
     rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in _wandb_history(tmp_path)]
     assert rows == [
         {"step": 1, "train/loss": 4.0, "train/lr": 1e-3},
