@@ -133,7 +133,8 @@ def acquire(run_dir: str | os.PathLike, argv: list[str] | None = None) -> RunLoc
     """Take the run lock of ``run_dir`` (created if needed) for this process.
 
     Raises:
-        RunLockError: a live process holds it, or a lock file from another host is there.
+        RunLockError: a live process holds it, or a lock file written on another host
+            is there on a file system that may be shared (see ``_LOCAL_FS``).
         RunDirError: the lock file cannot be created.
     """
     path = Path(run_dir) / LOCK_NAME
@@ -160,11 +161,12 @@ def _take(fd: int, path: Path, argv: list[str] | None) -> RunLock:
             "and exits), or use another run.dir / run.name"
         ) from None
     previous = _holder(fd)
-    if previous.get("host") not in (None, host):
+    if previous.get("host") not in (None, host) and not _is_local_fs(path):
         raise RunLockError(
             f"run.dir {str(path.parent)!r} has a lock written on another host by "
-            f"{_describe(previous)}, which this host cannot check. If that run is no longer "
-            f"running, remove the lock file and start again: rm {path}"
+            f"{_describe(previous)}, which this host cannot check on this shared file "
+            f"system ({_fs_type(path)}). If that run is no longer running, remove the lock "
+            f"file and start again: rm {path}"
         )
     record = {
         "pid": os.getpid(),
@@ -176,6 +178,55 @@ def _take(fd: int, path: Path, argv: list[str] | None) -> RunLock:
     os.pwrite(fd, json.dumps(record).encode(), 0)
     os.fsync(fd)
     return RunLock(path, fd, taken_over=previous if previous else {})
+
+
+# File systems on this machine's own disks or memory: no other host can hold a lock on
+# them, so a free flock there is proof the holder is gone, whatever host name it wrote (a
+# restarted container gets a new one). Anything else may be shared (nfs, cifs, lustre,
+# fuse, ceph, ...), where a flock may not reach across hosts: a foreign record is refused.
+_LOCAL_FS = frozenset(
+    [
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "f2fs",
+        "zfs",
+        "jfs",
+        "reiserfs",
+        "tmpfs",
+        "ramfs",
+        "overlay",
+        "squashfs",
+        "vfat",
+        "exfat",
+    ]
+)
+
+
+def _is_local_fs(path: Path) -> bool:
+    return _fs_type(path) in _LOCAL_FS
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the mount
+    with the longest matching mount point), or ``"unknown"``."""
+    target, best, kind = os.path.realpath(path), -1, "unknown"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts, after = fields.split(), rest.split()
+        if len(parts) < 5 or not after:
+            continue
+        mount = parts[4].encode().decode("unicode_escape")  # \040 for a space
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > best:
+            best, kind = len(mount), after[0]
+    return kind
 
 
 def stale_note(lock: RunLock) -> str | None:

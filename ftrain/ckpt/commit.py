@@ -57,6 +57,7 @@ location or a step accepts its ``ObjectRoot`` / ``ObjectKey`` too and hands it o
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -80,6 +81,8 @@ from ftrain.ckpt.format import (
     write_json,
 )
 from ftrain.ckpt.store import fsync_dir
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Staging",
@@ -178,8 +181,21 @@ def commit(staging: Staging, manifest: dict, marker_extra: dict | None = None) -
     if os.path.lexists(final):
         set_aside(final, "replaced" if _is_committed(final) else "unreadable")
     os.rename(staging.path, final)
-    fsync_dir(staging.root)
+    try:
+        fsync_dir(staging.root)
+    except OSError as e:
+        # The step is complete and visible (its files and marker are fsynced); only the
+        # rename's durability is in doubt. Failing here would report a committed step as
+        # not saved, and a fallback save would then set this copy aside.
+        log.warning(
+            "[step=%d] committed %s, but fsync of %s failed: %s",
+            staging.step,
+            final,
+            staging.root,
+            e,
+        )
     _phase("renamed")
+    staging.release()
     staging.release()
     return final
 

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -275,11 +276,11 @@ class CheckpointManager:
         self._check_usable()
         step = self._read_step(state)
         check_usable(state, "save")  # a donated state's tensors already hold a later step
-        now = time.time()
+        now = time.monotonic()  # the policy's clock: an NTP step back must not stop saves
         if not self._wants(step, now, force):
             return False
         self.wait()  # at most one save in flight
-        attrs = self._attributes(step, now, metrics, metadata, host_rng)
+        attrs = self._attributes(step, metrics, metadata, host_rng)
         _, leaves = groups_and_arrays(state)  # raises ValueError now, not in the background
         plan = (
             incr.plan_save(self._last_commit, leaves, self.chunk_bytes, self.compression)
@@ -324,9 +325,9 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         self._check_usable()
-        step, now = self._read_step(state), time.time()
+        step, now = self._read_step(state), time.monotonic()
         self.wait()
-        attrs = self._attributes(step, now, metrics, metadata, host_rng)
+        attrs = self._attributes(step, metrics, metadata, host_rng)
         self._last_step, self._last_time = step, now
         if not self.async_save:
             self._write_sharded(state, step, attrs, t0, 0.0, group)
@@ -344,24 +345,27 @@ class CheckpointManager:
     def _write_sharded(self, state, step: int, attrs: dict, t0: float, blocking: float, group):
         from ftrain.ckpt.sharded import save_all_ranks
 
-        try:
+        with self._unsaved_on_failure(step, "sharded save"):
             done = save_all_ranks(
                 self, state, step, attrs, lambda m: _marker_extra(m, attrs, blocking, t0), group
             )
-        except OSError as e:
-            self._last_step, self._last_time = self._committed_last
-            raise CheckpointSaveError(f"[step={step}] sharded save failed: {e}") from e
         if done is not None:  # the coordinator: retention, index
             final, manifest = done
             self._after_commit(step, final, time.perf_counter() - t0, manifest)
         else:
             self._written.add(step)
 
+    @property
+    def failed(self) -> bool:
+        """A background save failed; the next ``save`` / ``wait`` raises its error (this
+        only looks, so a data-parallel run can decide on every rank to stop together)."""
+        return self._error is not None
+
     def wants(self, state: TensorDictBase, *, force: bool = False) -> bool:
         """Whether ``save(state, force=force)`` would write now (the save policy and the
         already-saved check), without saving: lets every rank of a data-parallel run take
         part in gathering what the save records (e.g. each rank's host RNG states)."""
-        return self._wants(self._read_step(state), time.time(), force)
+        return self._wants(self._read_step(state), time.monotonic(), force)
 
     def _wants(self, step: int, now: float, force: bool) -> bool:
         ctx = SaveContext(step, now, self._last_step, self._last_time)
@@ -383,7 +387,6 @@ class CheckpointManager:
     def _attributes(
         self,
         step: int,
-        now: float,
         metrics: dict | None,
         metadata: dict | None,
         host_rng: dict[int, dict] | None,
@@ -397,7 +400,7 @@ class CheckpointManager:
         attrs |= {
             "format_version": FORMAT_VERSION,
             "step": step,
-            "time": now,
+            "time": time.time(),  # wall clock, for people and keep policies
             "metrics": {str(k): json_scalar(v) for k, v in (metrics or {}).items()},
             "versions": versions(),
             "host_rng": {
@@ -438,26 +441,42 @@ class CheckpointManager:
         blocking: float,
         plan: incr.SavePlan,
     ) -> None:
+        with self._unsaved_on_failure(step, "save"):
+            final, manifest = self._write_first(snapshot, step, attrs, t0, blocking, plan)
+        last, written = self._last_commit, groups_and_arrays(snapshot)[1]
+        self._last_commit = incr.remember(last, step, final, manifest, written, plan)
+        self._after_commit(step, final, time.perf_counter() - t0, manifest)
+
+    def _write_first(self, snapshot, step: int, attrs: dict, t0: float, blocking: float, plan):
+        """Write to the first location that takes it (an OSError moves on to the next)."""
         errors = []
         for i, root in enumerate(self._dirs):
             try:
-                final, manifest = self._write_to(root, snapshot, step, attrs, t0, blocking, plan)
-                break
+                return self._write_to(root, snapshot, step, attrs, t0, blocking, plan)
             except OSError as e:
                 errors.append(f"{root}: {e}")
                 if i + 1 < len(self._dirs):
                     msg = f"[step={step}] saving to {root} failed ({e}); saving to fallback {self._dirs[i + 1]}"
                     log.warning(msg)
                     warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        else:
-            # not saved: the step may be offered again (e.g. by an emergency save)
+        raise CheckpointSaveError(
+            f"[step={step}] save failed in every location: " + "; ".join(errors)
+        )
+
+    @contextlib.contextmanager
+    def _unsaved_on_failure(self, step: int, what: str):
+        """A write that fails in any way (an OSError everywhere, but also a MemoryError or a
+        codec's error) leaves the step unsaved: it may be offered again (the emergency
+        save on SIGTERM, the final save), and the error is a ``CheckpointSaveError``."""
+        try:
+            yield
+        except BaseException as e:
             self._last_step, self._last_time = self._committed_last
+            if isinstance(e, CheckpointSaveError) or not isinstance(e, Exception):
+                raise
             raise CheckpointSaveError(
-                f"[step={step}] save failed in every location: " + "; ".join(errors)
-            )
-        last, written = self._last_commit, groups_and_arrays(snapshot)[1]
-        self._last_commit = incr.remember(last, step, final, manifest, written, plan)
-        self._after_commit(step, final, time.perf_counter() - t0, manifest)
+                f"[step={step}] {what} failed: {type(e).__name__}: {e}"
+            ) from e
 
     def _write_to(
         self,
@@ -505,7 +524,10 @@ class CheckpointManager:
         return load_or_rebuild(self.directory / INDEX, steps)
 
     def _after_commit(self, step: int, final: Path, total: float, manifest: dict) -> None:
-        self._committed_last = (step, self._last_time if self._last_step == step else time.time())
+        self._committed_last = (
+            step,
+            self._last_time if self._last_step == step else time.monotonic(),
+        )
         with self._lock:
             linked = manifest.get("linked_bytes", 0)
             log.info(
@@ -517,40 +539,63 @@ class CheckpointManager:
                 linked,
             )
             self._written.add(step)
-            locations = self._set_aside_other_histories(step, final)
-            entries = {s: e for s, e in self._entries.items() if s in locations}
-            for s, paths in locations.items():
-                if s not in entries or entries[s]["path"] != str(paths[0]):
-                    try:
-                        entries[s] = entry_for(s, paths[0])
-                    except CorruptCheckpointError:
-                        continue
-            entries[step] = entry_for(step, final, save_seconds=total)
-            infos = [StepInfo(s, e["time"], e.get("metrics") or {}) for s, e in entries.items()]
-            keep = self.keep_policy.keep(infos, time.time()) | {max(locations)}
-            keep |= newest_finite(entries)  # a diverged run never loses its last good step
-            for s in sorted(set(locations) - keep):
-                for p in locations[s]:
-                    protocol.delete_step(p)
-                    log.info("[step=%d] deleted by keep policy", s)
-                entries.pop(s, None)
-            mark_best(entries, best_policies(self.keep_policy))
-            self._entries = entries
-            self._store_index()
+            try:
+                self._retain(step, final, total)
+            except OSError as e:  # the step is committed: nothing to undo, nothing to retry
+                msg = f"[step={step}] committed, but retention or the index failed: {e}"
+                log.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+    def _retain(self, step: int, final: Path, total: float) -> None:
+        """Histories set aside, the keep policy applied, the index written (under the lock)."""
+        locations = self._set_aside_other_histories(step, final)
+        entries = self._entries_of(locations)
+        entries[step] = entry_for(step, final, save_seconds=total)
+        infos = [StepInfo(s, e["time"], e.get("metrics") or {}) for s, e in entries.items()]
+        keep = self.keep_policy.keep(infos, time.time()) | {step, max(locations)}
+        keep |= newest_finite(entries)  # a diverged run never loses its last good step
+        # A step whose metadata could not be read (maybe an EIO or EMFILE of the moment)
+        # is not the policy's to judge: deleting it could lose committed work.
+        keep |= set(locations) - set(entries)
+        for s in sorted(set(locations) - keep):
+            for p in locations[s]:
+                protocol.delete_step(p)
+                log.info("[step=%d] deleted by keep policy", s)
+            entries.pop(s, None)
+        mark_best(entries, best_policies(self.keep_policy))
+        self._entries = entries
+        self._store_index()
+
+    def _entries_of(self, locations: dict[int, list[Path]]) -> dict[int, dict]:
+        """Index entries of the listed steps: known ones reused, the rest read; a step
+        whose metadata cannot be read is left out (and so kept, never judged)."""
+        entries = {s: e for s, e in self._entries.items() if s in locations}
+        for s, paths in locations.items():
+            if s not in entries or entries[s]["path"] != str(paths[0]):
+                try:
+                    entries[s] = entry_for(s, paths[0])
+                except CorruptCheckpointError as e:
+                    log.warning("[step=%d] %s unreadable (%s); kept, not indexed", s, paths[0], e)
+        return entries
 
     def _set_aside_other_histories(self, step: int, final: Path) -> dict[int, list[Path]]:
         """After committing ``step``: copies of it elsewhere (the other location) and steps
-        newer than the branch point that this manager did not write are moved aside, so a
-        resume never mixes two histories (they stay on disk; ``ckpt list`` shows them).
-        Returns the committed steps left (listed again only if something moved)."""
+        newer than the branch point that this manager did not write, and steps newer than
+        ``step`` itself (the run went back, e.g. restored an older step and trained on from
+        it), are moved aside, so a resume never mixes two histories (they stay on disk;
+        ``ckpt list`` shows them). Returns the committed steps left (listed again only if
+        something moved)."""
         locations, moved = self._locations(), False
         for s, paths in locations.items():
-            newer = self._restored_from is not None and s > self._restored_from
+            branch = self._restored_from is not None and s > self._restored_from
+            other = s > step or (branch and s not in self._written)
             for p in paths:
-                if (s == step and p != final) or (newer and s not in self._written):
+                if (s == step and p != final) or other:
                     aside = protocol.set_aside(p, "replaced" if s == step else "superseded")
                     log.warning("[step=%d] moved %s aside to %s (another history)", s, p, aside)
                     moved = True
+            if s > step:
+                self._written.discard(s)  # no longer saved: the new history may save it
         return self._locations() if moved else locations
 
     def _store_index(self) -> None:
@@ -586,9 +631,10 @@ class CheckpointManager:
     ) -> TensorDictBase:
         """Load the newest committed step that verifies (or exactly ``step``).
 
-        A whole-state restore makes the restored step this manager's branch point: once
-        this manager commits a newer step, committed steps after the branch point that it
-        did not write (another history) are moved aside.
+        A whole-state restore before this manager's first commit (a resume) makes the
+        restored step its branch point: once it commits a newer step, committed steps after
+        the branch point that it did not write (another history) are moved aside. A restore
+        after a commit (e.g. to evaluate an old step) moves no branch point.
 
         Args:
             step: the step to load; ``None`` = newest valid, falling back past corrupt ones.
@@ -653,8 +699,8 @@ class CheckpointManager:
             out = td if target is None else match_target(td, target, only_t)
             if host_rng:
                 _restore_host_rng(rng_states, s, self.rank)
-            if only_t is None:
-                self._restored_from = s
+            if only_t is None and not self._written:
+                self._restored_from = s  # the branch point (see the docstring)
                 if rows is None:  # a sharded save rewrites every row: nothing to link
                     self._remember_restored(s, path, manifest, out)
             return out

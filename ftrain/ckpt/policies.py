@@ -37,7 +37,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SaveContext:
-    """What a save policy sees: the offered step and the last committed/accepted save."""
+    """What a save policy sees: the offered step and the last committed/accepted save.
+
+    ``now`` and ``last_time`` are ``time.monotonic()`` seconds (never the wall clock, which
+    an NTP correction can step back by an hour and so stop time-based saves): compare
+    them with each other only.
+    """
 
     step: int
     now: float

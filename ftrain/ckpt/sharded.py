@@ -24,6 +24,7 @@ the rows. Which step every rank restores is agreed by the caller (``ftrain.cli.r
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -51,13 +52,15 @@ from ftrain.ckpt.reader import (
 )
 from ftrain.ckpt.store import (
     _HAVE_SYNCFS,
+    FsSync,
     _Writer,
     build_manifest,
     groups_and_arrays,
     merge_manifests,
-    syncfs,
 )
 from ftrain.dist import broadcast_int, broadcast_json, gather_json
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "plan_sharded",
@@ -161,7 +164,11 @@ def write_part(
     )
     meta += [j for j in chunks if len(j[4]) + j[5] < DIRECT_MIN_BYTES]
     writer = _Writer(tmp, specs, FallbackBytes({}), codec, durable=not _HAVE_SYNCFS, direct=True)
-    results = run_pools([(writer.do, big, workers), (writer.do, meta, max(1, workers // 2))])
+    with FsSync.opened(tmp, _HAVE_SYNCFS) as watch:  # before anything is written
+        results = run_pools([(writer.do, big, workers), (writer.do, meta, max(1, workers // 2))])
+        protocol._phase("part_written")  # fault-injection seam: this rank's chunks, not yet durable
+        if watch is not None:
+            watch.sync()  # this rank's files are durable before it reports success
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     stored: dict[str, dict[int, int]] = {k: {} for k in specs}
     documents: dict[str, list[int]] = {}
@@ -170,9 +177,6 @@ def write_part(
             documents[r[1]] = [r[2], r[3]]
         else:
             crcs[r[1]][r[2]], stored[r[1]][r[2]] = r[3], r[4]
-    protocol._phase("part_written")  # fault-injection seam: this rank's chunks, not yet durable
-    if _HAVE_SYNCFS:
-        syncfs(tmp)  # this rank's files are durable before it reports success
     return build_manifest(groups, specs, crcs, stored, documents, spec_str)
 
 
@@ -290,8 +294,12 @@ def save_all_ranks(
         raise OSError(broadcast_json(error, group=group))
     try:
         report = {"ok": True, "manifest": target.write(where, state, attrs, rank, world)}
-    except (OSError, ValueError) as e:
-        report = {"ok": False, "error": f"rank {rank}: {e}"}
+    except Exception as e:  # noqa: BLE001 - any failure must reach the gather, or the others hang
+        why = str(e)
+        if not isinstance(e, (OSError, ValueError)):  # unexpected: keep its traceback
+            log.exception("rank %d: writing its part of step %d failed", rank, step)
+            why = f"{type(e).__name__}: {e}"
+        report = {"ok": False, "error": f"rank {rank}: {why}"}
     parts = gather_json(report, group)
     final = _commit(target, handle, step, parts, marker_extra) if rank == 0 else None
     ok = broadcast_int(1 if final is not None else 0, group=group)
@@ -309,7 +317,12 @@ def _commit(target, handle, step: int, parts: list[dict], marker_extra) -> tuple
     if not all(p["ok"] for p in parts):
         target.abort(handle)
         return None
-    manifest = merge_manifests([p["manifest"] for p in parts])
+    try:
+        manifest = merge_manifests([p["manifest"] for p in parts])
+    except ValueError as e:  # a chunk no rank wrote: never seal it
+        parts.append({"ok": False, "error": f"rank 0: {e}"})
+        target.abort(handle)
+        return None
     try:
         return target.commit(handle, step, manifest, marker_extra)
     except OSError:

@@ -21,9 +21,11 @@ exercised today.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -195,9 +197,12 @@ def write_tree(
     meta = [j for j, b in zip(jobs, is_big, strict=True) if not b]  # documents first
     per_file = durable and not _HAVE_SYNCFS
     w = _Writer(tmp, specs, FallbackBytes(reuse), codec, durable=per_file, direct=direct)
-    # ``workers`` threads for the data, half as many again for metadata (4 + 2 measured
-    # best on 2 cores: 3 + 1, 4 + 1 and 5 + 2 were slower).
-    results = run_pools([(w.do, big, workers), (w.do, meta, max(1, workers // 2))])
+    with FsSync.opened(tmp, durable and not per_file) as watch:  # before anything is written
+        # ``workers`` threads for the data, half as many again for metadata (4 + 2
+        # measured best on 2 cores: 3 + 1, 4 + 1 and 5 + 2 were slower).
+        results = run_pools([(w.do, big, workers), (w.do, meta, max(1, workers // 2))])
+        if watch is not None:
+            watch.sync()
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     stored: dict[str, dict[int, int]] = {k: {} for k in specs}
     documents: dict[str, list[int]] = {}
@@ -211,8 +216,6 @@ def write_tree(
             linked += r[4] + 4 if r[5] else 0
     if per_file:
         run_parallel(fsync_dir, reversed(_all_dirs(tmp, groups, list(specs.values()))), workers)
-    elif durable:
-        syncfs(tmp)
     return build_manifest(groups, specs, crcs, stored, documents, spec_str, linked)
 
 
@@ -353,7 +356,15 @@ def build_manifest(
 
 
 def merge_manifests(parts: list[dict]) -> dict:
-    """Merge per-rank manifests (each holds crc values for its own chunks only)."""
+    """Merge per-rank manifests (each holds crc values for its own chunks only).
+
+    Raises:
+        ValueError: the parts list different arrays, or a chunk that no rank wrote (a step
+            with a hole must not be committed).
+    """
+    keys = [sorted(p["arrays"]) for p in parts]
+    if any(k != keys[0] for k in keys):
+        raise ValueError("the ranks' parts list different arrays; the ranks saved different states")
     merged = parts[0] | {"arrays": {k: dict(v) for k, v in parts[0]["arrays"].items()}}
     merged["nbytes"] = sum(p["nbytes"] for p in parts)
     merged["linked_bytes"] = sum(p.get("linked_bytes", 0) for p in parts)
@@ -365,7 +376,19 @@ def merge_manifests(parts: list[dict]) -> dict:
                     continue
                 mine = merged["arrays"][k][field] = list(merged["arrays"][k][field])
                 mine[:] = [a if a is not None else b for a, b in zip(mine, v[field], strict=True)]
+    _check_complete(merged)
     return merged
+
+
+def _check_complete(manifest: dict) -> None:
+    for name, spec in manifest["arrays"].items():
+        for field in ("crc32c", "stored_nbytes"):
+            holes = [i for i, v in enumerate(spec.get(field) or []) if v is None]
+            if holes:
+                raise ValueError(
+                    f"array {name!r}: no rank wrote chunk(s) {holes[:5]} (its {field} is "
+                    "missing); the ranks' shardings do not cover the array"
+                )
 
 
 def _load_syncfs():
@@ -376,20 +399,52 @@ def _load_syncfs():
         return None
 
 
+def _kernel_at_least(major: int, minor: int) -> bool:
+    found = re.match(r"(\d+)\.(\d+)", os.uname().release) if hasattr(os, "uname") else None
+    return found is not None and (int(found[1]), int(found[2])) >= (major, minor)
+
+
 _SYNCFS = _load_syncfs()
-_HAVE_SYNCFS = _SYNCFS is not None
+# before Linux 5.8 syncfs returns 0 even when a write-back failed: fsync every file there
+_HAVE_SYNCFS = _SYNCFS is not None and _kernel_at_least(5, 8)
 
 
-def syncfs(path: Path) -> None:
-    """Flush the whole file system holding ``path`` (Linux ``syncfs``; reports writeback
-    errors since Linux 5.8). One call replaces thousands of per-file fsyncs."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        if _SYNCFS(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(path))
-    finally:
-        os.close(fd)
+class FsSync:
+    """One ``syncfs`` of the file system holding ``path`` (one call replaces thousands of
+    per-file fsyncs), through a descriptor opened at construction, i.e. before the save
+    writes anything. Linux reports to ``syncfs`` the write-back errors recorded since its
+    descriptor was opened: one opened after the writes would miss an error that another
+    process's ``syncfs`` (a shared file system) saw first, and a lost write would commit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+    def sync(self) -> None:
+        """Flush and report; the descriptor is closed either way."""
+        try:
+            if _SYNCFS(self.fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(self.path))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def opened(cls, path: Path, enabled: bool):
+        """``with FsSync.opened(tmp, enabled) as watch``: a watch (None when not enabled)
+        whose descriptor is closed on leaving the block; call ``watch.sync()`` inside it."""
+        watch = cls(path) if enabled else None
+        try:
+            yield watch
+        finally:
+            if watch is not None:
+                watch.close()
 
 
 def fsync_dir(path: Path) -> None:

@@ -40,6 +40,7 @@ from ftrain.step import evaluate, make_eval_step
 __all__ = ["Session"]
 
 _LOCAL_REASONS = ("emergency", "hang")
+_FAILED = 2  # the save verdict broadcast when the coordinator's background save failed
 # per-rank throughput: the run's is the sum over ranks
 _THROUGHPUT = ("tokens_per_s", "samples_per_s")
 
@@ -170,7 +171,10 @@ class Session:
             )
             return False
         if self.world.active and reason not in _LOCAL_REASONS:
-            if not broadcast_int(int(self.manager.wants(state, force=force))):
+            verdict = broadcast_int(self._verdict(state, force))
+            if verdict == _FAILED:
+                self._stop_on_failed_save(int(state["step"]))
+            if not verdict:
                 return False
             force = True  # decided above for every rank: the save below must not re-decide
             gathered = gather_json(hostrng.capture())
@@ -195,6 +199,21 @@ class Session:
             self._committed(list(self._pending))
             self._started(int(state["step"]), reason, t0, started, self.cfg.checkpoint.async_save)
         return saved
+
+    def _verdict(self, state, force: bool) -> int:
+        """The coordinator's decision for every rank: save, skip, or stop because its
+        background save failed (checked at every step, so no rank trains on for a whole
+        save interval after a lost save, and all of them stop together)."""
+        if self.manager.failed:
+            return _FAILED
+        return int(self.manager.wants(state, force=force))
+
+    def _stop_on_failed_save(self, step: int) -> None:
+        if self.manager.failed:  # the coordinator (and, sharded, every rank) holds the error
+            self.wait_commits()  # records it and raises CheckpointSaveError
+        msg = "the coordinator's background checkpoint save failed (its log says why)"
+        self._say(step, f"stopping: {msg}")
+        raise CheckpointSaveError(msg)
 
     def _started(self, step: int, reason: str, t0: float, started: float, async_save) -> None:
         """Record a save the manager accepted; a sync save is committed once it returns."""

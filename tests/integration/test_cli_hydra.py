@@ -222,6 +222,7 @@ def test_a_checkpoints_recorded_target_is_never_imported(cli, tmp_path, monkeypa
     subprocess.run(
         [sys.executable, "-c", FORGE, str(base / "checkpoints"), str(forged / "checkpoints")],
         check=True,
+        timeout=120,
     )
     meta = CheckpointManager(forged / "checkpoints", async_save=False).metadata(2)
     assert meta["config"]["model"]["_target_"] == "forged_evil.Boom"

@@ -13,6 +13,7 @@ import pytest
 
 from ftrain.ckpt import CheckpointManager
 from ftrain.cli.resume import ResumeReport
+from tests.procs import first_line
 
 from .conftest import TINY, records
 
@@ -153,7 +154,7 @@ def test_sigint_during_start_up_is_one_line_and_exit_130(cache_dir, tmp_path):
         # background (`nohup ... &`) hands its children SIGINT ignored, which they keep
         preexec_fn=_default_sigint,
     )
-    assert proc.stdout.readline().strip() == "BUILDING"  # inside start-up, lock held
+    assert first_line(proc).strip() == "BUILDING"  # inside start-up, lock held
     assert json.loads((run / ".lock").read_text())["pid"] == proc.pid
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -37,6 +37,7 @@ def test_non_editable_install_finds_configs_from_any_directory(tmp_path):
         env=env,
         capture_output=True,
         text=True,
+        timeout=120,
     )
     assert where.stdout.strip().startswith(str(target)), where
     cfg = subprocess.run(
@@ -45,6 +46,7 @@ def test_non_editable_install_finds_configs_from_any_directory(tmp_path):
         env=env,
         capture_output=True,
         text=True,
+        timeout=120,
     )
     assert cfg.returncode == 0, cfg.stderr
     assert "name: gpt2" in cfg.stdout and "n_layer: 12" in cfg.stdout

@@ -49,8 +49,14 @@ def _finish(proc, timeout=300):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
+        # SIGTERM first: the agent tears its workers down (they run in sessions of their
+        # own, so a SIGKILLed agent would leave them running into the next tests)
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
         raise AssertionError(f"torchrun timed out:\n{out}") from None
     return proc.returncode, out
 
@@ -131,3 +137,31 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_pat
     assert resumes and resumes[-1]["from_step"] >= 4
     assert "rank 0 restored" in resumes[-1]["host_rng"]
     assert CheckpointManager(run / "checkpoints", async_save=False).latest_step() == 40
+
+
+def _stop_step(out: str, rank: int) -> int | None:
+    for ln in out.splitlines():
+        if ln.startswith(f"[rank={rank}][step=") and "stopping: the coordinator's" in ln:
+            return int(ln.split("[step=")[1].split("]")[0])
+    return None
+
+
+def test_a_failed_background_save_stops_every_rank_at_the_next_step_not_the_next_save(
+    cache_dir, tmp_path
+):
+    """An injected ENOSPC as rank 0's async save of step 10 begins: every rank learns of it
+    at a following step's save verdict (the coordinator broadcasts it), not at step 20's
+    save a whole interval later, and they stop together."""
+    from ftrain.faults import inject_dir
+
+    run, arm = tmp_path / "run", tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "b", "phase": "begun", "rank": 0, "action": "enospc"}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    common = ["checkpoint.every_steps=10", "checkpoint.async_save=true", "trainer.max_steps=40"]
+    got, out = _finish(_torchrun(run, cache_dir, *common, env=env))
+    assert got != 0 and arm.with_name("arm.json.fired").exists(), out
+    assert "checkpoint of step 10 did not commit" in out, out
+    assert "No space left on device (injected at begun)" in out, out
+    stopped = _stop_step(out, 1)
+    assert stopped is not None and 10 < stopped < 20, out

@@ -8,7 +8,6 @@ session: ``AWS_ENDPOINT_URL``, dummy credentials, ``AWS_REGION``, ``AWS_ALLOW_HT
 
 import itertools
 import os
-import socket
 
 import pytest
 
@@ -22,18 +21,14 @@ except ImportError:
 _names = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server():
     """``{"endpoint": url, "env": {...}}`` of a running moto S3 server on loopback."""
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: the server binds a free port itself (a port picked first could be taken
+    # before moto binds it, and moto's start() would then wait forever)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    _, port = server.get_host_and_port()
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "testing",

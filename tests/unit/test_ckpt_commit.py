@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 
@@ -129,3 +131,44 @@ def test_per_file_fsync_path_without_syncfs(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "_HAVE_SYNCFS", False)
     final = _save(tmp_path, 4)
     assert list(protocol.committed_steps(tmp_path)) == [4] and final.exists()
+
+
+def test_syncfs_goes_through_a_descriptor_opened_before_the_first_write(tmp_path, monkeypatch):
+    """Linux reports a write-back error to ``syncfs`` only through descriptors opened
+    before it happened: the watch must be opened before any chunk is written, and an
+    error it reports fails the save (nothing committed)."""
+    from ftrain.ckpt import store
+
+    events, writes = [], store._Writer.do
+
+    def recording_syncfs(fd):
+        events.append(("sync", os.fstat(fd).st_ino))
+        return 0
+
+    def recording_write(self, job):
+        events.append(("write", None))
+        return writes(self, job)
+
+    real_init = store.FsSync.__init__
+
+    def recording_open(self, path):
+        real_init(self, path)
+        events.append(("open", os.fstat(self.fd).st_ino))
+
+    monkeypatch.setattr(store, "_SYNCFS", recording_syncfs)
+    monkeypatch.setattr(store, "_HAVE_SYNCFS", True)
+    monkeypatch.setattr(store._Writer, "do", recording_write)
+    monkeypatch.setattr(store.FsSync, "__init__", recording_open)
+    _save(tmp_path, 1)
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "open" and kinds[-1] == "sync" and "write" in kinds
+    assert events[0][1] == events[-1][1], "the same descriptor (the staging directory)"
+
+    def eio(fd):
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(store, "_SYNCFS", eio)
+    with pytest.raises(OSError, match="syncfs failed"):
+        _save(tmp_path, 2)
+    assert list(protocol.committed_steps(tmp_path)) == [1]

@@ -1,4 +1,5 @@
-"""The run lock: one run per run.dir, a dead holder taken over, a foreign host refused."""
+"""The run lock: one run per run.dir, a dead holder taken over (whatever host name it wrote,
+on a local disk), a foreign host refused on a shared file system."""
 
 import json
 import os
@@ -7,9 +8,11 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from ftrain import runlock
 from ftrain.config import load_config
 from ftrain.dist import World
 from ftrain.runlock import (
@@ -20,6 +23,7 @@ from ftrain.runlock import (
     claim_run_dir,
     stale_note,
 )
+from tests.procs import first_line
 
 HOLD = """
 import sys, time
@@ -34,7 +38,7 @@ def _holder(run_dir):
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True
     )
-    assert proc.stdout.readline().strip() == "held"
+    assert first_line(proc).strip() == "held"
     return proc
 
 
@@ -66,15 +70,35 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
         assert again.taken_over == {} and stale_note(again) is None
 
 
-def test_a_lock_file_from_another_host_is_refused_with_how_to_clear_it(tmp_path):
+def test_a_lock_file_from_another_host_on_a_shared_fs_is_refused_with_how_to_clear_it(
+    tmp_path, monkeypatch
+):
     record = {"pid": 4242, "host": "node-elsewhere", "started": time.time(), "argv": ["x"]}
     (tmp_path / ".lock").write_text(json.dumps(record))
+    monkeypatch.setattr(runlock, "_fs_type", lambda path: "nfs4")
     with pytest.raises(RunLockError) as info:
         acquire(tmp_path)
     msg = str(info.value)
     assert "pid 4242 on host node-elsewhere" in msg and f"rm {tmp_path / '.lock'}" in msg
+    assert "shared file system (nfs4)" in msg
     (tmp_path / ".lock").unlink()
     acquire(tmp_path).release()
+
+
+def test_a_free_lock_from_another_host_name_on_a_local_disk_is_taken_over(tmp_path):
+    """A container restarted after a SIGKILL gets a new host name; on a local file system
+    the free flock proves the old holder is gone, so the restart is not blocked."""
+    assert runlock._fs_type(tmp_path) in runlock._LOCAL_FS, "the test needs a local tmp dir"
+    record = {"pid": 4242, "host": "old-container", "started": time.time(), "argv": ["x"]}
+    (tmp_path / ".lock").write_text(json.dumps(record))
+    with acquire(tmp_path) as lock:
+        assert lock.taken_over["host"] == "old-container"
+        assert "pid 4242 on host old-container" in stale_note(lock)
+
+
+def test_the_file_system_type_is_the_longest_mount_point_holding_the_path(tmp_path):
+    assert runlock._fs_type(Path("/proc/self")) == "proc"
+    assert runlock._fs_type(tmp_path / "not-yet" / "made") == runlock._fs_type(tmp_path)
 
 
 def test_claim_checks_writability_before_anything_and_holds_the_lock(tmp_path):

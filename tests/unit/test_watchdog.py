@@ -132,8 +132,10 @@ def test_a_loop_that_keeps_stepping_is_never_fired(tmp_path):
     state, step = _setup()
     fired = Fired(threading.Event())
     slow = (dict(x=torch.ones(4, 2)) for _ in iter(lambda: time.sleep(0.05) or True, False))
-    wd = Watchdog(0.3, run_dir=tmp_path, exit=fired, first_timeout_s=5)
-    result = train_loop(state, step, slow, max_steps=15, watchdog=wd)  # ~0.75 s in all
+    # beats 0.05 s apart against a 1 s timeout (room for a busy machine's pauses), for
+    # ~2 s in all: longer than the timeout, so only the beats keep it from firing
+    wd = Watchdog(1.0, run_dir=tmp_path, exit=fired, first_timeout_s=10)
+    result = train_loop(state, step, slow, max_steps=40, watchdog=wd)
     assert result.status == "finished" and fired.codes == [] and not wd.fired
     assert wd._thread is None, "stopped with the loop"
 
@@ -159,7 +161,7 @@ def save(state, metrics):
     print("saved", int(state["step"]), flush=True)
     return True
 
-wd = Watchdog(0.5, run_dir=sys.argv[1], save=save)
+wd = Watchdog(2.0, run_dir=sys.argv[1], save=save)  # no early fire on a busy machine
 train_loop(ftrain.init_state(model, tx, seed=0), step, batches(), max_steps=10, watchdog=wd)
 print("not reached", flush=True)
 """

@@ -1,0 +1,190 @@
+"""CheckpointManager fault paths found by review: a step whose metadata cannot be read
+for a moment, a save failing with something other than an OSError, a commit into a
+directory that holds newer steps, the wall clock stepping back, an old step restored mid
+run, a failure after the rename, and a sharded manifest with a hole."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+import types
+import warnings
+
+import pytest
+
+from ftrain.ckpt import (
+    CheckpointManager,
+    CheckpointSaveError,
+    EveryNSeconds,
+    LatestN,
+    manager,
+    store,
+)
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt import format as fmt
+from ftrain.ckpt.store import merge_manifests
+from tests.unit.test_ckpt_manager import make_state, same
+
+
+def _listed(d) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith("step_"))
+
+
+def test_a_step_whose_metadata_cannot_be_read_for_a_moment_is_kept_not_deleted(
+    tmp_path, monkeypatch
+):
+    with CheckpointManager(tmp_path, async_save=False, keep_policy=LatestN(5)) as m:
+        for s in (1, 2):
+            m.save(make_state(s), force=True)
+    (tmp_path / "checkpoints.json").unlink()  # killed before the index write
+    real_open = os.open
+
+    def emfile_on_step_1(path, flags, *a, **k):
+        if str(path).endswith("step_00000001/zarr.json"):
+            raise OSError(errno.EMFILE, "Too many open files", str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(fmt.os, "open", emfile_on_step_1)
+    with CheckpointManager(tmp_path, async_save=False, keep_policy=LatestN(1)) as m:
+        assert m.save(make_state(3), force=True)
+    monkeypatch.setattr(fmt.os, "open", real_open)
+    again = CheckpointManager(tmp_path, async_save=False, keep_policy=LatestN(5))
+    # step 2 was the policy's to delete (LatestN(1), readable); step 1 was not judged
+    assert again.all_steps() == [1, 3]
+    assert same(again.restore(1), make_state(1))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_failing_with_a_memory_error_leaves_the_step_unsaved_for_the_emergency_save(
+    tmp_path, monkeypatch, async_save
+):
+    m = CheckpointManager(tmp_path, async_save=async_save)
+    real = store.write_chunk
+
+    def out_of_memory(*a, **k):
+        raise MemoryError("cannot allocate the compression buffer")
+
+    monkeypatch.setattr(store, "write_chunk", out_of_memory)
+    with pytest.raises(CheckpointSaveError, match="MemoryError"):
+        m.save(make_state(7), force=True)
+        m.wait()
+    monkeypatch.setattr(store, "write_chunk", real)
+    assert m.save(make_state(7), force=True), "the emergency save of the same step runs"
+    m.close()
+    assert m.all_steps() == [7] and _listed(tmp_path) == ["step_00000007"]
+
+
+def test_a_commit_is_never_deleted_by_its_own_retention_and_newer_steps_go_aside(tmp_path):
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(make_state(1000), force=True)
+    with CheckpointManager(tmp_path, async_save=False, keep_policy=LatestN(1)) as m:
+        assert m.save(make_state(100), force=True)  # a fresh start into the same directory
+        assert m.all_steps() == [100]
+        assert same(m.restore(), make_state(100))
+        assert list(m.set_aside_steps()) == [1000], "not deleted: moved aside, recoverable"
+
+
+def test_time_based_saves_go_on_when_the_wall_clock_steps_back(tmp_path, monkeypatch):
+    wall, mono = [1_000_000.0], [50.0]
+    fake = types.SimpleNamespace(
+        time=lambda: wall[0], monotonic=lambda: mono[0], perf_counter=time.perf_counter
+    )
+    monkeypatch.setattr(manager, "time", fake)
+    m = CheckpointManager(tmp_path, async_save=False, save_policy=EveryNSeconds(60))
+    assert m.save(make_state(1))
+    wall[0] -= 3600  # NTP steps the clock back an hour
+    saved = []
+    for s in range(2, 5):
+        wall[0] += 30
+        mono[0] += 30
+        saved.append(m.save(make_state(s)))
+    assert saved == [False, True, False], "the interval is counted on the monotonic clock"
+    assert m.all_steps() == [1, 3]
+
+
+def test_looking_at_an_old_step_mid_run_sets_nothing_aside(tmp_path):
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (10, 20, 30):
+            m.save(make_state(s), force=True)
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.restore()  # the resume: from 30
+        m.save(make_state(40), force=True)
+        assert same(m.restore(20), make_state(20))  # e.g. to evaluate it
+        m.save(make_state(50), force=True)
+        assert m.all_steps() == [10, 20, 30, 40, 50] and not m.set_aside_steps()
+
+
+def test_training_on_from_an_older_step_sets_the_abandoned_steps_aside(tmp_path):
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (10, 20, 30):
+            m.save(make_state(s), force=True)
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.restore()
+        m.save(make_state(40), force=True)
+        m.restore(20)  # went back, e.g. past a loss spike
+        other = make_state(25, n=32)
+        assert m.save(other, force=True)
+        assert m.all_steps() == [10, 20, 25], "30 (the last run's) and 40 (its own) abandoned"
+        assert sorted(m.set_aside_steps()) == [30, 40]
+        assert m.save(make_state(40, n=32), force=True), "the new history saves its own 40"
+        assert same(m.restore(), make_state(40, n=32))
+
+
+def test_a_failed_directory_fsync_after_the_rename_still_reports_the_commit(
+    tmp_path, monkeypatch, caplog
+):
+    real = protocol.fsync_dir
+
+    def eio_on_the_root(path):
+        if path == tmp_path:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path)
+
+    monkeypatch.setattr(protocol, "fsync_dir", eio_on_the_root)
+    with (
+        caplog.at_level(logging.WARNING, logger="ftrain.ckpt.commit"),
+        CheckpointManager(tmp_path, async_save=False) as m,
+    ):
+        assert m.save(make_state(5), force=True)
+    assert "fsync of" in caplog.text and "Input/output error" in caplog.text
+    monkeypatch.setattr(protocol, "fsync_dir", real)
+    assert CheckpointManager(tmp_path).all_steps() == [5]
+
+
+def test_a_retention_failure_after_the_commit_is_a_warning_not_a_lost_save(tmp_path, monkeypatch):
+    m = CheckpointManager(tmp_path, async_save=False, keep_policy=LatestN(1))
+    m.save(make_state(1), force=True)
+
+    def read_only(path):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(protocol, "delete_step", read_only)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert m.save(make_state(2), force=True)
+    assert any("retention or the index failed" in str(w.message) for w in caught)
+    assert not m.save(make_state(2), force=True), "step 2 is saved: not offered again"
+    assert m.all_steps() == [1, 2]
+
+
+def _part(crcs, arrays=("w",)):
+    return {
+        "format_version": 2,
+        "groups": [""],
+        "documents": {},
+        "nbytes": 8,
+        "linked_bytes": 0,
+        "arrays": {a: {"crc32c": list(crcs), "stored_nbytes": [4 if c else None for c in crcs]}
+                   for a in arrays},
+    }  # fmt: skip
+
+
+def test_a_sharded_manifest_with_a_chunk_no_rank_wrote_is_refused():
+    merged = merge_manifests([_part([1, None]), _part([None, 2])])
+    assert merged["arrays"]["w"]["crc32c"] == [1, 2]
+    with pytest.raises(ValueError, match=r"array 'w': no rank wrote chunk\(s\) \[1\]"):
+        merge_manifests([_part([1, None]), _part([None, None])])
+    with pytest.raises(ValueError, match="different arrays"):
+        merge_manifests([_part([1]), _part([2], arrays=("w", "v"))])
