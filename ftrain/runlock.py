@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -209,24 +210,28 @@ def _is_local_fs(path: Path) -> bool:
     return _fs_type(path) in _LOCAL_FS
 
 
-def _fs_type(path: Path) -> str:
+def _fs_type(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> str:
     """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the mount
-    with the longest matching mount point), or ``"unknown"``."""
-    target, best, kind = os.path.realpath(path), -1, "unknown"
+    with the longest matching mount point, the last of equals — the one on top, visible),
+    or ``"unknown"``."""
+    target, best, kind = os.fsencode(os.path.realpath(path)), -1, "unknown"
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        lines = mountinfo.read_bytes().splitlines()
     except OSError:
         return kind
     for line in lines:
-        fields, _, rest = line.partition(" - ")
+        fields, _, rest = line.partition(b" - ")
         parts, after = fields.split(), rest.split()
         if len(parts) < 5 or not after:
             continue
-        mount = parts[4].encode().decode("unicode_escape")  # \040 for a space
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) > best:
-            best, kind = len(mount), after[0]
+        mount = _OCTAL.sub(lambda m: bytes([int(m[1], 8)]), parts[4])  # \040 for a space
+        inside = target == mount or target.startswith(mount.rstrip(b"/") + b"/")
+        if inside and len(mount) >= best:
+            best, kind = len(mount), os.fsdecode(after[0])
     return kind
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
 def stale_note(lock: RunLock) -> str | None:

@@ -135,9 +135,11 @@ class Staging:
 
     def release(self) -> None:
         if self.lock_fd >= 0:
-            self.lock_path.unlink(missing_ok=True)
-            os.close(self.lock_fd)
-            self.lock_fd = -1
+            try:
+                self.lock_path.unlink(missing_ok=True)
+            finally:  # the descriptor (and with it the flock) goes whatever unlink did
+                os.close(self.lock_fd)
+                self.lock_fd = -1
 
 
 def begin(root: Path, step: int) -> Staging:
@@ -195,8 +197,12 @@ def commit(staging: Staging, manifest: dict, marker_extra: dict | None = None) -
             e,
         )
     _phase("renamed")
-    staging.release()
-    staging.release()
+    try:
+        staging.release()
+    except OSError as e:  # committed: a lock file left behind is swept at the next start
+        log.warning(
+            "[step=%d] committed %s, but its staging lock stayed: %s", staging.step, final, e
+        )
     return final
 
 

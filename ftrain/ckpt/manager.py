@@ -172,6 +172,7 @@ class CheckpointManager:
         # the steps it committed itself: a committed step newer than the branch point that
         # this manager did not write belongs to another history and is set aside.
         self._restored_from: int | None = None
+        self._rewound = False  # a whole-state restore since the last commit
         self._written: set[int] = set()
         self._invalid: dict[Path, str] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
@@ -361,6 +362,12 @@ class CheckpointManager:
         only looks, so a data-parallel run can decide on every rank to stop together)."""
         return self._error is not None
 
+    def join(self) -> None:
+        """Block until the save in flight (if any) has finished, without raising its error
+        (:attr:`failed` then tells; ``wait`` raises it)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def wants(self, state: TensorDictBase, *, force: bool = False) -> bool:
         """Whether ``save(state, force=force)`` would write now (the save policy and the
         already-saved check), without saving: lets every rank of a data-parallel run take
@@ -541,7 +548,7 @@ class CheckpointManager:
             self._written.add(step)
             try:
                 self._retain(step, final, total)
-            except OSError as e:  # the step is committed: nothing to undo, nothing to retry
+            except (OSError, CorruptCheckpointError) as e:  # committed: nothing to undo or retry
                 msg = f"[step={step}] committed, but retention or the index failed: {e}"
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
@@ -580,22 +587,24 @@ class CheckpointManager:
 
     def _set_aside_other_histories(self, step: int, final: Path) -> dict[int, list[Path]]:
         """After committing ``step``: copies of it elsewhere (the other location) and steps
-        newer than the branch point that this manager did not write, and steps newer than
-        ``step`` itself (the run went back, e.g. restored an older step and trained on from
-        it), are moved aside, so a resume never mixes two histories (they stay on disk;
+        newer than the branch point that this manager did not write, and, after a restore
+        since the last commit, steps newer than ``step`` itself (the run went back and
+        trained on from an older step), are moved aside, so a resume never mixes two histories (they stay on disk;
         ``ckpt list`` shows them). Returns the committed steps left (listed again only if
         something moved)."""
         locations, moved = self._locations(), False
         for s, paths in locations.items():
             branch = self._restored_from is not None and s > self._restored_from
-            other = s > step or (branch and s not in self._written)
+            went_back = self._rewound and s > step
+            other = went_back or (branch and s not in self._written)
             for p in paths:
                 if (s == step and p != final) or other:
                     aside = protocol.set_aside(p, "replaced" if s == step else "superseded")
                     log.warning("[step=%d] moved %s aside to %s (another history)", s, p, aside)
                     moved = True
-            if s > step:
+            if went_back:
                 self._written.discard(s)  # no longer saved: the new history may save it
+        self._rewound = False
         return self._locations() if moved else locations
 
     def _store_index(self) -> None:
@@ -633,8 +642,11 @@ class CheckpointManager:
 
         A whole-state restore before this manager's first commit (a resume) makes the
         restored step its branch point: once it commits a newer step, committed steps after
-        the branch point that it did not write (another history) are moved aside. A restore
-        after a commit (e.g. to evaluate an old step) moves no branch point.
+        the branch point that it did not write (another history) are moved aside. After any
+        whole-state restore, the next commit of a step N also moves aside the listed steps
+        newer than N (the run went back and trained on from an older step; it may save
+        them again). A restore to evaluate an old step, followed by commits of newer
+        steps, sets nothing aside.
 
         Args:
             step: the step to load; ``None`` = newest valid, falling back past corrupt ones.
@@ -699,8 +711,10 @@ class CheckpointManager:
             out = td if target is None else match_target(td, target, only_t)
             if host_rng:
                 _restore_host_rng(rng_states, s, self.rank)
-            if only_t is None and not self._written:
-                self._restored_from = s  # the branch point (see the docstring)
+            if only_t is None:
+                self._rewound = True  # the next commit may go back (see the docstring)
+                if not self._written:
+                    self._restored_from = s  # the branch point
                 if rows is None:  # a sharded save rewrites every row: nothing to link
                     self._remember_restored(s, path, manifest, out)
             return out

@@ -55,6 +55,7 @@ from ftrain.ckpt.store import (
     FsSync,
     _Writer,
     build_manifest,
+    fsync_dirs,
     groups_and_arrays,
     merge_manifests,
 )
@@ -169,6 +170,8 @@ def write_part(
         protocol._phase("part_written")  # fault-injection seam: this rank's chunks, not yet durable
         if watch is not None:
             watch.sync()  # this rank's files are durable before it reports success
+        else:
+            fsync_dirs(tmp, groups, list(specs.values()), workers)  # the names, too
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     stored: dict[str, dict[int, int]] = {k: {} for k in specs}
     documents: dict[str, list[int]] = {}

@@ -112,6 +112,15 @@ def _all_dirs(tmp: Path, groups: list[str], specs: list[ArraySpec]) -> list[Path
     return sorted(set(made), key=lambda d: len(d.parts))
 
 
+def fsync_dirs(tmp: Path, groups: list[str], specs: list[ArraySpec], workers: int) -> None:
+    """fsync every directory of the step that exists, children first (the per-file path:
+    without ``syncfs`` a file's name is durable only once its directory is). A rank of a
+    sharded save sees only the directories that exist when it is done (its own and those
+    made before); each rank syncs the ones its files are in."""
+    dirs = [d for d in reversed(_all_dirs(tmp, groups, specs)) if d.is_dir()]
+    run_parallel(fsync_dir, dirs, workers)
+
+
 class _Dirs:
     """Creates directories on demand, from any thread: the first job that needs a directory
     makes it (and its parents), so no mkdir phase delays the first data write."""
@@ -215,7 +224,7 @@ def write_tree(
             stored[r[1]][r[2]] = r[4]
             linked += r[4] + 4 if r[5] else 0
     if per_file:
-        run_parallel(fsync_dir, reversed(_all_dirs(tmp, groups, list(specs.values()))), workers)
+        fsync_dirs(tmp, groups, list(specs.values()), workers)
     return build_manifest(groups, specs, crcs, stored, documents, spec_str, linked)
 
 

@@ -204,11 +204,15 @@ class Session:
         """The coordinator's decision for every rank: save, skip, or stop because its
         background save failed (checked at every step, so no rank trains on for a whole
         save interval after a lost save, and all of them stop together)."""
+        wants = not self.manager.failed and self.manager.wants(state, force=force)
+        if wants:  # the save would wait for the one in flight: learn its outcome first
+            self.manager.join()
         if self.manager.failed:
             return _FAILED
-        return int(self.manager.wants(state, force=force))
+        return int(wants)
 
     def _stop_on_failed_save(self, step: int) -> None:
+        self.manager.join()  # sharded: this rank's own part may be failing right now
         if self.manager.failed:  # the coordinator (and, sharded, every rank) holds the error
             self.wait_commits()  # records it and raises CheckpointSaveError
         msg = "the coordinator's background checkpoint save failed (its log says why)"
@@ -339,11 +343,22 @@ class Session:
 
     def finish(self, result: LoopResult) -> None:
         step = int(result.state["step"])
-        if self.world.is_coordinator or self.sharded:  # sharded: every rank wrote a part
-            self.wait_commits()  # the final save counts only once committed
-        else:
-            self.manager.wait()
-        agree_any(False)  # a barrier: no rank reports the end before the coordinator committed
+        failure = None
+        try:
+            if self.world.is_coordinator or self.sharded:  # sharded: every rank wrote a part
+                self.wait_commits()  # the final save counts only once committed
+            else:
+                self.manager.wait()
+        except CheckpointSaveError as err:
+            failure = err
+        # a barrier (no rank reports the end before the coordinator committed) that also
+        # tells every rank whether the last save failed, so none waits here for the others
+        if agree_any(failure is not None):
+            if failure is not None:
+                raise failure
+            msg = "the coordinator's last checkpoint save failed (its log says why)"
+            self._say(step, f"stopping: {msg}")
+            raise CheckpointSaveError(msg)
         kind = "stop" if result.status == "stopped" else "end"
         reason = result.reason or ("done" if kind == "end" else "stopped")
         self.record(kind, step=step, reason=reason, committed=self.manager.latest_step())

@@ -165,3 +165,20 @@ def test_a_failed_background_save_stops_every_rank_at_the_next_step_not_the_next
     assert "No space left on device (injected at begun)" in out, out
     stopped = _stop_step(out, 1)
     assert stopped is not None and 10 < stopped < 20, out
+
+
+def test_a_failed_final_save_is_shared_at_the_end_barrier(cache_dir, tmp_path):
+    """The only save is the final one (async) and it fails on the coordinator: the other
+    rank learns so at the end-of-run barrier and stops with it, instead of waiting there
+    for a coordinator that is gone."""
+    from ftrain.faults import inject_dir
+
+    run, arm = tmp_path / "run", tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "f", "phase": "begun", "rank": 0, "action": "enospc"}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    common = ["checkpoint.every_steps=1000", "checkpoint.async_save=true", "trainer.max_steps=4"]
+    got, out = _finish(_torchrun(run, cache_dir, *common, env=env))
+    assert got != 0 and arm.with_name("arm.json.fired").exists(), out
+    assert "checkpoint of step 4 did not commit" in out, out
+    assert "[rank=1][step=4] stopping: the coordinator's last checkpoint save failed" in out, out

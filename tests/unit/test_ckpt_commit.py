@@ -172,3 +172,17 @@ def test_syncfs_goes_through_a_descriptor_opened_before_the_first_write(tmp_path
     with pytest.raises(OSError, match="syncfs failed"):
         _save(tmp_path, 2)
     assert list(protocol.committed_steps(tmp_path)) == [1]
+
+
+def test_a_sharded_part_without_syncfs_fsyncs_its_directories_too(tmp_path, monkeypatch):
+    """The per-file path (no syncfs, or a kernel before 5.8): a file's name is durable only
+    once its directory is fsynced, so a rank's part syncs every directory it wrote into."""
+    from ftrain.ckpt import sharded, store
+
+    synced = []
+    monkeypatch.setattr(sharded, "_HAVE_SYNCFS", False)
+    monkeypatch.setattr(store, "fsync_dir", lambda d: synced.append(d.relative_to(tmp_path)))
+    state = TensorDict({"step": torch.tensor(1), "p": {"w": torch.arange(12.0)}}, [])
+    sharded.write_part(tmp_path, state, {}, rank=0, world=1, chunk_bytes=16, workers=2)
+    made = {str(p.relative_to(tmp_path)) for p in [tmp_path, *tmp_path.rglob("*")] if p.is_dir()}
+    assert made == {".", "p", "p/w", "step"} and {str(d) for d in synced} == made

@@ -131,3 +131,18 @@ def test_a_read_only_location_is_refused(tmp_path):
         check_writable(target, "checkpoint.dir")
     with pytest.raises(RunDirError, match="run.dir='/sys/kernel/ftrain-run'"):
         check_writable(f"{target}/ftrain-run", "run.dir")
+
+
+def test_mount_points_are_decoded_and_the_top_mount_wins(tmp_path):
+    info = tmp_path / "mountinfo"
+    info.write_bytes(
+        b"22 1 0:20 / / rw - overlay overlay rw\n"
+        b"30 22 8:1 / /mnt/donn\xc3\xa9es rw - ext4 /dev/sda1 rw\n"
+        b"31 30 0:40 / /mnt/donn\xc3\xa9es rw - nfs4 srv:/x rw\n"  # mounted over it
+        b"32 22 0:41 / /mnt/a\\040b rw,relatime shared:5 - cifs //srv/s rw\n"
+    )
+    kind = lambda p: runlock._fs_type(Path(p), mountinfo=info)  # noqa: E731
+    assert kind("/mnt/données/run") == "nfs4", "the visible (last) mount of that point"
+    assert kind("/mnt/a b/run") == "cifs", "\\040 is a space"
+    assert kind("/mnt/ab") == "overlay" and kind("/") == "overlay"
+    assert runlock._fs_type(Path("/"), mountinfo=tmp_path / "missing") == "unknown"
