@@ -139,6 +139,24 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_pat
     assert CheckpointManager(run / "checkpoints", async_save=False).latest_step() == 40
 
 
+def _run_with_a_failing_save(tmp_path, cache_dir, every: int, steps: int) -> str:
+    """A 2-rank run with async saves every ``every`` steps whose first save fails: the
+    chaos injector (``ftrain.faults``, one shot) raises ENOSPC as rank 0 begins it. The
+    output, once the run has failed."""
+    from ftrain.faults import inject_dir
+
+    arm = tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "save", "phase": "begun", "rank": 0, "action": "enospc"}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    common = ["checkpoint.async_save=true", f"checkpoint.every_steps={every}"]
+    proc = _torchrun(tmp_path / "run", cache_dir, *common, f"trainer.max_steps={steps}", env=env)
+    got, out = _finish(proc)
+    assert got != 0 and arm.with_name("arm.json.fired").exists(), out
+    assert "No space left on device (injected at begun)" in out, out
+    return out
+
+
 def _stop_step(out: str, rank: int) -> int | None:
     for ln in out.splitlines():
         if ln.startswith(f"[rank={rank}][step=") and "stopping: the coordinator's" in ln:
@@ -152,17 +170,8 @@ def test_a_failed_background_save_stops_every_rank_at_the_next_step_not_the_next
     """An injected ENOSPC as rank 0's async save of step 10 begins: every rank learns of it
     at a following step's save verdict (the coordinator broadcasts it), not at step 20's
     save a whole interval later, and they stop together."""
-    from ftrain.faults import inject_dir
-
-    run, arm = tmp_path / "run", tmp_path / "arm.json"
-    arm.write_text(json.dumps({"id": "b", "phase": "begun", "rank": 0, "action": "enospc"}))
-    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
-    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
-    common = ["checkpoint.every_steps=10", "checkpoint.async_save=true", "trainer.max_steps=40"]
-    got, out = _finish(_torchrun(run, cache_dir, *common, env=env))
-    assert got != 0 and arm.with_name("arm.json.fired").exists(), out
+    out = _run_with_a_failing_save(tmp_path, cache_dir, every=10, steps=40)
     assert "checkpoint of step 10 did not commit" in out, out
-    assert "No space left on device (injected at begun)" in out, out
     stopped = _stop_step(out, 1)
     assert stopped is not None and 10 < stopped < 20, out
 
@@ -171,14 +180,6 @@ def test_a_failed_final_save_is_shared_at_the_end_barrier(cache_dir, tmp_path):
     """The only save is the final one (async) and it fails on the coordinator: the other
     rank learns so at the end-of-run barrier and stops with it, instead of waiting there
     for a coordinator that is gone."""
-    from ftrain.faults import inject_dir
-
-    run, arm = tmp_path / "run", tmp_path / "arm.json"
-    arm.write_text(json.dumps({"id": "f", "phase": "begun", "rank": 0, "action": "enospc"}))
-    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
-    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
-    common = ["checkpoint.every_steps=1000", "checkpoint.async_save=true", "trainer.max_steps=4"]
-    got, out = _finish(_torchrun(run, cache_dir, *common, env=env))
-    assert got != 0 and arm.with_name("arm.json.fired").exists(), out
+    out = _run_with_a_failing_save(tmp_path, cache_dir, every=1000, steps=4)
     assert "checkpoint of step 4 did not commit" in out, out
     assert "[rank=1][step=4] stopping: the coordinator's last checkpoint save failed" in out, out
