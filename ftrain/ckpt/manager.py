@@ -473,8 +473,9 @@ class CheckpointManager:
     @contextlib.contextmanager
     def _unsaved_on_failure(self, step: int, what: str):
         """A write that fails in any way (an OSError everywhere, but also a MemoryError or a
-        codec's error) leaves the step unsaved: it may be offered again (the emergency
-        save on SIGTERM, the final save), and the error is a ``CheckpointSaveError``."""
+        codec's error) leaves the step unsaved: a later save may write it (the loop's
+        emergency save after an exception, the stop save on SIGTERM), and the error is a
+        ``CheckpointSaveError``."""
         try:
             yield
         except BaseException as e:
@@ -589,9 +590,9 @@ class CheckpointManager:
         """After committing ``step``: copies of it elsewhere (the other location) and steps
         newer than the branch point that this manager did not write, and, after a restore
         since the last commit, steps newer than ``step`` itself (the run went back and
-        trained on from an older step), are moved aside, so a resume never mixes two histories (they stay on disk;
-        ``ckpt list`` shows them). Returns the committed steps left (listed again only if
-        something moved)."""
+        trained on from an older step), are moved aside, so a resume never mixes two
+        histories (they stay on disk; ``ckpt list`` shows them). Returns the committed
+        steps left (listed again only if something moved)."""
         locations, moved = self._locations(), False
         for s, paths in locations.items():
             branch = self._restored_from is not None and s > self._restored_from

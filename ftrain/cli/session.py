@@ -215,7 +215,12 @@ class Session:
         self.manager.join()  # sharded: this rank's own part may be failing right now
         if self.manager.failed:  # the coordinator (and, sharded, every rank) holds the error
             self.wait_commits()  # records it and raises CheckpointSaveError
-        msg = "the coordinator's background checkpoint save failed (its log says why)"
+        self._stop_with_the_coordinator(step, "background")
+
+    def _stop_with_the_coordinator(self, step: int, which: str) -> None:
+        """A rank whose coordinator's save failed stops too, saying so (the error is in the
+        coordinator's log)."""
+        msg = f"the coordinator's {which} checkpoint save failed (its log says why)"
         self._say(step, f"stopping: {msg}")
         raise CheckpointSaveError(msg)
 
@@ -356,9 +361,7 @@ class Session:
         if agree_any(failure is not None):
             if failure is not None:
                 raise failure
-            msg = "the coordinator's last checkpoint save failed (its log says why)"
-            self._say(step, f"stopping: {msg}")
-            raise CheckpointSaveError(msg)
+            self._stop_with_the_coordinator(step, "last")
         kind = "stop" if result.status == "stopped" else "end"
         reason = result.reason or ("done" if kind == "end" else "stopped")
         self.record(kind, step=step, reason=reason, committed=self.manager.latest_step())
