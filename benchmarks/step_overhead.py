@@ -19,6 +19,8 @@ Variants (AdamW lr 1e-3, weight decay 0.01, clip 1.0 with torch's rule on both s
 - ``pure_fused``, ``donate_fused`` (only when named): ``pure`` / ``donate`` with
   ``adamw(..., fused=True)`` (Adam's moments and update in torch's fused kernel), and
   ``imperative_fused``: ``torch.optim.AdamW(fused=True)``, its fair baseline;
+  ``pure_fused_clones``: ``pure_fused`` with the state buffer pool switched off
+  (:mod:`ftrain.optim.buffers`: every copy a fresh clone, as before the pool);
 - ``imperative_compiled``: ``torch.compile(model)`` + a compiled ``optimizer.step`` (the
   PyTorch tutorial's recipe), clipping eager.
 
@@ -162,7 +164,7 @@ def functional(model: nn.Module, loss_fn, variant: str):
 
     tx = ftrain.optim.chain(
         ftrain.optim.clip_by_global_norm_torch(CLIP),
-        ftrain.optim.adamw(LR, weight_decay=WD, fused=variant.endswith("_fused")),
+        ftrain.optim.adamw(LR, weight_decay=WD, fused="_fused" in variant),
     )
     box = [ftrain.init_state(model, tx, seed=0)]
     model.to("meta")  # the state owns the weights now, as in ftrain use
@@ -182,7 +184,21 @@ def functional(model: nn.Module, loss_fn, variant: str):
         keys, leaves = flatten(box[0]["params"])
         return {path_str(k): t for k, t in zip(keys, leaves, strict=True)}
 
-    return step, params
+    # pure_fused_clones: the pure step's copies as plain clones, no pool
+    return (_without_pool(step) if variant.endswith("_clones") else step), params
+
+
+def _without_pool(step):
+    from ftrain.optim import buffers
+
+    def unpooled(batch):
+        buffers.POOLING = False
+        try:
+            return step(batch)
+        finally:
+            buffers.POOLING = True
+
+    return unpooled
 
 
 def build(variant: str, workload: str):

@@ -36,6 +36,7 @@ from ftrain.optim.base import (
     tree_get,
     unflatten,
 )
+from ftrain.optim.buffers import release_buffers
 from ftrain.optim.partition import frozen, learning_rates, multi_transform
 from ftrain.optim.processing import (
     clip_by_global_norm,
@@ -74,6 +75,7 @@ __all__ = [
     "mean_across_ranks",
     "multi_transform",
     "path_str",
+    "release_buffers",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",

@@ -41,6 +41,7 @@ from ftrain.optim.base import (
     unflatten,
 )
 from ftrain.optim.bucketed import Body, Source, applying, call_body, owning, prepare_of
+from ftrain.optim.buffers import BufferPool
 
 __all__ = ["adam_flat", "applying_adamw"]
 
@@ -93,6 +94,7 @@ def applying_adamw(
     plain_prepare = prepare_of(tx)
     predicate = _masks.to_predicate(mask)
     decayed_cache: dict = {}
+    pool = BufferPool()  # the pure step's copies, in the buffers of the state 2 steps back
 
     def decays(keys, params) -> list[bool]:
         if weight_decay == 0.0:
@@ -110,6 +112,8 @@ def applying_adamw(
         moments = [_leaves(adam, name, src.keys) for name in ("mu", "nu")]  # once, not per bucket
         lr_count = lr_state["count"]
         lr = float(rate(lr_count))  # counts live on the CPU: a Python double, as torch.optim
+        copy_bytes = 3 * sum(p.numel() * p.element_size() for p in src.params or ())
+        copies = pool.copies if pool.admits(copy_bytes) else _keyed_copies
         done = {"count": lr_count + 1, "learning_rate": rate(lr_count + 1)}
 
         def body(idx, g, params, owned=False, donated=False, apply=False):
@@ -117,8 +121,15 @@ def applying_adamw(
                 plain[:] = plain or [plain_prepare(src, state)]
                 return call_body(plain[0], idx, g, params, owned, donated)
             keys = pick(idx, src.keys)
-            mu, nu = (pick(idx, m) if donated else _copies(pick(idx, m)) for m in moments)
-            new = params if donated else _copies(params)
+            bucket = (idx[0], len(idx)) if idx else ()
+            if donated:
+                mu, nu = (pick(idx, m) for m in moments)
+                new = params
+            else:
+                mu, nu = (
+                    copies((n, *bucket), pick(idx, m)) for n, m in zip("mv", moments, strict=True)
+                )
+                new = copies(("p", *bucket), params)
             count = adam["count"] + 1
             wd = decays(keys, params)
             for part, rate_wd in ((_where(wd, True), weight_decay), (_where(wd, False), 0.0)):
@@ -171,6 +182,10 @@ def _moments(state: TensorDictBase, keys, donated: bool) -> tuple[Leaves, Leaves
     """The state's moment leaves for ``keys``: its own buffers when donated, else copies."""
     mu, nu = (_leaves(state, name, keys) for name in ("mu", "nu"))
     return (mu, nu) if donated else (_copies(mu), _copies(nu))
+
+
+def _keyed_copies(_key, leaves: Leaves) -> Leaves:
+    return _copies(leaves)
 
 
 def _copies(leaves: Leaves) -> Leaves:
