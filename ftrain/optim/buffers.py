@@ -62,19 +62,24 @@ POOLING = True
 POOL_BYTES = 256 * 2**20
 
 
-def _python_refs(views: Leaves) -> list[int]:
-    """Each view's Python reference count, as seen from here (calibrated below)."""
-    return [sys.getrefcount(v) for v in views]
+def _only_in_a_list(views: Leaves) -> bool:
+    """No view has a holder beyond the pool's list: a C++ holder (autograd's saved tensors;
+    torch 2.13 also gives it a Python reference, checked as well rather than relied on) or
+    a Python one (calibrated below: the count this very expression sees)."""
+    return all(v._use_count() == 1 and sys.getrefcount(v) == _ALONE for v in views)
 
 
-# the count of a tensor held by one list only, measured the way _python_refs measures it
-_ALONE = _python_refs([torch.empty(0)])[0]
+def _refcount_here(views: Leaves) -> int:
+    return next(sys.getrefcount(v) for v in views)  # a generator frame, like the one above
+
+
+_ALONE = _refcount_here([torch.empty(0)])
 
 
 class _Buffer:
     """One flat buffer and the leaf views cut from it, in the leaves' order."""
 
-    __slots__ = ("flat", "nbytes", "views")
+    __slots__ = ("dtype", "flat", "nbytes", "shapes", "views")
 
     def __init__(self, leaves: Leaves) -> None:
         # not _flatten_dense_tensors: of a single tensor it returns a view, not a copy
@@ -84,28 +89,30 @@ class _Buffer:
         self.views: Leaves = list(_unflatten_dense_tensors(self.flat, leaves))
         torch._foreach_copy_(self.views, leaves)
         self.nbytes = size * first.element_size()
-
-    def fits(self, leaves: Leaves) -> bool:
-        return len(leaves) == len(self.views) and all(
-            v.shape == t.shape and v.dtype == t.dtype
-            for v, t in zip(self.views, leaves, strict=True)
-        )
+        self.shapes = [t.shape for t in leaves]
+        self.dtype = first.dtype
 
     def free(self) -> bool:
         """Nothing outside the pool refers to the buffer or to any of its views."""
-        # holders: self.flat, one per view, and the temporary storage object made here
-        if torch._C._storage_Use_Count(self.flat.untyped_storage()._cdata) != len(self.views) + 2:
-            return False
-        # a C++ holder (autograd's saved tensors) of a view; torch 2.13 also gives it a
-        # Python reference, counted below: checked here too, not left to that detail
-        if any(v._use_count() != 1 for v in self.views):
-            return False
-        return all(n == _ALONE for n in _python_refs(self.views))
+        # every tensor that views the storage, from any code, holds it: here self.flat, the
+        # pool's views and the temporary storage object made for the call
+        holders = torch._C._storage_Use_Count(self.flat.untyped_storage()._cdata)
+        return holders == len(self.views) + 2 and _only_in_a_list(self.views)
+
+    def fits(self, leaves: Leaves) -> bool:
+        """``leaves`` have this buffer's shapes, dtype and (CPU) device, leaf for leaf."""
+        return [t.shape for t in leaves] == self.shapes and {
+            (t.dtype, t.device.type) for t in leaves
+        } == {(self.dtype, "cpu")}
+
+
+def _clones(leaves: Leaves) -> Leaves:
+    return [t.clone(memory_format=torch.preserve_format) for t in leaves]
 
 
 def _poolable(leaves: Leaves) -> bool:
     first = leaves[0]
-    if first.device.type != "cpu" or torch.compiler.is_compiling():
+    if first.device.type != "cpu":
         return False
     return all(t.dtype == first.dtype and t.device == first.device for t in leaves) and all(
         t.is_contiguous() and not t.requires_grad for t in leaves
@@ -141,14 +148,17 @@ class BufferPool:
     def copies(self, key: Hashable, leaves: Leaves) -> Leaves:
         """New tensors with ``leaves``' values; ``key`` names the list (the same leaves
         step after step). The leaves themselves are never written."""
-        if not POOLING or not leaves or not _poolable(leaves):
-            return [t.clone(memory_format=torch.preserve_format) for t in leaves]
+        if not POOLING or not leaves or torch.compiler.is_compiling():
+            return _clones(leaves)
         with self._lock:
             buffers = self._buffers.setdefault(key, [])
-            for buf in buffers:
-                if buf.fits(leaves) and buf.free():
+            for i, buf in enumerate(buffers):  # oldest first: in a loop it is the free one
+                if buf.free() and buf.fits(leaves):
                     torch._foreach_copy_(buf.views, leaves)
+                    buffers.append(buffers.pop(i))  # now the newest
                     return list(buf.views)
+            if not _poolable(leaves):
+                return _clones(leaves)
             buf = _Buffer(leaves)
             buffers.append(buf)
             self._bytes += buf.nbytes
