@@ -100,10 +100,12 @@ class _Buffer:
         return holders == len(self.views) + 2 and _only_in_a_list(self.views)
 
     def fits(self, leaves: Leaves) -> bool:
-        """``leaves`` have this buffer's shapes, dtype and (CPU) device, leaf for leaf."""
-        return [t.shape for t in leaves] == self.shapes and {
-            (t.dtype, t.device.type) for t in leaves
-        } == {(self.dtype, "cpu")}
+        """``leaves`` are plain CPU tensors with this buffer's shapes and dtype, leaf for
+        leaf (a DTensor, say, must stay one: it is cloned instead)."""
+        dtype = self.dtype
+        return [t.shape for t in leaves] == self.shapes and all(
+            type(t) is torch.Tensor and t.is_cpu and t.dtype == dtype for t in leaves
+        )
 
 
 def _clones(leaves: Leaves) -> Leaves:
@@ -111,11 +113,14 @@ def _clones(leaves: Leaves) -> Leaves:
 
 
 def _poolable(leaves: Leaves) -> bool:
-    first = leaves[0]
-    if first.device.type != "cpu":
-        return False
-    return all(t.dtype == first.dtype and t.device == first.device for t in leaves) and all(
-        t.is_contiguous() and not t.requires_grad for t in leaves
+    dtype = leaves[0].dtype
+    return all(
+        type(t) is torch.Tensor
+        and t.is_cpu
+        and t.dtype == dtype
+        and t.is_contiguous()
+        and not t.requires_grad
+        for t in leaves
     )
 
 

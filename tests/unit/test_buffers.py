@@ -206,5 +206,13 @@ def test_pool_unit_behaviour():
     assert all(
         x.data_ptr() != y.data_ptr() for x, y in zip(pool.copies("m", mixed), mixed, strict=True)
     )
+    # a tensor subclass (a DTensor, say) must stay one: cloned, never cut from a buffer
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.ones(3).as_subclass(Sub)
+    for _ in range(3):
+        (got,) = pool.copies("sub", [sub])
+        assert type(got) is Sub and got.data_ptr() != sub.data_ptr()
     with pytest.raises(ValueError, match="spares >= 1"):
         BufferPool(spares=0)
