@@ -206,6 +206,7 @@ def test_pool_unit_behaviour():
     assert all(
         x.data_ptr() != y.data_ptr() for x, y in zip(pool.copies("m", mixed), mixed, strict=True)
     )
+
     # a tensor subclass (a DTensor, say) must stay one: cloned, never cut from a buffer
     class Sub(torch.Tensor):
         pass
