@@ -16,26 +16,9 @@ from ftrain.ckpt import CheckpointManager
 from ftrain.optim import buffers
 from ftrain.optim.buffers import BufferPool
 from ftrain.state import first_difference, init_state, tree_equal
+from tests.unit.test_apply import _batch, _model, _mse  # the same small model and data
 
 o = ftrain.optim
-
-
-def _model():
-    g = torch.Generator().manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m
-
-
-def _mse(m, b):
-    return ((m(b["x"]) - b["y"]) ** 2).mean()
-
-
-def _batch(i):
-    g = torch.Generator().manual_seed(100 + i)
-    return TensorDict(x=torch.randn(8, 4, generator=g), y=torch.randn(8, 2, generator=g))
 
 
 def _setup():
