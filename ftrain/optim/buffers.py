@@ -6,7 +6,7 @@ moments into fresh memory: on a CPU that is one ``clone`` per leaf per step (156
 AdamW on GPT-2 tiny), freed again when the caller drops the old state. Those frees and
 allocations of mixed sizes are what fragments glibc's heap (a pure GPT-2 small step
 peaked at 1.24-1.26x the imperative loop where the live tensors alone need 1.16x) and
-what makes each step fault fresh pages in (~1,900 minor faults a step on MLP 6x1024).
+what makes each step fault fresh pages in (5,000-8,600 minor faults a step on MLP 6x1024).
 
 What. The fused AdamW writer (:mod:`ftrain.optim.fused`) asks a :class:`BufferPool` for
 each bucket's copies. The pool keeps, per bucket and kind (params, ``mu``, ``nu``), the
@@ -41,7 +41,7 @@ from collections.abc import Hashable
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-__all__ = ["BufferPool", "release_buffers"]
+__all__ = ["BufferPool", "clones", "release_buffers", "unpooled"]
 
 Leaves = list[torch.Tensor]
 
@@ -57,8 +57,8 @@ POOLING = True
 # made bucket by bucket into memory the gradients just freed: pooling a state of S bytes
 # adds up to S/3 (its parameters' size) to the step's peak. Below a few hundred MiB that
 # buys the step's speed for memory nobody misses (GPT-2 tiny: 2.5 MB; MLP 6x1024: 75 MB,
-# 1.036x -> 1.000x the imperative loop); GPT-2 small's 984 MB state would peak at 1.36x the
-# imperative loop instead of 1.25x, so it gets clones.
+# 1.036x -> 0.981x the imperative loop); GPT-2 small's 984 MB state would peak at 1.36x the
+# imperative loop instead of 1.24x, so it gets clones (docs/benchmarks.md).
 POOL_BYTES = 256 * 2**20
 
 
@@ -108,8 +108,14 @@ class _Buffer:
         )
 
 
-def _clones(leaves: Leaves) -> Leaves:
+def clones(leaves: Leaves) -> Leaves:
+    """Plain copies of ``leaves`` (their layouts kept): what a pure step makes unpooled."""
     return [t.clone(memory_format=torch.preserve_format) for t in leaves]
+
+
+def unpooled(_key: Hashable, leaves: Leaves) -> Leaves:
+    """:func:`clones` with :meth:`BufferPool.copies`' signature, for a state not pooled."""
+    return clones(leaves)
 
 
 def _poolable(leaves: Leaves) -> bool:
@@ -154,7 +160,7 @@ class BufferPool:
         """New tensors with ``leaves``' values; ``key`` names the list (the same leaves
         step after step). The leaves themselves are never written."""
         if not POOLING or not leaves or torch.compiler.is_compiling():
-            return _clones(leaves)
+            return clones(leaves)
         with self._lock:
             buffers = self._buffers.setdefault(key, [])
             for i, buf in enumerate(buffers):  # oldest first: in a loop it is the free one
@@ -163,7 +169,7 @@ class BufferPool:
                     buffers.append(buffers.pop(i))  # now the newest
                     return list(buf.views)
             if not _poolable(leaves):
-                return _clones(leaves)
+                return clones(leaves)
             buf = _Buffer(leaves)
             buffers.append(buf)
             self._bytes += buf.nbytes

@@ -41,7 +41,7 @@ from ftrain.optim.base import (
     unflatten,
 )
 from ftrain.optim.bucketed import Body, Source, applying, call_body, owning, prepare_of
-from ftrain.optim.buffers import BufferPool
+from ftrain.optim.buffers import BufferPool, clones, unpooled
 
 __all__ = ["adam_flat", "applying_adamw"]
 
@@ -113,7 +113,7 @@ def applying_adamw(
         lr_count = lr_state["count"]
         lr = float(rate(lr_count))  # counts live on the CPU: a Python double, as torch.optim
         copy_bytes = 3 * sum(p.numel() * p.element_size() for p in src.params or ())
-        copies = pool.copies if pool.admits(copy_bytes) else _keyed_copies
+        copies = pool.copies if pool.admits(copy_bytes) else unpooled
         done = {"count": lr_count + 1, "learning_rate": rate(lr_count + 1)}
 
         def body(idx, g, params, owned=False, donated=False, apply=False):
@@ -181,15 +181,7 @@ def _leaves(state: TensorDictBase, name: str, keys) -> Leaves:
 def _moments(state: TensorDictBase, keys, donated: bool) -> tuple[Leaves, Leaves]:
     """The state's moment leaves for ``keys``: its own buffers when donated, else copies."""
     mu, nu = (_leaves(state, name, keys) for name in ("mu", "nu"))
-    return (mu, nu) if donated else (_copies(mu), _copies(nu))
-
-
-def _keyed_copies(_key, leaves: Leaves) -> Leaves:
-    return _copies(leaves)
-
-
-def _copies(leaves: Leaves) -> Leaves:
-    return [t.clone(memory_format=torch.preserve_format) for t in leaves]
+    return (mu, nu) if donated else (clones(mu), clones(nu))
 
 
 def _adam_state(keys, count, mu: Leaves, nu: Leaves, device) -> TensorDictBase:

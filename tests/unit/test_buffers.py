@@ -6,6 +6,7 @@ and the pooled run must be bit-identical to one that clones.
 """
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tensordict import TensorDict
 
 import ftrain
 from ftrain.ckpt import CheckpointManager
+from ftrain.ckpt import manager as manager_module
 from ftrain.optim import buffers
 from ftrain.optim.buffers import BufferPool
 from ftrain.state import first_difference, init_state, tree_equal
@@ -166,6 +168,31 @@ def test_an_incremental_save_sees_a_reused_view_as_changed(tmp_path, made):
         for s, want in enumerate(expected, start=1):
             got = m.restore(s)
             assert tree_equal(got, want), (s, first_difference(got, want))
+
+
+def test_a_state_an_async_save_is_writing_is_never_reused(tmp_path, made, monkeypatch):
+    """The save of step 1 is held in flight (its writer waits on a gate) while the loop
+    runs four more steps: its buffers stay the save's, and it commits step 1's values."""
+    gate, real = threading.Event(), manager_module.write_tree
+
+    def gated(*args, **kwargs):
+        assert gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_tree", gated)
+    state, step = _setup()
+    with CheckpointManager(tmp_path / "ckpt", async_save=True) as m:
+        state, _ = step(state, _batch(0))
+        expected = state.clone()
+        m.save(state)
+        for i in range(1, 5):
+            state, _ = step(state, _batch(i))
+        assert made[0] > 6, "the pinned state's buffers must not have been reused"
+        gate.set()
+        m.wait()
+        got = m.restore(1)
+    assert tree_equal(got, expected), first_difference(got, expected)
+    assert tree_equal(state, _run(5, False, monkeypatch))
 
 
 def test_pool_unit_behaviour():
