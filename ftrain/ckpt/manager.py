@@ -172,7 +172,9 @@ class CheckpointManager:
         # the steps it committed itself: a committed step newer than the branch point that
         # this manager did not write belongs to another history and is set aside.
         self._restored_from: int | None = None
-        self._rewound = False  # a whole-state restore since the last commit
+        # the step of a whole-state restore since the last commit: a step newer than it
+        # is of the history trained on from there, even if this manager wrote that number
+        self._rewound: int | None = None
         self._written: set[int] = set()
         self._invalid: dict[Path, str] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
@@ -378,7 +380,10 @@ class CheckpointManager:
         ctx = SaveContext(step, now, self._last_step, self._last_time)
         if not force and self.save_policy is not None and not self.save_policy.should_save(ctx):
             return False
-        if step in (self._last_step, self._restored_from) or step in self._written:
+        if step == self._last_step or (
+            (self._rewound is None or step <= self._rewound)
+            and (step == self._restored_from or step in self._written)
+        ):  # after going back, a step number this manager wrote is of the old history
             log.info("[step=%d] already saved; skipping", step)
             return False
         return True
@@ -596,7 +601,7 @@ class CheckpointManager:
         locations, moved = self._locations(), False
         for s, paths in locations.items():
             branch = self._restored_from is not None and s > self._restored_from
-            went_back = self._rewound and s > step
+            went_back = self._rewound is not None and s > step
             other = went_back or (branch and s not in self._written)
             for p in paths:
                 if (s == step and p != final) or other:
@@ -605,7 +610,7 @@ class CheckpointManager:
                     moved = True
             if went_back:
                 self._written.discard(s)  # no longer saved: the new history may save it
-        self._rewound = False
+        self._rewound = None
         return self._locations() if moved else locations
 
     def _store_index(self) -> None:
@@ -646,7 +651,9 @@ class CheckpointManager:
         the branch point that it did not write (another history) are moved aside. After any
         whole-state restore, the next commit of a step N also moves aside the listed steps
         newer than N (the run went back and trained on from an older step; it may save
-        them again). A restore to evaluate an old step, followed by commits of newer
+        them again), and a save of a step newer than the restored one is never skipped as
+        "already saved" (its number may be one this manager wrote, in the old history: the
+        new copy replaces it, the old moved aside). A restore to evaluate an old step, followed by commits of newer
         steps, sets nothing aside.
 
         Args:
@@ -713,7 +720,9 @@ class CheckpointManager:
             if host_rng:
                 _restore_host_rng(rng_states, s, self.rank)
             if only_t is None:
-                self._rewound = True  # the next commit may go back (see the docstring)
+                self._rewound = s  # the next commit may go back (see the docstring)
+                self._last_step = s  # on disk: the state a save would write again
+                self._committed_last = (s, self._committed_last[1])
                 if not self._written:
                     self._restored_from = s  # the branch point
                 if rows is None:  # a sharded save rewrites every row: nothing to link

@@ -198,3 +198,41 @@ def test_a_sharded_manifest_with_a_chunk_no_rank_wrote_is_refused():
         merge_manifests([_part([1, None]), _part([None, None])])
     with pytest.raises(ValueError, match="different arrays"):
         merge_manifests([_part([1]), _part([2], arrays=("w", "v"))])
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_reached_again_after_going_back_is_saved_from_the_new_history(tmp_path, async_save):
+    """Committed 20, went back to 10 in the same process and trained on to 20 again with no
+    commit in between: the new 20 is saved (the old one moved aside), never skipped as
+    "already saved" — else a crash after it resumes from the abandoned history."""
+    with CheckpointManager(tmp_path, async_save=async_save) as m:
+        m.save(make_state(10), force=True)
+        m.save(make_state(20), force=True)
+        m.wait()
+        m.restore(10)
+        assert not m.save(make_state(10), force=True), "10 is the restored step, on disk"
+        again = make_state(20, n=32)
+        assert m.save(again, force=True)
+        assert not m.save(again, force=True), "the new 20 is saved once"
+        m.wait()
+        assert m.all_steps() == [10, 20] and sorted(m.set_aside_steps()) == [20]
+    assert same(CheckpointManager(tmp_path).restore(), again)
+
+
+def test_a_failed_save_of_a_step_reached_again_can_be_retried(tmp_path, monkeypatch):
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(make_state(10), force=True)
+        m.save(make_state(20), force=True)
+        m.restore(10)
+        real = manager.write_tree
+
+        def enospc(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(manager, "write_tree", enospc)
+        again = make_state(20, n=32)
+        with pytest.raises(CheckpointSaveError):
+            m.save(again, force=True)
+        monkeypatch.setattr(manager, "write_tree", real)
+        assert m.save(again, force=True), "the emergency save writes the new 20"
+    assert same(CheckpointManager(tmp_path).restore(), again)
