@@ -92,7 +92,19 @@ class CompiledCore:
         self.compiles = 0
         self._modules: tuple = ()
 
-    def __call__(self, p, b, opt, micro, gen, scale, in_place: bool, keep=None, opt_flat=None):
+    def __call__(
+        self,
+        p,
+        b,
+        opt,
+        micro,
+        gen,
+        scale,
+        in_place: bool,
+        keep=None,
+        opt_flat=None,
+        before_write=None,
+    ):
         key, layout, args = self._prepare(
             p, b, opt_flat or structure(opt), micro, scale, in_place, keep
         )
@@ -101,6 +113,8 @@ class CompiledCore:
         if fresh:
             fn = self.cache[key] = torch.compile(self._pure(key, p, b, layout), dynamic=False)
         t0 = time.perf_counter()
+        if before_write is not None:  # one graph: it may write the donated buffers anywhere
+            before_write()
         with train_mode(self._modules_now()), use_generator(gen):
             new_t, new_b, new_o, loss, norm, aux = fn(*args)
         if fresh:

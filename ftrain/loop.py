@@ -47,6 +47,7 @@ from tensordict import TensorDictBase
 
 from ftrain.optim.base import tree_get
 from ftrain.signals import StopFlag
+from ftrain.state.init import is_donated
 from ftrain.step import _new_state
 from ftrain.watchdog import Watchdog
 
@@ -144,8 +145,11 @@ def train_loop(
             (``nonfinite``, ``emergency_save``, ``eval``, ``heartbeat``).
         stop: a :class:`ftrain.signals.StopFlag`, checked at every step boundary.
         agree: combine the local stop decision across ranks (any rank stopping stops all).
-        donate: the step updates buffers in place; then a failure *inside* a step leaves no
-            consistent state to save, and the emergency save is skipped.
+        donate: the step updates buffers in place; then a failure *inside* a step after its
+            first in-place write leaves no consistent state to save, and the emergency save
+            is skipped. ftrain's own step marks the state just before that write, so a
+            failure before it (in the forward or backward, e.g. out of memory) still saves
+            the whole state it started from; a step of your own is never trusted so.
         on_nonfinite: ``"stop"``, ``"skip"`` or ``"continue"`` on a non-finite ``loss`` or
             ``grad_norm`` (see the module docstring).
         watchdog: a :class:`ftrain.watchdog.Watchdog`; the loop starts it, feeds it at every
@@ -250,7 +254,7 @@ class _Run:
         except NonFiniteError:
             raise  # nothing is saved: the newest committed checkpoint is the last finite one
         except BaseException as err:
-            if not (self.donate and in_step):
+            if not (self.donate and in_step) or _still_whole(self.step, state):
                 wd.phase("save", state, self.current, safe=True)
                 _emergency_save(self.save, state, self.current, err, self.record)
             raise
@@ -361,6 +365,12 @@ class NonFiniteError(RuntimeError):
 def _stop_now(stop: StopFlag | None, agree: Callable[[bool], bool] | None) -> bool:
     local = stop is not None and stop.requested
     return agree(local) if agree is not None else local
+
+
+def _still_whole(step: Callable, state) -> bool:
+    """A donated state that a failed step never wrote (ftrain's step marks a state before
+    its first in-place write; another step gives no such promise, so it is never trusted)."""
+    return getattr(step, "marks_donation", False) and not is_donated(state)
 
 
 def _emergency_save(save: SaveFn, state, last, err: BaseException, record) -> None:

@@ -318,7 +318,16 @@ def make_step(
         in_place = donate and not is_pinned(state)
         keep = _trainable(trainable, pkeys, params)
         new_params, new_buffers, new_opt, loss, grad_norm, aux = core(
-            (pkeys, params), (bkeys, buffers), opt, micro, gen, scale, in_place, keep, opt_flat
+            (pkeys, params),
+            (bkeys, buffers),
+            opt,
+            micro,
+            gen,
+            scale,
+            in_place,
+            keep,
+            opt_flat,
+            before_write=(lambda: mark_donated(state)) if in_place else None,
         )
         new_state = _new_state(
             step=state["step"] + 1,
@@ -328,12 +337,13 @@ def make_step(
             data=cursor if cursor is not None else state["data"],
             rng=state["rng"],
         )
-        if in_place:
-            mark_donated(state)
         lrs = _rate_metrics(learning_rates_in(opt_flat[0].keys, opt_flat[1]))
         return new_state, _metrics(loss, grad_norm, lrs, micro, aux)
 
     step.core = core  # type: ignore[attr-defined]  # e.g. compile_seconds of a compiled step
+    # a donated state is marked before its first in-place write (the loop's emergency save
+    # after a failure inside the step trusts the mark)
+    step.marks_donation = True  # type: ignore[attr-defined]
     step.sharder = sharder  # type: ignore[attr-defined]  # for shard_state / gather_state
     return step
 
@@ -351,7 +361,9 @@ class _EagerCore:
         self.collective, self.old_clip = _collective(dp and sharder is None), _deprecated_clip(clip)
         self.sharder = sharder
 
-    def __call__(self, p, b, opt, micro, gen, scale, in_place, keep, opt_flat=None):
+    def __call__(
+        self, p, b, opt, micro, gen, scale, in_place, keep, opt_flat=None, before_write=None
+    ):
         (pkeys, params), (bkeys, buffers) = p, b
         buffers = [t.clone() for t in buffers]  # a forward may update buffers in place
         # shard="full": the state holds rows; the forward and backward need whole params
@@ -374,6 +386,8 @@ class _EagerCore:
             grad_norm = grad_norm if scale is None else grad_norm / scale.to(grad_norm.device)
             if self.old_clip is not None:
                 grads, _ = self.old_clip(tkeys, grads, _EMPTY, None)
+            if before_write is not None:  # the first write into the state's own buffers
+                before_write()
             if self.sharder is None:  # bucket by bucket, grads freed as they are used
                 grads = list(grads)  # the only reference to them, which it consumes
                 new, new_opt = update_and_apply(

@@ -27,6 +27,7 @@ __all__ = [
     "STATE_KEYS",
     "check_usable",
     "init_state",
+    "is_donated",
     "is_pinned",
     "mark_donated",
     "pin",
@@ -120,7 +121,11 @@ def mark_donated(state: TensorDictBase) -> None:
     state.__dict__[_DONATED_ATTR] = True
 
 
-def _is_donated(state: TensorDictBase) -> bool:
+def is_donated(state: TensorDictBase) -> bool:
+    """Whether a ``donate=True`` step has begun writing ``state``'s buffers in place (its
+    tensors may hold a later step, or part of one). ftrain's step marks a state just
+    before its first in-place write, so a step that failed before it (an out-of-memory
+    error in the backward, a bad batch) leaves a state that is still whole."""
     return state.__dict__.get(_DONATED_ATTR, False)
 
 
@@ -160,7 +165,7 @@ def check_usable(state: TensorDictBase, what: str = "step") -> None:
         raise TypeError(
             f"{what} expects a TensorDict state from ftrain.init_state, got {type(state).__name__}"
         )
-    if _is_donated(state):
+    if is_donated(state):
         raise RuntimeError(
             f"this state was donated to a donate=True step and its tensors were updated in place; "
             f"{what} needs the state that step returned (or make the step with donate=False)"

@@ -247,3 +247,73 @@ def test_nonfinite_rejects_bad_modes():
         train_loop(state, step, _batches(), max_steps=1, on_nonfinite="ignore")
     with pytest.raises(ValueError, match="donate=True"):
         train_loop(state, step, _batches(), max_steps=1, on_nonfinite="skip", donate=True)
+
+
+def _donated_run(fail_at: int, where: str, monkeypatch, own_step: bool = False):
+    """Run a ``donate=True`` step that raises at step ``fail_at``, in the loss (before any
+    in-place write) or in the update (after the state was marked); returns the saves."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.adamw(0.1)
+    steps = [0]
+
+    def loss_fn(m, b):
+        if where == "loss" and steps[0] == fail_at:
+            raise RuntimeError("out of memory (simulated) in the forward")
+        return m(b["x"]).pow(2).mean()
+
+    step = ftrain.make_step(model, loss_fn, tx, donate=True)
+    real = ftrain.step.update_and_apply
+
+    def update(*args, **kwargs):
+        if where == "update" and steps[0] == fail_at:
+            raise RuntimeError("failed inside the update")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ftrain.step, "update_and_apply", update)
+
+    def counted(s, b):
+        steps[0] = int(s["step"])
+        return step(s, b)
+
+    if not own_step:
+        counted.marks_donation = True  # a thin wrapper of ftrain's step keeps its promise
+    saved = {}
+
+    def save(state, metrics, *, force, reason):
+        if force:  # the loop offers every step to the policy; only forced saves are kept
+            saved[reason] = state.clone()  # the whole state, as a checkpoint stores it
+        return force
+
+    state = ftrain.init_state(model, tx, seed=0)
+    with pytest.raises(RuntimeError):
+        train_loop(state, counted, _batches(), max_steps=10, save=save, donate=True)
+    return saved
+
+
+def _undonated_state_at(n: int):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.adamw(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx)
+    return train_loop(ftrain.init_state(model, tx, seed=0), step, _batches(), max_steps=n).state
+
+
+def test_a_donated_step_failing_before_its_first_write_still_makes_the_emergency_save(
+    monkeypatch,
+):
+    saved = _donated_run(3, "loss", monkeypatch)
+    assert set(saved) == {"emergency"}
+    want = _undonated_state_at(3)
+    got = saved["emergency"]
+    assert int(got["step"]) == 3
+    for key, t in want.items(True, True):
+        assert torch.equal(got[key], t), key  # bit-identical to the state never donated
+
+
+def test_a_donated_step_failing_after_marking_its_state_saves_nothing(monkeypatch):
+    assert _donated_run(3, "update", monkeypatch) == {}
+
+
+def test_a_donating_step_of_your_own_is_never_trusted_after_a_failure(monkeypatch):
+    assert _donated_run(3, "loss", monkeypatch, own_step=True) == {}
