@@ -43,6 +43,7 @@ from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.format import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
+    CheckpointFormatError,
     CorruptCheckpointError,
 )
 from ftrain.ckpt.index import INDEX, entry_for, load_or_rebuild, mark_best, write_index
@@ -554,7 +555,9 @@ class CheckpointManager:
             self._written.add(step)
             try:
                 self._retain(step, final, total)
-            except (OSError, CorruptCheckpointError) as e:  # committed: nothing to undo or retry
+            # committed: nothing to undo or retry (a newer format's step beside this run's:
+            # retention judges nothing it cannot read)
+            except (OSError, CorruptCheckpointError, CheckpointFormatError) as e:
                 msg = f"[step={step}] committed, but retention or the index failed: {e}"
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)

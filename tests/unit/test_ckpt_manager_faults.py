@@ -236,3 +236,26 @@ def test_a_failed_save_of_a_step_reached_again_can_be_retried(tmp_path, monkeypa
         monkeypatch.setattr(manager, "write_tree", real)
         assert m.save(again, force=True), "the emergency save writes the new 20"
     assert same(CheckpointManager(tmp_path).restore(), again)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_newer_format_step_appearing_mid_run_does_not_unsay_a_commit(tmp_path, async_save):
+    """A step written by a newer ftrain shows up beside this run's (a second version run on
+    the same directory): this run's next commit stands and is reported as one; retention
+    leaves everything alone and says why, instead of raising after the rename."""
+    import json
+
+    with CheckpointManager(tmp_path, async_save=async_save, keep_policy=LatestN(1)) as m:
+        m.save(make_state(1), force=True)
+        m.save(make_state(9), force=True)
+        m.wait()
+        newer = tmp_path / "step_00000009"
+        marker = json.loads((newer / "COMMITTED").read_text())
+        (newer / "COMMITTED").write_text(json.dumps(marker | {"format_version": 99}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert m.save(make_state(2), force=True)
+            m.wait()
+        assert any("retention or the index failed" in str(w.message) for w in caught)
+        assert not m.save(make_state(2), force=True), "step 2 is committed"
+    assert (tmp_path / "step_00000002" / "COMMITTED").exists() and newer.exists()
