@@ -30,6 +30,7 @@ from torch.func import functional_call, grad_and_value
 from ftrain.grads import Bound, loss_and_aux, merge_aux, train_mode
 from ftrain.nn import use_generator
 from ftrain.optim.base import pick
+from ftrain.optim.buffers import BufferPool
 from ftrain.optim.processing import global_norm_of
 from ftrain.state.tree import Key, flatten, rebuild, structure, unflatten
 from ftrain.step import carry_frozen
@@ -91,6 +92,8 @@ class CompiledCore:
         self.compile_seconds = 0.0
         self.compiles = 0
         self._modules: tuple = ()
+        # the pure graph writes its new state into the buffers of the state two steps back
+        self.pool = BufferPool()
 
     def __call__(
         self,
@@ -140,7 +143,21 @@ class CompiledCore:
         frozen_idx = [] if keep is None else sorted(set(range(len(params))) - set(keep))
         trained = params if keep is None else pick(keep, params)
         args = (trained, pick(frozen_idx, params), buffers, oleaves, mleaves, scale)
-        return key, layout, args
+        dst = None if in_place else self._destinations(key, args)
+        return key + (dst is None,), layout, args + (dst,)
+
+    def _destinations(self, key, args) -> tuple | None:
+        """Where the pure graph writes the new parameters and optimizer leaves (0-d counters
+        are made anew): pooled buffers nothing holds any more, or ``None`` (the compiler
+        allocates) for a state too large to keep a spare copy of (:data:`POOL_BYTES`)."""
+        trained, oleaves = args[0], args[3]
+        big = [t for t in oleaves if t.ndim > 0]
+        copy_bytes = sum(t.numel() * t.element_size() for t in (*trained, *big))
+        if not self.pool.admits(copy_bytes):
+            return None
+        dst_o = iter(self.pool.destinations((key, "opt"), big))
+        targets = [next(dst_o) if t.ndim > 0 else t for t in oleaves]
+        return self.pool.destinations((key, "params"), trained), targets
 
     def _pure(self, key, p, b, layout):
         keep = key[8]
@@ -173,7 +190,7 @@ def _core(cc: CompiledCore, keys: tuple, bkeys: list[Key], layout, mkeys, in_pla
     bnames = ["model." + ".".join(k) for k in bkeys]
     bound, update, autocast = cc.bound, cc.update, cc.autocast
 
-    def core(params, frozen, buffers, oleaves, micro, scale):
+    def core(params, frozen, buffers, oleaves, micro, scale, dst=None):
         buffers = [t.clone() for t in buffers]  # a forward may update buffers in place
         k = len(micro)
         constant = dict(zip(fnames, frozen, strict=True)) | dict(zip(bnames, buffers, strict=True))
@@ -203,6 +220,10 @@ def _core(cc: CompiledCore, keys: tuple, bkeys: list[Key], layout, mkeys, in_pla
         if in_place:  # donation: the compiler writes the results into the donated buffers
             torch._foreach_add_(params, updates)
             return params, buffers, _donate(oleaves, new_o), loss_sum / k, norm, aux_total
+        if dst is not None:  # pooled: the same writes, into buffers no state holds any more
+            dst_p, dst_o = dst
+            torch._foreach_copy_(dst_p, torch._foreach_add(params, updates))
+            return dst_p, buffers, _donate(dst_o, new_o), loss_sum / k, norm, aux_total
         return torch._foreach_add(params, updates), buffers, new_o, loss_sum / k, norm, aux_total
 
     return core

@@ -81,13 +81,14 @@ class _Buffer:
 
     __slots__ = ("dtype", "flat", "nbytes", "shapes", "views")
 
-    def __init__(self, leaves: Leaves) -> None:
+    def __init__(self, leaves: Leaves, copy: bool = True) -> None:
         # not _flatten_dense_tensors: of a single tensor it returns a view, not a copy
         first = leaves[0]
         size = sum(t.numel() for t in leaves)
         self.flat = torch.empty(size, dtype=first.dtype, device=first.device)
         self.views: Leaves = list(_unflatten_dense_tensors(self.flat, leaves))
-        torch._foreach_copy_(self.views, leaves)
+        if copy:
+            torch._foreach_copy_(self.views, leaves)
         self.nbytes = size * first.element_size()
         self.shapes = [t.shape for t in leaves]
         self.dtype = first.dtype
@@ -111,6 +112,12 @@ class _Buffer:
 def clones(leaves: Leaves) -> Leaves:
     """Plain copies of ``leaves`` (their layouts kept): what a pure step makes unpooled."""
     return [t.clone(memory_format=torch.preserve_format) for t in leaves]
+
+
+def _fresh(leaves: Leaves, copy: bool) -> Leaves:
+    if copy:
+        return clones(leaves)
+    return [torch.empty_like(t, memory_format=torch.preserve_format) for t in leaves]
 
 
 def unpooled(_key: Hashable, leaves: Leaves) -> Leaves:
@@ -159,18 +166,28 @@ class BufferPool:
     def copies(self, key: Hashable, leaves: Leaves) -> Leaves:
         """New tensors with ``leaves``' values; ``key`` names the list (the same leaves
         step after step). The leaves themselves are never written."""
+        return self._take(key, leaves, copy=True)
+
+    def destinations(self, key: Hashable, like: Leaves) -> Leaves:
+        """New tensors shaped like ``like``, for the caller to overwrite whole (their
+        values are left over from an older state): the compiled step writes its new state
+        into them inside its graph. ``like`` itself is never written."""
+        return self._take(key, like, copy=False)
+
+    def _take(self, key: Hashable, leaves: Leaves, copy: bool) -> Leaves:
         if not POOLING or not leaves or torch.compiler.is_compiling():
-            return clones(leaves)
+            return _fresh(leaves, copy)
         with self._lock:
             buffers = self._buffers.setdefault(key, [])
             for i, buf in enumerate(buffers):  # oldest first: in a loop it is the free one
                 if buf.free() and buf.fits(leaves):
-                    torch._foreach_copy_(buf.views, leaves)
+                    if copy:
+                        torch._foreach_copy_(buf.views, leaves)
                     buffers.append(buffers.pop(i))  # now the newest
                     return list(buf.views)
             if not _poolable(leaves):
-                return clones(leaves)
-            buf = _Buffer(leaves)
+                return _fresh(leaves, copy)
+            buf = _Buffer(leaves, copy)
             buffers.append(buf)
             self._bytes += buf.nbytes
             for old in buffers[: -self.spares]:  # whoever still holds it keeps it

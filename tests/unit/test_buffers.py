@@ -43,9 +43,9 @@ def made(monkeypatch):
     count = [0]
     original = buffers._Buffer.__init__
 
-    def counted(self, leaves):
+    def counted(self, leaves, copy=True):
         count[0] += 1
-        original(self, leaves)
+        original(self, leaves, copy)
 
     monkeypatch.setattr(buffers._Buffer, "__init__", counted)
     return count

@@ -89,6 +89,25 @@ def test_compiled_donate_matches_pure_and_poisons_input():
         donated(old, make_data(16, seed=0))
 
 
+def test_compiled_pure_writes_into_the_buffers_of_the_state_two_steps_back():
+    model, tx = _mlp(), _tx()
+    eager = ftrain.make_step(model, mse_loss, tx)
+    compiled = ftrain.make_step(model, mse_loss, tx, compile=True)
+    a = b = ftrain.init_state(model, tx, seed=0)
+    ptrs, kept = [], {}
+    for i in range(6):
+        a, _ = eager(a, make_data(16, seed=i))
+        b, _ = compiled(b, make_data(16, seed=i))
+        ptrs.append(flatten(b["params"])[1][0].data_ptr())
+        if i == 3:  # a state the caller keeps is never written, in the graph or out
+            kept = {"state": b, "copy": b.clone()}
+    assert _max_diff(a, b) < 1e-5
+    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1], "steps 3, 4 reuse steps 1, 2's buffers"
+    assert ptrs[4] == ptrs[2] and ptrs[5] != ptrs[3], "the state held after step 4 is not reused"
+    assert ftrain.state.tree_equal(kept["state"], kept["copy"])
+    assert compiled.core.compiles == 1
+
+
 @pytest.mark.parametrize("recipe", ["mlp", "gpt2_tiny"])
 def test_the_recipes_compile_to_one_graph_without_breaks(recipe):
     if recipe == "mlp":
