@@ -157,8 +157,11 @@ def _fused(kernel, params, grads, mu, nu, count, lr, b1, b2, eps, weight_decay=0
     for idx in _by_device_and_dtype(grads):
         # float32, as torch.optim keeps it (exact to 2**24 steps, far past b**t == 0)
         step = count.to(device=grads[idx[0]].device, dtype=torch.float32)
+        written = [pick(idx, t) for t in (params, mu, nu)]
         kernel(
-            *(pick(idx, t) for t in (params, grads, mu, nu)),
+            written[0],
+            pick(idx, grads),
+            *written[1:],
             [],
             [step] * len(idx),
             lr=lr,
@@ -169,6 +172,11 @@ def _fused(kernel, params, grads, mu, nu, count, lr, b1, b2, eps, weight_decay=0
             amsgrad=False,
             maximize=False,
         )
+        # the fused kernels write in place without bumping version counters (torch 2.13):
+        # an incremental save keys "unchanged" on (object, version), so a donated leaf
+        # written here must read as changed
+        for leaves in written:
+            torch.autograd.graph.increment_version(leaves)
 
 
 def _leaves(state: TensorDictBase, name: str, keys) -> Leaves:

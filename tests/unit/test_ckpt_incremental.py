@@ -494,3 +494,28 @@ def test_a_partial_restore_records_nothing(tmp_path):
         assert m._last_commit is None
         m.save(state_at(2, base))
     assert manager(tmp_path).metadata(2)["save"]["linked_bytes"] == 0
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_donated_step_is_saved_every_step_and_restores(tmp_path, fused, async_save):
+    """The fused Adam kernels write the donated leaves in place without bumping their
+    version counters: the step bumps them, or the next save would take them as unchanged
+    (and refuse them, their bytes differing)."""
+    import ftrain
+    from ftrain.state import tree_equal
+    from tests.unit.test_apply import _batch, _model, _mse
+
+    model = _model()
+    tx = ftrain.optim.adamw(1e-2, weight_decay=0.1, fused=fused)
+    state = ftrain.init_state(model, tx, seed=0)
+    step = ftrain.make_step(model, _mse, tx, donate=True)
+    m = CheckpointManager(tmp_path, async_save=async_save)
+    saved = {}
+    for i in range(4):
+        state, _ = step(state, _batch(i))
+        m.save(state)
+        m.wait()  # the writer is done before the next step donates the state
+        saved[i + 1] = state.clone()
+    for s, want in saved.items():
+        assert tree_equal(m.restore(s), want), s
