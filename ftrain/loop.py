@@ -217,7 +217,8 @@ class _NoWatchdog:
 
 @dataclass
 class _Run:
-    """The loop's fixed parts; ``loop`` is the loop itself, ``_one_step`` one iteration."""
+    """The loop's fixed parts: ``loop`` is the loop itself; one iteration is the step,
+    ``_continue_from`` (checks) and ``_after_step`` (record, evaluate, save)."""
 
     step: Callable
     save: SaveFn
@@ -249,8 +250,11 @@ class _Run:
                 batch = next(it)
                 in_step = True
                 wd.phase("step", state, self.current, safe=not self.donate)
-                state = self._one_step(state, batch)
-                in_step = False
+                new, metrics = self.step(state, batch)
+                # from here on `state` is the step's result: a failure in the record, the
+                # evaluation or the save saves it (a donated input is gone by now)
+                (state, logged), in_step = self._continue_from(state, new, metrics), False
+                self._after_step(state, logged)
         except NonFiniteError:
             raise  # nothing is saved: the newest committed checkpoint is the last finite one
         except BaseException as err:
@@ -262,9 +266,9 @@ class _Run:
         self.save(state, self.current, force=True, reason="final")
         return LoopResult(state, "finished", "done", self.last)
 
-    def _one_step(self, state, batch):
-        """Step, check, record, evaluate, offer a save; returns the state to continue from."""
-        new, metrics = self.step(state, batch)
+    def _continue_from(self, state, new, metrics):
+        """Check the step's metrics; returns the state to continue from (``new``, or
+        ``state`` where a non-finite step is skipped) and whether the step is logged."""
         n = int(new["step"])
         logged = n % self.log_every == 0 or n == self.max_steps
         host = _host(metrics) if logged else None
@@ -275,19 +279,23 @@ class _Run:
         if logged:
             self.last = dict(host)
             self.last.update(self.meter.rates())
-            self.record("step", step=n, **self.last)
         if bad and self.on_nonfinite == "skip":
-            new = _skipped(state, new)  # keep the metrics of the params we keep
-        else:
-            self.current = dict(metrics.items())  # tensors: read only if a save happens
+            return _skipped(state, new), logged  # keep the metrics of the params we keep
+        self.current = dict(metrics.items())  # tensors: read only if a save happens
+        return new, logged
+
+    def _after_step(self, state, logged: bool) -> None:
+        """Record, evaluate, offer a save: after the step ``state`` continues from."""
+        n = int(state["step"])
+        if logged:
+            self.record("step", step=n, **self.last)
         self.watchdog.beat()
-        self.watchdog.phase("record", new, self.current, safe=True)
-        self._maybe_evaluate(new, n)
-        self.watchdog.phase("save", new, self.current, safe=True)
-        self.save(new, self.current, force=False, reason="policy")
+        self.watchdog.phase("record", state, self.current, safe=True)
+        self._maybe_evaluate(state, n)
+        self.watchdog.phase("save", state, self.current, safe=True)
+        self.save(state, self.current, force=False, reason="policy")
         self.watchdog.beat()
         self.record("heartbeat", step=n)
-        return new
 
     def _on_bad(self, n: int, bad: dict[str, float]) -> None:
         action = {"stop": "stopped", "skip": "skipped", "continue": "continued"}

@@ -317,3 +317,49 @@ def test_a_donated_step_failing_after_marking_its_state_saves_nothing(monkeypatc
 
 def test_a_donating_step_of_your_own_is_never_trusted_after_a_failure(monkeypatch):
     assert _donated_run(3, "loss", monkeypatch, own_step=True) == {}
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("fails", ["evaluate", "record", "save"])
+def test_a_failure_after_the_step_returned_saves_the_new_state(donate, fails):
+    """Evaluation, logging or the policy save failing after step 3 returned: step 3 is
+    whole (with donation the input is gone), so it is the one the emergency save keeps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.adamw(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, donate=donate)
+    saved = {}
+
+    def boom(where: str, n: int) -> None:
+        if where == fails and n == 3:
+            raise RuntimeError(f"{where} failed")
+
+    def save(state, metrics, *, force, reason):
+        boom("save" if not force else "", int(state["step"]))
+        if force:
+            saved[reason] = state.clone()
+        return force
+
+    def evaluate(state):
+        boom("evaluate", int(state["step"]))
+        return {"val": 0.0}
+
+    def record(kind, **fields):
+        boom("record" if kind == "step" else "", fields.get("step", 0))
+
+    with pytest.raises(RuntimeError, match=f"{fails} failed"):
+        train_loop(
+            ftrain.init_state(model, tx, seed=0),
+            step,
+            _batches(),
+            max_steps=10,
+            save=save,
+            evaluate=evaluate,
+            eval_every=1,
+            record=record,
+            donate=donate,
+        )
+    assert set(saved) == {"emergency"}
+    want, got = _undonated_state_at(3), saved["emergency"]
+    for key, t in want.items(True, True):
+        assert torch.equal(got[key], t), key
