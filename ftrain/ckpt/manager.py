@@ -602,17 +602,21 @@ class CheckpointManager:
         histories (they stay on disk; ``ckpt list`` shows them). Returns the committed
         steps left (listed again only if something moved)."""
         locations, moved = self._locations(), False
+        # went back: a step newer than this one is listed, so the run trained on from the
+        # restored step; every step after that one is of the old history but this one
+        went_back = self._rewound is not None and any(s > step for s in locations)
         for s, paths in locations.items():
             branch = self._restored_from is not None and s > self._restored_from
-            went_back = self._rewound is not None and s > step
-            other = went_back or (branch and s not in self._written)
+            old = went_back and s > self._rewound and s != step
+            other = old or (branch and s not in self._written)
             for p in paths:
                 if (s == step and p != final) or other:
                     aside = protocol.set_aside(p, "replaced" if s == step else "superseded")
                     log.warning("[step=%d] moved %s aside to %s (another history)", s, p, aside)
                     moved = True
-            if went_back:
-                self._written.discard(s)  # no longer saved: the new history may save it
+        if went_back:  # no longer saved (listed, deleted by retention or set aside before):
+            # the new history may save those numbers again
+            self._written = {w for w in self._written if w <= self._rewound or w == step}
         self._rewound = None
         return self._locations() if moved else locations
 
@@ -649,12 +653,12 @@ class CheckpointManager:
     ) -> TensorDictBase:
         """Load the newest committed step that verifies (or exactly ``step``).
 
-        A whole-state restore before this manager's first commit (a resume) makes the
-        restored step its branch point: once it commits a newer step, committed steps after
-        the branch point that it did not write (another history) are moved aside. After any
-        whole-state restore, the next commit of a step N also moves aside the listed steps
-        newer than N (the run went back and trained on from an older step; it may save
-        them again), and a save of a step newer than the restored one is never skipped as
+        The first whole-state restore before this manager's first commit (a resume) makes
+        the restored step its branch point: once it commits a newer step, committed steps
+        after the branch point that it did not write (another history) are moved aside.
+        After any whole-state restore of a step R, a next commit of a step N older than a
+        listed step means the run went back and trained on from R: every listed step after
+        R but N is moved aside (it may save them again), and a save of a step newer than the restored one is never skipped as
         "already saved" (its number may be one this manager wrote, in the old history: the
         new copy replaces it, the old moved aside). A restore to evaluate an old step, followed by commits of newer
         steps, sets nothing aside.
@@ -726,8 +730,8 @@ class CheckpointManager:
                 self._rewound = s  # the next commit may go back (see the docstring)
                 self._last_step = s  # on disk: the state a save would write again
                 self._committed_last = (s, self._committed_last[1])
-                if not self._written:
-                    self._restored_from = s  # the branch point
+                if self._restored_from is None and not self._written:
+                    self._restored_from = s  # the branch point: the resume, not a later look
                 if rows is None:  # a sharded save rewrites every row: nothing to link
                     self._remember_restored(s, path, manifest, out)
             return out

@@ -15,8 +15,10 @@ import warnings
 import pytest
 
 from ftrain.ckpt import (
+    AnyOf,
     CheckpointManager,
     CheckpointSaveError,
+    EveryKSteps,
     EveryNSeconds,
     LatestN,
     manager,
@@ -259,3 +261,44 @@ def test_a_newer_format_step_appearing_mid_run_does_not_unsay_a_commit(tmp_path,
         assert any("retention or the index failed" in str(w.message) for w in caught)
         assert not m.save(make_state(2), force=True), "step 2 is committed"
     assert (tmp_path / "step_00000002" / "COMMITTED").exists() and newer.exists()
+
+
+def test_going_back_sets_aside_the_old_steps_before_the_new_commit_too(tmp_path):
+    """Restored 10 with 20..40 committed, trained on and committed 25: the old 20 is of the
+    abandoned history as much as 30 and 40 (a resume falling back past a corrupt 25 must
+    not land in it)."""
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (10, 20, 30, 40):
+            m.save(make_state(s), force=True)
+        m.restore(10)
+        new = make_state(25, n=32)
+        assert m.save(new, force=True)
+        assert m.all_steps() == [10, 25] and sorted(m.set_aside_steps()) == [20, 30, 40]
+    (tmp_path / "step_00000025" / "COMMITTED").unlink()  # the new step is lost
+    assert same(CheckpointManager(tmp_path).restore(), make_state(10)), "the common ancestor"
+
+
+def test_after_going_back_steps_retention_deleted_are_saved_again(tmp_path):
+    """110 and 120 were committed then deleted by retention; after going back to 100 the
+    new history's 110 and 120 are saved, never skipped as "already saved"."""
+    keep = AnyOf(LatestN(1), EveryKSteps(100))
+    with CheckpointManager(tmp_path, async_save=False, keep_policy=keep) as m:
+        for s in (100, 110, 120, 130):
+            m.save(make_state(s), force=True)
+        assert m.all_steps() == [100, 130]
+        m.restore(100)
+        assert m.save(make_state(110, n=32), force=True)
+        assert m.save(make_state(120, n=32), force=True), "a final or stop save of 120"
+        assert m.all_steps() == [100, 120]
+        assert same(m.restore(), make_state(120, n=32))
+
+
+def test_a_look_at_an_old_step_before_the_first_commit_keeps_the_resumed_history(tmp_path):
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (10, 20, 30):
+            m.save(make_state(s), force=True)
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        assert same(m.restore(), make_state(30))  # the resume
+        assert same(m.restore(10), make_state(10))  # e.g. to evaluate it
+        m.save(make_state(40), force=True)
+        assert m.all_steps() == [10, 20, 30, 40] and not m.set_aside_steps()
