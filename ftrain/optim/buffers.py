@@ -20,8 +20,9 @@ counts PyTorch and Python keep, never assumed: the storage's use count (every te
 that views it, from any code, holds one), each view's ``TensorImpl`` use count (autograd's
 saved tensors, C++ holders) and each view's Python reference count (a dict, a list, a
 TensorDict, a numpy array made from it). A state kept by the caller, pinned by an async
-checkpoint save or held in one leaf is never written; the pool then makes a new buffer
-and forgets its oldest. Writing into a reused view bumps its version counter, so caches
+checkpoint save or held in one leaf is never written, nor one in shared memory (a leaf
+sent to another process through ``torch.multiprocessing``: the holders there are not
+counted here); the pool then makes a new buffer and forgets its oldest. Writing into a reused view bumps its version counter, so caches
 keyed on a tensor's identity and version (the incremental save's, the gradient norm's)
 see a new value.
 
@@ -97,6 +98,8 @@ class _Buffer:
         """Nothing outside the pool refers to the buffer or to any of its views."""
         # every tensor that views the storage, from any code, holds it: here self.flat, the
         # pool's views and the temporary storage object made for the call
+        if self.flat.is_shared():  # sent to another process, whose holders no count shows
+            return False
         holders = torch._C._storage_Use_Count(self.flat.untyped_storage()._cdata)
         return holders == len(self.views) + 2 and _only_in_a_list(self.views)
 

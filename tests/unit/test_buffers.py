@@ -121,6 +121,36 @@ def test_a_state_held_in_any_way_is_never_written(way, monkeypatch):
     assert tree_equal(state, _run(5, False, monkeypatch)), f"{way}: pooled differs from clones"
 
 
+def _hold_in_a_child(tensors, held, done) -> None:
+    leaf = tensors.get()  # e.g. an evaluation or logging worker keeping the params
+    first = leaf.clone()
+    held.set()
+    done.wait(timeout=60)
+    tensors.put(bool(torch.equal(leaf, first)))
+
+
+def test_a_leaf_another_process_holds_is_never_written():
+    """Sent through torch.multiprocessing, a leaf's storage moves to shared memory and
+    its holder lives in the other process, where no reference count here can see it."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    tensors, held, done = ctx.Queue(), ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_in_a_child, args=(tensors, held, done))
+    child.start()
+    try:
+        state, step = _setup()
+        state, _ = step(state, _batch(0))
+        tensors.put(state["params", "0", "weight"])
+        assert held.wait(timeout=60)
+        for i in range(1, 6):
+            state, _ = step(state, _batch(i))
+        done.set()
+        assert tensors.get(timeout=60), "a buffer the other process holds was written"
+    finally:
+        child.join(timeout=60)
+
+
 def test_an_old_state_in_a_list_keeps_its_values_and_the_pool_stays_bounded(monkeypatch):
     state, step = _setup()
     history = [state]
