@@ -36,9 +36,10 @@ replaced) and ``step_N.unreadable-<hex>`` (a ``step_*`` directory without a vali
 that a new commit of the same number needed out of the way). They are never listed,
 restored, swept or deleted by ftrain: ``python -m ftrain.ckpt list`` shows them.
 
-Format versions: a marker whose ``format_version`` this ftrain cannot read raises
-:class:`~ftrain.ckpt.format.CheckpointFormatError` (never "not committed": a step written
-by a newer ftrain must not be mistaken for garbage and cleaned up).
+Format versions: a marker whose ``format_version`` this ftrain cannot read, confirmed by
+the manifest it seals, raises :class:`~ftrain.ckpt.format.CheckpointFormatError` (never
+"not committed": a step written by a newer ftrain must not be mistaken for garbage and
+cleaned up); one the manifest does not confirm is a damaged marker, a corrupt step.
 
 Sweeping (at start-up): a ``*.tmp-*`` directory whose lock file is missing or can be
 ``flock``-ed is from a dead writer and is removed; one whose lock is held is in flight and
@@ -57,6 +58,7 @@ location or a step accepts its ``ObjectRoot`` / ``ObjectKey`` too and hands it o
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -234,8 +236,8 @@ def read_committed(step_dir: Path) -> tuple[dict, dict]:
     if os.path.islink(step_dir):
         raise CorruptCheckpointError(f"{step_dir}: is a symbolic link, not a step directory")
     marker = read_json(step_dir / MARKER)
-    check_format(step_dir, marker)
     raw = read_bytes_nofollow(step_dir / MANIFEST)
+    check_format(step_dir, marker, raw)
     return marker, check_manifest(step_dir, step_dir.name, marker, raw)
 
 
@@ -268,23 +270,46 @@ def check_manifest(where: object, name: str, marker: dict, raw: bytes | None) ->
     return manifest
 
 
-def check_format(step_dir: Path, marker: dict) -> None:
+def check_format(step_dir: object, marker: dict, manifest_raw: bytes | None) -> None:
     """Refuse a step whose marker names a format this ftrain cannot read.
+
+    An unknown version counts only when the manifest the marker seals (crc32c and length)
+    names it too: else the marker is damaged (one flipped bit turns format 2 into 3), the
+    step is corrupt and a restore falls back past it, rather than every listing of the
+    directory refusing to go on.
 
     Raises:
         CheckpointFormatError: a well-formed but unknown (e.g. newer) format version.
-        CorruptCheckpointError: no usable format version at all.
+        CorruptCheckpointError: no usable format version at all, or one its manifest does
+            not confirm.
     """
     version = marker.get("format_version")
     if isinstance(version, bool) or not isinstance(version, int):
         raise CorruptCheckpointError(f"{step_dir}: {MARKER} has no format version ({version!r})")
     if version not in READABLE_FORMATS:
+        if not _sealed_format_is(marker, manifest_raw, version):
+            raise CorruptCheckpointError(
+                f"{step_dir}: {MARKER} names format {version}, which the manifest it seals "
+                "does not confirm (a damaged marker)"
+            )
         writer = marker.get("ftrain") if isinstance(marker.get("ftrain"), str) else "unknown"
         raise CheckpointFormatError(
             f"{step_dir} was written by ftrain {writer} (format {version}); this is ftrain "
             f"{_ftrain_version()} (format {FORMAT_VERSION}, reads {sorted(READABLE_FORMATS)}). "
             "Upgrade ftrain to resume it, or point checkpoint.dir elsewhere; nothing was changed"
         )
+
+
+def _sealed_format_is(marker: dict, raw: bytes | None, version: int) -> bool:
+    """The manifest's bytes are the ones ``marker`` seals, and it names ``version``."""
+    if raw is None or marker.get("manifest_bytes") != len(raw):
+        return False
+    if marker.get("manifest_crc32c") != crc32c.crc32c(raw):
+        return False
+    try:
+        return json.loads(raw).get("format_version") == version
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return False
 
 
 def _ftrain_version() -> str:

@@ -261,7 +261,7 @@ class ObjectRoot:
 
     def _check_committed(self, step: ObjectKey, marker_raw, manifest_raw) -> tuple[dict, dict]:
         marker = parse_json(marker_raw, step / protocol.MARKER)
-        protocol.check_format(step, marker)
+        protocol.check_format(step, marker, manifest_raw)
         return marker, protocol.check_manifest(step, step.name, marker, manifest_raw)
 
     def committed_steps(

@@ -16,6 +16,7 @@ import crc32c
 
 from ftrain.ckpt import CheckpointManager
 from ftrain.state import first_difference
+from tests.unit.test_ckpt_commit import as_format
 
 from ..unit.test_ckpt_trust import rewrite_manifest
 
@@ -86,9 +87,7 @@ def test_a_resume_from_an_earlier_step_replaces_the_later_history(cli, tmp_path)
 def test_a_step_of_a_newer_format_stops_the_run_and_nothing_is_deleted(cli, tmp_path):
     run = tmp_path / "run"
     cli(run, "trainer.max_steps=3", *SAVES, check=0)
-    marker_path = run / "checkpoints" / "step_00000003" / "COMMITTED"
-    marker = json.loads(marker_path.read_text()) | {"format_version": 99, "ftrain": "9.0"}
-    marker_path.write_text(json.dumps(marker))
+    as_format(run / "checkpoints" / "step_00000003", 99, writer="9.0")
     before = sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*"))
     out = cli(run, "trainer.max_steps=6", *SAVES, check=2)
     assert "written by ftrain 9.0 (format 99); this is ftrain" in out.stderr

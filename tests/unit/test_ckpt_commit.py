@@ -7,6 +7,7 @@ import errno
 import json
 import os
 
+import crc32c
 import pytest
 import torch
 from tensordict import TensorDict
@@ -83,14 +84,41 @@ def test_a_marker_less_step_dir_is_set_aside_not_deleted(tmp_path):
     assert (aside / "precious.bin").read_bytes() == b"x"
 
 
+def as_format(path, version: int, manifest_too: bool = True, writer: str = "9.9.9") -> None:
+    """Make the step at ``path`` name format ``version``: as a newer ftrain would write it
+    (marker and the manifest it seals, resealed), or only in its marker (a damaged one)."""
+    marker = json.loads((path / "COMMITTED").read_text())
+    marker |= {"format_version": version, "ftrain": writer}
+    if manifest_too:
+        manifest = json.loads((path / "manifest.json").read_text())
+        raw = json.dumps(manifest | {"format_version": version}).encode()
+        (path / "manifest.json").write_bytes(raw)
+        marker |= {"manifest_crc32c": crc32c.crc32c(raw), "manifest_bytes": len(raw)}
+    (path / "COMMITTED").write_text(json.dumps(marker))
+
+
 def test_a_newer_format_is_refused_not_ignored(tmp_path):
     path = _save(tmp_path, 5)
-    marker = json.loads((path / "COMMITTED").read_text())
-    marker |= {"format_version": 99, "ftrain": "9.9.9"}
-    (path / "COMMITTED").write_text(json.dumps(marker))
+    as_format(path, 99)
     with pytest.raises(CheckpointFormatError, match=r"ftrain 9\.9\.9 \(format 99\)"):
         protocol.committed_steps(tmp_path)
     assert protocol.sweep_stale(tmp_path) == [] and path.exists()
+
+
+@pytest.mark.parametrize("version", [0, 3, 6, 99])
+def test_a_damaged_format_version_in_the_marker_is_a_corrupt_step_not_a_newer_one(
+    tmp_path, version
+):
+    """One flipped bit ('2' -> '3', '0', '6') in the newest marker: that step is corrupt
+    (its manifest still says format 2), the older one lists and restores."""
+    _save(tmp_path, 4)
+    path = _save(tmp_path, 5)
+    as_format(path, version, manifest_too=False)
+    bad = []
+    assert list(protocol.committed_steps(tmp_path, on_invalid=lambda p, r: bad.append(r))) == [4]
+    assert len(bad) == 1 and "damaged marker" in bad[0]
+    with pytest.raises(CorruptCheckpointError, match="damaged marker"):
+        protocol.read_committed(path)
 
 
 def test_sweep_removes_dead_but_never_in_flight(tmp_path):

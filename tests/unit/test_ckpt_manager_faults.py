@@ -27,6 +27,7 @@ from ftrain.ckpt import (
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt import format as fmt
 from ftrain.ckpt.store import merge_manifests
+from tests.unit.test_ckpt_commit import as_format
 from tests.unit.test_ckpt_manager import make_state, same
 
 
@@ -245,15 +246,12 @@ def test_a_newer_format_step_appearing_mid_run_does_not_unsay_a_commit(tmp_path,
     """A step written by a newer ftrain shows up beside this run's (a second version run on
     the same directory): this run's next commit stands and is reported as one; retention
     leaves everything alone and says why, instead of raising after the rename."""
-    import json
-
     with CheckpointManager(tmp_path, async_save=async_save, keep_policy=LatestN(1)) as m:
         m.save(make_state(1), force=True)
         m.save(make_state(9), force=True)
         m.wait()
         newer = tmp_path / "step_00000009"
-        marker = json.loads((newer / "COMMITTED").read_text())
-        (newer / "COMMITTED").write_text(json.dumps(marker | {"format_version": 99}))
+        as_format(newer, 99)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert m.save(make_state(2), force=True)

@@ -21,6 +21,7 @@ import torch
 from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, LatestN, hostrng
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
 
+from .test_ckpt_commit import as_format
 from .test_ckpt_manager import make_state, same
 
 
@@ -101,9 +102,7 @@ def test_the_restored_step_itself_is_not_saved_again(tmp_path):
 
 def test_a_newer_format_step_stops_the_manager_and_nothing_is_deleted(tmp_path):
     saved(tmp_path, 1, 2)
-    marker_path = tmp_path / "step_00000002" / "COMMITTED"
-    marker = json.loads(marker_path.read_text()) | {"format_version": 7, "ftrain": "3.0"}
-    marker_path.write_text(json.dumps(marker))
+    as_format(tmp_path / "step_00000002", 7, writer="3.0")
     with pytest.raises(CheckpointFormatError, match=r"ftrain 3\.0 \(format 7\); this is ftrain"):
         CheckpointManager(tmp_path, async_save=False)
     assert (tmp_path / "step_00000002" / "manifest.json").exists()
@@ -323,7 +322,6 @@ def test_ckpt_tool_lists_set_aside_steps_and_refuses_newer_formats(tmp_path, cap
     mgr.save(make_state(2), force=True)
     rc, out = ckpt_cli(capsys, "list", tmp_path)
     assert rc == 0 and "set aside" in out and "step_00000002.replaced-" in out
-    marker_path = tmp_path / "step_00000001" / "COMMITTED"
-    marker_path.write_text(json.dumps(json.loads(marker_path.read_text()) | {"format_version": 9}))
+    as_format(tmp_path / "step_00000001", 9)
     rc, out = ckpt_cli(capsys, "list", tmp_path)
     assert rc == 2 and "(format 9)" in out
