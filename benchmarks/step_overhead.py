@@ -21,6 +21,9 @@ Variants (AdamW lr 1e-3, weight decay 0.01, clip 1.0 with torch's rule on both s
   ``imperative_fused``: ``torch.optim.AdamW(fused=True)``, its fair baseline;
   ``pure_fused_clones``: ``pure_fused`` with the state buffer pool switched off
   (:mod:`ftrain.optim.buffers`: every copy a fresh clone, as before the pool);
+  ``compiled_clones``: ``compiled`` with the pool off (the compiler allocates the new
+  state each step, as before pooled destinations); ``compiled_cppwrapper``: ``compiled``
+  with Inductor's C++ wrapper (``ftrain.compiled.CPP_WRAPPER = True``);
 - ``imperative_compiled``: ``torch.compile(model)`` + a compiled ``optimizer.step`` (the
   PyTorch tutorial's recipe), clipping eager.
 
@@ -184,21 +187,28 @@ def functional(model: nn.Module, loss_fn, variant: str):
         keys, leaves = flatten(box[0]["params"])
         return {path_str(k): t for k, t in zip(keys, leaves, strict=True)}
 
-    # pure_fused_clones: the pure step's copies as plain clones, no pool
-    return (_without_pool(step) if variant.endswith("_clones") else step), params
-
-
-def _without_pool(step):
+    from ftrain import compiled
     from ftrain.optim import buffers
 
-    def unpooled(batch):
-        buffers.POOLING = False
+    if "_clones" in variant:  # the pure step's copies as plain clones, no pool
+        step = _with(buffers, "POOLING", False, step)
+    if "_cppwrapper" in variant:  # Inductor's C++ wrapper (read at the compile)
+        step = _with(compiled, "CPP_WRAPPER", True, step)
+    return step, params
+
+
+def _with(module, name: str, value, step):
+    """``step`` run with ``module.name = value`` (restored after each call)."""
+
+    def switched(batch):
+        before = getattr(module, name)
+        setattr(module, name, value)
         try:
             return step(batch)
         finally:
-            buffers.POOLING = True
+            setattr(module, name, before)
 
-    return unpooled
+    return switched
 
 
 def build(variant: str, workload: str):

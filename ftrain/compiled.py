@@ -11,7 +11,11 @@ One compiled function per layout (parameter/optimizer/batch paths, batch shapes,
 micro-batches, donate): the first call of each compiles — logged once as ``compiled the
 step in X s`` and reported as the metric ``compile_s`` of that step — and later calls with
 the same shapes never recompile. ``donate=True`` writes the new parameters and optimizer
-state into the donated buffers inside the graph, so the compiler can reuse them.
+state into the donated buffers inside the graph, so the compiler can reuse them. The pure
+step writes them, inside the graph too, into buffers of the state two steps back that
+nothing holds any more (:class:`ftrain.optim.buffers.BufferPool`, states up to
+``POOL_BYTES / 2``): no fresh memory a step, so no page faults (MLP 6x1024: ~2,600 a step
+before), and the input state stays intact.
 
 Limits: keyed dropout (:class:`ftrain.nn.Dropout` with ``p > 0``) draws from a
 ``torch.Generator``, which Dynamo does not put in one graph with the rest; such a model
@@ -25,6 +29,7 @@ import sys
 import time
 
 import torch
+from torch._inductor.exc import InductorError
 from torch.func import functional_call, grad_and_value
 
 from ftrain.grads import Bound, loss_and_aux, merge_aux, train_mode
@@ -42,6 +47,13 @@ __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 # eager one and compiles cold in 8-20 s on an idle machine, so it pays after ~210 (MLP
 # 6x2048) to ~2,800 (GPT-2 tiny) steps; the margin covers a slower compile.
 AUTO_MIN_STEPS = 5_000
+
+# Inductor's C++ wrapper for a CPU step: its kernels launched from C++, not from a Python
+# ``call`` (0-3 % of a GPT-2 tiny step, within this machine's noise), for a compile 2-2.5x
+# as long (8 -> 17 s, 30 -> 64 s at one thread): it repays only runs of 10^5+ steps, so it
+# is off unless set (docs/benchmarks.md). A step the C++ wrapper cannot emit (the fp16
+# loss scale's unscale) is compiled again with Python's.
+CPP_WRAPPER = False
 
 
 def should_compile(
@@ -114,12 +126,22 @@ class CompiledCore:
         fn = self.cache.get(key)
         fresh = fn is None
         if fresh:
-            fn = self.cache[key] = torch.compile(self._pure(key, p, b, layout), dynamic=False)
+            fn = self.cache[key] = _compile(self._pure(key, p, b, layout), p[1], CPP_WRAPPER)
         t0 = time.perf_counter()
         if before_write is not None:  # one graph: it may write the donated buffers anywhere
             before_write()
         with train_mode(self._modules_now()), use_generator(gen):
-            new_t, new_b, new_o, loss, norm, aux = fn(*args)
+            try:
+                new_t, new_b, new_o, loss, norm, aux = fn(*args)
+            except InductorError as e:
+                if not fresh:
+                    raise
+                # the C++ wrapper cannot emit every kernel (torch 2.13: a fallback op that
+                # returns lists, as the fp16 unscale does); Inductor fails while compiling,
+                # before any kernel ran (the state's writes come last), so compile again
+                _note(f"the C++ wrapper failed ({str(e).splitlines()[0][:160]}); Python's")
+                fn = self.cache[key] = _compile(self._pure(key, p, b, layout), p[1], False)
+                new_t, new_b, new_o, loss, norm, aux = fn(*args)
         if fresh:
             self._report(time.perf_counter() - t0, aux)
         new_p = carry_frozen(p[1], keep, new_t)
@@ -177,6 +199,17 @@ class CompiledCore:
         self.compiles += 1
         aux["compile_s"] = torch.tensor(seconds, dtype=torch.float64)
         print(f"ftrain: compiled the step in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
+def _compile(core, params: list[torch.Tensor], cpp_wrapper: bool):
+    """``torch.compile`` of the step's core, with Inductor's C++ wrapper on a CPU if asked
+    (:data:`CPP_WRAPPER`)."""
+    on_cpu = all(t.device.type == "cpu" for t in params)
+    return torch.compile(core, dynamic=False, options={"cpp_wrapper": on_cpu and cpp_wrapper})
+
+
+def _note(msg: str) -> None:
+    print(f"ftrain: compiling the step: {msg}", file=sys.stderr, flush=True)
 
 
 def _core(cc: CompiledCore, keys: tuple, bkeys: list[Key], layout, mkeys, in_place: bool):

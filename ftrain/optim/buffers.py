@@ -26,9 +26,10 @@ counted here); the pool then makes a new buffer and forgets its oldest. Writing 
 keyed on a tensor's identity and version (the incremental save's, the gradient norm's)
 see a new value.
 
-Scope. CPU leaves of one dtype, contiguous, outside ``torch.compile`` (CUDA's caching
-allocator already reuses memory, and a side stream may still read a freed block); any
-other bucket gets plain clones. :func:`release_buffers` hands the spare memory back,
+Scope. CPU leaves of one dtype, contiguous (CUDA's caching allocator already reuses
+memory, and a side stream may still read a freed block); any other bucket gets plain
+clones. Copies are made eagerly, never inside a ``torch.compile`` trace; the compiled step
+asks for :meth:`BufferPool.destinations` instead and writes them inside its graph. :func:`release_buffers` hands the spare memory back,
 e.g. after training, when the state is dropped but the optimizer lives on.
 """
 
