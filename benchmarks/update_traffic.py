@@ -65,7 +65,7 @@ def main() -> None:
     spares = [[state(), state(), state()] for _ in range(2)]  # two sets, used in turn
     fns = {f.__name__: torch.compile(f, dynamic=False) for f in (allocate, destinations, in_place)}
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for name, fn in fns.items():  # compile and warm up
+    for fn in fns.values():  # compile and warm up
         for i in range(3):
             fn(ps, gs, mus, nus, spares[i % 2])
     for r in range(args.rounds):
