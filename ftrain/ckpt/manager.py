@@ -173,9 +173,11 @@ class CheckpointManager:
         # the steps it committed itself: a committed step newer than the branch point that
         # this manager did not write belongs to another history and is set aside.
         self._restored_from: int | None = None
-        # the step of a whole-state restore since the last commit: a step newer than it
-        # is of the history trained on from there, even if this manager wrote that number
-        self._rewound: int | None = None
+        # the steps of the whole-state restores since the last commit, in order: a step
+        # newer than the last is of the history trained on from there, even if this
+        # manager wrote that number; at the next commit of N the run went on from the
+        # newest of them not after N (a look at an older step moves nothing back)
+        self._rewinds: list[int] = []
         self._written: set[int] = set()
         self._invalid: dict[Path, str] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
@@ -382,7 +384,7 @@ class CheckpointManager:
         if not force and self.save_policy is not None and not self.save_policy.should_save(ctx):
             return False
         if step == self._last_step or (
-            (self._rewound is None or step <= self._rewound)
+            (not self._rewinds or step <= self._rewinds[-1])
             and (step == self._restored_from or step in self._written)
         ):  # after going back, a step number this manager wrote is of the old history
             log.info("[step=%d] already saved; skipping", step)
@@ -602,12 +604,14 @@ class CheckpointManager:
         histories (they stay on disk; ``ckpt list`` shows them). Returns the committed
         steps left (listed again only if something moved)."""
         locations, moved = self._locations(), False
-        # went back: a step newer than this one is listed, so the run trained on from the
-        # restored step; every step after that one is of the old history but this one
-        went_back = self._rewound is not None and any(s > step for s in locations)
+        # went back: a step newer than this one is listed, so the run trained on from a
+        # restored step (the newest restore not after this one: when unsure, too little is
+        # set aside, never the current history); every step after it is of the old history
+        rewound = max((r for r in self._rewinds if r <= step), default=None)
+        went_back = rewound is not None and any(s > step for s in locations)
         for s, paths in locations.items():
             branch = self._restored_from is not None and s > self._restored_from
-            old = went_back and s > self._rewound and s != step
+            old = went_back and s > rewound and s != step
             other = old or (branch and s not in self._written)
             for p in paths:
                 if (s == step and p != final) or other:
@@ -615,9 +619,11 @@ class CheckpointManager:
                     log.warning("[step=%d] moved %s aside to %s (another history)", s, p, aside)
                     moved = True
         if went_back:  # no longer saved (listed, deleted by retention or set aside before):
-            # the new history may save those numbers again
-            self._written = {w for w in self._written if w <= self._rewound or w == step}
-        self._rewound = None
+            # the new history may save those numbers again, the branch point's included
+            self._written = {w for w in self._written if w <= rewound or w == step}
+            if self._restored_from is not None and rewound < self._restored_from:
+                self._restored_from = rewound  # the new common ancestor
+        self._rewinds = []
         return self._locations() if moved else locations
 
     def _store_index(self) -> None:
@@ -656,9 +662,9 @@ class CheckpointManager:
         The first whole-state restore before this manager's first commit (a resume) makes
         the restored step its branch point: once it commits a newer step, committed steps
         after the branch point that it did not write (another history) are moved aside.
-        After any whole-state restore of a step R, a next commit of a step N older than a
-        listed step means the run went back and trained on from R: every listed step after
-        R but N is moved aside (it may save them again), and a save of a step newer than the restored one is never skipped as
+        After whole-state restores, R the newest of them not after the next commit's step
+        N, a commit of N older than a listed step means the run went back and trained on
+        from R: every listed step after R but N is moved aside (it may save them again), and a save of a step newer than the restored one is never skipped as
         "already saved" (its number may be one this manager wrote, in the old history: the
         new copy replaces it, the old moved aside). A restore to evaluate an old step, followed by commits of newer
         steps, sets nothing aside.
@@ -727,7 +733,7 @@ class CheckpointManager:
             if host_rng:
                 _restore_host_rng(rng_states, s, self.rank)
             if only_t is None:
-                self._rewound = s  # the next commit may go back (see the docstring)
+                self._rewinds.append(s)  # the next commit may go back (see the docstring)
                 self._last_step = s  # on disk: the state a save would write again
                 self._committed_last = (s, self._committed_last[1])
                 if self._restored_from is None and not self._written:

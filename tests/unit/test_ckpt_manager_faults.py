@@ -300,3 +300,47 @@ def test_a_look_at_an_old_step_before_the_first_commit_keeps_the_resumed_history
         assert same(m.restore(10), make_state(10))  # e.g. to evaluate it
         m.save(make_state(40), force=True)
         assert m.all_steps() == [10, 20, 30, 40] and not m.set_aside_steps()
+
+
+def test_a_look_at_an_older_step_after_going_back_keeps_the_current_history(tmp_path):
+    """Went back to 30, looked at 10, committed 35: the run went on from 30, so 20 and 30
+    are its history (only 40 is the abandoned one)."""
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (10, 20, 30, 40):
+            m.save(make_state(s), force=True)
+        m.restore(30)  # went back
+        assert same(m.restore(10), make_state(10))  # a look, e.g. to evaluate it
+        m.save(make_state(35, n=32), force=True)
+        assert m.all_steps() == [10, 20, 30, 35] and sorted(m.set_aside_steps()) == [40]
+
+
+def test_a_look_before_the_first_commit_of_an_explicit_resume_keeps_its_branch_point(tmp_path):
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (10, 20, 30, 40):
+            m.save(make_state(s), force=True)
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.restore(20)  # resume=20
+        m.restore(10)  # a look
+        new = make_state(30, n=32)
+        m.save(new, force=True)
+        assert m.all_steps() == [10, 20, 30] and sorted(m.set_aside_steps()) == [30, 40]
+        assert same(m.restore(), new)
+
+
+def test_going_back_past_the_branch_point_saves_the_branch_step_of_the_new_history(tmp_path):
+    """Resumed from 20, committed 30, went back to 10 and committed 15: the new history's
+    20 is saved (not skipped as the branch point), so a fallback never skips past it."""
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (10, 20):
+            m.save(make_state(s), force=True)
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.restore()  # from 20: the branch point
+        m.save(make_state(30), force=True)
+        m.restore(10)
+        m.save(make_state(15, n=32), force=True)
+        assert m.all_steps() == [10, 15] and sorted(m.set_aside_steps()) == [20, 30]
+        new20 = make_state(20, n=32)
+        assert m.save(new20, force=True), "the new history's 20"
+        m.save(make_state(25, n=32), force=True)
+    (tmp_path / "step_00000025" / "COMMITTED").unlink()
+    assert same(CheckpointManager(tmp_path).restore(), new20)
