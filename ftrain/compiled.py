@@ -35,7 +35,7 @@ from torch.func import functional_call, grad_and_value
 from ftrain.grads import Bound, loss_and_aux, merge_aux, train_mode
 from ftrain.nn import use_generator
 from ftrain.optim.base import pick
-from ftrain.optim.buffers import BufferPool
+from ftrain.optim.buffers import BufferPool, poolable
 from ftrain.optim.processing import global_norm_of
 from ftrain.state.tree import Key, flatten, rebuild, structure, unflatten
 from ftrain.step import carry_frozen
@@ -49,10 +49,10 @@ __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 AUTO_MIN_STEPS = 5_000
 
 # Inductor's C++ wrapper for a CPU step: its kernels launched from C++, not from a Python
-# ``call`` (0-3 % of a GPT-2 tiny step, within this machine's noise), for a compile 2-2.5x
-# as long (8 -> 17 s, 30 -> 64 s at one thread): it repays only runs of 10^5+ steps, so it
-# is off unless set (docs/benchmarks.md). A step the C++ wrapper cannot emit (the fp16
-# loss scale's unscale) is compiled again with Python's.
+# ``call`` (GPT-2 tiny: 14.56 -> 14.13 ms CPU a step, 3-4 %), for a longer cold compile
+# (47.8 -> 67.5 s; MLP 6x1024 17.3 -> 20.1 s): it repays the compile after ~50,000 GPT-2
+# tiny steps, so it is off unless set (docs/benchmarks.md). A step the C++ wrapper cannot
+# emit (torch 2.13: the fp16 loss scale's unscale) is compiled again with Python's.
 CPP_WRAPPER = False
 
 
@@ -124,9 +124,10 @@ class CompiledCore:
             p, b, opt_flat or structure(opt), micro, scale, in_place, keep
         )
         fn = self.cache.get(key)
-        fresh = fn is None
+        fresh, cpp = fn is None, False
         if fresh:
-            fn = self.cache[key] = _compile(self._pure(key, p, b, layout), p[1], CPP_WRAPPER)
+            cpp = CPP_WRAPPER and all(t.device.type == "cpu" for t in p[1])
+            fn = self.cache[key] = _compile(self._pure(key, p, b, layout), cpp)
         t0 = time.perf_counter()
         if before_write is not None:  # one graph: it may write the donated buffers anywhere
             before_write()
@@ -134,13 +135,13 @@ class CompiledCore:
             try:
                 new_t, new_b, new_o, loss, norm, aux = fn(*args)
             except InductorError as e:
-                if not fresh:
+                if not (fresh and cpp):
                     raise
                 # the C++ wrapper cannot emit every kernel (torch 2.13: a fallback op that
                 # returns lists, as the fp16 unscale does); Inductor fails while compiling,
                 # before any kernel ran (the state's writes come last), so compile again
                 _note(f"the C++ wrapper failed ({str(e).splitlines()[0][:160]}); Python's")
-                fn = self.cache[key] = _compile(self._pure(key, p, b, layout), p[1], False)
+                fn = self.cache[key] = _compile(self._pure(key, p, b, layout), False)
                 new_t, new_b, new_o, loss, norm, aux = fn(*args)
         if fresh:
             self._report(time.perf_counter() - t0, aux)
@@ -171,11 +172,12 @@ class CompiledCore:
     def _destinations(self, key, args) -> tuple | None:
         """Where the pure graph writes the new parameters and optimizer leaves (0-d counters
         are made anew): pooled buffers nothing holds any more, or ``None`` (the compiler
-        allocates) for a state too large to keep a spare copy of (:data:`POOL_BYTES`)."""
+        allocates) for a state the pool does not take: too large to keep a spare copy of
+        (:data:`POOL_BYTES`), not on the CPU, or of mixed dtypes."""
         trained, oleaves = args[0], args[3]
         big = [t for t in oleaves if t.ndim > 0]
         copy_bytes = sum(t.numel() * t.element_size() for t in (*trained, *big))
-        if not self.pool.admits(copy_bytes):
+        if not (self.pool.admits(copy_bytes) and poolable(trained) and poolable(big)):
             return None
         dst_o = iter(self.pool.destinations((key, "opt"), big))
         targets = [next(dst_o) if t.ndim > 0 else t for t in oleaves]
@@ -201,11 +203,10 @@ class CompiledCore:
         print(f"ftrain: compiled the step in {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
-def _compile(core, params: list[torch.Tensor], cpp_wrapper: bool):
-    """``torch.compile`` of the step's core, with Inductor's C++ wrapper on a CPU if asked
-    (:data:`CPP_WRAPPER`)."""
-    on_cpu = all(t.device.type == "cpu" for t in params)
-    return torch.compile(core, dynamic=False, options={"cpp_wrapper": on_cpu and cpp_wrapper})
+def _compile(core, cpp_wrapper: bool):
+    """``torch.compile`` of the step's core (with Inductor's C++ wrapper: a CPU step with
+    :data:`CPP_WRAPPER` on)."""
+    return torch.compile(core, dynamic=False, options={"cpp_wrapper": cpp_wrapper})
 
 
 def _note(msg: str) -> None:

@@ -43,7 +43,7 @@ from collections.abc import Hashable
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-__all__ = ["BufferPool", "clones", "release_buffers", "unpooled"]
+__all__ = ["BufferPool", "clones", "poolable", "release_buffers", "unpooled"]
 
 Leaves = list[torch.Tensor]
 
@@ -129,8 +129,10 @@ def unpooled(_key: Hashable, leaves: Leaves) -> Leaves:
     return clones(leaves)
 
 
-def _poolable(leaves: Leaves) -> bool:
-    dtype = leaves[0].dtype
+def poolable(leaves: Leaves) -> bool:
+    """Leaves the pool can keep in one flat buffer: plain, contiguous CPU tensors of one
+    dtype that need no gradient (an empty list: nothing to keep, so yes)."""
+    dtype = leaves[0].dtype if leaves else None
     return all(
         type(t) is torch.Tensor
         and t.is_cpu
@@ -189,7 +191,7 @@ class BufferPool:
                         torch._foreach_copy_(buf.views, leaves)
                     buffers.append(buffers.pop(i))  # now the newest
                     return list(buf.views)
-            if not _poolable(leaves):
+            if not poolable(leaves):
                 return _fresh(leaves, copy)
             buf = _Buffer(leaves, copy)
             buffers.append(buf)
