@@ -235,7 +235,7 @@ class _Run:
     current: dict = field(default_factory=dict)  # metrics of the step `state` is at
 
     def loop(self, state, it, stop, agree) -> LoopResult:
-        wd, in_step = self.watchdog, False
+        wd, in_step, returned = self.watchdog, False, None
         try:
             while int(state["step"]) < self.max_steps:
                 wd.phase("agree", state, self.current, safe=True)
@@ -250,14 +250,19 @@ class _Run:
                 batch = next(it)
                 in_step = True
                 wd.phase("step", state, self.current, safe=not self.donate)
-                new, metrics = self.step(state, batch)
+                new, metrics = returned = self.step(state, batch)
                 # from here on `state` is the step's result: a failure in the record, the
                 # evaluation or the save saves it (a donated input is gone by now)
                 (state, logged), in_step = self._continue_from(state, new, metrics), False
+                returned = None
                 self._after_step(state, logged)
         except NonFiniteError:
             raise  # nothing is saved: the newest committed checkpoint is the last finite one
         except BaseException as err:
+            if self.donate and in_step and returned is not None:
+                # failed checking a donated step's result (a logger, the host read): the
+                # input is gone, the result whole (donation refuses on_nonfinite="skip")
+                state, in_step = returned[0], False
             if not (self.donate and in_step) or _still_whole(self.step, state):
                 wd.phase("save", state, self.current, safe=True)
                 _emergency_save(self.save, state, self.current, err, self.record)

@@ -363,3 +363,38 @@ def test_a_failure_after_the_step_returned_saves_the_new_state(donate, fails):
     want, got = _undonated_state_at(3), saved["emergency"]
     for key, t in want.items(True, True):
         assert torch.equal(got[key], t), key
+
+
+def test_a_donated_step_whose_check_fails_saves_its_result():
+    """The record of a non-finite step (on_nonfinite="continue") fails: the donated input
+    is gone, so the emergency save keeps the step's whole result, step 3."""
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.adamw(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, donate=True)
+    saved = {}
+
+    def batches():
+        for i in range(10):
+            yield {"x": torch.full((4, 2), float("nan") if i == 2 else 1.0)}
+
+    def save(state, metrics, *, force, reason):
+        if force:
+            saved[reason] = int(state["step"])
+        return force
+
+    def record(kind, **fields):
+        if kind == "nonfinite":
+            raise OSError("the metrics disk is full")
+
+    with pytest.raises(OSError, match="metrics disk"):
+        train_loop(
+            ftrain.init_state(model, tx, seed=0),
+            step,
+            batches(),
+            max_steps=10,
+            save=save,
+            record=record,
+            donate=True,
+            on_nonfinite="continue",
+        )
+    assert saved == {"emergency": 3}
