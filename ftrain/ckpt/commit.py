@@ -257,9 +257,7 @@ def check_manifest(where: object, name: str, marker: dict, raw: bytes | None) ->
     """
     if raw is None:
         raise CorruptCheckpointError(f"{where}: {MANIFEST} is missing")
-    if marker.get("manifest_bytes") != len(raw) or marker.get("manifest_crc32c") != crc32c.crc32c(
-        raw
-    ):
+    if not _seals(marker, raw):
         raise CorruptCheckpointError(f"{where}: {MARKER} does not match {MANIFEST}")
     manifest = parse_json(raw, f"{where}/{MANIFEST}")
     m = _STEP_RE.match(name)
@@ -273,24 +271,24 @@ def check_manifest(where: object, name: str, marker: dict, raw: bytes | None) ->
 def check_format(step_dir: object, marker: dict, manifest_raw: bytes | None) -> None:
     """Refuse a step whose marker names a format this ftrain cannot read.
 
-    An unknown version counts only when the manifest the marker seals (crc32c and length)
-    names it too: else the marker is damaged (one flipped bit turns format 2 into 3), the
-    step is corrupt and a restore falls back past it, rather than every listing of the
-    directory refusing to go on.
+    An unknown version is a damaged marker (one flipped bit turns format 2 into 3) when the
+    manifest it seals (crc32c and length) names a format this ftrain reads: the step is
+    corrupt and a restore falls back past it, rather than every listing of the directory
+    refusing to go on. Without that evidence it is a newer format, refused.
 
     Raises:
         CheckpointFormatError: a well-formed but unknown (e.g. newer) format version.
-        CorruptCheckpointError: no usable format version at all, or one its manifest does
-            not confirm.
+        CorruptCheckpointError: no usable format version at all, or a damaged one.
     """
     version = marker.get("format_version")
     if isinstance(version, bool) or not isinstance(version, int):
         raise CorruptCheckpointError(f"{step_dir}: {MARKER} has no format version ({version!r})")
     if version not in READABLE_FORMATS:
-        if not _sealed_format_is(marker, manifest_raw, version):
+        sealed = _sealed_format(marker, manifest_raw)
+        if type(sealed) is int and sealed in READABLE_FORMATS:
             raise CorruptCheckpointError(
-                f"{step_dir}: {MARKER} names format {version}, which the manifest it seals "
-                "does not confirm (a damaged marker)"
+                f"{step_dir}: {MARKER} names format {version}, the manifest it seals format "
+                f"{sealed} (a damaged marker)"
             )
         writer = marker.get("ftrain") if isinstance(marker.get("ftrain"), str) else "unknown"
         raise CheckpointFormatError(
@@ -300,16 +298,21 @@ def check_format(step_dir: object, marker: dict, manifest_raw: bytes | None) -> 
         )
 
 
-def _sealed_format_is(marker: dict, raw: bytes | None, version: int) -> bool:
-    """The manifest's bytes are the ones ``marker`` seals, and it names ``version``."""
-    if raw is None or marker.get("manifest_bytes") != len(raw):
-        return False
-    if marker.get("manifest_crc32c") != crc32c.crc32c(raw):
-        return False
+def _seals(marker: dict, raw: bytes) -> bool:
+    """``raw`` is the manifest ``marker`` seals (its crc32c and length)."""
+    return marker.get("manifest_bytes") == len(raw) and marker.get(
+        "manifest_crc32c"
+    ) == crc32c.crc32c(raw)
+
+
+def _sealed_format(marker: dict, raw: bytes | None) -> object:
+    """The format version named by the manifest ``marker`` seals (``None``: none such)."""
+    if raw is None or not _seals(marker, raw):
+        return None
     try:
-        return json.loads(raw).get("format_version") == version
+        return json.loads(raw).get("format_version")
     except (ValueError, AttributeError):  # not JSON, or not an object
-        return False
+        return None
 
 
 def _ftrain_version() -> str:

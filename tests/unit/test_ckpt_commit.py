@@ -121,6 +121,16 @@ def test_a_damaged_format_version_in_the_marker_is_a_corrupt_step_not_a_newer_on
         protocol.read_committed(path)
 
 
+def test_an_unknown_format_without_a_readable_sealed_manifest_is_refused(tmp_path):
+    """Only positive evidence makes a marker damaged: a newer format whose manifest this
+    ftrain cannot match (another name, another seal) is refused, never skipped."""
+    path = _save(tmp_path, 5)
+    as_format(path, 99, manifest_too=False)
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointFormatError, match=r"\(format 99\)"):
+        protocol.committed_steps(tmp_path)
+
+
 def test_sweep_removes_dead_but_never_in_flight(tmp_path):
     live = protocol.begin(tmp_path, 7)  # lock held by this process
     dead = protocol.begin(tmp_path, 8)
