@@ -236,8 +236,13 @@ def read_committed(step_dir: Path) -> tuple[dict, dict]:
     if os.path.islink(step_dir):
         raise CorruptCheckpointError(f"{step_dir}: is a symbolic link, not a step directory")
     marker = read_json(step_dir / MARKER)
-    raw = read_bytes_nofollow(step_dir / MANIFEST)
+    try:
+        raw, unreadable = read_bytes_nofollow(step_dir / MANIFEST), None
+    except CorruptCheckpointError as e:  # a newer format's step may name it otherwise
+        raw, unreadable = None, e
     check_format(step_dir, marker, raw)
+    if unreadable is not None:
+        raise unreadable
     return marker, check_manifest(step_dir, step_dir.name, marker, raw)
 
 
