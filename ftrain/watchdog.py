@@ -20,7 +20,8 @@ When the allowance runs out the watchdog
    threads from ``sys._current_frames``, then ``faulthandler``'s raw dump);
 2. saves the newest completed state, only if it is consistent: not while a ``donate=True``
    step may be rewriting it in place (``safe=False``), and not while the main thread is
-   inside a save itself (a second save beside it could mix or block on it). The save and
+   inside a save itself (a second save beside it could mix or block on it); the state is
+   pinned while it is saved (a loop that wakes up meanwhile steps out of place). The save and
    the wait for in-flight commits run in a helper thread bounded by ``save_timeout_s``
    (default ``timeout_s``): a save may hang on the same dead file system;
 3. exits the process with :data:`ftrain.signals.EXIT_HUNG` through ``os._exit`` (the main
@@ -44,7 +45,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from tensordict import TensorDictBase
+
 from ftrain.signals import EXIT_HUNG
+from ftrain.state.init import pin, unpin
 
 __all__ = ["Watchdog", "dump_stacks"]
 
@@ -129,6 +133,7 @@ class Watchdog:
         self._where: tuple[str, object, dict, bool] = ("start", None, {}, False)
         self._last = time.monotonic()
         self._beats = 0
+        self._where_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fired = False
@@ -137,7 +142,8 @@ class Watchdog:
     # -- fed by the loop (cheap: a few attribute stores) ------------------------------
     def phase(self, name: str, state, metrics: dict, *, safe: bool) -> None:
         """The loop enters ``name`` holding ``state`` (saveable now only if ``safe``)."""
-        self._where = (name, state, metrics, safe)
+        with self._where_lock:
+            self._where = (name, state, metrics, safe)
 
     def beat(self) -> None:
         """Progress: a step completed, or an evaluation or a save returned."""
@@ -182,7 +188,12 @@ class Watchdog:
 
     def _fire(self, idle: float, allowed: float) -> None:
         self.fired = True
-        phase, state, metrics, safe = self._where
+        with self._where_lock:  # the loop cannot enter a donating step between look and pin
+            phase, state, metrics, safe = self._where
+            can_save = self._save is not None and state is not None and safe and phase != "save"
+            pinned = can_save and isinstance(state, TensorDictBase)
+            if pinned:  # a loop that wakes up meanwhile steps out of place, as for an async save
+                pin(state)
         step = _step_of(state)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         header = (
@@ -190,9 +201,8 @@ class Watchdog:
             f"at step {step}, phase {phase!r}, pid {os.getpid()}"
         )
         self.dump_path = dump_stacks(self.run_dir / f"hang-{stamp}-pid{os.getpid()}.txt", header)
-        can_save = self._save is not None and state is not None and safe and phase != "save"
         _say(f"ftrain: {header}; stacks in {self.dump_path}")
-        saved, error = self._final_save(state, metrics, can_save)
+        saved, error = self._final_save(state, metrics, can_save, pinned)
         info = {
             "step": step,
             "phase": phase,
@@ -207,14 +217,20 @@ class Watchdog:
         _say(_exit_message(step, phase, saved, error, can_save))
         self._exit(EXIT_HUNG)
 
-    def _final_save(self, state, metrics: dict, can_save: bool) -> tuple[bool, str | None]:
+    def _final_save(
+        self, state, metrics: dict, can_save: bool, pinned: bool
+    ) -> tuple[bool, str | None]:
         """Save (if ``can_save``) and drain in a helper thread, bounded by ``save_timeout_s``."""
         out: dict = {"saved": False, "error": None}
 
         def work() -> None:
             try:
                 if can_save:
-                    out["saved"] = bool(self._save(state, metrics))
+                    try:
+                        out["saved"] = bool(self._save(state, metrics))
+                    finally:
+                        if pinned:
+                            unpin(state)
                 if self._drain is not None:
                     self._drain()
             except BaseException as err:  # report it; the exit must still happen

@@ -231,3 +231,41 @@ def test_a_failing_dump_still_exits_hung(tmp_path):
         wd.beat()
         assert release.wait(5)
     assert fired.codes == [EXIT_HUNG]
+
+
+def test_a_loop_waking_up_during_the_hang_save_never_writes_the_saved_state(tmp_path):
+    """The data source hangs, the watchdog saves (a slow synchronous save); the data comes
+    back meanwhile and the loop runs a donated step: it must step out of place, the saved
+    state's values unchanged from the first byte of the save to the last."""
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.adamw(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, donate=True)
+    hung, stepped, release, seen = threading.Event(), threading.Event(), threading.Event(), {}
+
+    def batches():
+        for _ in range(3):
+            yield {"x": torch.ones(4, 2)}
+        hung.wait(timeout=60)  # until the watchdog's save has begun
+        yield {"x": torch.ones(4, 2)}
+        stepped.set()  # the loop asks for the next batch: a donated step ran
+        release.wait(timeout=60)
+
+    def save(state, metrics):
+        seen["before"] = state.clone()
+        hung.set()
+        assert stepped.wait(timeout=60), "the loop did not step during the save"
+        seen["after"] = state.clone()
+        return True
+
+    wd = Watchdog(0.5, run_dir=tmp_path, save=save, exit=lambda code: release.set())
+    with pytest.raises((RuntimeError, StopIteration)):
+        train_loop(
+            ftrain.init_state(model, tx, seed=0),
+            step,
+            batches(),
+            max_steps=100,
+            donate=True,
+            watchdog=wd,
+        )
+    assert int(seen["before"]["step"]) == 3
+    assert ftrain.state.tree_equal(seen["before"], seen["after"]), "the saved state was written"
