@@ -13,6 +13,15 @@ def _setup():
     return ftrain.init_state(model, tx, seed=0), step
 
 
+def adamw_setup(donate: bool = False):
+    """A seeded Linear(2, 1) under AdamW: ``(state, step)``, donating if asked."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.adamw(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, donate=donate)
+    return ftrain.init_state(model, tx, seed=0), step
+
+
 def _batches():
     while True:
         yield {"x": torch.ones(4, 2)}
@@ -292,11 +301,8 @@ def _donated_run(fail_at: int, where: str, monkeypatch, own_step: bool = False):
 
 
 def _undonated_state_at(n: int):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 1)
-    tx = ftrain.optim.adamw(0.1)
-    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx)
-    return train_loop(ftrain.init_state(model, tx, seed=0), step, _batches(), max_steps=n).state
+    state, step = adamw_setup()
+    return train_loop(state, step, _batches(), max_steps=n).state
 
 
 def test_a_donated_step_failing_before_its_first_write_still_makes_the_emergency_save(
@@ -324,10 +330,7 @@ def test_a_donating_step_of_your_own_is_never_trusted_after_a_failure(monkeypatc
 def test_a_failure_after_the_step_returned_saves_the_new_state(donate, fails):
     """Evaluation, logging or the policy save failing after step 3 returned: step 3 is
     whole (with donation the input is gone), so it is the one the emergency save keeps."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 1)
-    tx = ftrain.optim.adamw(0.1)
-    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, donate=donate)
+    state, step = adamw_setup(donate)
     saved = {}
 
     def boom(where: str, n: int) -> None:
@@ -349,7 +352,7 @@ def test_a_failure_after_the_step_returned_saves_the_new_state(donate, fails):
 
     with pytest.raises(RuntimeError, match=f"{fails} failed"):
         train_loop(
-            ftrain.init_state(model, tx, seed=0),
+            state,
             step,
             _batches(),
             max_steps=10,
@@ -368,9 +371,7 @@ def test_a_failure_after_the_step_returned_saves_the_new_state(donate, fails):
 def test_a_donated_step_whose_check_fails_saves_its_result():
     """The record of a non-finite step (on_nonfinite="continue") fails: the donated input
     is gone, so the emergency save keeps the step's whole result, step 3."""
-    model = torch.nn.Linear(2, 1)
-    tx = ftrain.optim.adamw(0.1)
-    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, donate=True)
+    state, step = adamw_setup(donate=True)
     saved = {}
 
     def batches():
@@ -388,7 +389,7 @@ def test_a_donated_step_whose_check_fails_saves_its_result():
 
     with pytest.raises(OSError, match="metrics disk"):
         train_loop(
-            ftrain.init_state(model, tx, seed=0),
+            state,
             step,
             batches(),
             max_steps=10,

@@ -13,6 +13,7 @@ from ftrain.config import ConfigError, load_config
 from ftrain.loop import train_loop
 from ftrain.signals import EXIT_HUNG
 from ftrain.watchdog import Watchdog, dump_stacks
+from tests.unit.test_loop import adamw_setup
 
 
 def _setup():
@@ -237,9 +238,7 @@ def test_a_loop_waking_up_during_the_hang_save_never_writes_the_saved_state(tmp_
     """The data source hangs, the watchdog saves (a slow synchronous save); the data comes
     back meanwhile and the loop runs a donated step: it must step out of place, the saved
     state's values unchanged from the first byte of the save to the last."""
-    model = torch.nn.Linear(2, 1)
-    tx = ftrain.optim.adamw(0.1)
-    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, donate=True)
+    state, step = adamw_setup(donate=True)
     hung, stepped, release, seen = threading.Event(), threading.Event(), threading.Event(), {}
 
     def batches():
@@ -259,13 +258,6 @@ def test_a_loop_waking_up_during_the_hang_save_never_writes_the_saved_state(tmp_
 
     wd = Watchdog(0.5, run_dir=tmp_path, save=save, exit=lambda code: release.set())
     with pytest.raises((RuntimeError, StopIteration)):
-        train_loop(
-            ftrain.init_state(model, tx, seed=0),
-            step,
-            batches(),
-            max_steps=100,
-            donate=True,
-            watchdog=wd,
-        )
+        train_loop(state, step, batches(), max_steps=100, donate=True, watchdog=wd)
     assert int(seen["before"]["step"]) == 3
     assert ftrain.state.tree_equal(seen["before"], seen["after"]), "the saved state was written"
