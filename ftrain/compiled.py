@@ -29,6 +29,7 @@ import sys
 import time
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
 from torch._inductor.exc import InductorError
 from torch.func import functional_call, grad_and_value
 
@@ -124,29 +125,42 @@ class CompiledCore:
             p, b, opt_flat or structure(opt), micro, scale, in_place, keep
         )
         fn = self.cache.get(key)
-        fresh, cpp = fn is None, False
-        if fresh:
-            cpp = CPP_WRAPPER and all(t.device.type == "cpu" for t in p[1])
-            fn = self.cache[key] = _compile(self._pure(key, p, b, layout), cpp)
         t0 = time.perf_counter()
-        if before_write is not None:  # one graph: it may write the donated buffers anywhere
-            before_write()
+        # one graph: it may write the donated buffers anywhere; the mark comes first
+        undo = before_write() if before_write is not None else None
         with train_mode(self._modules_now()), use_generator(gen):
-            try:
-                new_t, new_b, new_o, loss, norm, aux = fn(*args)
-            except InductorError as e:
-                if not (fresh and cpp):
-                    raise
-                # the C++ wrapper cannot emit every kernel (torch 2.13: a fallback op that
-                # returns lists, as the fp16 unscale does); Inductor fails while compiling,
-                # before any kernel ran (the state's writes come last), so compile again
-                _note(f"the C++ wrapper failed ({str(e).splitlines()[0][:160]}); Python's")
-                fn = self.cache[key] = _compile(self._pure(key, p, b, layout), False)
-                new_t, new_b, new_o, loss, norm, aux = fn(*args)
-        if fresh:
+            # the first call of a layout compiles, inside the call
+            first = fn is None
+            out = self._first_call(key, (p, b, layout), args, undo) if first else fn(*args)
+        new_t, new_b, new_o, loss, norm, aux = out
+        if first:
             self._report(time.perf_counter() - t0, aux)
         new_p = carry_frozen(p[1], keep, new_t)
         return new_p, new_b, rebuild(layout, new_o), loss, norm, aux
+
+    def _first_call(self, key, parts, args, undo):
+        """Compile and run a new layout: with the C++ wrapper first if asked, then Python's
+        if it cannot emit a kernel (torch 2.13: the fp16 unscale's list-returning op).
+
+        A compile failure is raised before any kernel ran (the state's writes come last in
+        the graph): a donated state is then whole, so its mark is undone and the loop's
+        emergency save still writes it."""
+        p = parts[0]
+        cpp = CPP_WRAPPER and all(t.device.type == "cpu" for t in p[1])
+        wrappers = [True, False] if cpp else [False]
+        while True:
+            wrapper = wrappers.pop(0)
+            fn = self.cache[key] = _compile(self._pure(key, *parts), wrapper)
+            try:
+                return fn(*args)
+            except TorchDynamoException as e:
+                if wrappers and isinstance(e, InductorError):
+                    _note(f"the C++ wrapper failed ({str(e).splitlines()[0][:160]}); Python's")
+                    continue
+                del self.cache[key]  # nothing compiled: the next call tries again
+                if undo is not None:
+                    undo()
+                raise
 
     def explain(self, p, b, opt, micro, scale=None, in_place: bool = False, keep=None):
         """``torch._dynamo.explain`` of the core for these inputs (graph count, breaks)."""

@@ -15,6 +15,7 @@ Top-level keys (fixed; the state is locked against adding or removing keys):
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -116,9 +117,12 @@ _DONATED_ATTR, _PINS_ATTR = "_ftrain_donated", "_ftrain_pins"
 _PIN_LOCK = threading.Lock()  # pin/unpin run on the async writer's thread too
 
 
-def mark_donated(state: TensorDictBase) -> None:
-    """Record that ``state``'s buffers were reused in place; using it again is an error."""
+def mark_donated(state: TensorDictBase) -> Callable[[], None]:
+    """Record that ``state``'s buffers are about to be reused in place; using it again is
+    an error. Returns the undo, for a step that failed before writing anything after all
+    (a compile that failed inside the call that was to write)."""
     state.__dict__[_DONATED_ATTR] = True
+    return lambda: state.__dict__.pop(_DONATED_ATTR, None)
 
 
 def is_donated(state: TensorDictBase) -> bool:

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from torch._dynamo.utils import counters
 
 import ftrain
+import ftrain.compiled
 from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
 from ftrain.recipes.mlp_regression.model import MLP, make_data, mse_loss
 from ftrain.state.tree import flatten
@@ -211,3 +212,37 @@ def test_only_a_failed_cpp_wrapper_compile_is_retried_with_pythons(monkeypatch, 
     with pytest.raises(InductorError):
         step(ftrain.init_state(model, tx, seed=0), make_data(16, seed=0))
     assert calls == [True, False, False], "a real failure is not compiled twice"
+
+
+def test_a_donated_state_whose_compile_failed_is_still_whole(monkeypatch):
+    """The compile runs inside the call that was to write the donated state: a failure
+    there ran nothing, so the state is not marked donated and the loop's emergency save
+    writes it (ftrain.loop trusts the mark)."""
+    from torch._inductor.exc import InductorError
+
+    def failing(core, cpp_wrapper):
+        def fail(*args):
+            raise InductorError(RuntimeError("out of memory while compiling"), None)
+
+        return fail
+
+    model, tx = _mlp(), _tx()
+    step = ftrain.make_step(model, mse_loss, tx, compile=True, donate=True)
+    state = ftrain.init_state(model, tx, seed=0)
+    saved = {}
+
+    def save(s, metrics, *, force, reason):
+        if force:
+            saved[reason] = s.clone()
+        return force
+
+    with monkeypatch.context() as m:
+        m.setattr(ftrain.compiled, "_compile", failing)
+        with pytest.raises(InductorError):
+            ftrain.train_loop(
+                state, step, iter([make_data(16, seed=0)]), max_steps=1, save=save, donate=True
+            )
+    assert not ftrain.state.is_donated(state)
+    assert ftrain.state.tree_equal(saved["emergency"], state)
+    new, _ = step(state, make_data(16, seed=0))  # compiles for real this time
+    assert int(new["step"]) == 1 and ftrain.state.is_donated(state)
