@@ -365,17 +365,21 @@ def set_aside_steps(root: Path) -> dict[int, list[Path]]:
 
 
 def committed_steps(
-    root: Path, *, on_invalid: Callable[[Path, str], None] | None = None
+    root: Path,
+    *,
+    on_invalid: Callable[[Path, str], None] | None = None,
+    on_valid: Callable[[Path, dict], None] | None = None,
 ) -> dict[int, Path]:
     """Every step under ``root`` with a valid marker, ``{step: path}`` (missing root: ``{}``).
 
-    ``on_invalid(path, reason)`` is called for ``step_*`` directories that do not count.
+    ``on_invalid(path, reason)`` is called for ``step_*`` directories that do not count,
+    ``on_valid(path, marker)`` with the marker of each one that does.
 
     Raises:
         CheckpointFormatError: a step was written in a format this ftrain cannot read.
     """
     if not isinstance(root, Path):
-        return root.committed_steps(on_invalid=on_invalid)
+        return root.committed_steps(on_invalid=on_invalid, on_valid=on_valid)
     out: dict[int, Path] = {}
     try:
         entries = list(os.scandir(root))
@@ -390,11 +394,13 @@ def committed_steps(
                 on_invalid(Path(e.path), "not a directory (symbolic links are not followed)")
             continue
         try:
-            read_committed(Path(e.path))
+            marker, _ = read_committed(Path(e.path))
         except CorruptCheckpointError as err:
             if on_invalid is not None:
                 on_invalid(Path(e.path), str(err))
             continue
+        if on_valid is not None:
+            on_valid(Path(e.path), marker)
         out[int(m.group(1))] = Path(e.path)
     return dict(sorted(out.items()))
 

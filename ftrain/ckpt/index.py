@@ -2,8 +2,11 @@
 
 The index lists every committed step (in the primary and the fallback directory) with
 its time, metrics, bytes, save timings and "best" flags. It is a cache, never the source
-of truth: it is rebuilt from each step's ``COMMITTED`` marker and root ``zarr.json``
-whenever it is missing, unreadable or lists a different set of steps than the disk.
+of truth: an entry is read again from its step's ``COMMITTED`` marker and root
+``zarr.json`` whenever the index is missing or unreadable, or the entry names another path
+or another copy of the step (its ``seal``, the marker's manifest crc32c: a step redone at
+the same path, with the run killed before the index was rewritten, must not keep the old
+copy's metrics, which retention's ``BestN`` judges by).
 It is replaced atomically (write a temp file, fsync, rename).
 """
 
@@ -19,7 +22,7 @@ from ftrain.ckpt.format import CorruptCheckpointError
 from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.policies import BestN, StepInfo
 
-__all__ = ["INDEX", "entry_for", "load_or_rebuild", "mark_best", "write_index"]
+__all__ = ["INDEX", "entry_for", "load_or_rebuild", "mark_best", "reuse_or_read", "write_index"]
 
 INDEX = "checkpoints.json"
 INDEX_VERSION = 1
@@ -45,25 +48,40 @@ def entry_for(step: int, path: Path, *, save_seconds: float | None = None) -> di
             if save_seconds is not None
             else marker.get("write_seconds"),
             "best": {},
+            # which copy of the step the entry describes: a redone step at the same path
+            # (an old index written before a kill) must not lend it the old copy's metrics
+            "seal": marker.get("manifest_crc32c"),
         }
     except (TypeError, ValueError) as e:  # a marker field of the wrong type
         raise CorruptCheckpointError(f"{path}: unreadable marker field ({e})") from e
 
 
-def load_or_rebuild(index_path: Path, steps: dict[int, Path]) -> dict[int, dict]:
-    """Entries for ``steps`` (``{step: committed path}``): from the index if it is current,
-    else rebuilt from the steps (unreadable steps are left out)."""
+def load_or_rebuild(
+    index_path: Path, steps: dict[int, Path], seals: dict[str, object] | None = None
+) -> dict[int, dict]:
+    """Entries for ``steps`` (``{step: committed path}``): each from the index where it
+    describes that path (and, given ``seals`` — ``{path: marker's manifest crc32c}`` —
+    that very copy of the step), else read from the step (unreadable steps left out)."""
     try:
         doc = json.loads(index_path.read_bytes())
-        entries = {int(e["step"]): e for e in doc["entries"]}
-        if doc.get("version") == INDEX_VERSION and {s: e["path"] for s, e in entries.items()} == {
-            s: str(p) for s, p in steps.items()
-        }:
-            return entries
+        current = doc.get("version") == INDEX_VERSION
+        cached = {int(e["step"]): e for e in doc["entries"]} if current else {}
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        cached = {}
+    return reuse_or_read(cached, steps, seals)
+
+
+def reuse_or_read(
+    cached: dict[int, dict], steps: dict[int, Path], seals: dict[str, object] | None
+) -> dict[int, dict]:
+    """:func:`load_or_rebuild` on entries already in memory."""
     out = {}
     for step, path in steps.items():
+        e = cached.get(step)
+        same_path = isinstance(e, dict) and e.get("path") == str(path)
+        if same_path and (seals is None or e.get("seal") == seals.get(str(path))):
+            out[step] = e
+            continue
         try:
             out[step] = entry_for(step, path)
         except CorruptCheckpointError:

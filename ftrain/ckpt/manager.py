@@ -180,6 +180,7 @@ class CheckpointManager:
         self._rewinds: list[int] = []
         self._written: set[int] = set()
         self._invalid: dict[Path, str] = {}
+        self._seals: dict[str, object] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
         for d in self._dirs:
             if not isinstance(d, Path):
@@ -193,11 +194,16 @@ class CheckpointManager:
         """``{step: [paths...]}`` of committed steps, primary location first."""
         out: dict[int, list[Path]] = {}
         invalid: dict[Path, str] = {}
+        seals: dict[str, object] = {}  # which copy each listed path holds (index entries)
+
+        def valid(path, marker: dict) -> None:
+            seals[str(path)] = marker.get("manifest_crc32c")
+
         for d in self._dirs:
-            found = protocol.committed_steps(d, on_invalid=invalid.__setitem__)
+            found = protocol.committed_steps(d, on_invalid=invalid.__setitem__, on_valid=valid)
             for s, p in found.items():
                 out.setdefault(s, []).append(p)
-        self._invalid = invalid
+        self._invalid, self._seals = invalid, seals
         return dict(sorted(out.items()))
 
     def invalid_steps(self) -> dict[Path, str]:
@@ -534,10 +540,7 @@ class CheckpointManager:
     # ---- retention and index ---------------------------------------------------
     def _load_index(self) -> dict[int, dict]:
         steps = {s: ps[0] for s, ps in self._locations().items()}
-        for d in self._dirs:
-            if (d / INDEX).exists():
-                return load_or_rebuild(d / INDEX, steps)
-        return load_or_rebuild(self.directory / INDEX, steps)
+        return load_or_rebuild(self._index_path(), steps, self._seals)
 
     def _after_commit(self, step: int, final: Path, total: float, manifest: dict) -> None:
         self._committed_last = (
@@ -589,7 +592,12 @@ class CheckpointManager:
         whose metadata cannot be read is left out (and so kept, never judged)."""
         entries = {s: e for s, e in self._entries.items() if s in locations}
         for s, paths in locations.items():
-            if s not in entries or entries[s]["path"] != str(paths[0]):
+            e = entries.get(s)
+            if (
+                e is None
+                or e["path"] != str(paths[0])
+                or e.get("seal") != self._seals.get(str(paths[0]))
+            ):
                 try:
                     entries[s] = entry_for(s, paths[0])
                 except CorruptCheckpointError as e:
@@ -637,9 +645,8 @@ class CheckpointManager:
     def index(self) -> list[dict]:
         """The index entries (step, path, time, metrics, bytes, timings, best flags)."""
         with self._lock:
-            self._entries = load_or_rebuild(
-                self._index_path(), {s: ps[0] for s, ps in self._locations().items()}
-            )
+            steps = {s: ps[0] for s, ps in self._locations().items()}
+            self._entries = load_or_rebuild(self._index_path(), steps, self._seals)
             return [self._entries[s] for s in sorted(self._entries)]
 
     def _index_path(self) -> Path:

@@ -265,9 +265,13 @@ class ObjectRoot:
         return marker, protocol.check_manifest(step, step.name, marker, manifest_raw)
 
     def committed_steps(
-        self, *, on_invalid: Callable[[object, str], None] | None = None
+        self,
+        *,
+        on_invalid: Callable[[object, str], None] | None = None,
+        on_valid: Callable[[object, dict], None] | None = None,
     ) -> dict[int, ObjectKey]:
-        """``{step: ObjectKey}`` of every step whose marker verifies (missing: ``{}``)."""
+        """``{step: ObjectKey}`` of every step whose marker verifies (missing: ``{}``);
+        ``on_invalid``/``on_valid`` as :func:`ftrain.ckpt.commit.committed_steps`'."""
         dirs, objects = self.list_dir("")
         out: dict[int, ObjectKey] = {}
         for name in objects:
@@ -281,11 +285,13 @@ class ObjectRoot:
         for name, raws in zip(names, sealed, strict=True):
             m = protocol._STEP_RE.match(name)
             try:
-                self._check_committed(self / name, *raws)
+                marker, _ = self._check_committed(self / name, *raws)
             except CorruptCheckpointError as err:
                 if on_invalid is not None:
                     on_invalid(self / name, str(err))
                 continue
+            if on_valid is not None:
+                on_valid(self / name, marker)
             out[int(m.group(1))] = self / name
         return dict(sorted(out.items()))
 

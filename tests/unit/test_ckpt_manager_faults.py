@@ -16,6 +16,7 @@ import pytest
 
 from ftrain.ckpt import (
     AnyOf,
+    BestN,
     CheckpointManager,
     CheckpointSaveError,
     EveryKSteps,
@@ -344,3 +345,24 @@ def test_going_back_past_the_branch_point_saves_the_branch_step_of_the_new_histo
         m.save(make_state(25, n=32), force=True)
     (tmp_path / "step_00000025" / "COMMITTED").unlink()
     assert same(CheckpointManager(tmp_path).restore(), new20)
+
+
+@pytest.mark.parametrize("when", ["index", "retention"])
+def test_a_stale_index_never_lends_a_redone_step_the_old_copys_metrics(tmp_path, when):
+    """Step 10 redone at the same path (val .05 -> .5) and the run killed before the index
+    was rewritten: the next manager must judge 10 by its new copy, or BestN would keep 10
+    as the best and delete 5, the real best."""
+    keep = AnyOf(BestN("val", 1), LatestN(2))
+    with CheckpointManager(tmp_path, async_save=False, keep_policy=keep) as m:
+        m.save(make_state(5), metrics={"val": 0.3}, force=True)
+        m.save(make_state(10), metrics={"val": 0.05}, force=True)
+    stale = (tmp_path / "checkpoints.json").read_bytes()
+    with CheckpointManager(tmp_path, async_save=False, keep_policy=keep) as m:
+        m.restore(5)
+        m.save(make_state(10, n=32), metrics={"val": 0.5}, force=True)
+    (tmp_path / "checkpoints.json").write_bytes(stale)  # as if killed before it was rewritten
+    with CheckpointManager(tmp_path, async_save=False, keep_policy=keep) as m:
+        if when == "index":
+            assert {e["step"]: e["metrics"]["val"] for e in m.index()}[10] == 0.5
+        m.save(make_state(15), metrics={"val": 0.4}, force=True)
+        assert m.all_steps() == [5, 10, 15], "5 is the best, 10 and 15 the latest"
