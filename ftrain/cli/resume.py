@@ -86,6 +86,8 @@ class ResumeReport:
     horizon: int | None = None
     # committed steps newer than the restored one that did not verify: {step: why}
     skipped: dict[int, str] = field(default_factory=dict)
+    # committed steps newer than an explicit resume=N: the history this run leaves
+    left_behind: list[int] = field(default_factory=list)
     # step directories that do not count as checkpoints (no valid marker): "path: why"
     ignored: list[str] = field(default_factory=list)
     world_sizes: tuple[int, int] | None = None  # (checkpoint's, this run's) when they differ
@@ -137,12 +139,21 @@ class ResumeReport:
 
     def _redo_line(self) -> str:
         a, b = self.redo
-        if not self.skipped:
+        committed = []
+        if self.skipped:
+            bad = ", ".join(map(str, sorted(self.skipped)))
+            committed.append(f"step(s) {bad} were committed but are unreadable (see above)")
+        if self.left_behind:
+            left = ", ".join(map(str, self.left_behind))
+            committed.append(
+                f"step(s) {left} were committed in the history resume={self.step} leaves: "
+                "they are moved aside (superseded, not deleted) at this run's first commit"
+            )
+        if not committed:
             return f"steps {a}..{b} ran before but were not committed: they will be redone"
-        bad = ", ".join(map(str, sorted(self.skipped)))
         return (
-            f"steps {a}..{b} ran before and will be redone: step(s) {bad} were committed but "
-            "are unreadable (see above); the others were never committed"
+            f"steps {a}..{b} ran before and will be redone: {'; '.join(committed)}; any "
+            "others were never committed"
         )
 
 
@@ -521,6 +532,7 @@ def start_state(
             f"data fingerprint {meta.get('data_fingerprint')} -> {data_fp} (data.allow_changed=true)"
         )
     skipped = skipped_newer(cfg, manager, step)
+    left = [] if cfg.resume == "latest" else [s for s in manager.all_steps() if s > step]
     saved_world = meta.get("world_size")
     report = ResumeReport(
         True,
@@ -529,13 +541,14 @@ def start_state(
         next_lr=float(learning_rate_metrics(state["opt"])["lr"]),
         epoch=int(state["data"]["epoch"]),
         position=int(state["data"]["position"]),
-        redo=_redo_range(Path(cfg.run.dir), step, list(skipped)),
+        redo=_redo_range(Path(cfg.run.dir), step, [*skipped, *left]),
         fingerprints={"config_hash": meta.get("config_hash"), "data": meta.get("data_fingerprint")},
         changes=changes,
         restore_s=restore_s,
         horizon=meta.get("schedule_horizon"),
         checkpoint_bytes=(meta.get("save") or {}).get("bytes"),
         skipped=skipped,
+        left_behind=left,
         ignored=ignored,
         world_sizes=(
             (saved_world, world.size)

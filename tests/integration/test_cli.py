@@ -60,6 +60,8 @@ def test_resume_at_explicit_step_and_missing_step(cli, tmp_path):
     assert resume["from_step"] == 4
     assert resume["redo"] == [5, 6], "steps 5..6 ran before and are redone"
     assert "steps 5..6 ran before" in out.stdout
+    assert "step(s) 6 were committed in the history resume=4 leaves" in out.stdout
+    assert "were not committed: they will be redone" not in out.stdout
     bad = cli(run, "resume=5", check=2)
     assert "step 5 is not committed; available steps: [2, 4, 6]" in bad.stderr
     assert "Traceback" not in bad.stderr
