@@ -440,10 +440,21 @@ async def _put_create(store, key: str, data: bytes) -> None:
     try:
         await obstore.put_async(store, key, data, mode="create")
     except obstore.exceptions.AlreadyExistsError as e:
+        # the client retries a put whose reply was lost: if the first attempt landed, the
+        # object holds these very bytes (a marker's times make another writer's differ)
+        if await _bytes_of(store, key) == data:
+            return
         raise FileExistsError(f"{key} already exists: another writer committed first") from e
     except obstore.exceptions.NotSupportedError:
         log.warning("the store has no conditional put; writing %s unconditionally", key)
         await obstore.put_async(store, key, data)
+
+
+async def _bytes_of(store, key: str) -> bytes | None:
+    try:
+        return bytes(await (await obstore.get_async(store, key)).bytes_async())
+    except FileNotFoundError:
+        return None
 
 
 async def _list(store, prefix: str) -> list[dict]:

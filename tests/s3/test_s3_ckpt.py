@@ -143,9 +143,12 @@ def test_redoing_a_committed_step_keeps_the_old_one_aside(bucket, s3):
 
 def test_two_writers_cannot_both_commit_a_step(bucket):
     root = parse_location(f"s3://{bucket}/ck")
-    root.put_new("step_00000005/COMMITTED", b"{}")
+    root.put_new("step_00000005/COMMITTED", b'{"time": 1}')
     with pytest.raises(FileExistsError, match="another writer"):
-        root.put_new("step_00000005/COMMITTED", b"{}")
+        root.put_new("step_00000005/COMMITTED", b'{"time": 2}')
+    # a put retried after its reply was lost finds its own bytes there: it committed
+    root.put_new("step_00000005/COMMITTED", b'{"time": 1}')
+    assert root.get("step_00000005/COMMITTED") == b'{"time": 1}'
 
 
 def test_retention_on_the_bucket(bucket, s3):
