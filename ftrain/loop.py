@@ -262,7 +262,8 @@ class _Run:
             if self.donate and in_step and returned is not None:
                 # failed checking a donated step's result (a logger, the host read): the
                 # input is gone, the result whole (donation refuses on_nonfinite="skip")
-                state, in_step = returned[0], False
+                (state, metrics), in_step = returned, False
+                self.current = dict(metrics.items())  # the saved step's own metrics
             if not (self.donate and in_step) or _still_whole(self.step, state):
                 wd.phase("save", state, self.current, safe=True)
                 _emergency_save(self.save, state, self.current, err, self.record)

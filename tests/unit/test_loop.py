@@ -381,6 +381,7 @@ def test_a_donated_step_whose_check_fails_saves_its_result():
     def save(state, metrics, *, force, reason):
         if force:
             saved[reason] = int(state["step"])
+            saved["loss"] = float(metrics["loss"])
         return force
 
     def record(kind, **fields):
@@ -398,4 +399,5 @@ def test_a_donated_step_whose_check_fails_saves_its_result():
             donate=True,
             on_nonfinite="continue",
         )
-    assert saved == {"emergency": 3}
+    assert saved["emergency"] == 3
+    assert saved["loss"] != saved["loss"], "saved with step 3's own (non-finite) loss"
