@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 from ftrain.ckpt.commit import read_committed
@@ -72,9 +73,13 @@ def load_or_rebuild(
 
 
 def reuse_or_read(
-    cached: dict[int, dict], steps: dict[int, Path], seals: dict[str, object] | None
+    cached: dict[int, dict],
+    steps: dict[int, Path],
+    seals: dict[str, object] | None,
+    on_unreadable: Callable[[int, Path, CorruptCheckpointError], None] | None = None,
 ) -> dict[int, dict]:
-    """:func:`load_or_rebuild` on entries already in memory."""
+    """:func:`load_or_rebuild` on entries already in memory; ``on_unreadable(step, path,
+    error)`` hears of each step left out."""
     out = {}
     for step, path in steps.items():
         e = cached.get(step)
@@ -84,8 +89,9 @@ def reuse_or_read(
             continue
         try:
             out[step] = entry_for(step, path)
-        except CorruptCheckpointError:
-            continue
+        except CorruptCheckpointError as err:
+            if on_unreadable is not None:
+                on_unreadable(step, path, err)
     return out
 
 

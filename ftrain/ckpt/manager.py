@@ -46,7 +46,14 @@ from ftrain.ckpt.format import (
     CheckpointFormatError,
     CorruptCheckpointError,
 )
-from ftrain.ckpt.index import INDEX, entry_for, load_or_rebuild, mark_best, write_index
+from ftrain.ckpt.index import (
+    INDEX,
+    entry_for,
+    load_or_rebuild,
+    mark_best,
+    reuse_or_read,
+    write_index,
+)
 from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import read_tree_mapped
 from ftrain.ckpt.meta import json_scalar, read_root_attributes, versions
@@ -590,19 +597,12 @@ class CheckpointManager:
     def _entries_of(self, locations: dict[int, list[Path]]) -> dict[int, dict]:
         """Index entries of the listed steps: known ones reused, the rest read; a step
         whose metadata cannot be read is left out (and so kept, never judged)."""
-        entries = {s: e for s, e in self._entries.items() if s in locations}
-        for s, paths in locations.items():
-            e = entries.get(s)
-            if (
-                e is None
-                or e["path"] != str(paths[0])
-                or e.get("seal") != self._seals.get(str(paths[0]))
-            ):
-                try:
-                    entries[s] = entry_for(s, paths[0])
-                except CorruptCheckpointError as e:
-                    log.warning("[step=%d] %s unreadable (%s); kept, not indexed", s, paths[0], e)
-        return entries
+
+        def unreadable(s: int, path, err) -> None:
+            log.warning("[step=%d] %s unreadable (%s); kept, not indexed", s, path, err)
+
+        steps = {s: paths[0] for s, paths in locations.items()}
+        return reuse_or_read(self._entries, steps, self._seals, unreadable)
 
     def _set_aside_other_histories(self, step: int, final: Path) -> dict[int, list[Path]]:
         """After committing ``step``: copies of it elsewhere (the other location) and steps
