@@ -470,6 +470,7 @@ class CheckpointManager:
         plan: incr.SavePlan,
     ) -> None:
         with self._unsaved_on_failure(step, "save"):
+            self._set_aside_old_history(step)
             final, manifest = self._write_first(snapshot, step, attrs, t0, blocking, plan)
         last, written = self._last_commit, groups_and_arrays(snapshot)[1]
         self._last_commit = incr.remember(last, step, final, manifest, written, plan)
@@ -565,6 +566,7 @@ class CheckpointManager:
                 linked,
             )
             self._written.add(step)
+            self._rewinds = []  # committed: the restores before it are settled
             try:
                 self._retain(step, final, total)
             # committed: nothing to undo or retry (a newer format's step beside this run's:
@@ -576,7 +578,7 @@ class CheckpointManager:
 
     def _retain(self, step: int, final: Path, total: float) -> None:
         """Histories set aside, the keep policy applied, the index written (under the lock)."""
-        locations = self._set_aside_other_histories(step, final)
+        locations = self._set_aside_replaced_copies(step, final)
         entries = self._entries_of(locations)
         entries[step] = entry_for(step, final, save_seconds=total)
         infos = [StepInfo(s, e["time"], e.get("metrics") or {}) for s, e in entries.items()]
@@ -604,35 +606,42 @@ class CheckpointManager:
         steps = {s: paths[0] for s, paths in locations.items()}
         return reuse_or_read(self._entries, steps, self._seals, unreadable)
 
-    def _set_aside_other_histories(self, step: int, final: Path) -> dict[int, list[Path]]:
-        """After committing ``step``: copies of it elsewhere (the other location) and steps
-        newer than the branch point that this manager did not write, and, after a restore
-        since the last commit, steps newer than ``step`` itself (the run went back and
-        trained on from an older step), are moved aside, so a resume never mixes two
-        histories (they stay on disk; ``ckpt list`` shows them). Returns the committed
-        steps left (listed again only if something moved)."""
-        locations, moved = self._locations(), False
-        # went back: a step newer than this one is listed, so the run trained on from a
-        # restored step (the newest restore not after this one: when unsure, too little is
-        # set aside, never the current history); every step after it is of the old history
+    def _set_aside_old_history(self, step: int) -> None:
+        """Before committing ``step`` after a restore: the committed steps of the history
+        the run left are moved aside, so no kill leaves two histories listed (a restart
+        between this and the commit resumes from the restored step, which is what the run
+        went back to). Two rules: steps newer than the branch point (the resume) that
+        this manager did not write, and, after going back (a step newer than ``step`` is
+        listed), every step after the newest restore not after ``step`` (a look at an
+        older step moves nothing back: when unsure, too little is set aside, never the
+        current history). They stay on disk; ``ckpt list`` shows them."""
+        if not self._rewinds:  # no restore since the last commit: nothing to leave
+            return  # (the list is emptied by a commit: a failed write keeps it, retried)
+        locations = self._locations()
         rewound = max((r for r in self._rewinds if r <= step), default=None)
         went_back = rewound is not None and any(s > step for s in locations)
         for s, paths in locations.items():
             branch = self._restored_from is not None and s > self._restored_from
-            old = went_back and s > rewound and s != step
-            other = old or (branch and s not in self._written)
-            for p in paths:
-                if (s == step and p != final) or other:
-                    aside = protocol.set_aside(p, "replaced" if s == step else "superseded")
+            old = went_back and s > rewound
+            if s != step and (old or (branch and s not in self._written)):
+                for p in paths:
+                    aside = protocol.set_aside(p, "superseded")
                     log.warning("[step=%d] moved %s aside to %s (another history)", s, p, aside)
-                    moved = True
         if went_back:  # no longer saved (listed, deleted by retention or set aside before):
             # the new history may save those numbers again, the branch point's included
-            self._written = {w for w in self._written if w <= rewound or w == step}
+            self._written = {w for w in self._written if w <= rewound}
             if self._restored_from is not None and rewound < self._restored_from:
                 self._restored_from = rewound  # the new common ancestor
-        self._rewinds = []
-        return self._locations() if moved else locations
+
+    def _set_aside_replaced_copies(self, step: int, final: Path) -> dict[int, list[Path]]:
+        """After committing ``step``: its older copies elsewhere (the other location) are
+        moved aside. Returns the committed steps left (listed again only if one moved)."""
+        locations = self._locations()
+        others = [p for p in locations.get(step, []) if p != final]
+        for p in others:
+            aside = protocol.set_aside(p, "replaced")
+            log.warning("[step=%d] moved %s aside to %s (another history)", step, p, aside)
+        return self._locations() if others else locations
 
     def _store_index(self) -> None:
         for d in self._dirs:

@@ -289,8 +289,9 @@ def save_all_ranks(
     handle, error = None, None
     if rank == 0:
         try:
+            manager._set_aside_old_history(step)  # before the commit: see the manager
             handle = target.begin(step)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - any failure must reach the broadcast
             error = f"rank 0 cannot stage step {step} in {manager.directory}: {e}"
     where = broadcast_json(None if handle is None else target.name(handle), group=group)
     if where is None:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import crc32c
@@ -110,3 +111,36 @@ def test_forged_run_metadata_of_the_newest_step_falls_back_not_crashes(cli, tmp_
     out = cli(run, "trainer.max_steps=6", *SAVES, check=0)
     assert "resumed from step 3" in out.stdout and "run metadata 'config'" in out.stdout
     assert "Traceback" not in out.stderr
+
+
+def test_a_kill_at_the_first_commit_after_going_back_does_not_resume_the_old_history(
+    cli, cache_dir, tmp_path
+):
+    """resume=3 over 3, 6, 9, SIGKILLed the moment the new history's 6 is committed: the
+    restart (resume=latest) goes on from that 6, never from the abandoned history's 9 (it
+    was set aside before the new commit, so no kill leaves both histories listed)."""
+    from ftrain.faults import inject_dir
+
+    from .conftest import TINY
+
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=9", *SAVES, check=0)
+    new_history = ("optim.lr=1e-3", "run.allow_config_change=true")
+    arm = tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "back", "phase": "renamed", "count": 1, "rank": 0}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONPATH=path)
+    env["FTRAIN_CHAOS_ARM"] = str(arm)
+    cmd = ["-m", "ftrain", f"run.dir={run}", *TINY, "trainer.max_steps=9", "resume=3"]
+    killed = subprocess.run(
+        [sys.executable, *cmd, *new_history, *SAVES], env=env, capture_output=True, timeout=240
+    )
+    assert killed.returncode == -9 and arm.with_name("arm.json.fired").exists(), killed
+    assert _manager(run).all_steps() == [3, 6]  # the old 9 already aside
+
+    out = cli(run, "trainer.max_steps=9", *new_history, *SAVES, check=0)
+    assert "resumed from step 6" in out.stdout, out.stdout
+    mgr = _manager(run)
+    assert mgr.all_steps() == [3, 6, 9]
+    assert mgr.metadata(9)["config"]["optim"]["lr"] == 1e-3  # the new history went on
+    assert sorted(mgr.set_aside_steps()) == [6, 9]  # the old 6 and 9, kept

@@ -206,6 +206,33 @@ def test_a_failed_part_on_rank_1_commits_nothing_and_the_next_start_resumes(
     assert first_difference(_state(whole, 6), _state(run, 6)) is None
 
 
+@pytest.mark.long
+def test_a_kill_at_the_first_sharded_commit_after_going_back_resumes_the_new_history(
+    cache_dir, tmp_path, reference
+):
+    """resume=3 over the sharded 3 and 6 with a new learning rate, rank 0 SIGKILLed the
+    moment the new 6 is committed: the old 6 was set aside before that commit (by the
+    coordinator), so the restart goes on from the new history's 6."""
+    from ftrain.ckpt import CheckpointManager
+    from ftrain.faults import inject_dir
+
+    whole, _ = reference("optimizer")
+    run, arm = tmp_path / "run", tmp_path / "arm.json"
+    shutil.copytree(whole / "checkpoints", run / "checkpoints")
+    arm.write_text(json.dumps({"id": "b", "phase": "renamed", "count": 1, "rank": 0}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    common = [*_common("optimizer"), "trainer.max_steps=6", "run.allow_config_change=true"]
+    common += ["optim.lr=1e-3"]
+    out = _torchrun(run, cache_dir, *common, "resume=3", rc=1, env=env)
+    assert arm.with_name("arm.json.fired").exists(), out
+    mgr = CheckpointManager(run / "checkpoints", async_save=False)
+    assert mgr.all_steps() == [3, 6] and sorted(mgr.set_aside_steps()) == [6]
+    assert mgr.metadata(6)["config"]["optim"]["lr"] == 1e-3  # the listed 6 is the new one
+    out = _torchrun(run, cache_dir, *common)
+    assert "resumed from step 6" in out, out
+
+
 RESHARD = Path(__file__).with_name("reshard_worker.py")
 
 
