@@ -90,9 +90,14 @@ class RunLock:
     path: Path
     fd: int | None
     taken_over: dict = field(default_factory=dict)  # a dead holder's record, if any
+    # claims on checkpoint locations outside the run directory (ftrain.ckpt.owner)
+    claims: list = field(default_factory=list)
 
     def release(self) -> None:
-        """Empty the file (no holder) and drop the flock. Idempotent."""
+        """Remove this run's checkpoint-location claims, empty the file (no holder) and
+        drop the flock. Idempotent."""
+        while self.claims:
+            self.claims.pop().release()
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
@@ -244,6 +249,32 @@ def stale_note(lock: RunLock) -> str | None:
     )
 
 
+def claim_checkpoint_locations(cfg) -> list:
+    """Claim ``checkpoint.dir`` and ``checkpoint.fallback_dir`` for ``run.dir`` where they
+    lie outside it (inside, the run lock covers them): :mod:`ftrain.ckpt.owner`.
+
+    Raises:
+        CheckpointOwnerError: one belongs to another run directory (claims made so far are
+            released).
+    """
+    from ftrain.ckpt.location import parse_location
+    from ftrain.ckpt.owner import claim
+
+    run_dir = Path(cfg.run.dir).resolve()
+    claims: list = []
+    try:
+        for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
+            where = parse_location(d, cfg.checkpoint.storage)
+            if isinstance(where, Path) and where.resolve().is_relative_to(run_dir):
+                continue
+            claims.append(claim(where, run_dir, take_over=cfg.checkpoint.take_over))
+    except BaseException:
+        for c in claims:
+            c.release()
+        raise
+    return claims
+
+
 def claim_run_dir(cfg, world) -> RunLock:
     """At start, before anything is built: the coordinator checks that ``run.dir`` and
     ``checkpoint.dir`` are writable and takes the run lock; a refusal reaches every rank.
@@ -264,6 +295,7 @@ def claim_run_dir(cfg, world) -> RunLock:
             lock = acquire(cfg.run.dir)
             if isinstance(parse_location(cfg.checkpoint.dir), Path):  # an object store:
                 check_writable(cfg.checkpoint.dir, "checkpoint.dir")  # the manager probes it
+            lock.claims = claim_checkpoint_locations(cfg)
         except BaseException as err:  # every rank must hear of it, whatever it is
             lock.release()
             failed = err

@@ -8,17 +8,24 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ftrain.ckpt.location import is_object_url, parse_location
+from ftrain.ckpt.owner import OWNER
 from ftrain.cli.errors import ResumeError
 
 __all__ = ["RUN_RECORDS", "move_aside", "move_run_aside"]
 
 
 def move_aside(directory: Path) -> Path | None:
-    """Rename a non-empty directory to ``NAME.overwritten-<time>`` beside it (never delete)."""
-    if not directory.is_dir() or not any(directory.iterdir()):
+    """Rename a non-empty directory to ``NAME.overwritten-<time>`` beside it (never delete).
+
+    This run's claim on the directory (``.owner.json``, :mod:`ftrain.ckpt.owner`) stays
+    with the directory, not with the old run's steps (alone, it is not "non-empty")."""
+    if not directory.is_dir() or not any(p.name != OWNER for p in directory.iterdir()):
         return None
     target = _free(directory.with_name(f"{directory.name}.overwritten-{_stamp()}"))
     directory.rename(target)
+    if (target / OWNER).exists():
+        directory.mkdir()
+        (target / OWNER).rename(directory / OWNER)
     return target
 
 
@@ -61,7 +68,7 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
                 )
             continue
         d = Path(d)
-        if not (d.is_dir() and any(d.iterdir())):
+        if not (d.is_dir() and any(p.name != OWNER for p in d.iterdir())):
             continue
         inside = d.resolve().is_relative_to(run_dir.resolve()) and d.resolve() != run_dir.resolve()
         if inside:

@@ -103,6 +103,9 @@ class CheckpointConfig:
     best_metric: str = "val_loss"
     async_save: bool = True
     fallback_dir: str | None = None
+    # a checkpoint location outside run.dir is claimed for one run.dir (ftrain.ckpt.owner);
+    # true: take over another run directory's claim (that run is gone)
+    take_over: bool = False
     compression: str | None = None
     # link/copy the chunks of unchanged leaves instead of rewriting them (ftrain.ckpt.incremental)
     incremental: bool = True

@@ -141,3 +141,47 @@ def test_an_unknown_storage_option_exits_2_naming_it(s3_server, tmp_path, monkey
     assert main([*argv, "+checkpoint.storage.endpiont=http://x"]) == 2
     err = capsys.readouterr().err
     assert "'endpiont'" in err and "storage option" in err, err
+
+
+def test_a_bucket_prefix_claimed_by_another_run_dir_refuses_a_second_run(
+    cli,  # noqa: F811
+    s3,
+    bucket,
+    tmp_path,
+):
+    """Two runs with their own run.dir and one s3:// checkpoint.dir (e.g. a sweep): the
+    second is refused (exit 2, the owner named, the way out given) and writes nothing;
+    with checkpoint.take_over=true it runs; a run that ends removes its record."""
+    from ftrain.ckpt.location import parse_location
+    from ftrain.ckpt.owner import OWNER, claim
+
+    from .conftest import objects
+
+    url = f"s3://{bucket}/shared"
+    claim(parse_location(url), tmp_path / "other")  # a run that was killed: never released
+    before = objects(s3, bucket)
+    out = cli(tmp_path / "mine", "trainer.max_steps=2", *SAVES, f"checkpoint.dir={url}", check=2)
+    assert "belongs to another run" in out.stderr and "checkpoint.take_over=true" in out.stderr
+    assert str((tmp_path / "other").resolve()) in out.stderr and "Traceback" not in out.stderr
+    assert objects(s3, bucket) == before  # nothing written, the record untouched
+
+    cli(tmp_path / "mine", "trainer.max_steps=2", *SAVES, f"checkpoint.dir={url}",
+        "checkpoint.take_over=true", check=0)  # fmt: skip
+    assert CheckpointManager(url).all_steps() == [2]
+    assert f"shared/{OWNER}" not in objects(s3, bucket)  # released at the end
+
+
+def test_claims_on_an_object_store_race_and_release_like_local_ones(bucket, tmp_path):
+    from ftrain.ckpt.location import parse_location
+    from ftrain.ckpt.owner import CheckpointOwnerError, claim
+
+    root = parse_location(f"s3://{bucket}/p")
+    a = claim(root, tmp_path / "a")
+    with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
+        claim(parse_location(f"s3://{bucket}/p"), tmp_path / "b")
+    again = claim(root, tmp_path / "a")  # a restart of the same run
+    a.release()  # the old process's token: not released
+    with pytest.raises(CheckpointOwnerError):
+        claim(root, tmp_path / "b")
+    again.release()
+    claim(root, tmp_path / "b")

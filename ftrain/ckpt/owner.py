@@ -1,0 +1,198 @@
+"""One run per checkpoint location: the owner record ``.owner.json``.
+
+Why. The run lock (:mod:`ftrain.runlock`) keeps two processes off one ``run.dir``, and
+the default ``checkpoint.dir`` lies inside it. A ``checkpoint.dir`` (or ``fallback_dir``)
+*elsewhere* — a shared prefix on S3, a path set once for a Hydra sweep whose jobs get their
+own ``run.dir`` — had no guard: two runs writing it skip, replace and set aside each
+other's steps, and either may resume from the other's. A start now claims each such
+location for its ``run.dir``.
+
+The record. ``LOCATION/.owner.json``::
+
+    {"run_dir": "/abs/run", "host": "node7", "pid": 1234, "started": 1764571200.0,
+     "token": "9f2c..."}
+
+- None there: created atomically (a local hard link of a complete temporary file; on an
+  object store a put with ``If-None-Match: *``), so of two starts at once one wins and the
+  other reads the winner's record.
+- Naming this ``run.dir``: a restart of the same run (the run lock already keeps a second
+  process out), rewritten with this process.
+- Naming another ``run.dir``: refused (:class:`CheckpointOwnerError`, exit 2) with the owner
+  and the two ways out — another ``checkpoint.dir``, or ``checkpoint.take_over=true`` once
+  that run is gone. An object store has no lock that dies with its process, so a record is
+  all a start can go by; a killed run leaves its record, which only its own restart (or a
+  take-over) passes.
+- Unreadable (a damaged file): taken over with a warning; nothing else could be read from it.
+
+The run removes its record when it ends (also on an error; not on SIGKILL), only if the
+record is still its own (its ``token``). The record is never inside a step: listings,
+restores and retention ignore it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftrain.runlock import RunDirError
+
+__all__ = ["OWNER", "CheckpointOwnerError", "Claim", "claim"]
+
+OWNER = ".owner.json"
+
+log = logging.getLogger("ftrain.ckpt")
+
+
+class CheckpointOwnerError(RunDirError):
+    """The checkpoint location belongs to another run directory (exit 2)."""
+
+
+@dataclass
+class Claim:
+    """A held claim on one location; :meth:`release` removes the record if still ours."""
+
+    location: object  # pathlib.Path or ftrain.ckpt.objstore.ObjectRoot
+    record: dict
+    taken_from: dict | None = None  # the record this start replaced, if any
+
+    def release(self) -> None:
+        """Remove the record if it is still this claim's. Never raises (a run ending must
+        not fail over its record; a record left behind only makes another run ask)."""
+        try:
+            if (_read(self.location) or {}).get("token") == self.record["token"]:
+                _delete(self.location)
+        except (OSError, ValueError) as e:
+            log.warning("could not remove %s/%s: %s", self.location, OWNER, e)
+
+    def renew(self) -> None:
+        """Write the record again (``run.overwrite`` moved the directory, record and all)."""
+        _write(self.location, self.record, create=False)
+
+
+def claim(location, run_dir: str | os.PathLike, *, take_over: bool = False) -> Claim:
+    """Claim ``location`` (a local directory or an object-store root) for ``run_dir``.
+
+    Args:
+        location: ``pathlib.Path`` or :class:`ftrain.ckpt.objstore.ObjectRoot`.
+        run_dir: the run directory of this run (compared resolved).
+        take_over: replace another run directory's record (``checkpoint.take_over``).
+
+    Raises:
+        CheckpointOwnerError: ``location`` belongs to another run directory.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> c = claim(d / "ckpt", d / "run-a")
+        >>> claim(d / "ckpt", d / "run-b")  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        CheckpointOwnerError: ...
+        >>> c.release(); claim(d / "ckpt", d / "run-b").record["run_dir"].endswith("run-b")
+        True
+    """
+    mine = {
+        "run_dir": str(Path(run_dir).resolve()),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),
+        "token": secrets.token_hex(8),
+    }
+    if _write(location, mine, create=True):
+        return Claim(location, mine)
+    try:
+        held = _read(location)
+    except ValueError as e:
+        log.warning("%s/%s is unreadable (%s); taking it over", location, OWNER, e)
+        held = None
+    if held is not None and held.get("run_dir") != mine["run_dir"] and not take_over:
+        raise CheckpointOwnerError(_refusal(location, held))
+    if held is not None and held.get("run_dir") != mine["run_dir"]:
+        log.warning("checkpoint.take_over=true: %s was %s", location, _describe(held))
+    _write(location, mine, create=False)
+    return Claim(location, mine, taken_from=held)
+
+
+def _refusal(location, held: dict) -> str:
+    return (
+        f"checkpoint location {location} belongs to another run: {_describe(held)}. Two runs "
+        "writing one checkpoint location set aside and resume each other's steps. Give this "
+        "run its own checkpoint.dir (the default is ${run.dir}/checkpoints), or, once that run "
+        f"is gone and this run is to continue its checkpoints, set checkpoint.take_over=true "
+        f"(or remove {location}/{OWNER})"
+    )
+
+
+def _describe(held: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.get("started") or 0))
+    return (
+        f"run.dir {held.get('run_dir')!r} (pid {held.get('pid')} on host "
+        f"{held.get('host')!r}, started {when})"
+    )
+
+
+# ---- the record on a local directory or an object store ------------------------------
+def _write(location, record: dict, *, create: bool) -> bool:
+    """Write the record; with ``create`` only if none exists (returns False if one did)."""
+    raw = json.dumps(record, indent=1).encode()
+    if not isinstance(location, Path):
+        if not create:
+            location.put(OWNER, raw)
+            return True
+        try:
+            location.put_new(OWNER, raw)
+        except FileExistsError:
+            return False
+        return True
+    location.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".owner.", dir=location)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        if not create:
+            os.replace(tmp, location / OWNER)
+            return True
+        try:
+            os.link(tmp, location / OWNER)  # atomic, and never a half-written record
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _read(location) -> dict | None:
+    """The record, ``None`` if there is none; ``ValueError`` if it is not one."""
+    if isinstance(location, Path):
+        try:
+            raw = (location / OWNER).read_bytes()
+        except FileNotFoundError:
+            return None
+    else:
+        raw = location.get(OWNER)
+        if raw is None:
+            return None
+    try:
+        held = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(held, dict) or not isinstance(held.get("run_dir"), str):
+        raise ValueError("no run_dir in it")
+    return held
+
+
+def _delete(location) -> None:
+    if isinstance(location, Path):
+        (location / OWNER).unlink(missing_ok=True)
+    else:
+        location.delete([OWNER])

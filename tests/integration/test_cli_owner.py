@@ -1,0 +1,58 @@
+"""A checkpoint.dir outside run.dir belongs to one run directory at a time (the real CLI,
+a real SIGKILL): a run killed mid-way keeps its claim, a second run directory is refused
+with the owner named and nothing written, the killed run's restart passes and releases
+the claim when it ends; run.overwrite keeps the claim with the directory."""
+
+import json
+import os
+import subprocess
+import sys
+
+from ftrain.ckpt import CheckpointManager
+from ftrain.ckpt.owner import OWNER
+
+from .conftest import TINY
+
+SAVES = ("checkpoint.every_steps=2", "checkpoint.async_save=false")
+
+
+def test_a_killed_runs_checkpoint_dir_refuses_another_run_dir_until_it_resumes(
+    cli, cache_dir, tmp_path
+):
+    from ftrain.faults import inject_dir
+
+    ckpt, run_a, run_b = tmp_path / "shared-ckpt", tmp_path / "a", tmp_path / "b"
+    where = (f"checkpoint.dir={ckpt}", "trainer.max_steps=4", *SAVES)
+    arm = tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "k", "phase": "renamed", "count": 1, "rank": 0}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONPATH=path)
+    env["FTRAIN_CHAOS_ARM"] = str(arm)
+    cmd = [sys.executable, "-m", "ftrain", f"run.dir={run_a}", *TINY, *where]
+    killed = subprocess.run(cmd, env=env, capture_output=True, timeout=240)
+    assert killed.returncode == -9 and arm.with_name("arm.json.fired").exists(), killed
+    assert json.loads((ckpt / OWNER).read_text())["run_dir"] == str(run_a.resolve())
+    before = sorted(p.name for p in ckpt.iterdir())
+
+    out = cli(run_b, *where, check=2)
+    assert "belongs to another run" in out.stderr and str(run_a.resolve()) in out.stderr
+    assert "checkpoint.take_over=true" in out.stderr and "Traceback" not in out.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing written
+
+    out = cli(run_a, *where, check=0)  # the killed run's restart
+    assert "resumed from step 2" in out.stdout, out.stdout
+    assert CheckpointManager(ckpt).all_steps() == [2, 4]
+    assert not (ckpt / OWNER).exists()  # released at the end
+
+
+def test_run_overwrite_keeps_the_claim_with_the_checkpoint_dir(cli, tmp_path):
+    ckpt, run = tmp_path / "ext", tmp_path / "run"
+    cli(run, f"checkpoint.dir={ckpt}", "trainer.max_steps=2", *SAVES, check=0)
+    out = cli(
+        run, f"checkpoint.dir={ckpt}", "trainer.max_steps=2", *SAVES, "resume=none",
+        "run.overwrite=true", check=0,
+    )  # fmt: skip
+    assert "moved" in out.stdout and CheckpointManager(ckpt).all_steps() == [2]
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("ext.overwritten-")]
+    assert len(moved) == 1 and CheckpointManager(moved[0]).all_steps() == [2]
+    assert not (ckpt / OWNER).exists() and not (moved[0] / OWNER).exists()

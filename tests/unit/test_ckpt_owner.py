@@ -1,0 +1,85 @@
+"""A checkpoint location outside run.dir is claimed for one run directory
+(``ftrain.ckpt.owner``): another run directory is refused, a restart of the same run
+passes, a take-over replaces the claim, a damaged record never blocks a start, and a run
+removes only its own record."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from ftrain.ckpt.owner import OWNER, CheckpointOwnerError, claim
+
+
+def test_a_second_run_directory_is_refused_with_the_owner_and_the_fix(tmp_path):
+    ckpt = tmp_path / "shared"
+    first = claim(ckpt, tmp_path / "run-a")
+    with pytest.raises(CheckpointOwnerError) as err:
+        claim(ckpt, tmp_path / "run-b")
+    msg = str(err.value)
+    assert str((tmp_path / "run-a").resolve()) in msg and "checkpoint.take_over=true" in msg
+    assert json.loads((ckpt / OWNER).read_text())["token"] == first.record["token"]
+
+
+def test_a_restart_of_the_same_run_directory_passes_and_rewrites_the_record(tmp_path):
+    ckpt = tmp_path / "shared"
+    old = claim(ckpt, tmp_path / "run-a")  # e.g. SIGKILLed: never released
+    again = claim(ckpt, tmp_path / "run-a" / ".." / "run-a")  # the same directory, resolved
+    assert again.record["token"] != old.record["token"]
+    assert json.loads((ckpt / OWNER).read_text())["token"] == again.record["token"]
+
+
+def test_take_over_replaces_another_run_directorys_claim(tmp_path, caplog):
+    ckpt = tmp_path / "shared"
+    claim(ckpt, tmp_path / "run-a")
+    taken = claim(ckpt, tmp_path / "run-b", take_over=True)
+    assert taken.taken_from["run_dir"] == str((tmp_path / "run-a").resolve())
+    assert "checkpoint.take_over=true" in caplog.text
+    assert json.loads((ckpt / OWNER).read_text())["run_dir"].endswith("run-b")
+
+
+@pytest.mark.parametrize("damage", [b"", b'{"run_d', b"[1, 2]", b"\xff\xfe"])
+def test_a_damaged_record_is_taken_over_not_a_blocked_start(tmp_path, damage, caplog):
+    ckpt = tmp_path / "shared"
+    ckpt.mkdir()
+    (ckpt / OWNER).write_bytes(damage)
+    got = claim(ckpt, tmp_path / "run-b")
+    assert "unreadable" in caplog.text
+    assert json.loads((ckpt / OWNER).read_text())["token"] == got.record["token"]
+
+
+def test_release_removes_only_its_own_record(tmp_path):
+    ckpt = tmp_path / "shared"
+    a = claim(ckpt, tmp_path / "run-a")
+    b = claim(ckpt, tmp_path / "run-b", take_over=True)  # a is gone, b took over
+    a.release()  # a's late exit must not free b's location
+    assert json.loads((ckpt / OWNER).read_text())["token"] == b.record["token"]
+    b.release()
+    assert not (ckpt / OWNER).exists()
+    claim(ckpt, tmp_path / "run-c")  # free again
+
+
+def test_of_two_starts_at_once_exactly_one_claims(tmp_path):
+    ckpt = tmp_path / "shared"
+    ckpt.mkdir()
+    results: dict[str, object] = {}
+    barrier = threading.Barrier(8)
+
+    def start(name: str) -> None:
+        barrier.wait()
+        try:
+            results[name] = claim(ckpt, tmp_path / name)
+        except CheckpointOwnerError as e:
+            results[name] = e
+
+    threads = [threading.Thread(target=start, args=(f"run-{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [n for n, r in results.items() if not isinstance(r, Exception)]
+    assert len(won) == 1
+    assert json.loads((ckpt / OWNER).read_text())["run_dir"].endswith(won[0])
+    assert [p.name for p in ckpt.iterdir()] == [OWNER]  # no temporary file left
