@@ -189,6 +189,7 @@ class CheckpointManager:
         self._invalid: dict[Path, str] = {}
         self._seals: dict[str, object] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
+        self.restored_copy: int | None = None  # the seal of the copy the last restore read
         for d in self._dirs:
             if not isinstance(d, Path):
                 d.probe()  # no such bucket / bad credentials: CheckpointStoreError, now
@@ -230,6 +231,12 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Committed steps in both locations, ascending (marker-checked, not chunk-verified)."""
         return list(self._locations())
+
+    def committed_copies(self) -> list[tuple[int, int | None]]:
+        """``(step, copy)`` of every committed copy, newest step first, primary location
+        first: ``copy`` is the seal :meth:`restore` takes (the marker's manifest crc32c)."""
+        locations = self._locations()
+        return [(s, self._seals.get(str(p))) for s, ps in reversed(locations.items()) for p in ps]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None``."""
@@ -672,6 +679,7 @@ class CheckpointManager:
         check_metadata: Callable[[dict], None] | None = None,
         rows: Sharder | None = None,
         mmap: bool = False,
+        copy: int | None = None,
     ) -> TensorDictBase:
         """Load the newest committed step that verifies (or exactly ``step``).
 
@@ -707,10 +715,15 @@ class CheckpointManager:
                 copying it (:mod:`ftrain.ckpt.mapped`): a faster cold restore whose pages
                 stay shared with the page cache until written; every chunk is still
                 verified before this returns. Local directories, whole arrays only.
+            copy: read only the copy of ``step`` whose marker seals this manifest crc32c
+                (:attr:`restored_copy` of the rank that chose it): when the primary and
+                the fallback location both hold ``step`` (a redo whose older copy is not
+                set aside yet), every rank of a job reads the one the coordinator read.
 
         Returns:
             A nested TensorDict (CPU tensors unless ``target`` says otherwise).
-            ``self.read_bytes`` is then the chunk payload bytes this call read.
+            ``self.read_bytes`` is then the chunk payload bytes this call read, and
+            ``self.restored_copy`` the restored copy's seal (its manifest crc32c).
 
         Raises:
             CheckpointNotFoundError: nothing committed, or nothing that verifies.
@@ -722,15 +735,18 @@ class CheckpointManager:
         cands = [(s, p) for s, ps in reversed(self._locations().items()) for p in ps]
         if step is not None:
             cands = [(s, p) for s, p in cands if s == step]
+        if copy is not None:
+            cands = [(s, p) for s, p in cands if self._seals.get(str(p)) == copy]
         if not cands:
             raise CheckpointNotFoundError(
-                f"no committed checkpoint{'' if step is None else f' for step {step}'} in "
+                f"no committed checkpoint{'' if step is None else f' for step {step}'}"
+                f"{'' if copy is None else f' of copy {copy}'} in "
                 f"{[str(d) for d in self._dirs]}; available: {self.all_steps()}"
             )
         problems = []
         for s, path in cands:
             try:
-                _, manifest = protocol.read_committed(path)
+                marker, manifest = protocol.read_committed(path)
                 specs_of(manifest)  # every field validated before anything acts on it
                 attrs = read_root_attributes(path, manifest)  # checksummed, checked
                 if check_metadata is not None:
@@ -745,6 +761,7 @@ class CheckpointManager:
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
                 continue
             log.info("[step=%d] restored from %s", s, path)
+            self.restored_copy = marker.get("manifest_crc32c")
             out = td if target is None else match_target(td, target, only_t)
             if host_rng:
                 _restore_host_rng(rng_states, s, self.rank)

@@ -24,7 +24,7 @@ from ftrain.cli.errors import ResumeError
 from ftrain.cli.overwrite import move_aside, move_run_aside
 from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, to_plain
-from ftrain.dist import World, broadcast_int, broadcast_json, gather_json
+from ftrain.dist import World, broadcast_json, gather_json
 from ftrain.metrics import read_records
 from ftrain.step import learning_rate_metrics
 
@@ -265,23 +265,26 @@ def _coordinator_decides(world: World, decide, send):
 
 
 def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
-    """Coordinator picks and restores; the step is broadcast; the other ranks restore it.
-    A sharded state (``sharder``): :func:`_restore_rows_agreed`."""
+    """Coordinator picks and restores; the step and the copy it read are broadcast; the
+    other ranks restore that copy (with a primary and a fallback location holding two
+    copies of one step, every rank reads the coordinator's). A sharded state
+    (``sharder``): :func:`_restore_rows_agreed`."""
     if sharder is not None:
         return _restore_rows_agreed(cfg, manager, fresh, world, sharder)
     restored = {}
 
-    def pick() -> int | None:
+    def pick() -> list | None:
         chosen = _first_choice(cfg, manager)
         if chosen is None:
             return None
         restored["state"] = _restore(manager, None if chosen == _LATEST else chosen, fresh)
-        return int(restored["state"]["step"])
+        return [int(restored["state"]["step"]), manager.restored_copy]
 
-    chosen = _coordinator_decides(world, pick, broadcast_int)
+    decided = _coordinator_decides(world, pick, broadcast_json)
+    chosen, copy = decided if decided is not None else (None, None)
     state = restored.get("state")
     if state is None and chosen is not None:
-        state = _restore(manager, chosen, fresh)
+        state = _restore(manager, chosen, fresh, copy=copy)
     if state is not None and int(state["step"]) != chosen:
         raise ResumeError(
             f"rank {world.rank} restored step {int(state['step'])} but the coordinator chose {chosen}"
@@ -298,20 +301,21 @@ def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
     no rank keeps that step), or stop. So every rank resumes from one step, or every rank
     fails with the same message; none is left waiting in a collective."""
 
-    def candidates() -> list[int] | None:
+    def candidates() -> list[list] | None:
         chosen = _first_choice(cfg, manager)
         if chosen is None:
             return None
-        return manager.all_steps()[::-1] if chosen == _LATEST else [chosen]
+        copies = manager.committed_copies()  # every rank tries the same copy, in turn
+        return [[s, c] for s, c in copies if chosen in (_LATEST, s)]
 
-    steps = _coordinator_decides(world, candidates, broadcast_json)
+    copies = _coordinator_decides(world, candidates, broadcast_json)
     skipped: dict[int, str] = {}
-    for step in steps or ():
-        state, outcome, error = _restore_rows(manager, step, fresh, sharder)
+    for step, copy in copies or ():
+        state, outcome, error = _restore_rows(manager, step, fresh, sharder, copy)
         decision = broadcast_json(_decide(gather_json(outcome)))
         if decision["do"] == "take":
-            _SKIPPED.clear()
-            _SKIPPED.update(skipped)  # for the report: why each newer step was passed over
+            _SKIPPED.clear()  # for the report: why each newer step was passed over
+            _SKIPPED.update({s: why for s, why in skipped.items() if s != step})
             return state
         if decision["do"] == "stop":
             raise error or ResumeError(f"cannot restore step {step}: {decision['why']}")
@@ -324,11 +328,11 @@ def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
     return None
 
 
-def _restore_rows(manager, step: int, fresh, sharder) -> tuple:
+def _restore_rows(manager, step: int, fresh, sharder, copy=None) -> tuple:
     """This rank's try of its rows of ``step``: ``(state, outcome, error)``; ``outcome``
     (JSON, for the coordinator) is ``{"ok"}``, ``{"corrupt": why}`` or ``{"error": why}``."""
     try:
-        state = _restore(manager, step, fresh, rows=sharder)
+        state = _restore(manager, step, fresh, rows=sharder, copy=copy)
     except CheckpointNotFoundError as err:  # a chunk of its rows, or the metadata, is bad
         return None, {"corrupt": "; ".join(getattr(err, "problems", None) or [str(err)])}, None
     except Exception as err:  # e.g. the checkpoint does not fit the model: no use trying older
@@ -398,13 +402,13 @@ def _candidate_metadata(manager: CheckpointManager, chosen: int) -> dict | None:
 
 
 def _restore(
-    manager: CheckpointManager, step: int | None, fresh: TensorDictBase, rows=None
+    manager: CheckpointManager, step: int | None, fresh: TensorDictBase, rows=None, copy=None
 ) -> TensorDictBase:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             state = manager.restore(
-                step, target=fresh, check_metadata=check_run_metadata, rows=rows
+                step, target=fresh, check_metadata=check_run_metadata, rows=rows, copy=copy
             )
         _note_skipped(caught)
         return state

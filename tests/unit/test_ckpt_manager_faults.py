@@ -366,3 +366,20 @@ def test_a_stale_index_never_lends_a_redone_step_the_old_copys_metrics(tmp_path,
             assert {e["step"]: e["metrics"]["val"] for e in m.index()}[10] == 0.5
         m.save(make_state(15), metrics={"val": 0.4}, force=True)
         assert m.all_steps() == [5, 10, 15], "5 is the best, 10 and 15 the latest"
+
+
+def test_a_step_held_in_both_locations_is_read_from_the_copy_asked_for(tmp_path):
+    """The primary and the fallback location each hold a copy of step 5 (a redo whose
+    older copy was not set aside yet): ``restore`` says which copy it read, and another
+    rank given that copy reads exactly it, never the other one."""
+    primary, fallback = tmp_path / "p", tmp_path / "f"
+    a, b = make_state(5), make_state(5, n=32)
+    CheckpointManager(primary, async_save=False).save(a, force=True)
+    CheckpointManager(fallback, async_save=False).save(b, force=True)
+    m = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
+    (_, seal_a), (_, seal_b) = m.committed_copies()
+    assert seal_a != seal_b
+    assert same(m.restore(5), a) and m.restored_copy == seal_a  # the primary's first
+    assert same(m.restore(5, copy=seal_b), b) and m.restored_copy == seal_b
+    with pytest.raises(manager.CheckpointNotFoundError, match="of copy 7"):
+        m.restore(5, copy=7)
