@@ -299,7 +299,12 @@ def claim_run_dir(cfg, world) -> RunLock:
         except BaseException as err:  # every rank must hear of it, whatever it is
             lock.release()
             failed = err
-    if agree_any(failed is not None):
+    try:
+        refused = agree_any(failed is not None)
+    except BaseException:  # the collective itself failed: the claims are not kept
+        lock.release()
+        raise
+    if refused:
         if failed is not None:
             raise failed
         raise RunLockError(

@@ -630,9 +630,12 @@ class CheckpointManager:
         for s, paths in locations.items():
             branch = self._restored_from is not None and s > self._restored_from
             old = went_back and s > rewound
-            if s != step and (old or (branch and s not in self._written)):
+            if old or (branch and s not in self._written):
+                # the old history's copy of ``step`` itself too: left listed while the new
+                # one is written, a kill before the commit would resume the old history
+                why = "replaced" if s == step else "superseded"
                 for p in paths:
-                    aside = protocol.set_aside(p, "superseded")
+                    aside = protocol.set_aside(p, why)
                     log.warning("[step=%d] moved %s aside to %s (another history)", s, p, aside)
         if went_back:  # no longer saved (listed, deleted by retention or set aside before):
             # the new history may save those numbers again, the branch point's included

@@ -23,9 +23,16 @@ The record. ``LOCATION/.owner.json``::
   all a start can go by; a killed run leaves its record, which only its own restart (or a
   take-over) passes.
 - Unreadable (a damaged file): taken over with a warning; nothing else could be read from it.
+- Unwritable (a full or read-only location, an object store refusing the put): another
+  run's record that can be read still refuses the start; otherwise the run starts without
+  a claim there, with a warning (a failing ``checkpoint.dir`` is what ``fallback_dir`` is
+  for; the run lock covers ``run.dir``). On an object store the record is read before the
+  create, so a store without conditional puts cannot overwrite another run's record
+  (only two starts within one round trip could both pass there).
 
-The run removes its record when it ends (also on an error; not on SIGKILL), only if the
-record is still its own (its ``token``). The record is never inside a step: listings,
+The run removes its record when it ends (also on an error; not on SIGKILL nor on a forced
+exit: the hang watchdog's, a second Ctrl-C), only if the record is still its own (its
+``token``). The record is never inside a step: listings,
 restores and retention ignore it.
 """
 
@@ -62,10 +69,13 @@ class Claim:
     location: object  # pathlib.Path or ftrain.ckpt.objstore.ObjectRoot
     record: dict
     taken_from: dict | None = None  # the record this start replaced, if any
+    held: bool = True  # False: the record could not be written (see claim)
 
     def release(self) -> None:
         """Remove the record if it is still this claim's. Never raises (a run ending must
         not fail over its record; a record left behind only makes another run ask)."""
+        if not self.held:
+            return
         try:
             if (_read(self.location) or {}).get("token") == self.record["token"]:
                 _delete(self.location)
@@ -105,19 +115,50 @@ def claim(location, run_dir: str | os.PathLike, *, take_over: bool = False) -> C
         "started": time.time(),
         "token": secrets.token_hex(8),
     }
-    if _write(location, mine, create=True):
-        return Claim(location, mine)
     try:
-        held = _read(location)
+        # an object store is read first: one without conditional puts would let a create
+        # overwrite another run's record (the put falls back to a plain one)
+        first = isinstance(location, Path) or _held(location) is None
+        if first and _write(location, mine, create=True):
+            return Claim(location, mine)
+        held = _held(location)
+        if held is not None and held.get("run_dir") != mine["run_dir"] and not take_over:
+            raise CheckpointOwnerError(_refusal(location, held))
+        if held is not None and held.get("run_dir") != mine["run_dir"]:
+            log.warning("checkpoint.take_over=true: %s was %s", location, _describe(held))
+        _write(location, mine, create=False)
+        return Claim(location, mine, taken_from=held)
+    except OSError as e:  # a full or read-only location (what fallback_dir is there for)
+        return _unwritten(location, mine, take_over, e)
+
+
+def _held(location) -> dict | None:
+    """The record there (``None``: none, or one too damaged to name a run)."""
+    try:
+        return _read(location)
     except ValueError as e:
         log.warning("%s/%s is unreadable (%s); taking it over", location, OWNER, e)
+        return None
+
+
+def _unwritten(location, mine: dict, take_over: bool, err: OSError) -> Claim:
+    """The record could not be written. Another run's record, if one can be read, still
+    refuses the start; otherwise the run starts unguarded there, as before claims (a full
+    or read-only checkpoint location must not stop a run whose fallback can take saves;
+    the saves themselves report the location's errors)."""
+    try:
+        held = _held(location)
+    except OSError:
         held = None
     if held is not None and held.get("run_dir") != mine["run_dir"] and not take_over:
-        raise CheckpointOwnerError(_refusal(location, held))
-    if held is not None and held.get("run_dir") != mine["run_dir"]:
-        log.warning("checkpoint.take_over=true: %s was %s", location, _describe(held))
-    _write(location, mine, create=False)
-    return Claim(location, mine, taken_from=held)
+        raise CheckpointOwnerError(_refusal(location, held)) from err
+    log.warning(
+        "could not claim %s for this run (%s); starting without the claim: keep other runs "
+        "off this location",
+        location,
+        err,
+    )
+    return Claim(location, mine, taken_from=held, held=False)
 
 
 def _refusal(location, held: dict) -> str:

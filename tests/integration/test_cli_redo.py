@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import crc32c
+import pytest
 
 from ftrain.ckpt import CheckpointManager
 from ftrain.state import first_difference
@@ -113,12 +114,14 @@ def test_forged_run_metadata_of_the_newest_step_falls_back_not_crashes(cli, tmp_
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("phase", ["data_written", "renamed"])
 def test_a_kill_at_the_first_commit_after_going_back_does_not_resume_the_old_history(
-    cli, cache_dir, tmp_path
+    cli, cache_dir, tmp_path, phase
 ):
-    """resume=3 over 3, 6, 9, SIGKILLed the moment the new history's 6 is committed: the
-    restart (resume=latest) goes on from that 6, never from the abandoned history's 9 (it
-    was set aside before the new commit, so no kill leaves both histories listed)."""
+    """resume=3 over 3, 6, 9, SIGKILLed while the new history's 6 is written (its chunks
+    written, nothing committed) or the moment it is committed: the restart (resume=latest)
+    goes on from 3 or from that new 6, never from the abandoned history's 6 or 9 (set aside
+    before the new write, so no kill leaves both histories listed)."""
     from ftrain.faults import inject_dir
 
     from .conftest import TINY
@@ -127,7 +130,7 @@ def test_a_kill_at_the_first_commit_after_going_back_does_not_resume_the_old_his
     cli(run, "trainer.max_steps=9", *SAVES, check=0)
     new_history = ("optim.lr=1e-3", "run.allow_config_change=true")
     arm = tmp_path / "arm.json"
-    arm.write_text(json.dumps({"id": "back", "phase": "renamed", "count": 1, "rank": 0}))
+    arm.write_text(json.dumps({"id": "back", "phase": phase, "count": 1, "rank": 0}))
     path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONPATH=path)
     env["FTRAIN_CHAOS_ARM"] = str(arm)
@@ -136,10 +139,11 @@ def test_a_kill_at_the_first_commit_after_going_back_does_not_resume_the_old_his
         [sys.executable, *cmd, *new_history, *SAVES], env=env, capture_output=True, timeout=240
     )
     assert killed.returncode == -9 and arm.with_name("arm.json.fired").exists(), killed
-    assert _manager(run).all_steps() == [3, 6]  # the old 9 already aside
+    committed = phase == "renamed"
+    assert _manager(run).all_steps() == ([3, 6] if committed else [3])  # old 6, 9 aside
 
     out = cli(run, "trainer.max_steps=9", *new_history, *SAVES, check=0)
-    assert "resumed from step 6" in out.stdout, out.stdout
+    assert f"resumed from step {6 if committed else 3}" in out.stdout, out.stdout
     mgr = _manager(run)
     assert mgr.all_steps() == [3, 6, 9]
     assert mgr.metadata(9)["config"]["optim"]["lr"] == 1e-3  # the new history went on

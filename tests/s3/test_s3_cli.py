@@ -185,3 +185,19 @@ def test_claims_on_an_object_store_race_and_release_like_local_ones(bucket, tmp_
         claim(root, tmp_path / "b")
     again.release()
     claim(root, tmp_path / "b")
+
+
+def test_a_store_without_conditional_puts_still_refuses_a_second_run_dir(
+    bucket, tmp_path, monkeypatch
+):
+    """A store that cannot put "if none exists" (the put falls back to a plain one): the
+    record is read before the create, so another run's is never overwritten."""
+    from ftrain.ckpt.location import parse_location
+    from ftrain.ckpt.objstore import ObjectRoot
+    from ftrain.ckpt.owner import CheckpointOwnerError, claim
+
+    monkeypatch.setattr(ObjectRoot, "put_new", ObjectRoot.put)  # as on NotSupportedError
+    root = parse_location(f"s3://{bucket}/p")
+    claim(root, tmp_path / "a")
+    with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
+        claim(root, tmp_path / "b")

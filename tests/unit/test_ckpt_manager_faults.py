@@ -383,3 +383,30 @@ def test_a_step_held_in_both_locations_is_read_from_the_copy_asked_for(tmp_path)
     assert same(m.restore(5, copy=seal_b), b) and m.restored_copy == seal_b
     with pytest.raises(manager.CheckpointNotFoundError, match="of copy 7"):
         m.restore(5, copy=7)
+
+
+def test_a_write_killed_after_going_back_leaves_no_old_copy_of_its_step_listed(
+    tmp_path, monkeypatch
+):
+    """Restored 3 over 3, 6, 9 and writing the new 6 when the process dies (emulated by an
+    exception no save handles): the old 6 was set aside before the write with 9, so a
+    restart resumes from 3, never from the abandoned history's 6."""
+
+    class Killed(BaseException):
+        pass
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (3, 6, 9):
+            m.save(make_state(s), force=True)
+    m = CheckpointManager(tmp_path, async_save=False)
+    m.restore(3)
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(manager, "write_tree", killed)
+    with pytest.raises(Killed):
+        m.save(make_state(6, n=32), force=True)
+    fresh = CheckpointManager(tmp_path, async_save=False)
+    assert fresh.all_steps() == [3] and sorted(fresh.set_aside_steps()) == [6, 9]
+    assert same(fresh.restore(), make_state(3))

@@ -83,3 +83,30 @@ def test_of_two_starts_at_once_exactly_one_claims(tmp_path):
     assert len(won) == 1
     assert json.loads((ckpt / OWNER).read_text())["run_dir"].endswith(won[0])
     assert [p.name for p in ckpt.iterdir()] == [OWNER]  # no temporary file left
+
+
+def _failing_writes(monkeypatch):
+    from ftrain.ckpt import owner
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(owner, "_write", full)
+
+
+def test_an_unwritable_location_starts_unclaimed_with_a_warning(tmp_path, monkeypatch, caplog):
+    """A full or read-only checkpoint.dir (what fallback_dir is for) must not stop a start;
+    the claim is then not held, and releasing it touches nothing."""
+    _failing_writes(monkeypatch)
+    got = claim(tmp_path / "full", tmp_path / "run-a")
+    assert not got.held and "could not claim" in caplog.text and "No space left" in caplog.text
+    got.release()
+
+
+def test_an_unwritable_location_still_refuses_another_runs_record(tmp_path, monkeypatch):
+    ckpt = tmp_path / "shared"
+    claim(ckpt, tmp_path / "run-a")
+    _failing_writes(monkeypatch)
+    with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
+        claim(ckpt, tmp_path / "run-b")
+    assert claim(ckpt, tmp_path / "run-a").taken_from is not None  # its own restart passes
