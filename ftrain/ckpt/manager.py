@@ -243,17 +243,23 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def metadata(self, step: int) -> dict:
+    def metadata(self, step: int, copy: int | None = None) -> dict:
         """The root attributes of ``step`` plus ``"save"`` (bytes, timings) and ``"path"``.
 
+        ``copy``: of that copy of the step (:attr:`restored_copy`: the metadata of what a
+        restore read, when two locations hold the step), else of the primary's.
+
         Raises:
-            CheckpointNotFoundError: ``step`` is not committed.
+            CheckpointNotFoundError: ``step`` (that copy) is not committed.
             CorruptCheckpointError: its metadata does not verify.
         """
-        paths = self._locations().get(step)
+        paths = self._locations().get(step) or []
+        if copy is not None:
+            paths = [p for p in paths if self._seals.get(str(p)) == copy]
         if not paths:
             raise CheckpointNotFoundError(
-                f"step {step} is not committed; available: {self.all_steps()}"
+                f"step {step}{'' if copy is None else f' (copy {copy})'} is not committed; "
+                f"available: {self.all_steps()}"
             )
         marker, manifest = protocol.read_committed(paths[0])
         attrs = read_root_attributes(paths[0], manifest)
@@ -635,13 +641,26 @@ class CheckpointManager:
                 # one is written, a kill before the commit would resume the old history
                 why = "replaced" if s == step else "superseded"
                 for p in paths:
-                    aside = protocol.set_aside(p, why)
-                    log.warning("[step=%d] moved %s aside to %s (another history)", s, p, aside)
+                    self._set_aside_or_warn(s, p, why)
         if went_back:  # no longer saved (listed, deleted by retention or set aside before):
             # the new history may save those numbers again, the branch point's included
             self._written = {w for w in self._written if w <= rewound}
             if self._restored_from is not None and rewound < self._restored_from:
                 self._restored_from = rewound  # the new common ancestor
+
+    @staticmethod
+    def _set_aside_or_warn(step: int, path, why: str) -> None:
+        """Move one step of the other history aside; a location that refuses (a read-only
+        primary after a disk error) keeps it listed, with a warning, and the save goes on
+        (to the fallback): failing here would stop every later save of the run."""
+        try:
+            aside = protocol.set_aside(path, why)
+        except OSError as e:
+            msg = f"[step={step}] could not move {path} aside ({e}); it stays listed"
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            return
+        log.warning("[step=%d] moved %s aside to %s (another history)", step, path, aside)
 
     def _set_aside_replaced_copies(self, step: int, final: Path) -> dict[int, list[Path]]:
         """After committing ``step``: its older copies elsewhere (the other location) are

@@ -148,8 +148,14 @@ def _unwritten(location, mine: dict, take_over: bool, err: OSError) -> Claim:
     the saves themselves report the location's errors)."""
     try:
         held = _held(location)
-    except OSError:
-        held = None
+    except OSError as e:  # neither written nor read: whose it is cannot be known
+        raise CheckpointOwnerError(
+            f"cannot claim checkpoint location {location} for this run: writing "
+            f"{OWNER} failed ({err}) and reading it failed ({e}); check the location "
+            "(permissions, space, the store's credentials and endpoint)"
+        ) from err
+    if held is not None and held.get("token") == mine["token"]:
+        return Claim(location, mine)  # the write landed; only its reply was lost
     if held is not None and held.get("run_dir") != mine["run_dir"] and not take_over:
         raise CheckpointOwnerError(_refusal(location, held)) from err
     log.warning(

@@ -319,7 +319,8 @@ def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
             return state
         if decision["do"] == "stop":
             raise error or ResumeError(f"cannot restore step {step}: {decision['why']}")
-        skipped[step] = decision["why"]
+        # two copies of one step skipped: both reasons
+        skipped[step] = "; ".join(filter(None, (skipped.get(step), decision["why"])))
     if skipped:
         raise CheckpointNotFoundError(
             "no committed step verifies on every rank:\n  "
@@ -527,7 +528,7 @@ def start_state(
         )
         return fresh, report, {}
     step = int(state["step"])
-    meta = manager.metadata(step)
+    meta = manager.metadata(step, copy=manager.restored_copy)  # what was restored
     host_rng = host_rng_start(cfg, world, meta)
     changes = _check_compat(cfg, meta)
     check_fingerprint(meta.get("data_fingerprint"), data_fp, bool(cfg.data.allow_changed))

@@ -410,3 +410,43 @@ def test_a_write_killed_after_going_back_leaves_no_old_copy_of_its_step_listed(
     fresh = CheckpointManager(tmp_path, async_save=False)
     assert fresh.all_steps() == [3] and sorted(fresh.set_aside_steps()) == [6, 9]
     assert same(fresh.restore(), make_state(3))
+
+
+def test_a_location_refusing_the_set_aside_does_not_stop_every_later_save(tmp_path, monkeypatch):
+    """After going back, the primary refuses to move the old history's steps (remounted
+    read-only after a disk error): a warning, and the saves go on (to the fallback), where
+    failing would leave the run unable to checkpoint again."""
+    primary, fallback = tmp_path / "p", tmp_path / "f"
+    with CheckpointManager(primary, async_save=False) as m:
+        for s in (10, 20):
+            m.save(make_state(s), force=True)
+    m = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
+    m.restore(10)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    real_begin = protocol.begin
+
+    def begin(root, step):  # no staging on the primary either
+        return read_only() if root == primary else real_begin(root, step)
+
+    monkeypatch.setattr(protocol, "set_aside", read_only)
+    monkeypatch.setattr(protocol, "begin", begin)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert m.save(make_state(20, n=32), force=True)
+        assert m.save(make_state(30, n=32), force=True)
+    assert any("could not move" in str(w.message) for w in caught)
+    assert CheckpointManager(fallback).all_steps() == [20, 30]
+
+
+def test_the_metadata_of_a_restored_copy_is_that_copys(tmp_path):
+    primary, fallback = tmp_path / "p", tmp_path / "f"
+    CheckpointManager(primary, async_save=False).save(make_state(5), metadata={"w": "a"})
+    CheckpointManager(fallback, async_save=False).save(make_state(5), metadata={"w": "b"})
+    m = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
+    (_, seal_a), (_, seal_b) = m.committed_copies()
+    m.restore(5, copy=seal_b)
+    assert m.metadata(5, copy=m.restored_copy)["w"] == "b"
+    assert m.metadata(5)["w"] == "a"  # without a copy: the primary's

@@ -110,3 +110,32 @@ def test_an_unwritable_location_still_refuses_another_runs_record(tmp_path, monk
     with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
         claim(ckpt, tmp_path / "run-b")
     assert claim(ckpt, tmp_path / "run-a").taken_from is not None  # its own restart passes
+
+
+def test_a_record_neither_written_nor_read_refuses_the_start(tmp_path, monkeypatch):
+    from ftrain.ckpt import owner
+
+    _failing_writes(monkeypatch)
+
+    def unreadable(location):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(owner, "_read", unreadable)
+    with pytest.raises(CheckpointOwnerError, match="reading it failed"):
+        claim(tmp_path / "bad", tmp_path / "run-a")
+
+
+def test_a_write_that_landed_but_failed_to_answer_is_held_and_released(tmp_path, monkeypatch):
+    from ftrain.ckpt import owner
+
+    real = owner._write
+
+    def landed_then_failed(*args, **kwargs):
+        real(*args, **kwargs)
+        raise OSError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(owner, "_write", landed_then_failed)
+    got = claim(tmp_path / "ckpt", tmp_path / "run-a")
+    assert got.held
+    got.release()
+    assert not (tmp_path / "ckpt" / OWNER).exists()
