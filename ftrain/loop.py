@@ -256,6 +256,9 @@ class _Run:
                 (state, logged), in_step = self._continue_from(state, new, metrics), False
                 returned = None
                 self._after_step(state, logged)
+            wd.phase("save", state, self.current, safe=True)
+            # inside the try: a final save that fails gets the emergency retry, as any save
+            self.save(state, self.current, force=True, reason="final")
         except NonFiniteError:
             raise  # nothing is saved: the newest committed checkpoint is the last finite one
         except BaseException as err:
@@ -268,8 +271,6 @@ class _Run:
                 wd.phase("save", state, self.current, safe=True)
                 _emergency_save(self.save, state, self.current, err, self.record)
             raise
-        wd.phase("save", state, self.current, safe=True)
-        self.save(state, self.current, force=True, reason="final")
         return LoopResult(state, "finished", "done", self.last)
 
     def _continue_from(self, state, new, metrics):

@@ -256,6 +256,8 @@ def _exit_message(step, phase: str, saved: bool, error: str | None, tried: bool)
         done = f"saved step {step}"
     elif error:
         done = f"no final save ({error})"
+    elif not tried and phase == "save":
+        done = "no second save (hung inside a save; the newest committed step stands)"
     elif not tried:
         done = f"no final save (the state is not consistent during {phase!r})"
     else:

@@ -7,6 +7,7 @@ or init the state, run :func:`ftrain.loop.train_loop`, close the checkpoint mana
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -252,6 +253,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
         )
         evaluate = session.evaluator(p.model, p.loss_fn, p.val, device) if t.eval_every else None
         session.start_progress(int(state["step"]), device)
+        watchdog = _watchdog(cfg, session)
         try:
             with loader, loader.iter_from(state["data"].cpu()) as batches:
                 result = train_loop(
@@ -268,9 +270,10 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
                     agree=agree_any if world.active else None,
                     donate=t.donate,
                     on_nonfinite=t.on_nonfinite,
-                    watchdog=_watchdog(cfg, session),
+                    watchdog=watchdog,
                 )
-            session.finish(result)
+            with _watching(watchdog, result):  # the final or stop save's commit may hang too
+                session.finish(result)
         except NonFiniteError as err:
             return _diverged(err, p.manager)
         except CheckpointSaveError as err:  # each rank said which step did not commit
@@ -284,6 +287,22 @@ def _shard_mode(cfg: DictConfig, world: World) -> str:
         print(f"dist.shard={cfg.dist.shard} on one rank: nothing to shard, the state stays whole")
         return "none"
     return cfg.dist.shard
+
+
+@contextlib.contextmanager
+def _watching(watchdog: Watchdog | None, result):
+    """The hang watchdog again while the run waits for its last save to commit (the loop
+    stopped it when it returned): an async final or stop save whose write hangs ends the
+    run with exit 4 like any other hang, instead of never."""
+    if watchdog is None:
+        yield
+        return
+    watchdog.phase("save", result.state, {}, safe=True)  # inside a save: no second one
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.stop()
 
 
 def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
@@ -325,7 +344,10 @@ def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
 
 def _diverged(err: NonFiniteError, manager: CheckpointManager) -> int:
     """One message for a stopped divergence: what went wrong and where a resume starts."""
-    manager.wait()  # an earlier (finite) step may still be committing
+    try:
+        manager.wait()  # an earlier (finite) step may still be committing
+    except CheckpointSaveError as failed:  # it did not: say so beside the divergence
+        print(f"ftrain: {failed}", file=sys.stderr)
     latest = manager.latest_step()
     where = f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
     print(f"ftrain: {err}\nftrain: newest committed checkpoint: {where}", file=sys.stderr)

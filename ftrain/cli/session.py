@@ -356,6 +356,7 @@ class Session:
                 self.manager.wait()
         except CheckpointSaveError as err:
             failure = err
+            self._retry_last_save(result, err)
         # a barrier (no rank reports the end before the coordinator committed) that also
         # tells every rank whether the last save failed, so none waits here for the others
         if agree_any(failure is not None):
@@ -367,6 +368,24 @@ class Session:
         self.record(kind, step=step, reason=reason, committed=self.manager.latest_step())
         if self.cfg.run.plot and self.world.is_coordinator:
             self._plot(step)
+
+    def _retry_last_save(self, result: LoopResult, err: CheckpointSaveError) -> None:
+        """The final or stop save failed in the background: one emergency retry, as a
+        failed synchronous save gets in the loop (a one-off full disk must not cost the
+        run's last steps). The run still ends with the failure (exit 1). One rank's
+        retry: not for a sharded state, which every rank writes."""
+        if self.sharded or not self.world.is_coordinator:
+            return
+        step = int(result.state["step"])
+        try:
+            saved = self.save(result.state, result.last_metrics, force=True, reason="emergency")
+            if saved:
+                self.wait_commits()
+            self.record("emergency_save", step=step, saved=bool(saved), error=repr(err))
+        except Exception as save_err:  # the first failure is what the run reports
+            self.record(
+                "emergency_save", step=step, saved=False, error=repr(err), save_error=repr(save_err)
+            )
 
     def _plot(self, step: int) -> None:
         try:

@@ -249,3 +249,73 @@ def test_start_state_reports_a_world_size_change_and_the_skipped_newer_step(tmp_
     text = "\n".join(report.lines())
     assert "world size changed: checkpoint written by 2 rank(s), resumed on 1" in text
     assert "step 4 was committed but is unreadable, skipped in favour of step 2" in text
+
+
+def _armed(tmp_path, cache_dir, arm: dict) -> dict:
+    import json
+
+    from ftrain.faults import inject_dir
+
+    path = tmp_path / "arm.json"
+    path.write_text(json.dumps(arm))
+    pythonpath = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONPATH=pythonpath)
+    return env | {"FTRAIN_CHAOS_ARM": str(path)}
+
+
+def test_a_failed_async_final_save_gets_an_emergency_retry(cache_dir, tmp_path):
+    """A one-off full disk at the final (async) save: the run ends with exit 1 as before,
+    but the retry commits the last step (the synchronous path already retried)."""
+    from .conftest import TINY, records
+
+    run = tmp_path / "run"
+    env = _armed(tmp_path, cache_dir, {"id": "f", "phase": "begun", "count": 2,
+                                       "action": "enospc"})  # fmt: skip
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=6", "checkpoint.every_steps=4"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftrain", *args, "checkpoint.async_save=true"],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "No space left on device (injected at begun)" in proc.stderr
+    assert CheckpointManager(run / "checkpoints").all_steps() == [4, 6]
+    (retry,) = records(run, "emergency_save")
+    assert retry["step"] == 6 and retry["saved"] is True
+
+
+NAN_AT_STEP_5 = """
+import math, sys
+import ftrain.loop as loop
+from ftrain.cli.run import main
+
+real = loop._nonfinite
+
+
+def nonfinite(old, new, metrics, host):  # step 5's loss reads as NaN: a divergence there
+    return {"loss": math.nan} if int(new["step"]) == 5 else real(old, new, metrics, host)
+
+
+loop._nonfinite = nonfinite
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_divergence_after_a_failed_async_save_is_one_message_not_a_traceback(cache_dir, tmp_path):
+    """Step 4's background save hit a full disk; step 5 diverged: the run ends with exit 1
+    and one message naming both and the newest committed step (it raised from inside the
+    divergence handler before)."""
+    from .conftest import TINY
+
+    run, script = tmp_path / "run", tmp_path / "nan_launcher.py"
+    script.write_text(NAN_AT_STEP_5)
+    env = _armed(tmp_path, cache_dir, {"id": "d", "phase": "begun", "count": 1,
+                                       "action": "enospc"})  # fmt: skip
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=8", "checkpoint.every_steps=4"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "checkpoint.async_save=true"],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "No space left on device (injected at begun)" in proc.stderr
+    assert "step 5" in proc.stderr and "newest committed checkpoint: none" in proc.stderr

@@ -132,3 +132,43 @@ def test_a_hung_data_source_is_detected_dumped_saved_and_resumed(cache_dir, tmp_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert records(run, "resume")[-1]["from_step"] == 4
     assert _manager(run).latest_step() == 6
+
+
+# A launcher whose checkpoint storage stops answering while step HANG_STEP is written.
+HUNG_SAVE_LAUNCHER = """
+import os, sys, threading
+import ftrain.ckpt.manager as manager
+from ftrain.cli.run import main
+
+HANG_STEP, real = int(os.environ["HANG_STEP"]), manager.write_tree
+
+
+def write_to_storage_that_never_answers(path, snapshot, attrs, **kwargs):
+    if attrs["step"] == HANG_STEP:
+        threading.Event().wait()
+    return real(path, snapshot, attrs, **kwargs)
+
+
+manager.write_tree = write_to_storage_that_never_answers
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_hung_async_final_save_ends_the_run_with_exit_4_not_never(cache_dir, tmp_path):
+    """The loop had returned (its watchdog stopped) and the run waited for the final
+    save's commit forever; the watchdog now watches that wait too."""
+    script = tmp_path / "hung_save_launcher.py"
+    script.write_text(HUNG_SAVE_LAUNCHER)
+    run = tmp_path / "run"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, HANG_STEP="6")
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=6", "checkpoint.every_steps=4"]
+    args += ["trainer.hang_timeout_s=4", "checkpoint.async_save=true"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=200
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_HUNG, out
+    assert "phase 'save'" in proc.stderr and "did not finish within 4 s" in proc.stderr, out
+    (dump,) = run.glob("hang-*.txt")
+    assert "write_to_storage_that_never_answers" in dump.read_text()
+    assert _manager(run).all_steps() == [4]  # the restart resumes there
