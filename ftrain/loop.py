@@ -294,14 +294,16 @@ class _Run:
     def _after_step(self, state, logged: bool) -> None:
         """Record, evaluate, offer a save: after the step ``state`` continues from."""
         n = int(state["step"])
+        # the step is done: a hang in a logger from here on saves this state (even donated)
+        self.watchdog.phase("record", state, self.current, safe=True)
         if logged:
             self.record("step", step=n, **self.last)
         self.watchdog.beat()
-        self.watchdog.phase("record", state, self.current, safe=True)
         self._maybe_evaluate(state, n)
         self.watchdog.phase("save", state, self.current, safe=True)
         self.save(state, self.current, force=False, reason="policy")
         self.watchdog.beat()
+        self.watchdog.phase("record", state, self.current, safe=True)  # out of the save
         self.record("heartbeat", step=n)
 
     def _on_bad(self, n: int, bad: dict[str, float]) -> None:

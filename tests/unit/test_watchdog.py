@@ -261,3 +261,27 @@ def test_a_loop_waking_up_during_the_hang_save_never_writes_the_saved_state(tmp_
         train_loop(state, step, batches(), max_steps=100, donate=True, watchdog=wd)
     assert int(seen["before"]["step"]) == 3
     assert ftrain.state.tree_equal(seen["before"], seen["after"]), "the saved state was written"
+
+
+@pytest.mark.parametrize("kind", ["step", "heartbeat"])
+def test_a_logger_hanging_after_a_donated_step_saves_that_step(tmp_path, kind):
+    """The step returned and was checked; a logger's write then hangs (the step record, or
+    the heartbeat after the policy save): the state is whole, so the watchdog saves it,
+    even donated (it said phase 'step' or 'save' there before and saved nothing)."""
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.sgd(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, donate=True)
+    release, saves = threading.Event(), []
+    fired = Fired(release)
+    wd = Watchdog(0.3, run_dir=tmp_path, exit=fired, save=lambda s, m: saves.append(int(s["step"])) or True)  # fmt: skip
+
+    def record(what, **fields):
+        if what == kind and fields["step"] == 2:
+            release.wait()
+            raise RuntimeError("released")
+
+    batches = iter(lambda: {"x": torch.ones(4, 2)}, None)
+    state = ftrain.init_state(model, tx, seed=0)
+    with pytest.raises(RuntimeError):
+        train_loop(state, step, batches, max_steps=5, donate=True, record=record, watchdog=wd)
+    assert fired.codes == [EXIT_HUNG] and saves == [2]
