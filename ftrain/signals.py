@@ -82,10 +82,11 @@ class StopFlag:
         self.request(name)
         os.write(2, f"{name} received: finishing this step, saving, then exiting\n".encode())
 
-    def install(self) -> StopFlag:
-        """Install handlers (main thread only; elsewhere a no-op) and return self."""
+    def install(self, signals: tuple[int, ...] = _HANDLED) -> StopFlag:
+        """Install handlers for ``signals`` (default SIGTERM, SIGINT, SIGUSR1; main thread
+        only, elsewhere a no-op) and return self."""
         if threading.current_thread() is threading.main_thread():
-            for sig in _HANDLED:
+            for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -8,6 +8,7 @@ or init the state, run :func:`ftrain.loop.train_loop`, close the checkpoint mana
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,6 +123,11 @@ def train_from_config(cfg: DictConfig) -> int:
         print(f"ftrain: {err}", file=sys.stderr)
         return EXIT_CONFIG
     lock = None
+    # a preemption notice (SIGTERM, SIGUSR1) during start-up and restore is kept, and the
+    # run stops at its first step boundary with exit 3 (it killed the process with 143 or
+    # 138 before, possibly mid-way through a run.overwrite move); SIGINT there stays an
+    # immediate exit 130 (a person at the keyboard)
+    early = StopFlag().install((signal.SIGTERM, signal.SIGUSR1))
     try:
         try:
             lock = claim_run_dir(cfg, world)  # before anything is built or moved
@@ -129,8 +135,9 @@ def train_from_config(cfg: DictConfig) -> int:
         except _STARTUP_ERRORS as err:
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
             return EXIT_CONFIG
-        return _run(cfg, device, world, parts)
+        return _run(cfg, device, world, parts, early)
     finally:
+        early.uninstall()
         if lock is not None:
             lock.release()  # after the last commit: the next start finds the directory free
         shutdown()
@@ -217,11 +224,13 @@ def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
     return build_loggers(cfg.logger, info)
 
 
-def _run(cfg: DictConfig, device, world: World, p: _Parts) -> int:
+def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> int:
     t = cfg.trainer
     # The stop flag is outermost: a signal while the final save commits is still honoured
     # (the save completes, then the process exits) instead of killing the commit.
     with StopFlag() as stop, Session(cfg, world, p.manager, p.loggers) as session:
+        if early.requested:  # received during start-up: stop at the first step boundary
+            stop.request(early.reason)
         session.resumed(p.report)
         session.metadata = checkpoint_metadata(
             cfg, p.train.fingerprint, p.train.describe(), world, p.horizon

@@ -319,3 +319,43 @@ def test_a_divergence_after_a_failed_async_save_is_one_message_not_a_traceback(c
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "No space left on device (injected at begun)" in proc.stderr
     assert "step 5" in proc.stderr and "newest committed checkpoint: none" in proc.stderr
+
+
+SIGTERM_DURING_START_UP = """
+import os, signal, sys
+import ftrain.cli.run as run
+from ftrain.cli.run import main
+
+real = run.build_manager
+
+
+def build_manager(cfg):  # a preemption notice arrives while the run starts up
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(cfg)
+
+
+run.build_manager = build_manager
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_preemption_notice_during_start_up_stops_at_the_first_boundary_with_exit_3(
+    cache_dir, tmp_path
+):
+    """SIGTERM during start-up (here: while the checkpoint manager is built) was the default
+    action: killed, exit 143. Now the run starts, stops at its first step boundary, and
+    exits 3 like any preemption; a re-run resumes."""
+    from .conftest import TINY, records
+
+    run, script = tmp_path / "run", tmp_path / "term_launcher.py"
+    script.write_text(SIGTERM_DURING_START_UP)
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir)
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=6"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "SIGTERM received" in proc.stderr
+    (stop,) = records(run, "stop")
+    assert stop["step"] == 0 and stop["reason"] == "SIGTERM"
+    assert not records(run, "step"), "no step was trained"
