@@ -190,6 +190,9 @@ class CheckpointManager:
         self._seals: dict[str, object] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
         self.restored_copy: int | None = None  # the seal of the copy the last restore read
+        # save() and wait() from two threads at once (the hang watchdog's save beside a loop
+        # that woke up) must not start two background writers or join a thread twice
+        self._calls = threading.RLock()
         for d in self._dirs:
             if not isinstance(d, Path):
                 d.probe()  # no such bucket / bad credentials: CheckpointStoreError, now
@@ -304,6 +307,10 @@ class CheckpointManager:
                 saved; see :mod:`ftrain.ckpt.incremental`).
             ValueError: the state or metadata cannot be stored.
         """
+        with self._calls:  # one save at a time, whichever thread calls (see __init__)
+            return self._save(state, metrics, metadata, force, host_rng)
+
+    def _save(self, state, metrics, metadata, force: bool, host_rng) -> bool:
         t0 = time.perf_counter()
         self._check_usable()
         step = self._read_step(state)
@@ -848,10 +855,11 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has committed; raise its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._raise_pending()
+        with self._calls:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            self._raise_pending()
 
     def close(self) -> None:
         """Wait for the save in flight, then refuse further saves. Idempotent."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 import types
 import warnings
@@ -450,3 +451,36 @@ def test_the_metadata_of_a_restored_copy_is_that_copys(tmp_path):
     m.restore(5, copy=seal_b)
     assert m.metadata(5, copy=m.restored_copy)["w"] == "b"
     assert m.metadata(5)["w"] == "a"  # without a copy: the primary's
+
+
+def test_saves_from_two_threads_never_run_two_writers_at_once(tmp_path, monkeypatch):
+    """The hang watchdog's save beside a loop that woke up: two threads that both waited
+    for the save in flight started a background writer each (and could join a thread the
+    other had just cleared). Now one save at a time, each committed."""
+    real, active, most = manager.write_tree, [0], [0]
+    lock = threading.Lock()
+
+    def slow_write(*args, **kwargs):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            time.sleep(0.3)
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(manager, "write_tree", slow_write)
+    m = CheckpointManager(tmp_path, async_save=True)
+    assert m.save(make_state(1), force=True)  # in flight while the two threads arrive
+    threads = [
+        threading.Thread(target=m.save, args=(make_state(s),), kwargs={"force": True})
+        for s in (2, 3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    m.wait()
+    assert most[0] == 1 and m.all_steps() == [1, 2, 3]
