@@ -68,6 +68,8 @@ class LoopResult:
     status: str
     reason: str | None = None
     last_metrics: dict[str, float] = field(default_factory=dict)
+    # the metrics the final or stop save recorded with ``state`` (its step's own)
+    saved_metrics: dict = field(default_factory=dict)
 
 
 class _Meter:
@@ -236,6 +238,7 @@ class _Run:
 
     def loop(self, state, it, stop, agree) -> LoopResult:
         wd, in_step, returned = self.watchdog, False, None
+        start = int(state["step"])
         try:
             while int(state["step"]) < self.max_steps:
                 wd.phase("agree", state, self.current, safe=True)
@@ -243,9 +246,12 @@ class _Run:
                     reason = (
                         stop.reason if stop is not None else None
                     ) or "stop requested by another rank"
-                    wd.phase("save", state, self.current, safe=True)
-                    self.save(state, self.current, force=True, reason=reason)
-                    return LoopResult(state, "stopped", reason, self.last)
+                    # nothing trained (a stop before the first step, e.g. a signal during
+                    # start-up): the state is the start's, fresh or already committed
+                    if int(state["step"]) > start:
+                        wd.phase("save", state, self.current, safe=True)
+                        self.save(state, self.current, force=True, reason=reason)
+                    return LoopResult(state, "stopped", reason, self.last, dict(self.current))
                 wd.phase("data", state, self.current, safe=True)
                 batch = next(it)
                 in_step = True
@@ -271,7 +277,7 @@ class _Run:
                 wd.phase("save", state, self.current, safe=True)
                 _emergency_save(self.save, state, self.current, err, self.record)
             raise
-        return LoopResult(state, "finished", "done", self.last)
+        return LoopResult(state, "finished", "done", self.last, dict(self.current))
 
     def _continue_from(self, state, new, metrics):
         """Check the step's metrics; returns the state to continue from (``new``, or

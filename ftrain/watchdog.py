@@ -133,6 +133,7 @@ class Watchdog:
         self._where: tuple[str, object, dict, bool] = ("start", None, {}, False)
         self._last = time.monotonic()
         self._beats = 0
+        self._until_beat: float | None = None  # start(allowance_s=...): until the next beat
         self._where_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -147,12 +148,17 @@ class Watchdog:
 
     def beat(self) -> None:
         """Progress: a step completed, or an evaluation or a save returned."""
+        self._until_beat = None
         self._last = time.monotonic()
         self._beats += 1
 
     # -- lifecycle ----------------------------------------------------------------------
-    def start(self) -> Watchdog:
-        """Start the watchdog thread (the clock starts now) and return self."""
+    def start(self, allowance_s: float | None = None) -> Watchdog:
+        """Start the watchdog thread (the clock starts now) and return self.
+
+        ``allowance_s``: the allowance until the next beat instead of ``timeout_s`` (e.g. a
+        whole background write awaited at the end of a run, not one blocking call)."""
+        self._until_beat = allowance_s
         self._last = time.monotonic()
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="ftrain-watchdog", daemon=True)
@@ -177,6 +183,7 @@ class Watchdog:
         poll = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(poll):
             allowed = self.timeout_s if self._beats else self.first_timeout_s
+            allowed = self._until_beat or allowed
             idle = time.monotonic() - self._last
             if idle > allowed:
                 try:

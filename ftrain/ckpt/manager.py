@@ -403,8 +403,9 @@ class CheckpointManager:
     def join(self) -> None:
         """Block until the save in flight (if any) has finished, without raising its error
         (:attr:`failed` then tells; ``wait`` raises it)."""
-        if self._thread is not None:
-            self._thread.join()
+        thread = self._thread  # read once: a wait() in another thread may clear it
+        if thread is not None:
+            thread.join()
 
     def wants(self, state: TensorDictBase, *, force: bool = False) -> bool:
         """Whether ``save(state, force=force)`` would write now (the save policy and the

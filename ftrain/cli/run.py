@@ -302,12 +302,14 @@ def _shard_mode(cfg: DictConfig, world: World) -> str:
 def _watching(watchdog: Watchdog | None, result):
     """The hang watchdog again while the run waits for its last save to commit (the loop
     stopped it when it returned): an async final or stop save whose write hangs ends the
-    run with exit 4 like any other hang, instead of never."""
+    run with exit 4 like any other hang, instead of never. The allowance is the first
+    step's (5 x ``hang_timeout_s`` by default): a whole background write, maybe with one
+    emergency retry, not one blocking call."""
     if watchdog is None:
         yield
         return
     watchdog.phase("save", result.state, {}, safe=True)  # inside a save: no second one
-    watchdog.start()
+    watchdog.start(allowance_s=watchdog.first_timeout_s)
     try:
         yield
     finally:

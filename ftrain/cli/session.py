@@ -378,7 +378,8 @@ class Session:
             return
         step = int(result.state["step"])
         try:
-            saved = self.save(result.state, result.last_metrics, force=True, reason="emergency")
+            metrics = result.saved_metrics or result.last_metrics  # the step's own
+            saved = self.save(result.state, metrics, force=True, reason="emergency")
             if saved:
                 self.wait_commits()
             self.record("emergency_save", step=step, saved=bool(saved), error=repr(err))

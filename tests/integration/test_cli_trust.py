@@ -359,3 +359,4 @@ def test_a_preemption_notice_during_start_up_stops_at_the_first_boundary_with_ex
     (stop,) = records(run, "stop")
     assert stop["step"] == 0 and stop["reason"] == "SIGTERM"
     assert not records(run, "step"), "no step was trained"
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())

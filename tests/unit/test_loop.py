@@ -401,3 +401,15 @@ def test_a_donated_step_whose_check_fails_saves_its_result():
         )
     assert saved["emergency"] == 3
     assert saved["loss"] != saved["loss"], "saved with step 3's own (non-finite) loss"
+
+
+def test_a_stop_before_the_first_step_saves_nothing():
+    """A stop requested before anything was trained (a preemption notice during start-up):
+    the state is the start's, fresh or already committed; a save of a fresh step 0 would
+    make a requeue with resume=none refuse to start over a checkpoint."""
+    state, step = _setup()
+    saves, stop = Saves(), StopFlag()
+    stop.request("SIGTERM")
+    result = train_loop(state, step, _batches(), max_steps=10, save=saves, stop=stop)
+    assert result.status == "stopped" and int(result.state["step"]) == 0
+    assert saves.calls == []

@@ -285,3 +285,18 @@ def test_a_logger_hanging_after_a_donated_step_saves_that_step(tmp_path, kind):
     with pytest.raises(RuntimeError):
         train_loop(state, step, batches, max_steps=5, donate=True, record=record, watchdog=wd)
     assert fired.codes == [EXIT_HUNG] and saves == [2]
+
+
+def test_an_allowance_until_the_next_beat_replaces_the_timeout(tmp_path):
+    """The wait for the last commit gets the first step's allowance, not one blocking
+    call's: no fire within it, a fire after it, and a beat returns to the timeout."""
+    fired = Fired(threading.Event())
+    wd = Watchdog(0.2, run_dir=tmp_path, exit=fired, first_timeout_s=1.0)
+    wd.beat()
+    wd.start(allowance_s=1.0)
+    time.sleep(0.6)
+    assert not wd.fired, "0.6 s is past the timeout, inside the allowance"
+    wd.beat()  # back to the 0.2 s timeout
+    time.sleep(0.9)
+    assert wd.fired and fired.codes == [EXIT_HUNG]
+    wd.stop()
