@@ -4,9 +4,10 @@ A state whose leaves are ``DTensor``s placed ``Shard(0)`` (``ftrain.sharding``) 
 without gathering: each array keeps its **global** shape in the store (a plain
 ``zarr.open_group`` reader sees whole tensors), its chunk rows divide the shard rows, so a
 chunk lies inside one rank's rows, and each rank writes only the chunk files of its own
-rows — in parallel, no read-modify-write, no file touched by two ranks. Replicated leaves
-(whole on every rank) are split chunk by chunk over the ranks (chunk ``i`` by rank
-``i % world``); rank 0 writes the ``zarr.json`` documents.
+rows — in parallel, no read-modify-write, no file touched by two ranks. Replicated
+parameters and optimizer leaves (whole and identical on every rank) are split chunk by
+chunk over the ranks (chunk ``i`` by rank ``i % world``); other replicated leaves (buffers,
+which may differ per rank) are rank 0's, whole; rank 0 writes the ``zarr.json`` documents.
 
 Two-phase commit: the coordinator creates the staging directory (and holds its lock) and
 broadcasts its path; every rank writes and makes its part durable (``syncfs``) and reports
@@ -105,7 +106,7 @@ def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compre
 
 def own_slices(spec: ArraySpec, t: torch.Tensor, rank: int, world: int) -> list[tuple]:
     """``(i, payload, pad)`` of the chunks this rank writes: those inside its own rows of a
-    row-sharded leaf, chunk ``i % world == rank`` of a leaf every rank holds whole."""
+    row-sharded leaf; of a leaf every rank holds whole, see :func:`_replicated_chunks`."""
     out = []
     if _is_row_sharded(t) and spec.shape[0]:
         c = _shard_rows(spec.shape[0], world)
@@ -122,10 +123,31 @@ def own_slices(spec: ArraySpec, t: torch.Tensor, rank: int, world: int) -> list[
             )
         return out
     data = tensor_bytes(t.to_local() if isinstance(t, DTensor) else t)
-    for i in range(rank, spec.n_chunks, world):
+    for i in _replicated_chunks(spec, rank, world):
         start, stop = spec.chunk_span(i)
         out.append((i, data[start:stop], spec.chunk_nbytes - (stop - start)))
     return out
+
+
+# Replicated leaves the step keeps identical on every rank: the parameters and the
+# optimizer state, made from the same all-reduced gradients. Their chunks are spread over
+# the ranks to balance the write. Any other replicated leaf (a BatchNorm's running stats,
+# which each rank updates from its own batches) is rank 0's whole, as in a one-writer save:
+# spread chunk by chunk, a leaf that differs per rank would be stored as a mix of ranks.
+_SPREAD_GROUPS = ("params", "opt")
+
+
+def splits_replicated(key: str) -> bool:
+    """Whether the chunks of replicated leaf ``key`` are spread over the ranks (see above)."""
+    return key.split("/", 1)[0] in _SPREAD_GROUPS
+
+
+def _replicated_chunks(spec: ArraySpec, rank: int, world: int) -> range:
+    """The chunks of a replicated leaf this rank writes: every ``world``-th from ``rank``
+    (parameters, optimizer state), or all of them on rank 0 (anything else)."""
+    if splits_replicated(spec.key):
+        return range(rank, spec.n_chunks, world)
+    return range(0 if rank else spec.n_chunks)
 
 
 def _own_chunks(spec: ArraySpec, t: torch.Tensor, rank: int, world: int, tmp: Path) -> list:

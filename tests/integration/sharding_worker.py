@@ -147,7 +147,25 @@ def _check_store(state, where: Path, rank: int, world: int) -> dict:
         "parts_disjoint": disjoint,
         "restore_whole": bool(same),
         "files_per_rank": [len(f) for f in every],
+        "rank_buffer_is_rank0s": _rank_buffer_stored_whole(state, where, rank),
     }
+
+
+def _rank_buffer_stored_whole(state, where: Path, rank: int) -> bool:
+    """A replicated buffer that differs per rank (4 chunks of 4 KiB) is stored as rank 0's
+    whole, never a mix of the ranks' chunks."""
+    from tensordict import TensorDict
+
+    from ftrain.ckpt import CheckpointManager
+
+    extra = state.clone(recurse=False)
+    extra["buffers"] = TensorDict({"running": torch.full((4096,), float(rank))}, [])
+    mgr = CheckpointManager(where / "ckpt_buffers", async_save=False, chunk_bytes=4096)
+    mgr.save_sharded(extra)
+    if rank != 0:
+        return True
+    got = mgr.restore(only=("buffers",))["buffers", "running"]
+    return bool(torch.equal(got, torch.zeros(4096)))
 
 
 def _flat_keys(state):

@@ -41,6 +41,7 @@ def test_sharded_state_matches_unsharded_and_splits_what_each_rank_holds(tmp_pat
         store = r["store"]  # one store, every rank writing its own rows
         assert store["rows_ok"] and store["parts_disjoint"] and store["restore_whole"], store
         assert min(store["files_per_rank"]) > 0, store
+        assert store["rank_buffer_is_rank0s"], store
     fused = report["optimizer_fused"]  # optim.adamw(fused=True) on the shards
     assert fused["params_rel"] <= 1e-5 and fused["opt_rel"] <= 1e-5, fused
     assert fused["params_identical_across_ranks"] and fused["store"]["restore_whole"], fused

@@ -224,3 +224,20 @@ def test_a_sharded_part_without_syncfs_fsyncs_its_directories_too(tmp_path, monk
     sharded.write_part(tmp_path, state, {}, rank=0, world=1, chunk_bytes=16, workers=2)
     made = {str(p.relative_to(tmp_path)) for p in [tmp_path, *tmp_path.rglob("*")] if p.is_dir()}
     assert made == {".", "p", "p/w", "step"} and {str(d) for d in synced} == made
+
+
+def test_sharded_save_spreads_only_identical_replicated_leaves():
+    """Replicated parameters/optimizer leaves are spread chunk by chunk over the ranks; any
+    other replicated leaf (a buffer each rank updates from its own batches) is written
+    whole by rank 0, so a leaf that differs per rank is never stored as a mix of ranks."""
+    from ftrain.ckpt.format import plan_array
+    from ftrain.ckpt.sharded import own_slices
+
+    t = torch.arange(4096.0)  # 16 KiB: 4 chunks of 4 KiB
+    chunks = {}
+    for key in ("params/w", "opt/mu/w", "buffers/running_mean", "data/cursor"):
+        spec = plan_array(key, t, 4096, None)
+        assert spec.n_chunks == 4
+        chunks[key] = [[i for i, *_ in own_slices(spec, t, r, 2)] for r in range(2)]
+    assert chunks["params/w"] == chunks["opt/mu/w"] == [[0, 2], [1, 3]]
+    assert chunks["buffers/running_mean"] == chunks["data/cursor"] == [[0, 1, 2, 3], []]
