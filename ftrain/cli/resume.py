@@ -282,14 +282,31 @@ def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
 
     decided = _coordinator_decides(world, pick, broadcast_json)
     chosen, copy = decided if decided is not None else (None, None)
-    state = restored.get("state")
+    state, outcome, error = restored.get("state"), {"ok": True}, None
     if state is None and chosen is not None:
-        state = _restore(manager, chosen, fresh, copy=copy)
-    if state is not None and int(state["step"]) != chosen:
-        raise ResumeError(
-            f"rank {world.rank} restored step {int(state['step'])} but the coordinator chose {chosen}"
-        )
+        state, outcome, error = _restore_copy(manager, chosen, fresh, copy)
+    if world.active:  # every rank learns if one failed: none goes on to train alone
+        decision = broadcast_json(_decide(gather_json(outcome)))
+        if decision["do"] != "take":
+            raise error or ResumeError(
+                f"cannot resume step {chosen} on every rank: {decision['why']}"
+            )
     return state
+
+
+def _restore_copy(manager, step: int, fresh, copy) -> tuple:
+    """A non-coordinator rank's restore of the coordinator's copy of ``step``:
+    ``(state, outcome, error)``, the outcome (JSON) ``{"ok"}`` or ``{"error": why}``. Any
+    failure stops the resume: the coordinator already vouched for this copy, so a rank that
+    cannot read it sees another file system or another file, not an older good step."""
+    try:
+        state = _restore(manager, step, fresh, copy=copy)
+    except Exception as err:
+        return None, {"error": f"{type(err).__name__}: {err}"}, err
+    if int(state["step"]) != step:
+        why = f"it restored step {int(state['step'])}, the coordinator chose {step}"
+        return None, {"error": why}, None
+    return state, {"ok": True}, None
 
 
 def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):

@@ -15,7 +15,9 @@ of the commit protocol or of a retention delete:
 - ``index_written``: the index's temporary file (``.checkpoints.json.<hex>``) is written
   and fsync'd, not yet renamed over ``checkpoints.json`` (``ftrain.ckpt.index``);
 - ``part_written``: one rank's part of a sharded save is written, not yet durable nor
-  reported to the coordinator (``ftrain.ckpt.sharded``; fires on any rank).
+  reported to the coordinator (``ftrain.ckpt.sharded``; fires on any rank);
+- ``restore_read``: a restore is about to read a step's chunk files
+  (``ftrain.ckpt.reader.read_jobs``).
 
 The arm file is JSON ``{"id", "phase", "count", "rank"}`` and optionally ``"action"``: the
 ``count``-th occurrence of ``phase`` (counted from when this process first saw that
@@ -23,7 +25,8 @@ The arm file is JSON ``{"id", "phase", "count", "rank"}`` and optionally ``"acti
 (one shot across torchrun restarts), after appending ``{"pid", "rank", "phase", "step",
 "time"}`` to the ``FTRAIN_CHAOS_LOG`` file. Firing is a SIGKILL of the process, or with
 ``"action": "enospc"`` an ``OSError(ENOSPC)`` raised at that point (a full disk, without
-one: the process lives on and must handle it).
+one: the process lives on and must handle it), or with ``"action": "eio"`` an
+``OSError(EIO)`` (a failing disk or a file system this rank sees differently).
 """
 
 import errno
@@ -36,6 +39,9 @@ import time
 
 _ARM = os.environ.get("FTRAIN_CHAOS_ARM")
 _seen = {"id": None, "n": 0}
+
+
+_ERRORS = {"enospc": (errno.ENOSPC, "No space left on device"), "eio": (errno.EIO, "I/O error")}
 
 
 def _fire_if_armed(phase, step):
@@ -65,8 +71,9 @@ def _fire_if_armed(phase, step):
             f.write(json.dumps({**line, "time": time.time()}) + "\n")
             f.flush()
             os.fsync(f.fileno())
-    if arm.get("action") == "enospc":
-        raise OSError(errno.ENOSPC, f"No space left on device (injected at {phase})")
+    action = _ERRORS.get(arm.get("action"))
+    if action is not None:
+        raise OSError(action[0], f"{action[1]} (injected at {phase})")
     os.kill(os.getpid(), 9)
 
 
@@ -105,6 +112,16 @@ class _ReplaceSpy:
         if os.path.basename(str(dst)) == "checkpoints.json":
             _fire_if_armed("index_written", os.path.basename(str(src)))
         return self._real.replace(src, dst, *args, **kwargs)
+
+
+def _install_reader(mod):
+    read_jobs = mod.read_jobs
+
+    def chaos_read_jobs(root, *args, **kwargs):
+        _fire_if_armed("restore_read", os.path.basename(str(root)))
+        return read_jobs(root, *args, **kwargs)
+
+    mod.read_jobs = chaos_read_jobs
 
 
 def _install_index(mod):
@@ -157,7 +174,11 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-_TARGETS = {"ftrain.ckpt.commit": _install_commit, "ftrain.ckpt.index": _install_index}
+_TARGETS = {
+    "ftrain.ckpt.commit": _install_commit,
+    "ftrain.ckpt.index": _install_index,
+    "ftrain.ckpt.reader": _install_reader,
+}
 
 if _ARM:
     sys.meta_path.insert(0, _Finder())

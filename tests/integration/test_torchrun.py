@@ -107,6 +107,30 @@ def test_two_ranks_train_and_resume_on_one_rank_with_the_same_global_order(
     torch.testing.assert_close(a["params"], b["params"], rtol=1e-4, atol=1e-4)
 
 
+def test_a_rank_that_cannot_read_the_chosen_step_stops_every_rank_with_its_reason(
+    cache_dir, tmp_path
+):
+    """Rank 1's read of the step the coordinator restored fails (an injected EIO: a failing
+    disk, or a file system it sees differently): every rank stops before training, and the
+    coordinator says which rank failed and why, instead of training into a collective that
+    the failed rank never joins."""
+    from ftrain.faults import inject_dir
+
+    run = tmp_path / "run"
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=2", "checkpoint.every_steps=2"))
+    assert rc == 0, out
+    arm = tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "r", "phase": "restore_read", "rank": 1, "action": "eio"}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=4", env=env))
+    assert rc != 0 and arm.with_name("arm.json.fired").exists(), out
+    assert "cannot resume step 2 on every rank: rank 1:" in out, out
+    assert "I/O error (injected at restore_read)" in out, out
+    assert CheckpointManager(run / "checkpoints", async_save=False).all_steps() == [2], out
+    assert not [r for r in records(run, "step") if r.get("step", 0) > 2], out
+
+
 def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_path):
     run = tmp_path / "run"
     proc = _torchrun(
