@@ -284,7 +284,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             with _watching(watchdog, result):  # the final or stop save's commit may hang too
                 session.finish(result)
         except NonFiniteError as err:
-            return _diverged(err, p.manager)
+            return _diverged(err, session)
         except CheckpointSaveError as err:  # each rank said which step did not commit
             return _save_failed(err, p.manager)
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
@@ -353,13 +353,13 @@ def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
     return EXIT_ERROR
 
 
-def _diverged(err: NonFiniteError, manager: CheckpointManager) -> int:
+def _diverged(err: NonFiniteError, session: Session) -> int:
     """One message for a stopped divergence: what went wrong and where a resume starts."""
-    try:
-        manager.wait()  # an earlier (finite) step may still be committing
-    except CheckpointSaveError as failed:  # it did not: say so beside the divergence
+    try:  # an earlier (finite) step may still be committing: its outcome is recorded
+        session.wait_commits()  # (committed, or save_failed) as at any other end
+    except CheckpointSaveError as failed:  # it did not commit: say so beside the divergence
         print(f"ftrain: {failed}", file=sys.stderr)
-    latest = manager.latest_step()
+    latest = session.manager.latest_step()
     where = f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
     print(f"ftrain: {err}\nftrain: newest committed checkpoint: {where}", file=sys.stderr)
     return EXIT_ERROR

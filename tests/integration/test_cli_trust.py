@@ -303,7 +303,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_divergence_after_a_failed_async_save_is_one_message_not_a_traceback(cache_dir, tmp_path):
     """Step 4's background save hit a full disk; step 5 diverged: the run ends with exit 1
     and one message naming both and the newest committed step (it raised from inside the
-    divergence handler before)."""
+    divergence handler before), and the failed save has its save_failed record."""
     from .conftest import TINY
 
     run, script = tmp_path / "run", tmp_path / "nan_launcher.py"
@@ -319,6 +319,8 @@ def test_a_divergence_after_a_failed_async_save_is_one_message_not_a_traceback(c
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "No space left on device (injected at begun)" in proc.stderr
     assert "step 5" in proc.stderr and "newest committed checkpoint: none" in proc.stderr
+    (failed,) = records(run, "save_failed")  # recorded, as at any other end of a run
+    assert failed["step"] == 4 and "No space left on device" in failed["error"], failed
 
 
 SIGTERM_DURING_START_UP = """
