@@ -59,7 +59,7 @@ from ftrain.ckpt.reader import (
     selected_specs,
 )
 
-__all__ = ["MAP_MIN_BYTES", "mappable", "read_tree_mapped"]
+__all__ = ["MAP_MIN_BYTES", "mappable", "mapped_bytes", "read_tree_mapped"]
 
 MAP_MIN_BYTES = DIRECT_MIN_BYTES  # smaller arrays are read: a mapping costs ~2 syscalls
 PAGE = mmap.PAGESIZE
@@ -160,6 +160,30 @@ def _chunk_path(root: Path, spec: ArraySpec, i: int) -> Path:
     return root.joinpath(*spec.key.split("/"), *spec.chunk_key(i).split("/"))
 
 
+# base address -> size of every region alive (what mapped_bytes() recognises)
+_LIVE: dict[int, int] = {}
+
+
+def mapped_bytes(tensors) -> int:
+    """Bytes of ``tensors`` that view a range a mapped restore made (their checkpoint
+    files' pages, copy-on-write).
+
+    Example:
+        >>> mapped_bytes([torch.zeros(4)])
+        0
+    """
+    return sum(t.nbytes for t in tensors if t.numel() and _region_of(t.data_ptr()) is not None)
+
+
+def _region_of(addr: int) -> int | None:
+    return next((b for b, n in list(_LIVE.items()) if b <= addr < b + n), None)
+
+
+def _unmap(base: int, size: int) -> None:
+    _LIVE.pop(base, None)
+    _libc.munmap(base, size)
+
+
 class _Region:
     """An address range reserved (``PROT_NONE``) for one tensor; chunk files are mapped
     into it in place. Unmapped when the last tensor viewing it is freed."""
@@ -168,7 +192,8 @@ class _Region:
         self.size = -(-nbytes // PAGE) * PAGE
         self.base = _mmap(0, self.size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1)
         self.buffer = (ctypes.c_ubyte * nbytes).from_address(self.base)
-        unmap = weakref.finalize(self.buffer, _libc.munmap, self.base, self.size)
+        _LIVE[self.base] = self.size
+        unmap = weakref.finalize(self.buffer, _unmap, self.base, self.size)
         # never at interpreter exit: a save still writing then may read these tensors, and
         # the process's mappings go with it anyway
         unmap.atexit = False

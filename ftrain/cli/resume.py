@@ -20,6 +20,7 @@ from tensordict import TensorDictBase
 
 from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
 from ftrain.ckpt.location import parse_location
+from ftrain.ckpt.mapped import mapped_bytes
 from ftrain.cli.errors import ResumeError
 from ftrain.cli.overwrite import move_aside, move_run_aside
 from ftrain.cli.startup import host_rng_start, schedule_line
@@ -95,6 +96,7 @@ class ResumeReport:
     notes: list[str] = field(default_factory=list)  # init.from, parameter groups
     schedule: str | None = None  # the LR schedule's horizon as used (see schedule_line)
     rows_read: int | None = None  # chunk bytes this rank read of a sharded restore (its rows)
+    mapped: int = 0  # checkpoint.mmap_restore: bytes of the state mapping the step's files
     resharded: bool = False  # the checkpoint or this run holds rows per rank
 
     def lines(self) -> list[str]:
@@ -104,7 +106,12 @@ class ResumeReport:
             schedule = [self.schedule] if self.schedule else []
             return [f"starting fresh ({self.reason})", *schedule, *self.notes, *rng_line, *ignored]
         out = [
-            f"resumed from step {self.step} ({self.reason}) in {self.restore_s or 0:.2f}s",
+            f"resumed from step {self.step} ({self.reason}) in {self.restore_s or 0:.2f}s"
+            + (
+                f", {self.mapped:,} bytes of it mapped (checkpoint.mmap_restore)"
+                if self.mapped
+                else ""
+            ),
             f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} position={self.position}",
             f"checkpoint config hash={self.fingerprints.get('config_hash')} data={self.fingerprints.get('data')}",
         ]
@@ -271,20 +278,21 @@ def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
     (``sharder``): :func:`_restore_rows_agreed`."""
     if sharder is not None:
         return _restore_rows_agreed(cfg, manager, fresh, world, sharder)
-    restored = {}
+    restored, mmap = {}, bool(cfg.checkpoint.mmap_restore)
 
     def pick() -> list | None:
         chosen = _first_choice(cfg, manager)
         if chosen is None:
             return None
-        restored["state"] = _restore(manager, None if chosen == _LATEST else chosen, fresh)
+        step = None if chosen == _LATEST else chosen
+        restored["state"] = _restore(manager, step, fresh, mmap=mmap)
         return [int(restored["state"]["step"]), manager.restored_copy]
 
     decided = _coordinator_decides(world, pick, broadcast_json)
     chosen, copy = decided if decided is not None else (None, None)
     state, outcome, error = restored.get("state"), {"ok": True}, None
     if state is None and chosen is not None:
-        state, outcome, error = _restore_copy(manager, chosen, fresh, copy)
+        state, outcome, error = _restore_copy(manager, chosen, fresh, copy, mmap)
     if world.active:  # every rank learns if one failed: none goes on to train alone
         decision = broadcast_json(_decide(gather_json(outcome)))
         if decision["do"] != "take":
@@ -294,13 +302,13 @@ def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
     return state
 
 
-def _restore_copy(manager, step: int, fresh, copy) -> tuple:
+def _restore_copy(manager, step: int, fresh, copy, mmap: bool) -> tuple:
     """A non-coordinator rank's restore of the coordinator's copy of ``step``:
     ``(state, outcome, error)``, the outcome (JSON) ``{"ok"}`` or ``{"error": why}``. Any
     failure stops the resume: the coordinator already vouched for this copy, so a rank that
     cannot read it sees another file system or another file, not an older good step."""
     try:
-        state = _restore(manager, step, fresh, copy=copy)
+        state = _restore(manager, step, fresh, copy=copy, mmap=mmap)
     except Exception as err:
         return None, {"error": f"{type(err).__name__}: {err}"}, err
     if int(state["step"]) != step:
@@ -420,13 +428,23 @@ def _candidate_metadata(manager: CheckpointManager, chosen: int) -> dict | None:
 
 
 def _restore(
-    manager: CheckpointManager, step: int | None, fresh: TensorDictBase, rows=None, copy=None
+    manager: CheckpointManager,
+    step: int | None,
+    fresh: TensorDictBase,
+    rows=None,
+    copy=None,
+    mmap: bool = False,
 ) -> TensorDictBase:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             state = manager.restore(
-                step, target=fresh, check_metadata=check_run_metadata, rows=rows, copy=copy
+                step,
+                target=fresh,
+                check_metadata=check_run_metadata,
+                rows=rows,
+                copy=copy,
+                mmap=mmap,
             )
         _note_skipped(caught)
         return state
@@ -579,9 +597,19 @@ def start_state(
         ),
         host_rng=host_rng,
         rows_read=manager.read_bytes if sharder is not None else None,
+        mapped=mapped_bytes(state.values(True, True)) if cfg.checkpoint.mmap_restore else 0,
+        notes=_mmap_notes(cfg, sharder),
         resharded=sharder is not None or str(meta.get("layout", "")).startswith("rows:"),
     )
     return state, report, meta
+
+
+def _mmap_notes(cfg: DictConfig, sharder) -> list[str]:
+    if sharder is None or not cfg.checkpoint.mmap_restore:
+        return []
+    return [
+        "checkpoint.mmap_restore=true does not apply to a sharded resume: each rank read its rows"
+    ]
 
 
 def recorded_config(cfg: DictConfig) -> dict:

@@ -120,6 +120,7 @@ class Session:
             "ignored": report.ignored,
             "world_sizes": list(report.world_sizes) if report.world_sizes else None,
             "rows_read": report.rows_read,  # the coordinator's: every rank prints its own
+            "mapped_bytes": report.mapped,  # checkpoint.mmap_restore
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)
 

@@ -375,6 +375,21 @@ def _check_checkpoint(c: DictConfig) -> None:
         parse_compression(c.compression)
     except ValueError as err:
         raise _bad("checkpoint.compression", c.compression, str(err)) from None
+    _check_mmap_restore(c)
+
+
+def _check_mmap_restore(c: DictConfig) -> None:
+    """A mapped restore maps local files: refused with an object-store location."""
+    from ftrain.ckpt.location import is_object_url
+
+    remote = [d for d in (c.dir, c.fallback_dir) if d is not None and is_object_url(str(d))]
+    if c.mmap_restore and remote:
+        raise _bad(
+            "checkpoint.mmap_restore",
+            True,
+            f"a mapped restore maps local files, and {remote[0]} is an object store",
+            "use checkpoint.mmap_restore=false there",
+        )
 
 
 def _check_optim(o: DictConfig) -> None:

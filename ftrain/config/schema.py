@@ -106,6 +106,9 @@ class CheckpointConfig:
     # a checkpoint location outside run.dir is claimed for one run.dir (ftrain.ckpt.owner);
     # true: take over another run directory's claim (that run is gone)
     take_over: bool = False
+    # resume by mapping the step's chunk files copy-on-write (restore(mmap=True)): local
+    # directories, replicated state only (docs/checkpointing.md, "Mapped restore")
+    mmap_restore: bool = False
     compression: str | None = None
     # link/copy the chunks of unchanged leaves instead of rewriting them (ftrain.ckpt.incremental)
     incremental: bool = True

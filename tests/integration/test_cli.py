@@ -2,6 +2,8 @@
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -129,6 +131,27 @@ def test_interrupted_and_resumed_run_is_bit_identical_and_may_switch_kernels(cli
     out = cli(tmp_path / "sgd", "optim=sgd", "optim.fused=true", check=2)
     assert "optim.fused=true" in out.stderr and "optim=adamw" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_mapped_resume_is_bit_identical_and_leaves_the_step_intact(cli, tmp_path, donate):
+    """checkpoint.mmap_restore=true: the state maps the step's chunk files copy-on-write;
+    the run ends bit-identical to an uninterrupted one, and writing the state (in place,
+    with donation) never changes the restored step's files."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    # n_embd=256: the MLP weights (1 MiB) and their moments are large enough to be mapped
+    args = ["checkpoint.every_steps=3", f"trainer.donate={str(donate).lower()}", "model.n_embd=256"]
+    cli(whole, "trainer.max_steps=6", *args, check=0)
+    cli(split, "trainer.max_steps=3", *args, check=0)
+    out = cli(split, "trainer.max_steps=6", "checkpoint.mmap_restore=true", *args, check=0)
+    mapped = records(split, "resume")[-1]["mapped_bytes"]
+    assert mapped >= 24 * 2**20, mapped  # 4 layers x 2 MLP weights x (param, mu, nu)
+    assert f"{mapped:,} bytes of it mapped (checkpoint.mmap_restore)" in out.stdout, out.stdout
+    assert first_difference(_final_state(whole, 6), _final_state(split, 6)) is None
+    verify = [sys.executable, "-m", "ftrain.ckpt", "verify", str(split / "checkpoints")]
+    verified = subprocess.run(verify, capture_output=True, text=True, timeout=120)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert first_difference(_final_state(whole, 3), _final_state(split, 3)) is None
 
 
 def test_extending_max_steps_keeps_the_recorded_lr_schedule(cli, tmp_path):

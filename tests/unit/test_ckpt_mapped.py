@@ -18,7 +18,7 @@ from tensordict import TensorDict
 import ftrain
 from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError
 from ftrain.ckpt.commit import read_committed
-from ftrain.ckpt.mapped import mappable
+from ftrain.ckpt.mapped import mappable, mapped_bytes
 from ftrain.ckpt.reader import specs_of
 from ftrain.state import first_difference
 
@@ -70,6 +70,9 @@ def test_mapped_restore_is_bit_exact_and_maps_only_page_aligned_arrays(tmp_path)
     for key, spec in specs.items():
         for chunk in chunk_files(tmp_path / "step_00000001", spec):
             assert (chunk in files) == (key in expect), chunk
+    leaves = {k if isinstance(k, str) else "/".join(k): t for k, t in restored.items(True, True)}
+    assert mapped_bytes(leaves.values()) == sum(leaves[k].nbytes for k in expect)
+    assert mapped_bytes(m.restore().values(True, True)) == 0  # the plain restore's
 
 
 def test_chunk_files_sit_side_by_side_in_one_address_range_freed_with_the_tensor(tmp_path):

@@ -34,11 +34,15 @@ from ftrain.config import ConfigError, load_config
         ("trainer.compile=sometimes", ["trainer.compile must be true, false or auto"]),
         ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
         ("+model.n_layers=2", ["model.n_layers"]),
+        (
+            "checkpoint.mmap_restore=true checkpoint.dir=s3://bucket/run",
+            ["checkpoint.mmap_restore=True", "s3://bucket/run", "object store", "=false"],
+        ),
     ],
 )
 def test_bad_value_is_one_clear_error(override, needles):
     with pytest.raises(ConfigError) as info:
-        load_config([override])
+        load_config(override.split())
     for needle in needles:
         assert needle in str(info.value), (needle, str(info.value))
 
