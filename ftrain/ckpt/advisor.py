@@ -353,17 +353,18 @@ def _number(x) -> bool:
 
 
 def _history(sessions: list[list[dict]]) -> dict:
-    """Training seconds, failures (a resume after a process that did not reach ``end``),
-    planned continuations (a resume after ``end``) and redone steps."""
+    """Training seconds, failures (a restart after a process that did not reach ``end``:
+    a resume, or a fresh start when it died before its first commit), planned
+    continuations (a resume after ``end``) and redone steps."""
     train = sum(max(r["time"] for r in s) - min(r["time"] for r in s) for s in sessions)
     failures = continuations = redo = 0
     for prev, cur in zip(sessions, sessions[1:], strict=False):
-        if cur[0].get("kind") != "resume":
+        if cur[0].get("kind") not in ("resume", "start"):
             continue
-        if prev[-1].get("kind") == "end":
-            continuations += 1
-        else:
+        if prev[-1].get("kind") != "end":
             failures += 1
+        elif cur[0].get("kind") == "resume":  # a fresh start after an end is a new run
+            continuations += 1
         span = cur[0].get("redo")
         if isinstance(span, list) and len(span) == 2:
             redo += span[1] - span[0] + 1

@@ -23,10 +23,10 @@ from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import mapped_bytes
 from ftrain.cli.errors import ResumeError
 from ftrain.cli.overwrite import move_aside, move_run_aside
+from ftrain.cli.redo import redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_json, gather_json
-from ftrain.metrics import read_records
 from ftrain.step import learning_rate_metrics
 
 __all__ = [
@@ -104,7 +104,15 @@ class ResumeReport:
         rng_line = [self.host_rng] if self.host_rng else []
         if not self.resumed:
             schedule = [self.schedule] if self.schedule else []
-            return [f"starting fresh ({self.reason})", *schedule, *self.notes, *rng_line, *ignored]
+            redo = [self._redo_line()] if self.redo else []  # a crash before the first commit
+            return [
+                f"starting fresh ({self.reason})",
+                *redo,
+                *schedule,
+                *self.notes,
+                *rng_line,
+                *ignored,
+            ]
         out = [
             f"resumed from step {self.step} ({self.reason}) in {self.restore_s or 0:.2f}s"
             + (
@@ -509,18 +517,6 @@ def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     return (_checked_metadata(manager, step) or {}).get("schedule_horizon")
 
 
-def _redo_range(run_dir: Path, step: int, also: list[int] = ()) -> tuple[int, int] | None:
-    """Steps after ``step`` that ran before (by the run records, plus ``also``: committed
-    steps that were skipped), which this run will redo."""
-    seen = [
-        r["step"]
-        for r in read_records(run_dir)
-        if r.get("kind") == "step" and isinstance(r.get("step"), int)
-    ]
-    beyond = [s for s in [*seen, *also] if s > step]
-    return (step + 1, max(beyond)) if beyond else None
-
-
 def _check_compat(cfg: DictConfig, meta: dict) -> list[str]:
     saved = meta.get("config")
     if saved is None:
@@ -558,6 +554,7 @@ def start_state(
         report = ResumeReport(
             False,
             reason="resume=none" if cfg.resume == "none" else "no checkpoint yet",
+            redo=redo_range(Path(cfg.run.dir), 0, until=cfg.trainer.max_steps),
             ignored=ignored,
             host_rng=host_rng_start(cfg, world, None),
         )
@@ -581,7 +578,7 @@ def start_state(
         next_lr=float(learning_rate_metrics(state["opt"])["lr"]),
         epoch=int(state["data"]["epoch"]),
         position=int(state["data"]["position"]),
-        redo=_redo_range(Path(cfg.run.dir), step, [*skipped, *left]),
+        redo=redo_range(Path(cfg.run.dir), step, [*skipped, *left], cfg.trainer.max_steps),
         fingerprints={"config_hash": meta.get("config_hash"), "data": meta.get("data_fingerprint")},
         changes=changes,
         restore_s=restore_s,

@@ -182,6 +182,39 @@ def test_sigkill_then_resume_matches_uninterrupted(cli, popen_cli, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_redo_report_counts_steps_that_were_not_logged(cli, popen_cli, tmp_path):
+    """trainer.log_every=5 writes a step record every 5th step only: the steps a killed run
+    reached are read from its heartbeat too, so the resume says exactly which it redoes;
+    a run killed before its first commit is told its steps are redone as well."""
+    run, quiet = tmp_path / "run", ["trainer.log_every=5", "trainer.eval_every=null"]
+    proc = popen_cli(run, "trainer.max_steps=400", "checkpoint.every_steps=4", *quiet)
+    _wait_for_step(run, proc, 7)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    reached = json.loads((run / "heartbeat.json").read_text())["step"]
+    committed = max(_committed(run))
+    out = cli(run, f"trainer.max_steps={reached + 2}", "checkpoint.every_steps=4", *quiet, check=0)
+    redo = records(run, "resume")[-1]["redo"]
+    if reached > committed:  # killed between a commit and the next one
+        assert redo == [committed + 1, reached], (redo, committed, reached)
+        assert f"steps {committed + 1}..{reached} ran before but were not committed" in out.stdout
+    else:
+        assert redo is None, (redo, committed, reached)
+
+    fresh = tmp_path / "fresh"
+    proc = popen_cli(fresh, "trainer.max_steps=400", "checkpoint.every_steps=1000", *quiet)
+    _wait_for_step(fresh, proc, 3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    reached = json.loads((fresh / "heartbeat.json").read_text())["step"]
+    out = cli(fresh, "trainer.max_steps=2", *quiet, check=0)
+    assert "starting fresh (no checkpoint yet)" in out.stdout, out.stdout
+    # capped at trainer.max_steps: only steps 1..2 run again
+    assert "steps 1..2 ran before but were not committed: they will be redone" in out.stdout
+    assert records(fresh, "start")[-1]["redo"] == [1, 2] and reached >= 3
+
+
+@pytest.mark.slow
 def test_sigterm_saves_at_the_step_reached_and_resume_continues(cli, popen_cli, tmp_path):
     run = tmp_path / "run"
     proc = popen_cli(run, "trainer.max_steps=400", "checkpoint.every_steps=1000")

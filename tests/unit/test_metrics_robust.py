@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.ckpt import CheckpointSaveError
-from ftrain.cli.resume import _redo_range
+from ftrain.cli.redo import redo_range
 from ftrain.cli.session import Session
 from ftrain.config import load_config
 from ftrain.dist import World
@@ -39,7 +39,7 @@ def test_reader_skips_and_counts_bad_lines(tmp_path, caplog):
         recs = list(read_records(tmp_path))
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert "skipped 4 unreadable lines (first: line 2)" in caplog.text
-    assert _redo_range(tmp_path, 1) == (2, 3), "the resume report reads around the damage"
+    assert redo_range(tmp_path, 1) == (2, 3), "the resume report reads around the damage"
 
 
 def test_a_directory_in_place_of_metrics_jsonl_is_warned_about_not_fatal(tmp_path, caplog):

@@ -1,0 +1,93 @@
+"""Which steps a start redoes: the steps the run reached before that no commit kept.
+
+The resume report says ``steps A..B ran before but were not committed: they will be
+redone`` (and the advisor counts them). What ran is read from the run's records, which are
+advisory, so this is best effort, but it must not under- or over-state:
+
+- step records are written every ``trainer.log_every`` steps only, so every record that
+  names a step the run reached counts (evaluations, saves, stops), and so does
+  ``heartbeat.json``, rewritten after every step by the latest process;
+- a resume to an explicit step N that went back abandons the history after N: the steps
+  recorded before it beyond N are another history's, not this one's to redo (and its own
+  committed steps are moved aside, which the report says separately);
+- nothing past ``trainer.max_steps`` will run, so nothing past it is redone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ftrain.metrics import read_records
+
+__all__ = ["reached_steps", "redo_range"]
+
+# records whose "step" the run had reached (finished) when it wrote them
+_REACHED = frozenset(
+    {
+        "step",
+        "eval",
+        "save_started",
+        "committed",
+        "save_failed",
+        "emergency_save",
+        "nonfinite",
+        "stop",
+        "end",
+    }
+)
+
+
+def redo_range(
+    run_dir: Path, step: int, also: list[int] = (), until: int | None = None
+) -> tuple[int, int] | None:
+    """``(first, last)`` of the steps after ``step`` that ran before and this run redoes:
+    by the run records and heartbeat (:func:`reached_steps`), plus ``also`` (committed
+    steps that were skipped or left behind), up to ``until`` (``trainer.max_steps``);
+    ``None``: none."""
+    beyond = [s for s in [*reached_steps(run_dir), *also] if s > step]
+    last = min(max(beyond), until) if beyond and until is not None else max(beyond, default=0)
+    return (step + 1, last) if last > step else None
+
+
+def reached_steps(run_dir: Path) -> list[int]:
+    """Steps the records show as reached in the history being continued (see the module
+    doc), with the heartbeat's step if the latest process wrote one after it branched."""
+    steps: list[int] = []
+    branched = None  # time of the last resume that went back to an explicit step
+    for r in read_records(run_dir):
+        kind, s = r.get("kind"), r.get("step")
+        if kind == "resume" and _explicit(r):
+            steps = [x for x in steps if x <= r["from_step"]]
+            branched = r.get("time")
+        elif kind in _REACHED and _is_step(s):
+            steps.append(s)
+    beat = _heartbeat(run_dir / "heartbeat.json")
+    if beat is not None and _after(beat.get("time"), branched):
+        steps.append(beat["step"])
+    return steps
+
+
+def _explicit(record: dict) -> bool:
+    return record.get("reason") != "resume=latest" and _is_step(record.get("from_step"))
+
+
+def _is_step(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _after(time: object, branched: object) -> bool:
+    if branched is None:
+        return True
+    numbers = (int, float)
+    return isinstance(time, numbers) and isinstance(branched, numbers) and time > branched
+
+
+def _heartbeat(path: Path) -> dict | None:
+    """The heartbeat's record if it is readable and names a step (advisory, like the
+    records: anything else is ignored)."""
+    try:
+        beat = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return beat if isinstance(beat, dict) and _is_step(beat.get("step")) else None

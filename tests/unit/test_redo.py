@@ -1,0 +1,72 @@
+"""Which steps a start redoes (ftrain.cli.redo): read from the records and the heartbeat,
+within the history being continued, up to trainer.max_steps."""
+
+import json
+
+from ftrain.ckpt import advisor as adv
+from ftrain.cli.redo import reached_steps, redo_range
+
+
+def _write(run, records, beat=None):
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if beat is not None:
+        (run / "heartbeat.json").write_text(json.dumps(beat))
+
+
+def test_steps_between_logged_ones_come_from_the_heartbeat_and_other_records(tmp_path):
+    recs = [{"kind": "start", "step": 0, "time": 0.0}]
+    recs += [{"kind": "step", "step": s, "time": float(s)} for s in (5, 10)]
+    recs += [{"kind": "save_started", "step": 12, "time": 12.0}]
+    _write(tmp_path, recs, {"step": 13, "time": 13.5, "pid": 1})
+    assert redo_range(tmp_path, 8) == (9, 13)
+    assert redo_range(tmp_path, 12, until=20) == (13, 13)
+    (tmp_path / "heartbeat.json").unlink()  # the save record still says step 12 was reached
+    assert redo_range(tmp_path, 8) == (9, 12)
+
+
+def test_nothing_past_max_steps_is_redone(tmp_path):
+    _write(tmp_path, [{"kind": "step", "step": s, "time": float(s)} for s in range(1, 13)])
+    assert redo_range(tmp_path, 4, until=8) == (5, 8)
+    assert redo_range(tmp_path, 4, until=2) is None
+    assert redo_range(tmp_path, 4, also=[15], until=20) == (5, 15)  # a skipped committed step
+
+
+def test_a_resume_that_went_back_leaves_the_old_history_out(tmp_path):
+    recs = [{"kind": "step", "step": s, "time": float(s)} for s in range(1, 13)]
+    recs += [{"kind": "resume", "step": 4, "from_step": 4, "reason": "resume=4", "time": 100.0}]
+    recs += [{"kind": "step", "step": s, "time": 100.0 + s} for s in (5, 6, 7, 8)]
+    recs += [{"kind": "end", "step": 8, "time": 110.0}]
+    _write(tmp_path, recs, {"step": 8, "time": 109.0})
+    assert reached_steps(tmp_path) == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8]
+    assert redo_range(tmp_path, 8, until=20) is None
+    # a heartbeat from before the branch (its run was killed during the restore) is the old
+    # history's too
+    _write(tmp_path, recs[:13], {"step": 12, "time": 50.0})
+    assert redo_range(tmp_path, 4, until=20) is None
+
+
+def test_a_resume_of_the_latest_step_keeps_the_steps_it_redoes(tmp_path):
+    recs = [{"kind": "step", "step": s, "time": float(s)} for s in range(1, 14)]
+    recs += [{"kind": "resume", "step": 10, "from_step": 10, "reason": "resume=latest",
+              "time": 20.0}]  # fmt: skip
+    _write(tmp_path, recs, {"step": 10, "time": 19.0})  # killed again before step 11 ended
+    assert redo_range(tmp_path, 10) == (11, 13)
+
+
+def test_damaged_heartbeats_are_ignored(tmp_path):
+    recs = [{"kind": "step", "step": 3, "time": 3.0}]
+    for beat in ("not json", json.dumps([1]), json.dumps({"step": "7"}), json.dumps({"step": -1})):
+        _write(tmp_path, recs)
+        (tmp_path / "heartbeat.json").write_text(beat)
+        assert redo_range(tmp_path, 1) == (2, 3), beat
+
+
+def test_the_advisor_counts_a_fresh_restart_after_a_crash_as_a_failure():
+    recs = [
+        {"kind": "start", "time": 0.0},
+        {"kind": "step", "step": 3, "time": 3.0},  # killed before its first commit
+        {"kind": "start", "time": 10.0, "redo": [1, 3]},
+        {"kind": "end", "time": 20.0},
+    ]
+    hist = adv._history(adv._sessions(recs))
+    assert (hist["failures"], hist["continuations"], hist["redo"]) == (1, 0, 3)
