@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -275,5 +276,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _main_to_a_pipe() -> int:
+    """:func:`main`, quiet when its reader goes away (``... | head``): the rest of the
+    output is dropped with exit 1, as ``cat`` does, instead of a BrokenPipeError traceback."""
+    try:
+        status = main()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main_to_a_pipe())

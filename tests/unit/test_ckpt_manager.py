@@ -242,6 +242,25 @@ def test_bad_inputs_fail_in_the_caller(tmp_path):
     assert m.all_steps() == []
 
 
+def test_cli_output_to_a_reader_that_stops_early_is_not_a_traceback(tmp_path):
+    """``python -m ftrain.ckpt diff DIR 1 2 | head -1``: the reader goes away after a line;
+    the rest is dropped quietly (exit 1), not a BrokenPipeError traceback."""
+    leaves = {f"w{i:04d}": torch.zeros(1) for i in range(1500)}  # ~100 KB: past a pipe buffer
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(TensorDict({"step": torch.tensor(1), "params": leaves}, []))
+        m.save(
+            TensorDict(
+                {"step": torch.tensor(2), "params": {k: v + 1 for k, v in leaves.items()}}, []
+            )
+        )
+    cmd = [sys.executable, "-m", "ftrain.ckpt", "diff", str(tmp_path), "1", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"~ ")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and "Traceback" not in err, err
+
+
 def test_hostrng_capture_restore_json_roundtrip():
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     states = json.loads(json.dumps(hostrng.capture()))
