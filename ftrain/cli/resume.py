@@ -217,7 +217,7 @@ def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     a, b = _flat(saved), _flat(current)
     a = {k: v(a) if callable(v) else v for k, v in ADDED_KEYS.items() if k in b} | a
     bad, safe = [], []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted((set(a) | set(b)) - {"resume"}):  # how a start picks its step
         if a.get(key) != b.get(key):
             line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
             (safe if key.startswith(SAFE_PREFIXES) else bad).append(line)

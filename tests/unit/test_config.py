@@ -63,6 +63,8 @@ def test_compat_diff_separates_safe_and_unsafe_changes():
     # the compiled step matches the eager one: switching it on resume is safe
     bad, safe = compat_diff(a, to_plain(load_config(["trainer.compile=true"])))
     assert bad == [] and safe == ["trainer.compile: False -> True"]
+    # resume=N says which step this start restores: not a change to the run
+    assert compat_diff(a, to_plain(load_config(["resume=4"]))) == ([], [])
 
 
 def test_checkpoint_incremental_and_storage_reach_the_manager(tmp_path):
