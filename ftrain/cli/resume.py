@@ -595,10 +595,19 @@ def start_state(
         host_rng=host_rng,
         rows_read=manager.read_bytes if sharder is not None else None,
         mapped=mapped_bytes(state.values(True, True)) if cfg.checkpoint.mmap_restore else 0,
-        notes=_mmap_notes(cfg, sharder),
+        notes=_mmap_notes(cfg, sharder) + _finished_note(cfg, step),
         resharded=sharder is not None or str(meta.get("layout", "")).startswith("rows:"),
     )
     return state, report, meta
+
+
+def _finished_note(cfg: DictConfig, step: int) -> list[str]:
+    if step < cfg.trainer.max_steps:
+        return []
+    return [
+        f"trainer.max_steps={cfg.trainer.max_steps} is not past the restored step {step}: "
+        "nothing to train (raise trainer.max_steps to go on)"
+    ]
 
 
 def _mmap_notes(cfg: DictConfig, sharder) -> list[str]:

@@ -52,6 +52,10 @@ def test_fresh_run_commits_configured_steps_then_resumes(cli, tmp_path):
     assert resume["from_step"] == 6 and resume["reason"] == "resume=latest"
     assert "resumed from step 6" in out.stdout
     assert _committed(run)[-1] == 9
+    # a max_steps at or below the checkpoint trains nothing, and says so
+    out = cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)
+    assert "trainer.max_steps=6 is not past the restored step 9: nothing to train" in out.stdout
+    assert _committed(run)[-1] == 9
 
 
 def test_resume_at_explicit_step_and_missing_step(cli, tmp_path):
