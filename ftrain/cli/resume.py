@@ -27,6 +27,8 @@ from ftrain.cli.redo import redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_json, gather_json
+from ftrain.optim import refresh_hyperparams
+from ftrain.state.tree import replace
 from ftrain.step import learning_rate_metrics
 
 __all__ = [
@@ -560,6 +562,9 @@ def start_state(
         )
         return fresh, report, {}
     step = int(state["step"])
+    # the shown learning rates by this run's schedule (a resume may change it): the report's
+    # next rate and the first step's lr metric are then the rate that step applies
+    state = replace(state, opt=refresh_hyperparams(tx, state["opt"]))
     meta = manager.metadata(step, copy=manager.restored_copy)  # what was restored
     host_rng = host_rng_start(cfg, world, meta)
     changes = _check_compat(cfg, meta)

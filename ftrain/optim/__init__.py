@@ -17,6 +17,7 @@ An optimizer is a :class:`GradientTransformation` ``(init, update)`` of pure fun
     updates, opt_state = tx.update(grads, opt_state, params)
     params = params + updates
     optim.tree_get(opt_state, "learning_rate")    # the next update's learning rate
+    opt_state = optim.refresh_hyperparams(tx, restored)  # after a resume with a new schedule
 
 Gradient processing (clipping, fp16 loss scaling, the cross-rank mean) is transforms too
 (:mod:`ftrain.optim.processing`); parameter groups and frozen leaves are
@@ -33,6 +34,7 @@ from ftrain.optim.base import (
     frozen_indices,
     make_transform,
     path_str,
+    refresh_hyperparams,
     tree_get,
     unflatten,
 )
@@ -75,6 +77,7 @@ __all__ = [
     "mean_across_ranks",
     "multi_transform",
     "path_str",
+    "refresh_hyperparams",
     "release_buffers",
     "scale",
     "scale_by_adam",

@@ -54,6 +54,7 @@ __all__ = [
     "flatten",
     "make_transform",
     "path_str",
+    "refresh_hyperparams",
     "tree_get",
     "unflatten",
 ]
@@ -83,6 +84,8 @@ class GradientTransformation(NamedTuple):
 
 
 FrozenFn = Callable[[list[Path], list[torch.Tensor]], list[int]]
+# ``refresh(state) -> state``: the state with its derived hyper-parameter leaves recomputed
+Refresh = Callable[[TensorDictBase], TensorDictBase]
 
 
 class FlatFn(Protocol):
@@ -218,7 +221,7 @@ class FlatUpdate:
     ``None``) and the transform's own state TensorDict, and returns new leaf lists and state.
     """
 
-    __slots__ = ("flat", "frozen_of", "name", "prepare")
+    __slots__ = ("flat", "frozen_of", "name", "prepare", "refresh")
 
     def __init__(
         self,
@@ -226,6 +229,7 @@ class FlatUpdate:
         flat: FlatFn,
         frozen_of: FrozenFn | None = None,
         prepare: Prepare | None = None,
+        refresh: Refresh | None = None,
     ) -> None:
         self.name = name
         self.flat = flat
@@ -234,6 +238,8 @@ class FlatUpdate:
         self.frozen_of = frozen_of
         # the bucketed form of ``flat`` (:mod:`ftrain.optim.bucketed`); None: whole tree only
         self.prepare = prepare
+        # recomputes the state's derived leaves (see refresh_hyperparams); None: it has none
+        self.refresh = refresh
 
     def __call__(
         self,
@@ -260,6 +266,7 @@ def make_transform(
     flat: FlatFn,
     frozen_of: FrozenFn | None = None,
     prepare: Prepare | None = None,
+    refresh: Refresh | None = None,
 ) -> GradientTransformation:
     """Build a :class:`GradientTransformation` from an ``init`` and a flat update function.
 
@@ -276,6 +283,9 @@ def make_transform(
             the step update one bucket of leaves at a time; e.g. ``leafwise(flat, name)``
             for a ``flat`` whose results for a leaf depend on that leaf alone. None: the
             step runs ``flat`` on the whole tree.
+        refresh: ``refresh(state) -> state`` recomputing the leaves of the state that only
+            show a hyper-parameter (e.g. ``learning_rate`` from ``count``), for
+            :func:`refresh_hyperparams`; None: the state has none.
 
     Returns:
         The transform; its ``update`` is a :class:`FlatUpdate`.
@@ -285,7 +295,46 @@ def make_transform(
         ...     return torch._foreach_neg(u), state
         >>> negate = make_transform("negate", lambda params: TensorDict(), flat)
     """
-    return GradientTransformation(init, FlatUpdate(name, flat, frozen_of, prepare))
+    return GradientTransformation(init, FlatUpdate(name, flat, frozen_of, prepare, refresh))
+
+
+def refresh_hyperparams(tx: GradientTransformation, state: TensorDictBase) -> TensorDictBase:
+    """``state`` with the leaves that only *show* a hyper-parameter recomputed by ``tx``.
+
+    ``scale_by_learning_rate`` keeps ``learning_rate`` (the rate the next update applies)
+    beside ``count``; updates always compute the rate from ``count`` and the schedule, but
+    that shown value was computed by the schedule of the run that saved the state. After a
+    restore with another schedule (``schedule.decay_steps`` or the peak rate changed on a
+    resume), this makes it the current schedule's, so what is reported (the resume's next
+    rate, the first step's ``lr`` metric) is what is applied. Nothing else changes: with
+    the same schedule the values are bit-identical.
+
+    Example:
+        >>> from ftrain.optim import adamw, schedule
+        >>> params = TensorDict({"w": torch.ones(2)}, batch_size=[])
+        >>> old = adamw(schedule.warmup_cosine(1e-3, 10, 100)).init(params)
+        >>> new_tx = adamw(schedule.warmup_cosine(1e-3, 0, 100))
+        >>> float(tree_get(refresh_hyperparams(new_tx, old), "learning_rate"))
+        0.001
+    """
+    refresh = getattr(tx.update, "refresh", None)
+    return state if refresh is None else refresh(state)
+
+
+def refreshing_members(members, owner: str) -> Refresh | None:
+    """The refresh of a state keyed by member (``[(key, transform)]``): each member's own on
+    its entry, every other entry kept as it is; None when no member has one."""
+    fns = {n: getattr(tx.update, "refresh", None) for n, tx in members}
+    fns = {n: fn for n, fn in fns.items() if fn is not None}
+    if not fns:
+        return None
+
+    def refresh(state: TensorDictBase) -> TensorDictBase:
+        for n in fns:
+            member_state(state, n, owner)  # a clear error for a state of another optimizer
+        return new_td({k: fns[k](v) if k in fns else v for k, v in entries(state).items()})
+
+    return refresh
 
 
 def frozen_indices(
@@ -488,7 +537,8 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientT
         if preps and applies(preps[-1][1]):  # the last member applies its updates itself
             applying(prepare)
 
-    return make_transform(name, init, flat, frozen_of, prepare)
+    refresh = refreshing_members([(n, tx) for n, tx, _ in members], name)
+    return make_transform(name, init, flat, frozen_of, prepare, refresh)
 
 
 def trainable_only(trainable: Trainable, src: Source, owner: str) -> None:

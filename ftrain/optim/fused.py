@@ -148,7 +148,12 @@ def applying_adamw(
         return applying(owning(body))
 
     return make_transform(
-        "adamw", tx.init, tx.update.flat, tx.update.frozen_of, prepare=applying(prepare)
+        "adamw",
+        tx.init,
+        tx.update.flat,
+        tx.update.frozen_of,
+        prepare=applying(prepare),
+        refresh=tx.update.refresh,
     )
 
 

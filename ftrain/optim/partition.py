@@ -45,6 +45,7 @@ from ftrain.optim.base import (
     path_str,
     per_structure,
     pick,
+    refreshing_members,
     trainable_only,
     unflatten,
     with_zeros,
@@ -254,7 +255,8 @@ def multi_transform(
         if any(applies(p) for _, p in preps):
             applying(prepare)
 
-    return make_transform("multi_transform", init, flat, trainable.frozen_of, prepare)
+    refresh = refreshing_members([(label, tx) for label, tx, _ in members], "multi_transform")
+    return make_transform("multi_transform", init, flat, trainable.frozen_of, prepare, refresh)
 
 
 def _bucketed_groups(src: Source, state: TensorDictBase, groups: dict, preps) -> Body:

@@ -28,6 +28,7 @@ from ftrain.optim.base import (
     make_transform,
     member_state,
     new_td,
+    refreshing_members,
 )
 from ftrain.optim.bucketed import (
     Body,
@@ -379,7 +380,11 @@ def dynamic_loss_scale(
             applying(prepare)
 
     # inner's frozen leaves are frozen here too: the step leaves them out of the update
-    return make_transform(fn, init, flat, getattr(inner.update, "frozen_of", None), prepare)
+    frozen_of, refresh = (
+        getattr(inner.update, "frozen_of", None),
+        refreshing_members([("inner", inner)], fn),
+    )
+    return make_transform(fn, init, flat, frozen_of, prepare, refresh)
 
 
 def _bucketed_loss_scale(src: Source, ls, old_inner, rule, inner_prepare) -> Body:

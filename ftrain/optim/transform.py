@@ -305,7 +305,13 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         out = mul(u, factor, owned) if u else u
         return out, new_td({"count": count + 1, "learning_rate": rate(count + 1)})
 
-    return make_transform("scale_by_learning_rate", init, flat, prepare=_leafwise(flat))
+    def refresh(state: TensorDictBase) -> TensorDictBase:  # the shown rate, this schedule's
+        count = state["count"]
+        return new_td({"count": count, "learning_rate": rate(count)})
+
+    return make_transform(
+        "scale_by_learning_rate", init, flat, prepare=_leafwise(flat), refresh=refresh
+    )
 
 
 def scale(factor: float) -> GradientTransformation:

@@ -158,6 +158,22 @@ def test_a_mapped_resume_is_bit_identical_and_leaves_the_step_intact(cli, tmp_pa
     assert first_difference(_final_state(whole, 3), _final_state(split, 3)) is None
 
 
+def test_a_schedule_changed_on_resume_is_the_one_reported_from_the_first_step(cli, tmp_path):
+    """schedule.decay_steps changed on a resume (a safe change): the report's next rate and
+    the first resumed step's lr are the new schedule's (they showed the old one's; the
+    update itself always used the new one), as in a run with that schedule from the start."""
+    args = ["checkpoint.every_steps=3", "trainer.eval_every=null"]
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    cli(run, "trainer.max_steps=6", *args, check=0)
+    out = cli(run, "trainer.max_steps=9", "schedule.decay_steps=24", *args, check=0)
+    cli(ref, "trainer.max_steps=9", "schedule.decay_steps=24", *args, check=0)
+    lrs = {r["step"]: r["lr"] for r in records(run, "step")}
+    want = {r["step"]: r["lr"] for r in records(ref, "step")}
+    assert [lrs[s] for s in (7, 8, 9)] == [want[s] for s in (7, 8, 9)], (lrs, want)
+    assert records(run, "resume")[-1]["next_lr"] == pytest.approx(want[7], rel=1e-6)
+    assert f"next step 7: lr={want[7]:.6g}" in out.stdout, out.stdout
+
+
 def test_extending_max_steps_keeps_the_recorded_lr_schedule(cli, tmp_path):
     run = tmp_path / "run"
     cli(

@@ -494,3 +494,50 @@ def test_leaf_get_on_a_flattened_state_matches_tree_get():
     with pytest.raises(ValueError, match="ambiguous"):
         leaf_get(*two, "learning_rate")
     assert float(leaf_get(*two, ("sgd_1", "scale_by_learning_rate", "learning_rate"))) == 0.2
+
+
+def _stepped(tx, params, n=5):
+    state = tx.init(params)
+    for _ in range(n):
+        _, state = tx.update(params.apply(torch.ones_like), state, params)
+    return state
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw_fused", "chain", "groups", "loss_scale", "sgd"])
+def test_refresh_hyperparams_shows_the_current_schedules_rate(kind):
+    """After a resume with another schedule the shown ``learning_rate`` leaves are the new
+    schedule's at the restored count; every other leaf is the same tensor; with the same
+    schedule nothing changes."""
+    params = TensorDict({"w": torch.ones(3, 2), "head": {"b": torch.zeros(2)}}, [])
+
+    def make(decay):
+        lr = schedule.warmup_cosine(1e-2, 2, decay)
+        return {
+            "adamw": lambda: optim.adamw(lr),
+            "adamw_fused": lambda: optim.adamw(lr, fused=True),
+            "chain": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.adam(lr)),
+            "groups": lambda: optim.multi_transform(
+                {
+                    "head": optim.sgd(schedule.warmup_cosine(5e-3, 2, decay)),
+                    "body": optim.adamw(lr),
+                },
+                {"head": masks.glob("head.*"), "body": None},
+            ),
+            "loss_scale": lambda: optim.dynamic_loss_scale(optim.adamw(lr)),
+            "sgd": lambda: optim.sgd(lr),
+        }[kind]()
+
+    old = _stepped(make(12), params)
+    same = optim.refresh_hyperparams(make(12), old)
+    new = optim.refresh_hyperparams(make(40), old)
+    rates_old, rates_new = optim.learning_rates(old), optim.learning_rates(new)
+    assert rates_old and set(rates_old) == set(rates_new)
+    for path, rate in optim.learning_rates(same).items():
+        assert torch.equal(rate, rates_old[path]), path
+    want = float(schedule.warmup_cosine(1e-2, 2, 40)(torch.tensor(5)))
+    got = sorted(float(r) for r in rates_new.values())
+    assert got[-1] == pytest.approx(want, rel=1e-12) and got[-1] != float(max(rates_old.values()))
+    kept_old = {k: v for k, v in zip(*optim.flatten(old), strict=True) if k[-1] != "learning_rate"}
+    kept_new = {k: v for k, v in zip(*optim.flatten(new), strict=True) if k[-1] != "learning_rate"}
+    assert kept_old.keys() == kept_new.keys()
+    assert all(kept_new[k] is v for k, v in kept_old.items())  # shared, not copied
