@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from ftrain.ckpt.location import is_object_url, parse_location
 from ftrain.ckpt.owner import OWNER
 from ftrain.cli.errors import ResumeError
+from ftrain.runlock import LOCK_NAME
 
 __all__ = ["RUN_RECORDS", "move_aside", "move_run_aside"]
 
@@ -70,12 +71,35 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
         d = Path(d)
         if not (d.is_dir() and any(p.name != OWNER for p in d.iterdir())):
             continue
-        inside = d.resolve().is_relative_to(run_dir.resolve()) and d.resolve() != run_dir.resolve()
-        if inside:
-            moved |= _move_into(d, aside / d.resolve().relative_to(run_dir.resolve()))
+        here, there = run_dir.resolve(), d.resolve()
+        if there == here:  # checkpoints in run.dir itself: its entries go, the lock stays
+            moved |= _move_entries(run_dir, aside)
+        elif there.is_relative_to(here):
+            moved |= _move_into(d, aside / there.relative_to(here))
+        elif here.is_relative_to(there):
+            raise ResumeError(
+                f"run.overwrite=true: checkpoint directory {d} contains run.dir={run_dir}; "
+                "moving it aside would move this run's directory and its lock with it. Keep "
+                "checkpoints inside run.dir (the default) or beside it, or move the old run "
+                "away by hand"
+            )
         else:
             print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
     return aside if moved else None
+
+
+def _move_entries(run_dir: Path, aside: Path) -> bool:
+    """Everything in ``run_dir`` into ``aside``, except the run lock (held by this start:
+    a second trainer must still find it) and earlier overwrites' folders."""
+    keep = {LOCK_NAME, aside.name}
+    entries = [
+        p
+        for p in sorted(run_dir.iterdir())
+        if p.name not in keep and not p.name.startswith("overwritten-")
+    ]
+    for path in entries:
+        _move_into(path, aside / path.name)
+    return bool(entries)
 
 
 def _move_into(path: Path, target: Path) -> bool:

@@ -84,6 +84,33 @@ def test_resume_none_refuses_existing_run_unless_overwrite(cli, tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_overwrite_with_checkpoints_in_run_dir_itself_keeps_the_lock(cli, popen_cli, tmp_path):
+    """checkpoint.dir=run.dir: run.overwrite moves the old run's entries aside, not the
+    directory (it took the run lock with it, so a second trainer started beside the
+    overwriting one); a checkpoint.dir that contains run.dir is refused."""
+    run = tmp_path / "run"
+    here = [f"checkpoint.dir={run}", "checkpoint.every_steps=2"]
+    cli(run, "trainer.max_steps=2", *here, check=0)
+    proc = popen_cli(run, "trainer.max_steps=400", "resume=none", "run.overwrite=true", *here)
+    try:
+        (run / "heartbeat.json").unlink(
+            missing_ok=True
+        )  # the first run's: wait for the overwriting one's
+        _wait_for_step(run, proc, 1)
+        second = cli(run, "trainer.max_steps=4", *here, check=2)
+        assert "Traceback" not in second.stderr, second.stderr
+        (aside,) = run.glob("overwritten-*")
+        assert (aside / "step_00000002").is_dir() and (run / ".lock").exists()
+        assert not list(tmp_path.glob("run.overwritten-*")), "the run directory stayed"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    out = cli(run, "trainer.max_steps=2", f"checkpoint.dir={tmp_path}", "resume=none",
+              "run.overwrite=true", check=2)  # fmt: skip
+    assert f"contains run.dir={run}" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_incompatible_config_is_refused_with_diff_and_override(cli, tmp_path):
     run = tmp_path / "run"
     cli(run, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
