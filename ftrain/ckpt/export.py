@@ -58,6 +58,17 @@ def recorded_alpha(attrs: dict) -> float | None:
     return float(node) if ok and node > 0 else None
 
 
+def _check_alpha(alpha: float | None) -> None:
+    """A given LoRA alpha is a finite number > 0 (nan, inf, 0 or below would merge NaN,
+    infinite or no adapters without a word)."""
+    if alpha is not None and not (
+        isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0
+    ):
+        raise ExportError(
+            f"--lora-alpha {alpha!r} must be a finite number > 0 (the run's model.lora.alpha)"
+        )
+
+
 def _scalings(params, alpha: float) -> dict[str, float]:
     """``{module: alpha / rank}`` with each module's rank from its ``lora_A`` rows."""
     keys, leaves = flatten(params)
@@ -116,10 +127,13 @@ def export_params(
     """
     if format not in ("safetensors", "hf"):
         raise ExportError(f"format={format!r} is unknown; use safetensors or hf")
+    _check_alpha(lora_alpha)
     save_file = _safetensors()
     out = Path(out)
     if out.exists():
         raise ExportError(f"{out} exists; export never overwrites, pick another path")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ExportError(f"{out.parent} is not a directory; pick an output path in one")
     got, tensors, attrs, merged = _params(location, step, merge_lora, lora_alpha)
     if format == "hf":
         nbytes = _write_hf(out, tensors, attrs, got, save_file)

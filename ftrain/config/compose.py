@@ -302,7 +302,8 @@ def _bad(key: str, value, rule: str, fix: str = "") -> ConfigError:
 def _check_values(cfg: DictConfig) -> None:
     """Values the schema's types allow but a run cannot use: one message naming key and fix."""
     resume = cfg.resume
-    if not (resume in ("latest", "none") or (isinstance(resume, int) and resume >= 0)):
+    step = isinstance(resume, int) and not isinstance(resume, bool) and resume >= 0
+    if not (resume in ("latest", "none") or step):
         raise ConfigError(
             f"resume must be 'latest', 'none' or a step number >= 0, got resume={resume!r}"
         )
@@ -323,6 +324,10 @@ def _check_trainer(t: DictConfig) -> None:
     for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
         if getattr(t, name) < (0 if name == "max_steps" else 1):
             raise ConfigError(f"trainer.{name} must be positive, got {getattr(t, name)}")
+    if t.eval_every is not None and t.eval_every < 1:
+        raise _bad("trainer.eval_every", t.eval_every, "must be >= 1", "or null: no evaluation")
+    if t.eval_batches < 1:
+        raise _bad("trainer.eval_batches", t.eval_batches, "must be >= 1 (batches per evaluation)")
     if t.batch_size % t.grad_accum:
         raise ConfigError(
             f"trainer.batch_size={t.batch_size} must be divisible by trainer.grad_accum={t.grad_accum}"

@@ -127,6 +127,14 @@ def test_merge_lora_export_loads_into_the_plain_model_with_equal_logits(
     base = [str(base_run / "checkpoints"), str(tmp_path / "b.safetensors"), "--merge-lora"]
     plain_run = _ckpt_tool(forkserver, ["export", *base])
     assert plain_run.returncode == 2 and "no LoRA adapters" in plain_run.stderr
+    for alpha in ("nan", "inf", "0", "-2"):  # merged NaN, inf or nothing before
+        bad = _ckpt_tool(forkserver, [*args[:2], str(tmp_path / "a.safetensors"), args[3],
+                                      "--lora-alpha", alpha])  # fmt: skip
+        assert bad.returncode == 2 and "must be a finite number > 0" in bad.stderr, bad.stderr
+    (tmp_path / "afile").write_text("x")
+    under_a_file = _ckpt_tool(forkserver, ["export", args[1], str(tmp_path / "afile" / "x.st")])
+    assert under_a_file.returncode == 2 and "is not a directory" in under_a_file.stderr
+    assert "Traceback" not in under_a_file.stderr
 
 
 def _ckpt_tool(forkserver, args):

@@ -34,6 +34,12 @@ from ftrain.config import ConfigError, load_config
         ("trainer.compile=sometimes", ["trainer.compile must be true, false or auto"]),
         ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
         ("+model.n_layers=2", ["model.n_layers"]),
+        ("trainer.eval_batches=0", ["trainer.eval_batches=0", ">= 1"]),
+        ("trainer.eval_batches=-1", ["trainer.eval_batches=-1"]),
+        ("trainer.eval_every=-3", ["trainer.eval_every=-3", "null"]),
+        ("trainer.eval_every=0", ["trainer.eval_every=0"]),
+        ("resume=true", ["resume must be 'latest', 'none' or a step number", "resume=True"]),
+        ("resume=false", ["resume=False"]),
         (
             "checkpoint.mmap_restore=true checkpoint.dir=s3://bucket/run",
             ["checkpoint.mmap_restore=True", "s3://bucket/run", "object store", "=false"],
