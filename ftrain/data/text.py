@@ -42,34 +42,44 @@ def resolve_text_files(
     order. Files with a path component in ``exclude`` are skipped.
 
     Raises:
-        DataPathError: an entry matches no file.
+        DataPathError: an entry matches no file, or cannot be read (a directory this user
+            may not enter, a file it may not read).
     """
     entries = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
-    skip = set(exclude) | {"__pycache__"}
     out: list[Path] = []
     for entry in entries:
         p = Path(entry).expanduser()
-        if p.is_file():
-            found = [p]
-        elif p.is_dir():
-            found = sorted(
-                (
-                    f
-                    for f in p.glob(pattern)
-                    if f.is_file() and not skip & set(f.relative_to(p).parts)
-                ),
-                key=lambda f: f.relative_to(p).as_posix(),
-            )
-        else:
-            found = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
-            found = [f for f in found if not skip & set(f.parts)]
+        try:
+            found = _entry_files(p, pattern, set(exclude) | {"__pycache__"})
+        except OSError as err:  # a directory it may not enter, a failing disk
+            raise DataPathError(f"text corpus entry {str(p)!r} cannot be read ({err})") from None
         if not found:
             raise DataPathError(
                 f"text corpus entry {str(p)!r} matches no file (pattern {pattern!r}); point "
                 "data.path at existing text files, a directory or a glob"
             )
+        unreadable = [f for f in found if not os.access(f, os.R_OK)]
+        if unreadable:
+            raise DataPathError(
+                f"text corpus file {str(unreadable[0])!r} is not readable by this user "
+                f"({len(unreadable)} of {len(found)} under {str(p)!r}); fix its permissions "
+                "or leave it out of data.path"
+            )
         out.extend(found)
     return out
+
+
+def _entry_files(p: Path, pattern: str, skip: set[str]) -> list[Path]:
+    """The files of one ``data.path`` entry (see :func:`resolve_text_files`)."""
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        return sorted(
+            (f for f in p.glob(pattern) if f.is_file() and not skip & set(f.relative_to(p).parts)),
+            key=lambda f: f.relative_to(p).as_posix(),
+        )
+    found = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+    return [f for f in found if not skip & set(f.parts)]
 
 
 def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
@@ -79,7 +89,7 @@ def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
     h, n, t0 = hashlib.blake2b(digest_size=16), 0, time.perf_counter()
     with open(tmp, "wb") as out:
         for i, f in enumerate(files):
-            data = (bytes([tok.eot]) if i else b"") + f.read_bytes()
+            data = (bytes([tok.eot]) if i else b"") + _read(f, tmp)
             out.write(data)
             h.update(data)
             n += len(data)
@@ -92,6 +102,16 @@ def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
         time.perf_counter() - t0,
     )
     return {"num_tokens": n, "digest": h.hexdigest()}
+
+
+def _read(f: Path, tmp: Path) -> bytes:
+    """One corpus file's bytes; a file that cannot be read is a DataPathError (the partial
+    token file is removed)."""
+    try:
+        return f.read_bytes()
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise DataPathError(f"text corpus file {str(f)!r} cannot be read ({err})") from None
 
 
 def tokenize_corpus(

@@ -236,3 +236,32 @@ def test_stdlib_corpus_builds_once(tmp_path):
     again = stdlib_corpus(block_size=256)
     assert not again.tokenized and again.file == src.file
     assert again.fingerprint.startswith("text:bytes-v1:train:bs256:")
+
+
+def test_unreadable_corpus_files_are_a_clear_data_path_error(tmp_path, monkeypatch):
+    """A file this user may not read, a directory it may not enter and a read that fails
+    are DataPathErrors naming the path (they were PermissionError tracebacks). Root reads
+    everything, so the refusals are simulated where the OS would give them."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello")
+    (corpus / "secret.txt").write_text("no")
+    real_access = os.access
+    monkeypatch.setattr(
+        text_mod.os, "access", lambda p, m: "secret" not in str(p) and real_access(p, m)
+    )
+    with pytest.raises(DataPathError, match=r"secret\.txt' is not readable by this user \(1 of 2"):
+        text_mod.resolve_text_files(corpus)
+    monkeypatch.setattr(text_mod.os, "access", real_access)
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(corpus), "is_dir", denied)
+    with pytest.raises(DataPathError, match="cannot be read .*Permission denied"):
+        text_mod.resolve_text_files(tmp_path / "other")
+    monkeypatch.undo()
+    monkeypatch.setattr(type(corpus), "read_bytes", denied)
+    with pytest.raises(DataPathError, match=r"a\.txt' cannot be read"):
+        text_mod.tokenize_corpus([corpus / "a.txt"], cache=tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob("*.tmp-*")), "no partial token file is left"
