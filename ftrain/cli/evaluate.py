@@ -44,6 +44,7 @@ from ftrain.cli.build import build_model, pick_device
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
 from ftrain.config import ConfigError
+from ftrain.config.compose import check_data, check_trainer
 from ftrain.config.schema import GROUP_SCHEMAS
 from ftrain.data import DataFormatError, DataPathError, val_batches
 from ftrain.data.sources import source_from_config
@@ -55,6 +56,7 @@ __all__ = ["evaluate_run", "main"]
 # what an evaluation may change: the data it reads and how it batches/runs them
 ALLOWED = ("data.", "trainer.eval_batches", "trainer.batch_size", "trainer.device")
 ALLOWED += ("trainer.precision",)
+_SOURCE_KEYS = ("data.name", "data._target_")  # which source reads the data: the run's
 
 
 def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
@@ -64,14 +66,21 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
         ConfigError: an override outside :data:`ALLOWED`, an unknown key or a bad type, or a
             recorded config that names code other than a built-in option's ``_target_``.
     """
+    for group in ("model", "data", "trainer"):
+        if not isinstance(recorded.get(group), dict):
+            raise ConfigError(
+                f"the checkpoint's recorded config has no usable {group!r} section "
+                f"(got {recorded.get(group)!r:.60}): it cannot be evaluated from its record"
+            )
     recorded = check_recorded_targets(recorded)  # only ftrain's built-in options' targets
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+")
-        if "=" not in item or not key.startswith(ALLOWED):
+        if "=" not in item or not key.startswith(ALLOWED) or key in _SOURCE_KEYS:
             raise ConfigError(
-                f"ftrain.eval override {item!r}: only data.* and trainer.eval_batches, "
-                "trainer.batch_size, trainer.device, trainer.precision may change (the model "
-                "is the checkpoint's), as KEY=VALUE"
+                f"ftrain.eval override {item!r}: only data.* (but the source: data.name and "
+                "data._target_ are the run's; point data.path at other data) and "
+                "trainer.eval_batches, trainer.batch_size, trainer.device, trainer.precision "
+                "may change (the model is the checkpoint's), as KEY=VALUE"
             )
     try:
         cfg = OmegaConf.create(recorded)
@@ -84,8 +93,13 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"bad override or recorded config: {err}".splitlines()[0]) from None
-    if not cfg.trainer.eval_batches >= 1 or not cfg.trainer.batch_size >= 1:
-        raise ConfigError("trainer.eval_batches and trainer.batch_size must be >= 1")
+    check_trainer(cfg.trainer)  # the checks a training start applies, same messages
+    check_data(cfg.data)
+    block, most = cfg.data.block_size, cfg.model.get("block_size")
+    if isinstance(most, int) and not 1 <= block <= most:
+        raise ConfigError(
+            f"data.block_size={block} is invalid: the model reads 1..{most} tokens a sequence"
+        )
     return cfg
 
 

@@ -307,18 +307,19 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(
             f"resume must be 'latest', 'none' or a step number >= 0, got resume={resume!r}"
         )
-    _check_trainer(cfg.trainer)
+    check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint)
     _check_optim(cfg.optim)
     _check_groups(cfg.optim)
     _check_lora(cfg.model.get("lora"))
     _check_init(cfg.get("init"))
     _check_schedule(cfg.schedule)
-    _check_data(cfg.data)
+    check_data(cfg.data)
     _check_shard(cfg)
 
 
-def _check_trainer(t: DictConfig) -> None:
+def check_trainer(t: DictConfig) -> None:
+    """The ``trainer`` group's values a run can use (``ConfigError`` naming key and fix)."""
     if t.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"trainer.precision must be fp32, bf16 or fp16, got {t.precision!r}")
     for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
@@ -548,7 +549,8 @@ _NEEDS_PATH = {
 }
 
 
-def _check_data(d: DictConfig) -> None:
+def check_data(d: DictConfig) -> None:
+    """The ``data`` group's values a run can use (``ConfigError`` naming key and fix)."""
     if not 0 <= d.val_fraction < 1:
         raise _bad(
             "data.val_fraction", d.val_fraction, "must be in [0, 1) (a share of the data held out)"

@@ -111,6 +111,17 @@ def test_eval_errors_name_the_fix(tool, run8, env, tmp_path):
     assert out.returncode == 1 and "available: [4, 8]" in out.stderr
     out = tool("ftrain.eval", tmp_path / "absent", env=env)
     assert out.returncode == 1 and "no such checkpoint directory" in out.stderr
+    # the value checks of a training start apply (they were tracebacks)
+    for bad, needle in [
+        ("trainer.precision=fp64", "trainer.precision must be fp32, bf16 or fp16"),
+        ("data.val_fraction=1.0", "data.val_fraction=1.0 is invalid"),
+        ("data.block_size=1000", "data.block_size=1000 is invalid"),
+        ("data._target_=os.getcwd", "data.name and data._target_ are the run's"),
+        ("data.name=tokens", "data.name and data._target_ are the run's"),
+    ]:
+        out = tool("ftrain.eval", run8, bad, env=env)
+        assert out.returncode == 2 and needle in out.stderr, (bad, out.stderr)
+        assert "Traceback" not in out.stderr, out.stderr
 
 
 def test_export_hf_loads_in_transformers_with_equal_logits(tool, run8, tmp_path):

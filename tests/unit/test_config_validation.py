@@ -87,3 +87,17 @@ def test_init_from_and_from_hf_are_exclusive_and_checked():
         load_config(["init.from_hf=''"])
     with pytest.raises(ConfigError, match="two keys, from and from_hf"):
         load_config(["+init.frm=x"])
+
+
+@pytest.mark.parametrize("group", ["model", "data", "trainer"])
+@pytest.mark.parametrize("value", [None, "gpt2", 3])
+def test_eval_refuses_a_recorded_config_without_a_usable_section(group, value):
+    """A checkpoint whose recorded config has a null or non-mapping group (damaged, or
+    forged with its checksums recomputed) is a ConfigError, not an AttributeError."""
+    from ftrain.cli.evaluate import eval_config
+    from ftrain.config import to_plain
+
+    recorded = to_plain(load_config([]))
+    recorded[group] = value
+    with pytest.raises(ConfigError, match=f"no usable '{group}' section"):
+        eval_config(recorded, [])
