@@ -196,6 +196,23 @@ def build_sources(cfg: DictConfig) -> tuple[Source, Source]:
         raise ConfigError(str(err.args[0]) if err.args else str(err)) from None
 
 
+def check_vocab(model_cfg, source: Source) -> None:
+    """A model whose embedding has fewer rows than the data has token ids fails at the
+    first batch deep inside ``F.embedding``; say so at start, with the fix.
+
+    Raises:
+        ConfigError: ``model.vocab_size`` below the source's declared ``vocab_size``.
+    """
+    ours = model_cfg.get("vocab_size") if model_cfg is not None else None
+    theirs = source.describe().get("vocab_size")
+    if isinstance(ours, int) and isinstance(theirs, int) and ours < theirs:
+        raise ConfigError(
+            f"model.vocab_size={ours} is smaller than the data's vocabulary ({theirs} token "
+            f"ids, {source.describe().get('tokenizer') or 'as the source declares'}); set "
+            f"model.vocab_size={theirs} or more"
+        )
+
+
 def build_manager(cfg: DictConfig) -> CheckpointManager:
     """The checkpoint manager with the configured save and keep policies."""
     c = cfg.checkpoint

@@ -40,7 +40,7 @@ from ftrain.ckpt import CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.readonly import read_subtree
-from ftrain.cli.build import build_model, pick_device
+from ftrain.cli.build import build_model, check_vocab, pick_device
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
 from ftrain.config import ConfigError
@@ -144,6 +144,7 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
     model, loss_fn = build_model(cfg)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     val = source_from_config(data, split="val")
+    check_vocab(cfg.model, val)
     state = TensorDict(
         params=tree["params"], buffers=tree.get("buffers", TensorDict()), batch_size=[]
     )

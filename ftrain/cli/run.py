@@ -31,6 +31,7 @@ from ftrain.cli.build import (
     build_model,
     build_sources,
     build_tx,
+    check_vocab,
     pick_device,
     schedule_horizon,
 )
@@ -170,6 +171,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)
+    check_vocab(cfg.model, train_src)
     manager = build_manager(cfg)
     saved = saved_horizon(cfg, manager)
     horizon = schedule_horizon(cfg, saved)

@@ -316,6 +316,26 @@ def _check_values(cfg: DictConfig) -> None:
     _check_schedule(cfg.schedule)
     check_data(cfg.data)
     _check_shard(cfg)
+    _check_option_names(cfg)
+
+
+def _check_option_names(cfg: DictConfig) -> None:
+    """A built-in option's ``_target_`` goes with its own ``name``: checkpoints record the
+    pair, and ``ftrain.eval`` rebuilds from it only when it is a built-in option's (a
+    renamed one, ``optim.name=bogus``, trained fine and could then not be evaluated)."""
+    from ftrain.cli.targets import BUILTIN_TARGETS  # the CLI layer owns the table
+
+    for group, table in BUILTIN_TARGETS.items():
+        node = cfg.get(group)
+        target = node.get("_target_") if node is not None else None
+        names = [n for n, t in table.items() if t == target]
+        if names and node.get("name") not in names:
+            raise _bad(
+                f"{group}.name",
+                node.get("name"),
+                f"{group}._target_={target} is the built-in option {names[0]!r}",
+                f"pick another option with {group}=NAME, not a {group}.name override",
+            )
 
 
 def check_trainer(t: DictConfig) -> None:

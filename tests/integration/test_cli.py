@@ -144,6 +144,10 @@ def test_bad_override_is_a_clear_error(cli, tmp_path):
     assert "trainer.max_step" in out.stderr and "Traceback" not in out.stderr
     out = cli(tmp_path / "run", "trainer.max_steps=abc", check=2)
     assert "could not be converted to Integer" in out.stderr
+    # a model vocabulary smaller than the data's (an IndexError in F.embedding before)
+    out = cli(tmp_path / "run", "model.vocab_size=10", check=2)
+    assert "model.vocab_size=10 is smaller than the data's vocabulary (256" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_interrupted_and_resumed_run_is_bit_identical_and_may_switch_kernels(cli, tmp_path):
