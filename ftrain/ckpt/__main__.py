@@ -155,10 +155,12 @@ def _diff_args(args: list[str]) -> tuple[tuple[Path, int | None], tuple[Path, in
         return (root, int(args[1])), (root, int(args[2]))
     if len(args) == 2 and not (args[1].isdigit() and not Path(args[1]).exists()):
         return _side(args[0]), _side(args[1])
-    raise SystemExit(
-        "diff needs two steps of one directory or two directories: python -m ftrain.ckpt "
-        "diff DIR STEP_A STEP_B, or diff DIR_A[:STEP] DIR_B[:STEP] (default: newest step)"
+    print(
+        "python -m ftrain.ckpt: diff needs two steps of one directory or two directories: "
+        "diff DIR STEP_A STEP_B, or diff DIR_A[:STEP] DIR_B[:STEP] (default: newest step)",
+        file=sys.stderr,
     )
+    raise SystemExit(2)  # a usage error, as argparse's (1 means "they differ")
 
 
 def _label(root: Path, step: int, other: Path) -> str:

@@ -220,11 +220,14 @@ def call_target(group: str, node: Mapping, *args, **kwargs):
 
 def _target_error(group: str, target: str, err: Exception) -> ConfigError:
     cause = err.__cause__ or err
+    if isinstance(cause, ImportError) or "Error locating target" in str(err):
+        fix = f"check that {target.rsplit('.', 1)[0]} is importable (on PYTHONPATH or installed)"
+    else:  # it was found and called, and refused what it was given
+        fix = f"check the {group}.* values (and that the target takes the {group} config's keys)"
     return ConfigError(
         f"{group}._target_={target!r} could not be built: {str(err).splitlines()[0]}"
         f"\n  cause: {type(cause).__name__}: {cause}"
-        f"\n  fix: check that {target.rsplit('.', 1)[0]} is importable (on PYTHONPATH or "
-        f"installed) and that its arguments match the {group} config's keys"
+        f"\n  fix: {fix}"
     )
 
 

@@ -289,6 +289,9 @@ def test_cli_list_show_verify_diff(tmp_path, capsys):
     assert cli("verify")[0] == 0
     rc, out = cli("diff", 1, 2)
     assert rc == 1 and "params/w" in out
+    with pytest.raises(SystemExit) as usage:  # one step: a usage error, not "they differ"
+        cli("diff", 2)
+    assert usage.value.code == 2
     chunk = tmp_path / "step_00000002" / "params" / "w" / "c.0.0"
     data = bytearray(chunk.read_bytes())
     data[3] ^= 0x10

@@ -65,6 +65,12 @@ def test_user_options_are_listed_in_help(user_conf):
 def test_a_target_that_cannot_be_built_is_one_config_error():
     with pytest.raises(ConfigError, match=r"model._target_='nopkg.Model' could not be built"):
         build_model(load_config(["model._target_=nopkg.Model"]))
+    with pytest.raises(ConfigError, match="fix: check that nopkg is importable"):
+        build_model(load_config(["model._target_=nopkg.Model"]))
+    # found and called, it refused a value: the fix names the values, not the import
+    with pytest.raises(ConfigError, match=r"fix: check the model\.\* values") as info:
+        build_model(load_config(["model.n_head=3"]))
+    assert "importable" not in str(info.value)
     with pytest.raises(ConfigError, match=r"optim._target_=.*bogus"):
         build_tx(load_config(["optim.b1=0.5", "optim._target_=ftrain.optim.bogus"]))
     with pytest.raises(ConfigError, match="data._target_='nopkg.Source' cannot be imported"):
