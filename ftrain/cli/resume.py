@@ -9,6 +9,7 @@ restores that step and checks it got it.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import warnings
@@ -220,10 +221,20 @@ def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     a = {k: v(a) if callable(v) else v for k, v in ADDED_KEYS.items() if k in b} | a
     bad, safe = [], []
     for key in sorted((set(a) | set(b)) - {"resume"}):  # how a start picks its step
-        if a.get(key) != b.get(key):
+        if a.get(key) != b.get(key) and not _same_place(key, a.get(key), b.get(key)):
             line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
             (safe if key.startswith(SAFE_PREFIXES) else bad).append(line)
     return bad, safe
+
+
+# path-valued keys: a relative and an absolute spelling of one place are no change
+_PATH_KEYS = ("run.dir", "checkpoint.dir", "checkpoint.fallback_dir", "data.path", "data.cache_dir")
+
+
+def _same_place(key: str, old: object, new: object) -> bool:
+    if key not in _PATH_KEYS or not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    return os.path.abspath(os.path.expanduser(old)) == os.path.abspath(os.path.expanduser(new))
 
 
 _LATEST = -3  # "the newest step that verifies", resolved by restoring

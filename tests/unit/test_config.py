@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,13 @@ def test_compat_diff_separates_safe_and_unsafe_changes():
     assert bad == [] and safe == ["trainer.compile: False -> True"]
     # resume=N says which step this start restores: not a change to the run
     assert compat_diff(a, to_plain(load_config(["resume=4"]))) == ([], [])
+    # one place spelled relative or absolute is no change; another place is
+    rel, absolute = (
+        to_plain(load_config(["run.dir=runs/x"])),
+        to_plain(load_config([f"run.dir={os.path.abspath('runs/x')}"])),
+    )
+    assert compat_diff(rel, absolute) == ([], [])
+    assert compat_diff(rel, to_plain(load_config(["run.dir=runs/y"])))[1]
 
 
 def test_checkpoint_incremental_and_storage_reach_the_manager(tmp_path):
