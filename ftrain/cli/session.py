@@ -70,6 +70,7 @@ class Session:
         self._pending: dict[int, float] = {}
         self.sharded = False  # the optimizer state is sharded over the ranks (dist.shard)
         self._ckpt_group = None  # the async sharded saves' process group (made on first use)
+        self._best_checked = False  # checkpoint.best_metric looked for in a step's metrics
 
     # -- lifecycle --------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -185,6 +186,7 @@ class Session:
         if not self.world.is_coordinator:
             return False
         self._seen_commits()
+        self._check_best_metric(int(state["step"]), metrics)
         t0, started = time.perf_counter(), time.time()
         try:
             extra = {"host_rng": host_rng} if host_rng is not None else {}
@@ -298,6 +300,22 @@ class Session:
             if found is not None:
                 fields = {"after_s": round(found[0] - started, 3)} | _save_bytes(found[1])
             self.writer.write("committed", step=step, **fields)
+
+    def _check_best_metric(self, step: int, metrics: dict) -> None:
+        """Once: warn when ``checkpoint.keep_best`` ranks by a metric the steps do not
+        report (a typo keeps no step by it, silently). ``val_*`` metrics come with
+        evaluations only, and the config check covers them (``trainer.eval_every``)."""
+        c = self.cfg.checkpoint
+        if self._best_checked or not c.keep_best or str(c.best_metric).startswith("val_"):
+            return
+        self._best_checked = True
+        if c.best_metric not in metrics:
+            self._say(
+                step,
+                f"warning: checkpoint.best_metric={c.best_metric!r} is not among this run's "
+                f"step metrics ({', '.join(sorted(metrics))}): checkpoint.keep_best keeps no "
+                "step by it",
+            )
 
     def _failed(self, err: BaseException) -> None:
         for step in sorted(self._pending):

@@ -317,6 +317,19 @@ def _check_values(cfg: DictConfig) -> None:
     check_data(cfg.data)
     _check_shard(cfg)
     _check_option_names(cfg)
+    _check_best_metric(cfg)
+
+
+def _check_best_metric(cfg: DictConfig) -> None:
+    c = cfg.checkpoint
+    if c.keep_best and str(c.best_metric).startswith("val_") and cfg.trainer.eval_every is None:
+        raise _bad(
+            "checkpoint.best_metric",
+            c.best_metric,
+            "val_* metrics come from evaluations, and trainer.eval_every=null runs none, so "
+            "checkpoint.keep_best would keep no step by it",
+            "set trainer.eval_every, or rank by a step metric (checkpoint.best_metric=loss)",
+        )
 
 
 def _check_option_names(cfg: DictConfig) -> None:

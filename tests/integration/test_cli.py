@@ -150,6 +150,16 @@ def test_bad_override_is_a_clear_error(cli, tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_keep_best_by_a_metric_the_run_does_not_report_is_warned_about(cli, tmp_path):
+    base = ["trainer.max_steps=2", "checkpoint.every_steps=1", "checkpoint.keep_best=1"]
+    out = cli(tmp_path / "typo", *base, "checkpoint.best_metric=los", check=0)
+    assert "warning: checkpoint.best_metric='los' is not among this run's step metrics (" in (
+        out.stdout
+    ), out.stdout
+    out = cli(tmp_path / "ok", *base, "checkpoint.best_metric=loss", check=0)
+    assert "warning: checkpoint.best_metric" not in out.stdout
+
+
 def test_interrupted_and_resumed_run_is_bit_identical_and_may_switch_kernels(cli, tmp_path):
     # optim=adamw runs torch's fused kernel (optim.fused: true): this is also its resume test
     whole, split = tmp_path / "whole", tmp_path / "split"

@@ -37,6 +37,10 @@ from ftrain.config import ConfigError, load_config
         ("optim.name=bogus", ["optim.name='bogus' is invalid", "built-in option 'adamw'"]),
         ("schedule.name=cos", ["schedule.name='cos'", "schedule=NAME"]),
         ("model.name=mygpt", ["model.name='mygpt'", "'gpt2'"]),
+        (
+            "checkpoint.keep_best=2 trainer.eval_every=null",
+            ["checkpoint.best_metric='val_loss' is invalid", "trainer.eval_every"],
+        ),
         ("trainer.eval_batches=0", ["trainer.eval_batches=0", ">= 1"]),
         ("trainer.eval_batches=-1", ["trainer.eval_batches=-1"]),
         ("trainer.eval_every=-3", ["trainer.eval_every=-3", "null"]),
