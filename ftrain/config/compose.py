@@ -358,6 +358,14 @@ def check_trainer(t: DictConfig) -> None:
     for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
         if getattr(t, name) < (0 if name == "max_steps" else 1):
             raise ConfigError(f"trainer.{name} must be positive, got {getattr(t, name)}")
+    if not 0 <= t.seed < 2**64:
+        raise _bad(
+            "trainer.seed",
+            t.seed,
+            "must be in [0, 2**64)",
+            "keys are 64-bit: a larger or "
+            "negative seed would silently be the same run as its value mod 2**64",
+        )
     if t.eval_every is not None and t.eval_every < 1:
         raise _bad("trainer.eval_every", t.eval_every, "must be >= 1", "or null: no evaluation")
     if t.eval_batches < 1:

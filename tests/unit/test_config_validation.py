@@ -41,6 +41,8 @@ from ftrain.config import ConfigError, load_config
             "checkpoint.keep_best=2 trainer.eval_every=null",
             ["checkpoint.best_metric='val_loss' is invalid", "trainer.eval_every"],
         ),
+        ("trainer.seed=18446744073709551616", ["trainer.seed=18446744073709551616", "2**64"]),
+        ("trainer.seed=-1", ["trainer.seed=-1"]),
         ("trainer.eval_batches=0", ["trainer.eval_batches=0", ">= 1"]),
         ("trainer.eval_batches=-1", ["trainer.eval_batches=-1"]),
         ("trainer.eval_every=-3", ["trainer.eval_every=-3", "null"]),
