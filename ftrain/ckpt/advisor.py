@@ -363,8 +363,10 @@ def _history(sessions: list[list[dict]]) -> dict:
             continue
         if prev[-1].get("kind") != "end":
             failures += 1
-        elif cur[0].get("kind") == "resume":  # a fresh start after an end is a new run
+        elif cur[0].get("kind") == "resume":
             continuations += 1
+        else:  # a fresh start after an end is a new run: nothing of the old one is redone
+            continue
         span = cur[0].get("redo")
         if isinstance(span, list) and len(span) == 2:
             redo += span[1] - span[0] + 1

@@ -44,7 +44,7 @@ from ftrain.cli.build import build_model, check_vocab, pick_device
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
 from ftrain.config import ConfigError
-from ftrain.config.compose import check_data, check_trainer
+from ftrain.config.compose import check_data, check_precision
 from ftrain.config.schema import GROUP_SCHEMAS
 from ftrain.data import DataFormatError, DataPathError, val_batches
 from ftrain.data.sources import source_from_config
@@ -93,7 +93,11 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"bad override or recorded config: {err}".splitlines()[0]) from None
-    check_trainer(cfg.trainer)  # the checks a training start applies, same messages
+    # what evaluation uses, checked as a training start checks it (the recorded training-only
+    # keys, grad_accum or eval_every, are the run's and play no part here)
+    check_precision(cfg.trainer)
+    if not cfg.trainer.eval_batches >= 1 or not cfg.trainer.batch_size >= 1:
+        raise ConfigError("trainer.eval_batches and trainer.batch_size must be >= 1")
     check_data(cfg.data)
     block, most = cfg.data.block_size, cfg.model.get("block_size")
     if isinstance(most, int) and not 1 <= block <= most:

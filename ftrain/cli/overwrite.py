@@ -54,13 +54,32 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
     lock stays. Returns the folder, or None if nothing was there.
     """
     run_dir = Path(cfg.run.dir)
+    places = _local_checkpoint_dirs(cfg, run_dir)  # refusals first: nothing moved yet
     aside = _free(run_dir / f"overwritten-{_stamp()}")
     moved = False
     for pattern in RUN_RECORDS:
         for path in sorted(run_dir.glob(pattern)):
             moved |= _move_into(path, aside / path.name)
+    here = run_dir.resolve()
+    for d in places:
+        there = d.resolve()
+        if there == here:  # checkpoints in run.dir itself: its entries go, the lock stays
+            moved |= _move_entries(run_dir, aside)
+        elif there.is_relative_to(here):
+            moved |= _move_into(d, aside / there.relative_to(here))
+        else:
+            print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
+    return aside if moved else None
+
+
+def _local_checkpoint_dirs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    """The non-empty local checkpoint and fallback directories to move aside, after the
+    checks that refuse an overwrite (before anything is moved): an object store holding
+    steps (no rename there), a directory that contains run.dir (it would take the run's
+    directory and lock along)."""
+    out = []
     for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
-        if is_object_url(d):  # no rename on object stores: refuse rather than mix runs
+        if is_object_url(d):
             if parse_location(d, cfg.checkpoint.storage).committed_steps():
                 raise ResumeError(
                     f"run.overwrite=true: {d} holds committed steps and an object store cannot "
@@ -72,20 +91,15 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
         if not (d.is_dir() and any(p.name != OWNER for p in d.iterdir())):
             continue
         here, there = run_dir.resolve(), d.resolve()
-        if there == here:  # checkpoints in run.dir itself: its entries go, the lock stays
-            moved |= _move_entries(run_dir, aside)
-        elif there.is_relative_to(here):
-            moved |= _move_into(d, aside / there.relative_to(here))
-        elif here.is_relative_to(there):
+        if there != here and here.is_relative_to(there):
             raise ResumeError(
                 f"run.overwrite=true: checkpoint directory {d} contains run.dir={run_dir}; "
                 "moving it aside would move this run's directory and its lock with it. Keep "
                 "checkpoints inside run.dir (the default) or beside it, or move the old run "
                 "away by hand"
             )
-        else:
-            print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
-    return aside if moved else None
+        out.append(d)
+    return out
 
 
 def _move_entries(run_dir: Path, aside: Path) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ftrain.metrics import read_records
 
-__all__ = ["reached_steps", "redo_range"]
+__all__ = ["last_run_ended", "reached_steps", "redo_range"]
 
 # records whose "step" the run had reached (finished) when it wrote them
 _REACHED = frozenset(
@@ -91,3 +91,13 @@ def _heartbeat(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return beat if isinstance(beat, dict) and _is_step(beat.get("step")) else None
+
+
+def last_run_ended(run_dir: Path) -> bool:
+    """Whether the latest process of the records reached its ``end`` record (then a fresh
+    start redoes nothing of it: its steps were committed, elsewhere if not here)."""
+    last = None
+    for r in read_records(run_dir):
+        if r.get("kind") in ("start", "resume", "end"):
+            last = r.get("kind")
+    return last == "end"

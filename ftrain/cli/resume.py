@@ -24,7 +24,7 @@ from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import mapped_bytes
 from ftrain.cli.errors import ResumeError
 from ftrain.cli.overwrite import move_aside, move_run_aside
-from ftrain.cli.redo import redo_range
+from ftrain.cli.redo import last_run_ended, redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_json, gather_json
@@ -227,8 +227,11 @@ def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     return bad, safe
 
 
-# path-valued keys: a relative and an absolute spelling of one place are no change
-_PATH_KEYS = ("run.dir", "checkpoint.dir", "checkpoint.fallback_dir", "data.path", "data.cache_dir")
+# where the run's own files are: a relative and an absolute spelling of one place are no
+# change (the checkpoints were just found there). Resolved from this start's working
+# directory, so data paths are not among them: a relative data.path from another
+# directory may be other data, and the report keeps showing that change
+_PATH_KEYS = ("run.dir", "checkpoint.dir", "checkpoint.fallback_dir")
 
 
 def _same_place(key: str, old: object, new: object) -> bool:
@@ -567,7 +570,7 @@ def start_state(
         report = ResumeReport(
             False,
             reason="resume=none" if cfg.resume == "none" else "no checkpoint yet",
-            redo=redo_range(Path(cfg.run.dir), 0, until=cfg.trainer.max_steps),
+            redo=_fresh_redo(cfg),
             ignored=ignored,
             host_rng=host_rng_start(cfg, world, None),
         )
@@ -615,6 +618,15 @@ def start_state(
         resharded=sharder is not None or str(meta.get("layout", "")).startswith("rows:"),
     )
     return state, report, meta
+
+
+def _fresh_redo(cfg: DictConfig) -> tuple[int, int] | None:
+    """A fresh start redoes the steps of a process that died before its first commit; a
+    run that ended (its checkpoints elsewhere, or moved away) is not redone."""
+    run_dir = Path(cfg.run.dir)
+    if last_run_ended(run_dir):
+        return None
+    return redo_range(run_dir, 0, until=cfg.trainer.max_steps)
 
 
 def _finished_note(cfg: DictConfig, step: int) -> list[str]:

@@ -164,6 +164,7 @@ class Session:
         in a data-parallel run every rank calls this, so each rank's host RNG states can be
         gathered into the checkpoint when the coordinator's manager wants the step."""
         host_rng = None
+        self._check_best_metric(int(state["step"]), metrics)
         # emergency and hang saves happen on one rank alone: no collective may run there
         if self.sharded and reason in _LOCAL_REASONS:
             self._say(
@@ -186,7 +187,6 @@ class Session:
         if not self.world.is_coordinator:
             return False
         self._seen_commits()
-        self._check_best_metric(int(state["step"]), metrics)
         t0, started = time.perf_counter(), time.time()
         try:
             extra = {"host_rng": host_rng} if host_rng is not None else {}
@@ -307,6 +307,8 @@ class Session:
         evaluations only, and the config check covers them (``trainer.eval_every``)."""
         c = self.cfg.checkpoint
         if self._best_checked or not c.keep_best or str(c.best_metric).startswith("val_"):
+            return
+        if not metrics or not self.world.is_coordinator:  # no step ran (a final save only)
             return
         self._best_checked = True
         if c.best_metric not in metrics:

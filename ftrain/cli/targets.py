@@ -97,7 +97,7 @@ def check_recorded_targets(recorded: dict) -> dict:
         node = out.get(group)
         if not isinstance(node, dict):
             continue
-        name = node.get("name")
+        name = _builtin_name(table, node)
         expected = {"_target_": table.get(name)}
         if group == "model":
             expected["loss"] = _BUILTIN_LOSSES.get(name)
@@ -112,6 +112,14 @@ def check_recorded_targets(recorded: dict) -> dict:
                 )
     _refuse_nested_targets(out, "")
     return out
+
+
+def _builtin_name(table: dict, node: dict) -> str | None:
+    """The built-in option a recorded group is: by its ``_target_`` when it names one (a
+    user's option file may reuse a built-in target under a name of its own), else by its
+    ``name`` (a checkpoint recorded before options had targets)."""
+    by_target = {t: n for n, t in table.items()}
+    return by_target.get(node.get("_target_"), node.get("name"))
 
 
 def _refuse_nested_targets(node, where: str) -> None:

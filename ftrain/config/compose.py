@@ -316,13 +316,24 @@ def _check_values(cfg: DictConfig) -> None:
     _check_schedule(cfg.schedule)
     check_data(cfg.data)
     _check_shard(cfg)
-    _check_option_names(cfg)
     _check_best_metric(cfg)
 
 
 def _check_best_metric(cfg: DictConfig) -> None:
     c = cfg.checkpoint
-    if c.keep_best and str(c.best_metric).startswith("val_") and cfg.trainer.eval_every is None:
+    if c.keep_best and str(c.best_metric).startswith("val_") and not cfg.trainer.eval_every:
+        raise _bad(
+            "checkpoint.best_metric",
+            c.best_metric,
+            "val_* metrics come from evaluations, and trainer.eval_every=null runs none, so "
+            "checkpoint.keep_best would keep no step by it",
+            "set trainer.eval_every, or rank by a step metric (checkpoint.best_metric=loss)",
+        )
+
+
+def _check_best_metric(cfg: DictConfig) -> None:
+    c = cfg.checkpoint
+    if c.keep_best and str(c.best_metric).startswith("val_") and not cfg.trainer.eval_every:
         raise _bad(
             "checkpoint.best_metric",
             c.best_metric,
@@ -351,10 +362,15 @@ def _check_option_names(cfg: DictConfig) -> None:
             )
 
 
-def check_trainer(t: DictConfig) -> None:
-    """The ``trainer`` group's values a run can use (``ConfigError`` naming key and fix)."""
+def check_precision(t: DictConfig) -> None:
+    """``trainer.precision`` is one the step knows (also checked by ``ftrain.eval``)."""
     if t.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"trainer.precision must be fp32, bf16 or fp16, got {t.precision!r}")
+
+
+def check_trainer(t: DictConfig) -> None:
+    """The ``trainer`` group's values a run can use (``ConfigError`` naming key and fix)."""
+    check_precision(t)
     for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
         if getattr(t, name) < (0 if name == "max_steps" else 1):
             raise ConfigError(f"trainer.{name} must be positive, got {getattr(t, name)}")
@@ -366,8 +382,8 @@ def check_trainer(t: DictConfig) -> None:
             "keys are 64-bit: a larger or "
             "negative seed would silently be the same run as its value mod 2**64",
         )
-    if t.eval_every is not None and t.eval_every < 1:
-        raise _bad("trainer.eval_every", t.eval_every, "must be >= 1", "or null: no evaluation")
+    if t.eval_every is not None and t.eval_every < 0:
+        raise _bad("trainer.eval_every", t.eval_every, "must be >= 1", "or 0/null: no evaluation")
     if t.eval_batches < 1:
         raise _bad("trainer.eval_batches", t.eval_batches, "must be >= 1 (batches per evaluation)")
     if t.batch_size % t.grad_accum:

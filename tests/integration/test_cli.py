@@ -109,6 +109,7 @@ def test_overwrite_with_checkpoints_in_run_dir_itself_keeps_the_lock(cli, popen_
     out = cli(run, "trainer.max_steps=2", f"checkpoint.dir={tmp_path}", "resume=none",
               "run.overwrite=true", check=2)  # fmt: skip
     assert f"contains run.dir={run}" in out.stderr and "Traceback" not in out.stderr
+    assert (run / "metrics.jsonl").exists(), "a refused overwrite moves nothing"
 
 
 def test_incompatible_config_is_refused_with_diff_and_override(cli, tmp_path):

@@ -208,3 +208,20 @@ def test_tools_rebuilding_from_a_checkpoint_accept_only_builtin_targets():
     ):
         with pytest.raises(ConfigError, match="names code"):
             check_recorded_targets(forged)
+
+
+def test_a_recorded_builtin_target_under_a_name_of_its_own_is_accepted():
+    """A user's option file may reuse a built-in target under its own name (or a name
+    override trained fine): eval rebuilds from the target; a foreign loss is still code."""
+    from ftrain.cli.targets import check_recorded_targets
+
+    recorded = {
+        "optim": {"name": "bogus", "_target_": "ftrain.cli.targets.adamw"},
+        "model": {"name": "mygpt", "_target_": "ftrain.cli.targets.gpt2"},
+        "data": {"name": "mytext", "_target_": "ftrain.data.text.TextCorpusSource"},
+    }
+    out = check_recorded_targets(recorded)
+    assert out["model"]["loss"] == "ftrain.recipes.gpt2.lm_loss"
+    recorded["model"]["loss"] = "os.system"
+    with pytest.raises(ConfigError, match="model.loss='os.system'"):
+        check_recorded_targets(recorded)

@@ -34,9 +34,6 @@ from ftrain.config import ConfigError, load_config
         ("trainer.compile=sometimes", ["trainer.compile must be true, false or auto"]),
         ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
         ("+model.n_layers=2", ["model.n_layers"]),
-        ("optim.name=bogus", ["optim.name='bogus' is invalid", "built-in option 'adamw'"]),
-        ("schedule.name=cos", ["schedule.name='cos'", "schedule=NAME"]),
-        ("model.name=mygpt", ["model.name='mygpt'", "'gpt2'"]),
         (
             "checkpoint.keep_best=2 trainer.eval_every=null",
             ["checkpoint.best_metric='val_loss' is invalid", "trainer.eval_every"],
@@ -46,7 +43,6 @@ from ftrain.config import ConfigError, load_config
         ("trainer.eval_batches=0", ["trainer.eval_batches=0", ">= 1"]),
         ("trainer.eval_batches=-1", ["trainer.eval_batches=-1"]),
         ("trainer.eval_every=-3", ["trainer.eval_every=-3", "null"]),
-        ("trainer.eval_every=0", ["trainer.eval_every=0"]),
         ("resume=true", ["resume must be 'latest', 'none' or a step number", "resume=True"]),
         ("resume=false", ["resume=False"]),
         (
@@ -110,3 +106,15 @@ def test_eval_refuses_a_recorded_config_without_a_usable_section(group, value):
     recorded[group] = value
     with pytest.raises(ConfigError, match=f"no usable '{group}' section"):
         eval_config(recorded, [])
+
+
+def test_eval_checks_what_evaluation_uses_not_the_runs_training_keys():
+    """A run trained with grad_accum=4 evaluates at any batch size; eval_every=0 (no
+    evaluation while training) does not stop it from being evaluated afterwards."""
+    from ftrain.cli.evaluate import eval_config
+    from ftrain.config import to_plain
+
+    recorded = to_plain(load_config(["trainer.grad_accum=4", "trainer.eval_every=0"]))
+    assert eval_config(recorded, ["trainer.batch_size=6"]).trainer.batch_size == 6
+    with pytest.raises(ConfigError, match="trainer.precision must be fp32, bf16 or fp16"):
+        eval_config(recorded, ["trainer.precision=fp64"])

@@ -70,3 +70,17 @@ def test_the_advisor_counts_a_fresh_restart_after_a_crash_as_a_failure():
     ]
     hist = adv._history(adv._sessions(recs))
     assert (hist["failures"], hist["continuations"], hist["redo"]) == (1, 0, 3)
+
+
+def test_a_fresh_start_after_a_run_that_ended_redoes_nothing(tmp_path):
+    from ftrain.cli.redo import last_run_ended
+
+    recs = [{"kind": "start", "step": 0, "time": 0.0}]
+    recs += [{"kind": "step", "step": s, "time": float(s)} for s in (1, 2, 3)]
+    _write(tmp_path, recs)
+    assert not last_run_ended(tmp_path)  # killed: its steps are redone
+    _write(tmp_path, recs + [{"kind": "end", "step": 3, "time": 4.0}])
+    assert last_run_ended(tmp_path)
+    hist = adv._history(adv._sessions(recs + [{"kind": "end", "time": 4.0},
+                                               {"kind": "start", "time": 5.0, "redo": [1, 3]}]))  # fmt: skip
+    assert (hist["failures"], hist["continuations"], hist["redo"]) == (0, 0, 0)
