@@ -331,18 +331,6 @@ def _check_best_metric(cfg: DictConfig) -> None:
         )
 
 
-def _check_best_metric(cfg: DictConfig) -> None:
-    c = cfg.checkpoint
-    if c.keep_best and str(c.best_metric).startswith("val_") and not cfg.trainer.eval_every:
-        raise _bad(
-            "checkpoint.best_metric",
-            c.best_metric,
-            "val_* metrics come from evaluations, and trainer.eval_every=null runs none, so "
-            "checkpoint.keep_best would keep no step by it",
-            "set trainer.eval_every, or rank by a step metric (checkpoint.best_metric=loss)",
-        )
-
-
 def _check_option_names(cfg: DictConfig) -> None:
     """A built-in option's ``_target_`` goes with its own ``name``: checkpoints record the
     pair, and ``ftrain.eval`` rebuilds from it only when it is a built-in option's (a
