@@ -179,7 +179,8 @@ def test_interrupted_and_resumed_run_is_bit_identical_and_may_switch_kernels(cli
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("donate", [False, True])
+# donated: the stronger check (every page of the mapped state written in place); pure: long
+@pytest.mark.parametrize("donate", [pytest.param(False, marks=pytest.mark.long), True])
 def test_a_mapped_resume_is_bit_identical_and_leaves_the_step_intact(cli, tmp_path, donate):
     """checkpoint.mmap_restore=true: the state maps the step's chunk files copy-on-write;
     the run ends bit-identical to an uninterrupted one, and writing the state (in place,
