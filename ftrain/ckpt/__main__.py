@@ -142,10 +142,15 @@ def _side(spec: str) -> tuple[Path, int | None]:
     """``DIR[:STEP]`` -> (checkpoint location, step); a run directory means its checkpoints/."""
     m = _SIDE.match(spec)
     where, step = (m["where"], int(m["step"])) if m else (spec, None)
+    return _checkpoints_at(where), step
+
+
+def _checkpoints_at(where: str):
+    """The checkpoint location ``where`` names: a run directory means its ``checkpoints/``."""
     root = parse_location(where)
     if isinstance(root, Path) and (root / "checkpoints").is_dir():
         root = root / "checkpoints"
-    return root, step
+    return root
 
 
 def _diff_args(args: list[str]) -> tuple[tuple[Path, int | None], tuple[Path, int | None]]:
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_advise(Path(ns.directory), ns.mtbf)
     cmds = {"list": cmd_list, "show": cmd_show, "verify": cmd_verify}
     try:
-        return cmds[ns.command](parse_location(ns.directory), ns.steps)
+        return cmds[ns.command](_checkpoints_at(ns.directory), ns.steps)
     except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:
         print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
         return 2

@@ -292,6 +292,10 @@ def test_cli_list_show_verify_diff(tmp_path, capsys):
     with pytest.raises(SystemExit) as usage:  # one step: a usage error, not "they differ"
         cli("diff", 2)
     assert usage.value.code == 2
+    run = tmp_path.parent / f"{tmp_path.name}-run"  # a run directory: its checkpoints/
+    run.mkdir()
+    (run / "checkpoints").symlink_to(tmp_path, target_is_directory=True)
+    assert main(["list", str(run)]) == 0 and '"loss": 1.0' in capsys.readouterr().out
     chunk = tmp_path / "step_00000002" / "params" / "w" / "c.0.0"
     data = bytearray(chunk.read_bytes())
     data[3] ^= 0x10
