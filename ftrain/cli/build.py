@@ -196,6 +196,21 @@ def build_sources(cfg: DictConfig) -> tuple[Source, Source]:
         raise ConfigError(str(err.args[0]) if err.args else str(err)) from None
 
 
+def check_batch(batch_size: int, source: Source) -> None:
+    """A global batch larger than the training split is refused at start (it ran out of
+    memory building its epoch order before).
+
+    Raises:
+        ConfigError: ``trainer.batch_size`` above the split's sample count.
+    """
+    n = len(source)
+    if batch_size > n:
+        raise ConfigError(
+            f"trainer.batch_size={batch_size} is larger than the training split ({n:,} "
+            f"samples of data.block_size tokens); use trainer.batch_size={n} or less, or more data"
+        )
+
+
 def check_vocab(model_cfg, source: Source) -> None:
     """A model whose embedding has fewer rows than the data has token ids fails at the
     first batch deep inside ``F.embedding``; say so at start, with the fix.

@@ -31,6 +31,7 @@ from ftrain.cli.build import (
     build_model,
     build_sources,
     build_tx,
+    check_batch,
     check_vocab,
     pick_device,
     schedule_horizon,
@@ -172,6 +173,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)
     check_vocab(cfg.model, train_src)
+    check_batch(cfg.trainer.batch_size, train_src)
     manager = build_manager(cfg)
     saved = saved_horizon(cfg, manager)
     horizon = schedule_horizon(cfg, saved)

@@ -149,6 +149,8 @@ def test_bad_override_is_a_clear_error(cli, tmp_path):
     out = cli(tmp_path / "run", "model.vocab_size=10", check=2)
     assert "model.vocab_size=10 is smaller than the data's vocabulary (256" in out.stderr
     assert "Traceback" not in out.stderr
+    out = cli(tmp_path / "run", "trainer.batch_size=100000", check=2)  # the OOM killer's before
+    assert "trainer.batch_size=100000 is larger than the training split (" in out.stderr
 
 
 def test_keep_best_by_a_metric_the_run_does_not_report_is_warned_about(cli, tmp_path):
