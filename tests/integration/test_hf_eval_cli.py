@@ -251,4 +251,4 @@ def test_diff_across_two_runs_and_within_one(tool, run8, cli, tmp_path):
     within = tool("ftrain.ckpt", "diff", run8 / "checkpoints", 4, 8)  # the old form
     assert within.returncode == 1 and "arrays differ between 4 and 8" in within.stdout
     bad = tool("ftrain.ckpt", "diff", run8 / "checkpoints", 4)
-    assert bad.returncode == 1 and "diff needs two steps" in bad.stderr
+    assert bad.returncode == 2 and "diff needs two steps" in bad.stderr  # a usage error
