@@ -196,18 +196,34 @@ def build_sources(cfg: DictConfig) -> tuple[Source, Source]:
         raise ConfigError(str(err.args[0]) if err.args else str(err)) from None
 
 
-def check_batch(batch_size: int, source: Source) -> None:
-    """A global batch larger than the training split is refused at start (it ran out of
-    memory building its epoch order before).
+def check_batch(trainer, source: Source, world_size: int = 1) -> None:
+    """The global batch against the data and the ranks, at start: a batch larger than the
+    training split ran out of memory building its epoch order; one the ranks cannot split
+    evenly, or whose per-rank share ``trainer.grad_accum`` cannot split, failed on every
+    rank after start-up (the second after an emergency save).
 
     Raises:
-        ConfigError: ``trainer.batch_size`` above the split's sample count.
+        ConfigError: ``trainer.batch_size`` above the split's sample count, not a multiple
+            of the world size, or a per-rank share not divisible by ``trainer.grad_accum``.
     """
-    n = len(source)
-    if batch_size > n:
+    batch, accum, n = trainer.batch_size, trainer.grad_accum, len(source)
+    if batch > n:
         raise ConfigError(
-            f"trainer.batch_size={batch_size} is larger than the training split ({n:,} "
+            f"trainer.batch_size={batch} is larger than the training split ({n:,} "
             f"samples of data.block_size tokens); use trainer.batch_size={n} or less, or more data"
+        )
+    if batch % world_size:
+        raise ConfigError(
+            f"trainer.batch_size={batch} (the global batch) does not split over {world_size} "
+            f"ranks; use a multiple of {world_size}, e.g. trainer.batch_size="
+            f"{max(world_size, batch - batch % world_size)}"
+        )
+    if (batch // world_size) % accum:
+        raise ConfigError(
+            f"trainer.batch_size={batch} gives each of the {world_size} ranks "
+            f"{batch // world_size} samples, not divisible by trainer.grad_accum={accum}; use "
+            f"a trainer.batch_size that is a multiple of {world_size * accum} (ranks x "
+            "grad_accum)"
         )
 
 

@@ -173,7 +173,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)
     check_vocab(cfg.model, train_src)
-    check_batch(cfg.trainer.batch_size, train_src)
+    check_batch(cfg.trainer, train_src, world.size)
     manager = build_manager(cfg)
     saved = saved_horizon(cfg, manager)
     horizon = schedule_horizon(cfg, saved)

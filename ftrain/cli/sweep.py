@@ -8,19 +8,22 @@ the settings a resume may change such as ``trainer.max_steps``), so re-running t
 sweep resumes every job where it stopped, and a longer ``trainer.max_steps`` extends them.
 
 Every job's config is composed and checked before the first one starts (a bad value in
-any job: exit 2, nothing run). Jobs run one after another in this process; a failed job
-(exit 1, 2, 4) is reported and the next one starts; a job stopped by a signal (exit 3,
-130) ends the sweep there (re-run it to continue). The exit status is the first failed
-job's, 0 when all succeeded.
+any job: exit 2, nothing run), including that no two jobs write the same run, checkpoint,
+fallback or logger path. Jobs run one after another in this process; a failed job (exit 1,
+2, 4, or an exception: exit 1 with its traceback) is reported and the next one starts; a
+job stopped by a signal (exit 3, 130) ends the sweep there (re-run it to continue). The
+exit status is the first failed job's, 0 when all succeeded.
 """
 
 from __future__ import annotations
 
 import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hydra._internal.config_loader_impl import get_overrides_dirname
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -33,7 +36,7 @@ from ftrain.config.compose import (
     finish_config,
     hydra_session,
 )
-from ftrain.signals import EXIT_FORCED, EXIT_OK, EXIT_PREEMPTED
+from ftrain.signals import EXIT_ERROR, EXIT_FORCED, EXIT_OK, EXIT_PREEMPTED
 
 __all__ = ["Job", "expand", "plan_jobs", "run_sweep"]
 
@@ -105,30 +108,96 @@ def _job(num: int, overrides: list[str], config_name: str) -> Job:
     with open_dict(raw):
         raw.hydra.job.num = num
         raw.hydra.job.id = str(num)
-        try:
-            job_dir = Path(str(raw.hydra.sweep.dir)) / str(raw.hydra.sweep.subdir)
-        except Exception as err:  # an interpolation in hydra.sweep.* that does not resolve
-            raise ConfigError(
-                f"hydra.sweep.dir/subdir do not resolve for job {num}: {err}"
-            ) from None
+        hydras = raw.hydra.job.override_dirname  # Hydra's: exclude_keys matched exactly
+        raw.hydra.job.override_dirname = _override_dirname(raw, overrides)
+        job_dir = _job_dir(raw, num)
+        if not job_dir.exists() and hydras != raw.hydra.job.override_dirname:
+            # a sweep started before sub-keys were left out of the name: resume it there
+            raw.hydra.job.override_dirname = hydras
+            earlier = _job_dir(raw, num)
+            job_dir = earlier if earlier.exists() else job_dir
         raw.run.dir = str(job_dir)
     return Job(num, overrides, finish_config(raw, overrides))
 
 
+def _job_dir(raw: DictConfig, num: int) -> Path:
+    try:
+        return Path(str(raw.hydra.sweep.dir)) / str(raw.hydra.sweep.subdir)
+    except Exception as err:  # an interpolation in hydra.sweep.* that does not resolve
+        raise ConfigError(f"hydra.sweep.dir/subdir do not resolve for job {num}: {err}") from None
+
+
+def _override_dirname(raw: DictConfig, overrides: list[str]) -> str:
+    """``hydra.job.override_dirname`` with each ``exclude_keys`` entry taken with the keys
+    under it (Hydra matches keys exactly): ``logger`` leaves out ``logger=[jsonl,csv]`` and
+    ``logger.csv.path=...`` alike, so a re-run that adds a logger or changes a checkpoint
+    setting resumes the same jobs instead of starting every job afresh in new directories."""
+    conf = raw.hydra.job.config.override_dirname
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    parsed = [o for o in parsed if not o.is_hydra_override()]  # as Hydra's own
+    excluded = [o.key_or_group for o in parsed if _under_any(o.key_or_group, conf.exclude_keys)]
+    return get_overrides_dirname(parsed, excluded, conf.item_sep, conf.kv_sep)
+
+
+def _under_any(key: str, prefixes) -> bool:
+    return any(key == p or key.startswith(f"{p}.") for p in prefixes)
+
+
 def _check_distinct(jobs: list[Job]) -> None:
-    seen: dict[str, Job] = {}
+    """Refuse two jobs that would write the same place: run, checkpoint or fallback
+    directory, or a logger's file or directory (a shared CSV mixes two jobs' rows under the
+    same steps; a shared TensorBoard log_dir loses the first job's curve to the second's
+    purge; a shared fallback lets a later job resume an earlier one's steps)."""
+    seen: dict[str, tuple[Job, str]] = {}
     for job in jobs:
-        for d in {str(job.cfg.run.dir), str(job.cfg.checkpoint.dir)}:
-            other = seen.setdefault(os.path.normpath(d), job)
+        for key, place in _places(job.cfg):
+            other, other_key = seen.setdefault(_normalized(place), (job, key))
             if other is not job:
                 raise ConfigError(
                     f"sweep jobs {other.num} ({' '.join(other.overrides)}) and {job.num} "
-                    f"({' '.join(job.overrides)}) would share the directory {d}: the keys that "
-                    "differ are left out of hydra.job.override_dirname (resume-safe settings "
-                    "such as trainer.max_steps, data.path) or checkpoint.dir is fixed; make it "
-                    "per job (hydra.sweep.subdir=job${hydra.job.num}, or leave checkpoint.dir "
-                    "at its default)"
+                    f"({' '.join(job.overrides)}) would share {place} (job {other.num}'s "
+                    f"{other_key}, job {job.num}'s {key}): {_sharing_fix(key)}"
                 )
+
+
+def _sharing_fix(key: str) -> str:
+    if key == "run.dir":
+        return (
+            "the keys that differ are left out of hydra.job.override_dirname (resume-safe "
+            "settings such as trainer.max_steps, data.path); number the jobs instead "
+            "(hydra.sweep.subdir=job${hydra.job.num})"
+        )
+    return (
+        f"{key} names one place for every job; leave it at its default or put it under "
+        f"the job's run.dir ({key}='${{run.dir}}/...')"
+    )
+
+
+# a logger entry's keys that name where it writes (ftrain/conf/logger: csv.path,
+# tensorboard.log_dir); W&B's dir is shared safely (every run gets a folder of its own)
+_LOGGER_PLACES = ("path", "log_dir")
+
+
+def _places(cfg: DictConfig) -> list[tuple[str, str]]:
+    """Where a job writes, as ``(key, path)``: each distinct path once."""
+    places = {
+        "run.dir": cfg.run.dir,
+        "checkpoint.dir": cfg.checkpoint.dir,
+        "checkpoint.fallback_dir": cfg.checkpoint.get("fallback_dir"),
+    }
+    for name, entry in (cfg.get("logger") or {}).items():
+        if isinstance(entry, DictConfig):
+            places |= {f"logger.{name}.{k}": entry.get(k) for k in _LOGGER_PLACES}
+    out: dict[str, tuple[str, str]] = {}
+    for key, place in places.items():
+        if place:
+            out.setdefault(_normalized(str(place)), (key, str(place)))
+    return list(out.values())
+
+
+def _normalized(place: str) -> str:
+    """One spelling per place: an object URL as written, a local path absolute."""
+    return place.rstrip("/") if "://" in place else os.path.abspath(place)
 
 
 def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
@@ -141,7 +210,7 @@ def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
             f" -> run.dir={job.cfg.run.dir}",
             flush=True,
         )
-        rc = train(job.cfg)
+        rc = _train_job(train, job)
         results.append((job, rc))
         if rc in _STOP_SWEEP:
             print(f"[sweep] job {job.num} was stopped (exit {rc}): stopping the sweep")
@@ -149,6 +218,18 @@ def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
     _summary(jobs, results)
     failed = [rc for _, rc in results if rc != EXIT_OK]
     return failed[0] if failed else EXIT_OK
+
+
+def _train_job(train: Callable[[DictConfig], int], job: Job) -> int:
+    """One job's exit status: an exception escaping it (after the run's emergency save: an
+    out-of-memory error in the sweep's largest model, a bug in a custom loss) is that job's
+    exit 1 with its traceback, not the end of the whole sweep."""
+    try:
+        return train(job.cfg)
+    except Exception:
+        traceback.print_exc()
+        print(f"[sweep] job {job.num} failed with the error above (exit {EXIT_ERROR})")
+        return EXIT_ERROR
 
 
 def _summary(jobs: list[Job], results: list[tuple[Job, int]]) -> None:

@@ -131,6 +131,20 @@ def test_a_rank_that_cannot_read_the_chosen_step_stops_every_rank_with_its_reaso
     assert not [r for r in records(run, "step") if r.get("step", 0) > 2], out
 
 
+@pytest.mark.long  # the check itself is unit-tested in CI (tests/unit/test_config.py)
+def test_a_global_batch_the_ranks_cannot_split_is_refused_at_start(cache_dir, tmp_path):
+    """trainer.batch_size=3 on 2 ranks passed start-up and failed with a traceback on every
+    rank when the loader was built; now it is a config error (exit 2) naming the fix, and
+    nothing is written."""
+    run = tmp_path / "run"
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.batch_size=3", "trainer.max_steps=2"))
+    assert rc != 0, out
+    assert "trainer.batch_size=3 (the global batch) does not split over 2 ranks" in out, out
+    # torchrun's agent prints its own traceback for a failed child; none from the ranks
+    assert "ValueError" not in out and "ftrain/data/" not in out, out
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
+
+
 def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_path):
     run = tmp_path / "run"
     proc = _torchrun(

@@ -1,10 +1,12 @@
 import os
+import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from ftrain.cli.build import build_model, build_tx
+from ftrain.cli.build import build_model, build_tx, check_batch
 from ftrain.cli.resume import compat_diff
 from ftrain.config import ConfigError, load_config, to_plain
 from ftrain.optim import tree_get
@@ -105,3 +107,25 @@ def test_storage_options_split_into_store_and_client_keys():
     assert split_storage_options({"skip_signature": True})[0] == {"skip_signature": "true"}
     with pytest.raises(CheckpointLocationError, match="region"):
         split_storage_options({"region": ["us-east-1"]})
+
+
+class _Samples:
+    def __len__(self):
+        return 100
+
+
+@pytest.mark.parametrize(
+    "batch, accum, world, needle",
+    [
+        (101, 1, 1, "trainer.batch_size=101 is larger than the training split (100 samples"),
+        (3, 1, 2, "trainer.batch_size=3 (the global batch) does not split over 2 ranks; use a"),
+        (4, 4, 2, "gives each of the 2 ranks 2 samples, not divisible by trainer.grad_accum=4"),
+    ],
+)
+def test_a_batch_the_data_or_the_ranks_cannot_take_is_refused(batch, accum, world, needle):
+    """Before: the two multi-rank cases passed start-up and failed on every rank (the
+    grad_accum one after an emergency save)."""
+    trainer = OmegaConf.create({"batch_size": batch, "grad_accum": accum})
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        check_batch(trainer, _Samples(), world)
+    check_batch(OmegaConf.create({"batch_size": 8, "grad_accum": 2}), _Samples(), 2)  # fine

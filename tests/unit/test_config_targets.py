@@ -9,7 +9,7 @@ from ftrain import optim as ftrain_optim
 from ftrain.cli.app import app_help
 from ftrain.cli.build import build_model, build_sources, build_tx
 from ftrain.cli.resume import compat_diff
-from ftrain.cli.sweep import expand, plan_jobs
+from ftrain.cli.sweep import expand, plan_jobs, run_sweep
 from ftrain.config import ConfigError, load_config, to_plain
 from ftrain.optim import tree_get
 
@@ -180,12 +180,58 @@ def test_sweep_expansion_and_job_dirs():
 
 
 def test_sweep_refusals():
-    with pytest.raises(ConfigError, match="would share the directory"):
+    with pytest.raises(ConfigError, match="would share runs/default/multirun .*job.num"):
         plan_jobs(["trainer.max_steps=1,2"])  # max_steps is not part of a job's dir name
     with pytest.raises(ConfigError, match="hydra.sweep.dir=DIR instead"):
         plan_jobs(["run.dir=x", "optim.lr=1e-3,2e-3"])
     with pytest.raises(ConfigError, match="hydra.sweep.dir/hydra.sweep.subdir"):
         plan_jobs(["hydra.run.dir=x", "optim.lr=1e-3,2e-3"])
+    # a fixed fallback: a later job resumed an earlier one's steps from it; a fixed logger
+    # path: one CSV with two jobs' rows, one TensorBoard log_dir purged by the second job
+    for fixed, key in (
+        ("checkpoint.fallback_dir=/tmp/fb", "checkpoint.fallback_dir"),
+        ("logger.csv.path=/tmp/m.csv", "logger.csv.path"),
+        ("logger.tensorboard.log_dir=tb", "logger.tensorboard.log_dir"),
+    ):
+        with pytest.raises(ConfigError, match=f"would share .*job 0's {key}, job 1's {key}"):
+            plan_jobs(["optim.lr=1e-3,2e-3", "logger=[jsonl,csv,tensorboard]", fixed])
+    per_job = plan_jobs(["optim.lr=1e-3,2e-3", "checkpoint.fallback_dir=${run.dir}/fb"])
+    assert [j.cfg.checkpoint.fallback_dir for j in per_job] == [
+        "runs/default/multirun/optim.lr=0.001/fb",
+        "runs/default/multirun/optim.lr=0.002/fb",
+    ]
+
+
+def test_a_sweep_rerun_with_resume_safe_changes_keeps_its_job_dirs(tmp_path):
+    """Adding a logger, or changing a checkpoint or donation setting, on a sweep's re-run
+    named every job anew (Hydra matches exclude_keys exactly), so each started afresh."""
+    base = ["optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}"]
+    dirs = [j.cfg.run.dir for j in plan_jobs(base)]
+    assert dirs == [f"{tmp_path}/optim.lr=0.001", f"{tmp_path}/optim.lr=0.002"]
+    changed = ["logger=[jsonl,csv]", "logger.csv.path=${run.dir}/m.csv", "trainer.donate=true"]
+    changed += ["checkpoint.keep_best=2", "dist.timeout_s=60", "optim.fused=false"]
+    assert [j.cfg.run.dir for j in plan_jobs(base + changed)] == dirs
+    # a sweep begun under the exact-match rule resumes in its directories
+    (tmp_path / "checkpoint.keep_last=5,optim.lr=0.001").mkdir()
+    old = [j.cfg.run.dir for j in plan_jobs(base + ["checkpoint.keep_last=5"])]
+    assert old == [f"{tmp_path}/checkpoint.keep_last=5,optim.lr=0.001", dirs[1]]
+
+
+def test_a_job_that_raises_is_that_jobs_exit_1_and_the_sweep_goes_on(capsys):
+    jobs = plan_jobs(["optim.lr=1e-3,2e-3,3e-3"])
+    ran = []
+
+    def train(cfg):
+        ran.append(cfg.optim.lr)
+        if len(ran) == 1:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+        return 0
+
+    assert run_sweep(jobs, train) == 1
+    assert ran == [1e-3, 2e-3, 3e-3]
+    out = capsys.readouterr()
+    assert "OutOfMemoryError: simulated: out of memory" in out.err
+    assert "[sweep] 2/3 jobs succeeded" in out.out and "job 0: exit 1" in out.out
 
 
 def test_tools_rebuilding_from_a_checkpoint_accept_only_builtin_targets():
