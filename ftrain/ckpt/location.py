@@ -26,6 +26,7 @@ denied, bad credentials) are not retried and become :class:`CheckpointStoreError
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from datetime import timedelta
@@ -38,6 +39,7 @@ __all__ = [
     "describe_error",
     "is_object_url",
     "parse_location",
+    "same_location",
     "split_storage_options",
 ]
 
@@ -160,6 +162,7 @@ def open_store(url: str, storage: Mapping | None = None):
     from zarr.storage import ObjectStore
 
     config, client = split_storage_options(storage)
+    _check_endpoints(url, config)
     try:
         raw = obstore.store.from_url(
             url, config=config or None, client_options=client or None, retry_config=RETRY
@@ -174,6 +177,54 @@ def open_store(url: str, storage: Mapping | None = None):
     except Exception as e:  # obstore raises its own (non-OSError) configuration errors
         raise CheckpointStoreError(f"{url}: cannot configure the object store: {e}") from e
     return ObjectStore(raw)
+
+
+# schemes that name the same store as another (obstore takes both spellings)
+_SAME_SCHEME = {"s3a": "s3", "azure": "az"}
+
+
+def same_location(a, b) -> bool:
+    """Whether two parsed locations (:func:`parse_location`) are one place under two
+    spellings: local paths resolved, object URLs with ``s3a``/``azure`` read as
+    ``s3``/``az``.
+
+    Example:
+        >>> same_location(Path("ck"), Path("./ck/"))
+        True
+    """
+    if isinstance(a, Path) and isinstance(b, Path):
+        return a.resolve() == b.resolve()
+    if isinstance(a, Path) or isinstance(b, Path):
+        return False
+    return _canonical_url(str(a)) == _canonical_url(str(b))
+
+
+def _canonical_url(url: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{_SAME_SCHEME.get(scheme.lower(), scheme.lower())}://{rest.strip('/')}"
+
+
+# where an S3 endpoint may be given: a storage option, or the environment obstore reads
+_ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+
+
+def _check_endpoints(url: str, config: Mapping) -> None:
+    """An endpoint without ``http://``/``https://`` made obstore's client panic on the
+    first request (a Rust backtrace, exit 1); say so at once, with the fix.
+
+    Raises:
+        CheckpointLocationError: naming the option or variable and its value.
+    """
+    given = [(f"checkpoint.storage.{k}", v) for k, v in config.items() if "endpoint" in k]
+    if url.lower().startswith(("s3://", "s3a://")):
+        given += [(k, os.environ[k]) for k in _ENDPOINT_ENV if os.environ.get(k)]
+    for where, value in given:
+        if not re.match(r"https?://[^/]", str(value), re.IGNORECASE):
+            raise CheckpointLocationError(
+                f"{where}={value!r} is not a URL; write http://HOST:PORT or https://HOST "
+                f"(e.g. http://{str(value).split('://')[-1]}; plain http also needs "
+                "AWS_ALLOW_HTTP=true or checkpoint.storage.allow_http=true)"
+            )
 
 
 def split_storage_options(storage: Mapping | None) -> tuple[dict, dict]:

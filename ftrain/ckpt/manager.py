@@ -54,7 +54,7 @@ from ftrain.ckpt.index import (
     reuse_or_read,
     write_index,
 )
-from ftrain.ckpt.location import parse_location
+from ftrain.ckpt.location import CheckpointLocationError, parse_location, same_location
 from ftrain.ckpt.mapped import read_tree_mapped
 from ftrain.ckpt.meta import json_scalar, read_root_attributes, versions
 from ftrain.ckpt.policies import (
@@ -122,7 +122,8 @@ class CheckpointManager:
     Raises:
         CheckpointFormatError: a step under a directory was written in a format this
             ftrain cannot read (nothing is changed on disk).
-        CheckpointLocationError: ``directory`` is an unknown scheme or a URL-like path.
+        CheckpointLocationError: ``directory`` is an unknown scheme or a URL-like path, or
+            ``fallback_directory`` is the same location under another spelling.
         CheckpointStoreError: an object store refuses the location (no such bucket, bad
             credentials, access denied).
 
@@ -154,6 +155,14 @@ class CheckpointManager:
         self.fallback_directory = (
             parse_location(fallback_directory, storage_options) if fallback_directory else None
         )
+        if self.fallback_directory is not None and same_location(
+            self.directory, self.fallback_directory
+        ):  # every commit would then set its own other "copy" aside: nothing stays listed
+            raise CheckpointLocationError(
+                f"the fallback location {fallback_directory} is the checkpoint location "
+                f"{directory} under another spelling; point the fallback at another disk or "
+                "bucket, or leave it unset"
+            )
         self.save_policy = save_policy
         self.keep_policy = keep_policy or KeepAll()
         self.async_save = async_save

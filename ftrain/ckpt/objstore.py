@@ -23,13 +23,17 @@ Protocol for one step (one writer per step: the run lock of ``run.dir`` ensures 
    server-side copies of that step's objects instead of uploads: the new step still owns
    every object it lists, so deleting the older step never breaks it.
 3. Put ``manifest.json`` (every array, shape, dtype, chunk crc32c, document checksums).
+   Create-only (``If-None-Match: *``): a manifest already there is a second writer's
+   (the way was cleared in step 1), and this save fails instead of unsealing the other
+   writer's committed step.
 4. Put ``COMMITTED`` *last*, with ``If-None-Match: *`` (obstore ``mode="create"``): the
    step exists from this moment. If a marker appeared meanwhile (a second writer committed
    the same step first) the put fails and this save fails: two writers cannot both commit
-   one step. (They can still overwrite each other's chunks before that: the committed
-   step then fails its crc32c checks on restore, which falls back. Stores without
-   conditional puts get a plain put: the last marker wins; S3, GCS, Azure, MinIO and moto
-   support it.)
+   one step. (Two writers of one step — the run lock and the location's owner claim
+   prevent that in the CLI; a zombie writer after a take-over can still do it — may
+   overwrite each other's chunks before that: the committed step then fails its crc32c
+   checks on restore, which falls back to an older step. Stores without conditional puts
+   get plain puts: the last writer wins; S3, GCS, Azure, MinIO and moto support them.)
 
 Reading: a step counts only if its ``COMMITTED`` parses, names a readable format, and
 seals ``manifest.json`` (crc32c and length) with the step matching the name — the same
@@ -182,6 +186,14 @@ class ObjectRoot:
         except (obstore.exceptions.BaseError, OSError) as e:
             where = f"{self.url}/{what}" if what else self.url
             raise CheckpointStoreError(f"{where}: {describe_error(e)}") from e
+        except Exception as e:
+            if type(e).__name__ != "RustPanic":  # the client's panic: a bad setting, likely
+                raise
+            where = f"{self.url}/{what}" if what else self.url
+            raise CheckpointStoreError(
+                f"{where}: the object store client failed ({describe_error(e)}); check the "
+                "endpoint (AWS_ENDPOINT_URL, checkpoint.storage.endpoint: http(s)://HOST:PORT)"
+            ) from e
 
     def probe(self) -> None:
         """One listing request: the bucket exists and the credentials may list it.
@@ -196,7 +208,8 @@ class ObjectRoot:
             raise CheckpointStoreError(
                 f"cannot use checkpoint location {self.url} (bucket {bucket!r}): "
                 f"{str(e).split(': ', 1)[-1]}; check the bucket name, the credentials "
-                "(AWS_ACCESS_KEY_ID, ...) and the endpoint (AWS_ENDPOINT_URL)"
+                "(AWS_ACCESS_KEY_ID, ...) and the endpoint (AWS_ENDPOINT_URL; an http:// "
+                "endpoint also needs AWS_ALLOW_HTTP=true)"
             ) from e
 
     def get(self, key: str) -> bytes | None:
@@ -280,11 +293,18 @@ class ObjectRoot:
         names = sorted(n for n in dirs if protocol._STEP_RE.match(n))
         # every step's marker and manifest in one round of concurrent requests
         sealed = self._run(
-            "", gather_bounded, [self._get_sealed(n) for n in names], self.concurrency
+            "", gather_bounded, [self._sealed_or_error(n) for n in names], self.concurrency
         )
+        _raise_if_nothing_answered(self, names, sealed)
         for name, raws in zip(names, sealed, strict=True):
             m = protocol._STEP_RE.match(name)
             try:
+                if isinstance(raws, Exception):  # this step's objects refused, not the store
+                    raise CorruptCheckpointError(
+                        f"{self / name}: its marker or manifest cannot be read "
+                        f"({describe_error(raws)}; archived by a lifecycle rule, or access "
+                        "denied?)"
+                    )
                 marker, _ = self._check_committed(self / name, *raws)
             except CorruptCheckpointError as err:
                 if on_invalid is not None:
@@ -294,6 +314,14 @@ class ObjectRoot:
                 on_valid(self / name, marker)
             out[int(m.group(1))] = self / name
         return dict(sorted(out.items()))
+
+    async def _sealed_or_error(self, key: str):
+        """:meth:`_get_sealed`, or the store's error for this step's objects (one archived
+        or access-denied step must not make every other step unlistable)."""
+        try:
+            return await self._get_sealed(key)
+        except (obstore.exceptions.BaseError, OSError) as e:
+            return e
 
     def set_aside_steps(self) -> dict[int, list[ObjectKey]]:
         """``{step: [keys...]}`` of the steps set aside (replaced, superseded, unreadable)."""
@@ -419,7 +447,10 @@ class ObjectRoot:
         protocol._phase("data_written")
         manifest = dict(manifest, step=step)
         raw = json_bytes(manifest)
-        self.put(f"{key.key}/{protocol.MANIFEST}", raw)
+        # create-only, like the marker: the way was cleared, so a manifest already there is
+        # a second writer's, which a plain put would unseal (its marker then no longer
+        # matches: a committed step lost, and retention may have deleted the older ones)
+        self.put_new(f"{key.key}/{protocol.MANIFEST}", raw)
         protocol._phase("manifest_written")
         marker = protocol.marker_document(step, raw, marker_extra(manifest))
         self.put_new(f"{key.key}/{protocol.MARKER}", json_bytes(marker))
@@ -444,7 +475,7 @@ async def _put_create(store, key: str, data: bytes) -> None:
         # object holds these very bytes (a marker's times make another writer's differ)
         if await _bytes_of(store, key) == data:
             return
-        raise FileExistsError(f"{key} already exists: another writer committed first") from e
+        raise FileExistsError(f"{key} already exists: another writer of this step was first") from e
     except obstore.exceptions.NotSupportedError:
         log.warning("the store has no conditional put; writing %s unconditionally", key)
         await obstore.put_async(store, key, data)
@@ -473,6 +504,14 @@ async def _each(func, items: list, limit: int) -> list:
     return await gather_bounded(
         [func(*i) if isinstance(i, tuple) else func(i) for i in items], limit
     )
+
+
+def _raise_if_nothing_answered(root: ObjectRoot, names: list[str], sealed: list) -> None:
+    """When no step could be read at all, the store is failing (endpoint down, credentials
+    revoked), not some steps: raise, rather than list nothing and start a run afresh."""
+    errors = [r for r in sealed if isinstance(r, Exception)]
+    if errors and len(errors) == len(names):
+        raise CheckpointStoreError(f"{root.url}: {describe_error(errors[0])}") from errors[0]
 
 
 async def gather_bounded(coros: list, limit: int) -> list:

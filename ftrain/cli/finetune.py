@@ -99,6 +99,31 @@ def check_patterns(cfg: DictConfig, params: TensorDictBase) -> None:
                 f"{key} pattern {pattern!r} matches no parameter; parameter paths look like: "
                 f"{shown} (globs: * matches dots too, e.g. 'transformer.h.[0-5].*')"
             )
+    if uses_groups(cfg):
+        _check_labels(cfg, params)
+
+
+def _check_labels(cfg: DictConfig, params: TensorDictBase) -> None:
+    """What the label rules leave: something to train, and every group its parameters
+    (``optim.freeze`` wins over a group; the run failed at its first step, after an
+    emergency save that then refused the corrected config, or trained a group's
+    parameters at no rate while logging the group's learning rate)."""
+    label = labeller(cfg)
+    labels = [label(path_str(k), t) for k, t in zip(*flatten(params), strict=True)]
+    if all(x == "frozen" for x in labels):
+        raise ConfigError(
+            f"every parameter is frozen (optim.freeze={list(cfg.optim.freeze)}"
+            + (", and LoRA trains adapters only" if lora_enabled(cfg) else "")
+            + "): nothing would train; freeze fewer parameters"
+        )
+    for name in cfg.optim.groups:
+        if name not in labels:
+            raise ConfigError(
+                f"optim.groups.{name}.params={list(cfg.optim.groups[name].params)} match only "
+                f"parameters that optim.freeze={list(cfg.optim.freeze)} freezes (freezing "
+                "wins), so the group would train nothing; take them out of optim.freeze or "
+                "drop the group"
+            )
 
 
 def describe_labels(cfg: DictConfig, params: TensorDictBase) -> str | None:
@@ -153,18 +178,49 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     from ftrain.ckpt.readonly import read_subtree
 
     where, step = parse_init_from(str(cfg.init["from"]))
-    try:
+    what = f"init.from={cfg.init['from']!r}"
+    try:  # the buffers too: a BatchNorm's running statistics are part of what was trained
         got_step, loaded, _ = read_subtree(
-            where, step, only=("params",), storage=cfg.checkpoint.storage
+            where, step, only=("params", "buffers"), storage=cfg.checkpoint.storage
         )
     except (FileNotFoundError, CorruptCheckpointError, ValueError) as err:
-        raise ConfigError(f"init.from={cfg.init['from']!r}: {err}") from None
+        raise ConfigError(f"{what}: {err}") from None
     table = dict(zip(*_named(loaded["params"]), strict=True))
-    state, fresh_only = load_into(cfg, fresh, table, f"init.from={cfg.init['from']!r}")
+    state, fresh_only = load_into(cfg, fresh, table, what)
+    state, n_buffers = _load_buffers(state, loaded, what)
     line = f"initialised params from {where} step {got_step}: {len(table)} tensors loaded"
+    line += f" (and {n_buffers} buffers)" if n_buffers else ""
     if fresh_only:
         line += f", {len(fresh_only)} new ({_sample(fresh_only)}) initialised fresh"
     return state, line
+
+
+def _load_buffers(state: TensorDictBase, loaded: TensorDictBase, what: str):
+    """``state`` with the base run's module buffers (BatchNorm running statistics): each
+    must be a buffer of this model with the same shape and dtype; buffers the base run did
+    not have keep their fresh values. Returns ``(state, buffers loaded)``."""
+    if "buffers" not in loaded.keys() or not flatten(loaded["buffers"])[0]:
+        return state, 0
+    table = dict(zip(*_named(loaded["buffers"]), strict=True))
+    keys, leaves = flatten(state["buffers"])
+    model = dict(zip(map(path_str, keys), leaves, strict=True))
+    unknown = sorted(set(table) - set(model))
+    wrong = [p for p in sorted(set(table) & set(model)) if not _same_kind(table[p], model[p])]
+    if unknown or wrong:
+        raise ConfigError(
+            f"{what} does not fit this model: buffers "
+            + (f"the model does not have: {_sample(unknown)}" if unknown else "")
+            + ("; " if unknown and wrong else "")
+            + (f"of another shape/dtype: {_sample(wrong)}" if wrong else "")
+            + " (the model config must match the base run's)"
+        )
+    new = [table.get(path_str(k), t).to(t.device) for k, t in zip(keys, leaves, strict=True)]
+    buffers = unflatten(keys, new, device=state["buffers"].device)
+    return replace(state, buffers=buffers), len(table)
+
+
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
 
 
 def _named(params: TensorDictBase) -> tuple[list[str], list[torch.Tensor]]:

@@ -2,6 +2,7 @@
 commit protocol, bit-exact round trips, fall back, retention, errors, plain zarr readers."""
 
 import json
+import os
 import time
 import warnings
 
@@ -151,6 +152,62 @@ def test_two_writers_cannot_both_commit_a_step(bucket):
     assert root.get("step_00000005/COMMITTED") == b'{"time": 1}'
 
 
+def test_a_second_writer_of_a_step_cannot_unseal_the_first_ones_commit(bucket, monkeypatch):
+    """Writer A uploads step 3's chunks; meanwhile B (a restarted trainer) commits step 3
+    and its retention deletes step 2. A's manifest put came after B's commit and replaced
+    B's manifest: B's marker sealed it no more, and no step was left to restore. Now A's
+    save fails and B's step 3 stays committed."""
+    from ftrain.ckpt import commit as protocol
+
+    url = f"s3://{bucket}/ck"
+    a = CheckpointManager(url, async_save=False, keep_policy=LatestN(1))
+    a.save(make_state(1))
+    a.save(make_state(2))
+    fired = []
+
+    def other_writer_commits(phase):
+        if phase == "data_written" and not fired:
+            fired.append(phase)
+            b = CheckpointManager(url, async_save=False, keep_policy=LatestN(1))
+            b.restore()
+            assert b.save(make_state(3, seed=100)) and b.all_steps() == [3]
+
+    monkeypatch.setattr(protocol, "fault_hook", other_writer_commits)
+    with pytest.raises(Exception, match="manifest.json already exists: another writer"):
+        a.save(make_state(3))
+    monkeypatch.setattr(protocol, "fault_hook", None)
+    fresh = CheckpointManager(url, async_save=False)
+    assert fresh.all_steps() == [3] and not fresh.invalid_steps()
+    assert first_difference(fresh.restore(3), make_state(3, seed=100)) is None
+
+
+def test_an_archived_step_is_invalid_and_the_others_still_restore(bucket, s3):
+    """A lifecycle rule moved the oldest step to GLACIER (its GETs answer InvalidObjectState):
+    every restart failed listing the location, naming no step. Now that step is listed as
+    invalid with the reason; archived all, the store's error is raised (never a fresh start
+    over steps that could not be read)."""
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False)
+    for step in (1, 2, 3):
+        m.save(make_state(step))
+
+    def archive(step):
+        for k in objects(s3, bucket, f"ck/step_{step:08d}/"):
+            src = {"Bucket": bucket, "Key": k}
+            s3.copy_object(Bucket=bucket, Key=k, CopySource=src, StorageClass="GLACIER")
+
+    archive(1)
+    fresh = CheckpointManager(url, async_save=False)
+    assert fresh.all_steps() == [2, 3]
+    (why,) = [v for k, v in fresh.invalid_steps().items() if str(k).endswith("step_00000001")]
+    assert "InvalidObjectState" in why and "lifecycle rule" in why
+    assert first_difference(fresh.restore(), make_state(3)) is None
+    archive(2)
+    archive(3)
+    with pytest.raises(CheckpointStoreError, match="InvalidObjectState"):
+        CheckpointManager(url, async_save=False)
+
+
 def test_retention_on_the_bucket(bucket, s3):
     url = f"s3://{bucket}/ck"
     with CheckpointManager(url, keep_policy=LatestN(2)) as m:
@@ -182,6 +239,23 @@ def test_missing_bucket_and_bad_credentials_are_clear_errors(s3_server, bucket, 
     monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto checks keys
     with pytest.raises(CheckpointStoreError, match=f"{bucket}.*InvalidAccessKeyId"):
         CheckpointManager(f"s3://{bucket}/ck")
+
+
+def test_a_fallback_naming_the_primary_or_an_endpoint_without_scheme_is_refused(
+    bucket, monkeypatch
+):
+    """s3a://B/ck as the fallback of s3://B/ck: every commit set its "other copy" (itself)
+    aside, so save() returned True and nothing stayed listed. An endpoint written host:port
+    made obstore's client panic (a Rust backtrace, exit 1)."""
+    with pytest.raises(CheckpointLocationError, match="under another spelling"):
+        CheckpointManager(f"s3://{bucket}/ck", fallback_directory=f"s3a://{bucket}/ck/")
+    CheckpointManager(f"s3://{bucket}/ck", fallback_directory=f"s3://{bucket}/ck2")  # fine
+    port = os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"127.0.0.1:{port}")
+    with pytest.raises(CheckpointLocationError, match=f"AWS_ENDPOINT_URL='127.0.0.1:{port}'"):
+        CheckpointManager(f"s3://{bucket}/ck")
+    with pytest.raises(CheckpointLocationError, match="checkpoint.storage.endpoint='localhost"):
+        parse_location(f"s3://{bucket}/ck", {"endpoint": "localhost:9000"})
 
 
 @pytest.mark.parametrize(

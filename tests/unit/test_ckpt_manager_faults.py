@@ -484,3 +484,15 @@ def test_saves_from_two_threads_never_run_two_writers_at_once(tmp_path, monkeypa
         t.join()
     m.wait()
     assert most[0] == 1 and m.all_steps() == [1, 2, 3]
+
+
+def test_a_fallback_that_is_the_primary_under_another_spelling_is_refused(tmp_path, monkeypatch):
+    """Before: each commit moved itself aside as its own "replaced copy" in the other
+    location; save() returned True and no step stayed listed."""
+    from ftrain.ckpt import CheckpointLocationError
+
+    monkeypatch.chdir(tmp_path)
+    for fallback in ("ck", "./ck/", tmp_path / "x" / ".." / "ck"):
+        with pytest.raises(CheckpointLocationError, match="under another spelling"):
+            CheckpointManager(tmp_path / "ck", fallback_directory=fallback)
+    CheckpointManager(tmp_path / "ck", fallback_directory="ck2").close()

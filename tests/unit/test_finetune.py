@@ -199,3 +199,73 @@ def test_glob_mask():
     assert m("transformer.h.7.attn.c_attn.lora_A", None)
     with pytest.raises(ValueError, match="pattern"):
         masks.glob()
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _bn_buffers(mean: float, var: float, n: int, width: int = 4) -> TensorDict:
+    bn = {"running_mean": torch.full((width,), mean), "running_var": torch.full((width,), var)}
+    return TensorDict({"bn": bn | {"num_batches_tracked": torch.tensor(n)}}, batch_size=[])
+
+
+def test_init_from_takes_the_base_runs_buffers_too(tmp_path):
+    """init.from loaded params only: a BatchNorm's running statistics started again from
+    0/1 (eval outputs wrong from step 0), silently. Now they come with the params, and a
+    base whose buffers do not fit is refused."""
+    from omegaconf import OmegaConf
+
+    from ftrain.ckpt import CheckpointManager
+    from ftrain.cli.finetune import init_from
+    from ftrain.config import ConfigError
+    from ftrain.state.tree import replace
+
+    tx = optim.adamw(1e-3)
+    base = replace(ftrain.init_state(BNNet(), tx, seed=0), buffers=_bn_buffers(0.5, 2.0, 30))
+    CheckpointManager(tmp_path / "base", async_save=False).save(base)
+    cfg = OmegaConf.create(
+        {
+            "init": {"from": str(tmp_path / "base")},
+            "checkpoint": {"storage": {}},
+            "optim": {"freeze": ["bn.*"], "groups": {}},
+            "model": {},
+        }
+    )
+    state, line = init_from(cfg, ftrain.init_state(BNNet(), tx, seed=1))
+    assert "(and 3 buffers)" in line
+    assert torch.equal(state["buffers"]["bn"]["running_var"], torch.full((4,), 2.0))
+    assert int(state["buffers"]["bn"]["num_batches_tracked"]) == 30
+    assert torch.equal(state["params"]["bn"]["weight"], base["params"]["bn"]["weight"])
+    other = replace(ftrain.init_state(BNNet(), tx, seed=1), buffers=_bn_buffers(0, 1, 0, 5))
+    with pytest.raises(ConfigError, match="buffers of another shape/dtype: bn.running_mean"):
+        init_from(cfg, other)
+
+
+def test_a_config_that_trains_nothing_or_an_empty_group_is_refused_at_start():
+    """Every parameter frozen failed at step 1 after an emergency save (which then refused
+    the corrected config); a group whose parameters optim.freeze also froze trained nothing
+    while its learning rate was logged."""
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.finetune import check_patterns
+    from ftrain.config import ConfigError
+
+    params = ftrain.init_state(Net(), optim.adamw(1e-3), seed=0)["params"]
+
+    def cfg(freeze, groups=None):
+        optim_cfg = {"freeze": freeze, "groups": groups or {}}
+        return OmegaConf.create({"optim": optim_cfg, "model": {}})
+
+    with pytest.raises(ConfigError, match=r"every parameter is frozen \(optim.freeze=\['\*'\]"):
+        check_patterns(cfg(["*"]), params)
+    shadowed = {"top": {"params": ["body.*"], "lr": 3e-3}}
+    with pytest.raises(ConfigError, match=r"optim.groups.top.params=\['body.\*'\] match only"):
+        check_patterns(cfg(["body.*", "emb.*"], shadowed), params)
+    check_patterns(cfg(["emb.*"], shadowed), params)  # fine: body trains in its group
