@@ -119,19 +119,32 @@ def _chosen(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, nn.Modu
     paths (``transformer.h.*.attn.*``) that picks the ``nn.Linear`` layers it matches."""
     names = [t for t in targets if not _is_glob(t)]
     globs = [t for t in targets if _is_glob(t)]
-    chosen, wrong = [], []
+    chosen, wrong, used = [], [], set()
     for n, m in model.named_modules():
-        by_name = bool(n) and n.rsplit(".", 1)[-1] in names
-        by_glob = isinstance(m, nn.Linear) and any(fnmatch.fnmatchcase(n, g) for g in globs)
-        if by_name and not isinstance(m, nn.Linear):
+        last = n.rsplit(".", 1)[-1] if n else None
+        hits = [g for g in globs if isinstance(m, nn.Linear) and fnmatch.fnmatchcase(n, g)]
+        used.update(hits + ([last] if last in names else []))
+        if last in names and not isinstance(m, nn.Linear):
             wrong.append(f"{n} ({type(m).__name__})")
-        elif by_name or by_glob:
+        elif last in names or hits:
             chosen.append((n, m))
     if wrong:
         raise ValueError(
             f"LoRA targets {list(targets)} name modules that are not nn.Linear: {wrong}"
         )
+    unused = [t for t in targets if t not in used]
+    if chosen and unused:  # a typo beside a target that matched: adapters on part only
+        raise ValueError(
+            f"LoRA targets {unused} match no nn.Linear (the others do); the model's Linear "
+            f"layers are named {_linear_names(model)}"
+        )
     return chosen
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    return sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    )
 
 
 def apply_lora(
@@ -157,8 +170,8 @@ def apply_lora(
         The dotted paths of the adapted modules, in module order.
 
     Raises:
-        ValueError: bad settings, a target that matches no module, or one that matches a
-            module that is not an ``nn.Linear``.
+        ValueError: bad settings, a target that matches no ``nn.Linear`` (each target
+            must match one), or one that names a module that is not an ``nn.Linear``.
 
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -168,12 +181,9 @@ def apply_lora(
     _check(rank, alpha, targets, dropout)
     chosen = _chosen(model, targets)
     if not chosen:
-        linears = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        )
         raise ValueError(
             f"LoRA targets {list(targets)} match no module; the model's Linear layers are "
-            f"named {linears}"
+            f"named {_linear_names(model)}"
         )
     for name, module in chosen:
         parent_name, _, attr = name.rpartition(".")

@@ -45,6 +45,25 @@ def lora_enabled(cfg: DictConfig) -> bool:
     return node is not None and int(node.rank) > 0
 
 
+def unused_lora_settings(cfg: DictConfig) -> str | None:
+    """A warning when ``model.lora.*`` is set but ``model.lora.rank`` is 0: LoRA is off,
+    so the run fine-tunes every parameter (with optimizer state for each), not adapters."""
+    from ftrain.config.schema import LoraConfig
+
+    node = cfg.model.get("lora")
+    if node is None or lora_enabled(cfg):
+        return None
+    defaults = OmegaConf.structured(LoraConfig)
+    changed = [k for k in ("alpha", "targets", "dropout") if node.get(k) != defaults[k]]
+    if not changed:
+        return None
+    keys = ", ".join(f"model.lora.{k}" for k in changed)
+    return (
+        f"warning: {keys} set but model.lora.rank=0, so LoRA is off and every parameter "
+        "trains; set model.lora.rank (e.g. 8) for adapters"
+    )
+
+
 def uses_groups(cfg: DictConfig) -> bool:
     """Whether the optimizer needs ``multi_transform`` (anything frozen or grouped)."""
     return bool(cfg.optim.freeze) or bool(cfg.optim.groups) or lora_enabled(cfg)

@@ -36,7 +36,7 @@ from ftrain.cli.build import (
     pick_device,
     schedule_horizon,
 )
-from ftrain.cli.finetune import check_patterns, describe_labels, init_from
+from ftrain.cli.finetune import check_patterns, describe_labels, init_from, unused_lora_settings
 from ftrain.cli.pretrained import init_from_hf
 from ftrain.cli.resume import (
     ResumeError,
@@ -197,6 +197,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         raise
     report.schedule = schedule_line(cfg, horizon, saved if report.resumed else None)
     groups = describe_labels(cfg, state["params"])
+    report.notes += filter(None, [unused_lora_settings(cfg)])
     report.notes += [groups] if groups else []
     return _Parts(
         model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard

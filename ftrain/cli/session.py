@@ -122,6 +122,8 @@ class Session:
             "world_sizes": list(report.world_sizes) if report.world_sizes else None,
             "rows_read": report.rows_read,  # the coordinator's: every rank prints its own
             "mapped_bytes": report.mapped,  # checkpoint.mmap_restore
+            # init.from's "initialised params from DIR step N" (which base step), groups
+            "notes": list(report.notes) or None,
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)
 

@@ -47,6 +47,8 @@ def test_lora_from_a_base_run_trains_adapters_only(cli, base_run, tmp_path):
     )
     assert f"initialised params from {base_run / 'checkpoints'} step 4" in out.stdout
     assert "initialised fresh" in out.stdout and "parameter groups: default:" in out.stdout
+    (start,) = records(run, "start")  # which base step it came from is on record too
+    assert any(f"{base_run / 'checkpoints'} step 4" in n for n in start["notes"])
     base, tuned = _restore(base_run, 4), _restore(run, 4)
     bkeys, bleaves = flatten(base["params"])
     tuned_params = dict(

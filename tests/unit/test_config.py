@@ -129,3 +129,18 @@ def test_a_batch_the_data_or_the_ranks_cannot_take_is_refused(batch, accum, worl
     with pytest.raises(ConfigError, match=re.escape(needle)):
         check_batch(trainer, _Samples(), world)
     check_batch(OmegaConf.create({"batch_size": 8, "grad_accum": 2}), _Samples(), 2)  # fine
+
+
+def test_lora_settings_without_a_rank_are_warned_about():
+    """model.lora.targets/alpha with rank 0 ran a full fine-tune (optimizer state for every
+    parameter) with no word; the start now says LoRA is off."""
+    from ftrain.cli.finetune import unused_lora_settings
+
+    warned = unused_lora_settings(
+        load_config(["model.lora.targets=[c_attn]", "model.lora.alpha=32"])
+    )
+    assert warned.startswith(
+        "warning: model.lora.alpha, model.lora.targets set but model.lora.rank=0"
+    )
+    assert unused_lora_settings(load_config([])) is None
+    assert unused_lora_settings(load_config(["model.lora.rank=8", "model.lora.alpha=32"])) is None

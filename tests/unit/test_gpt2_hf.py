@@ -13,6 +13,8 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'ftrain[test]')"
 )
 
+from safetensors.torch import save_file  # noqa: E402
+
 from ftrain.recipes.gpt2 import GPT, GPTConfig  # noqa: E402
 from ftrain.recipes.gpt2 import hf as gpt2_hf  # noqa: E402
 
@@ -126,3 +128,25 @@ def test_refusals_name_the_problem(tmp_path):
         gpt2_hf.gpt_fields_from_hf({"activation_function": "relu", "n_inner": 7, "n_embd": 8})
     with pytest.raises(gpt2_hf.HFFormatError, match="bias=false"):
         gpt2_hf.hf_config({**SIZES, "block_size": 8, "bias": False}, torch.float32)
+
+
+def test_damaged_weight_files_are_named_with_the_fix(tmp_path):
+    """A git-lfs pointer (a clone without git-lfs), a truncated file, a damaged index: these
+    were SafetensorError/JSONDecodeError/KeyError tracebacks (exit 1)."""
+    lfs = tmp_path / "lfs"
+    lfs.mkdir()
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n"
+    (lfs / "model.safetensors").write_bytes(pointer)
+    with pytest.raises(gpt2_hf.HFFormatError, match="git-lfs pointer: fetch the weights"):
+        gpt2_hf.read_hf(lfs)
+    cut = tmp_path / "cut.safetensors"
+    save_file({"wte.weight": torch.zeros(64, 64)}, str(cut))
+    cut.write_bytes(cut.read_bytes()[:2000])
+    with pytest.raises(gpt2_hf.HFFormatError, match="truncated or damaged download"):
+        gpt2_hf.read_hf(cut)
+    for text, why in (("{oops", "JSONDecodeError"), ("{}", "KeyError: 'weight_map'")):
+        d = tmp_path / why.split(":")[0]
+        d.mkdir()
+        (d / "model.safetensors.index.json").write_text(text)
+        with pytest.raises(gpt2_hf.HFFormatError, match=f"not a safetensors index .*{why}"):
+            gpt2_hf.read_hf(d)

@@ -217,10 +217,44 @@ def _files_of(path: Path) -> tuple[list[Path], Path | None]:
         return [path / "model.safetensors"], config
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards], config
+        return [path / s for s in _shards(index)], config
     found = sorted(p.name for p in path.iterdir())
     raise HFFormatError(f"{path} holds no model.safetensors (found: {found}){_PICKLE_HINT}")
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard file names of a ``model.safetensors.index.json``."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise HFFormatError(
+            f"{index} is not a safetensors index (a JSON object with a 'weight_map' of "
+            f"tensor -> shard file: {type(err).__name__}: {err}); re-download or re-save it"
+        ) from None
+    if not all(isinstance(s, str) and "/" not in s for s in shards):
+        raise HFFormatError(f"{index}: its weight_map names no shard files of this directory")
+    return shards
+
+
+def _load_safetensors(load_file, f: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file, or an HFFormatError naming it (a git-lfs pointer left by a
+    clone without git-lfs, a truncated download)."""
+    try:
+        return load_file(str(f))
+    except OSError:
+        raise
+    except Exception as err:  # safetensors' own SafetensorError is not an OSError
+        head = f.read_bytes()[:40] if f.stat().st_size < 4096 else b""
+        lfs = b"git-lfs" in head
+        raise HFFormatError(
+            f"{f} is not a readable safetensors file ({str(err).splitlines()[0][:120]})"
+            + (
+                "; it is a git-lfs pointer: fetch the weights (git lfs pull)"
+                if lfs
+                else "; a truncated or damaged download? Download it again"
+            )
+        ) from None
 
 
 _PICKLE_HINT = (
@@ -245,7 +279,7 @@ def read_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     load_file = _safetensors_load()
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors |= load_file(str(f))
+        tensors |= _load_safetensors(load_file, f)
     try:
         hf = json.loads(config.read_text()) if config is not None else None
     except json.JSONDecodeError as err:
