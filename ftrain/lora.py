@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -134,9 +135,14 @@ def _chosen(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, nn.Modu
         )
     unused = [t for t in targets if t not in used]
     if chosen and unused:  # a typo beside a target that matched: adapters on part only
-        raise ValueError(
-            f"LoRA targets {unused} match no nn.Linear (the others do); the model's Linear "
-            f"layers are named {_linear_names(model)}"
+        # a warning, as peft (which needs one target to match): the default targets on a
+        # model without c_proj trained before, and must still resume
+        warnings.warn(
+            f"LoRA targets {unused} match no nn.Linear (the others do), so only "
+            f"{sorted({n.rsplit('.', 1)[-1] for n, _ in chosen})} get adapters; the model's "
+            f"Linear layers are named {_linear_names(model)}",
+            RuntimeWarning,
+            stacklevel=3,
         )
     return chosen
 
@@ -170,8 +176,9 @@ def apply_lora(
         The dotted paths of the adapted modules, in module order.
 
     Raises:
-        ValueError: bad settings, a target that matches no ``nn.Linear`` (each target
-            must match one), or one that names a module that is not an ``nn.Linear``.
+        ValueError: bad settings, targets that match no ``nn.Linear`` (one that matches
+            none while others do is a ``RuntimeWarning``), or one that names a module that
+            is not an ``nn.Linear``.
 
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4))

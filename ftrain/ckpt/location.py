@@ -216,7 +216,7 @@ def _check_endpoints(url: str, config: Mapping) -> None:
         CheckpointLocationError: naming the option or variable and its value.
     """
     given = [(f"checkpoint.storage.{k}", v) for k, v in config.items() if "endpoint" in k]
-    if url.lower().startswith(("s3://", "s3a://")):
+    if not given and url.lower().startswith(("s3://", "s3a://")):  # the option wins
         given += [(k, os.environ[k]) for k in _ENDPOINT_ENV if os.environ.get(k)]
     for where, value in given:
         if not re.match(r"https?://[^/]", str(value), re.IGNORECASE):

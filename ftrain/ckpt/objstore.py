@@ -316,11 +316,13 @@ class ObjectRoot:
         return dict(sorted(out.items()))
 
     async def _sealed_or_error(self, key: str):
-        """:meth:`_get_sealed`, or the store's error for this step's objects (one archived
-        or access-denied step must not make every other step unlistable)."""
+        """:meth:`_get_sealed`, or the store's refusal of this step's objects (403: archived
+        by a lifecycle rule, access denied): one such step must not make every other step
+        unlistable. Any other error (a timeout, a 5xx after retries) is the store failing
+        and is raised: taking it for a bad step would resume an older one."""
         try:
             return await self._get_sealed(key)
-        except (obstore.exceptions.BaseError, OSError) as e:
+        except obstore.exceptions.PermissionDeniedError as e:
             return e
 
     def set_aside_steps(self) -> dict[int, list[ObjectKey]]:

@@ -21,7 +21,7 @@ from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.target import check_only
 
-__all__ = ["committed_steps_at", "read_subtree"]
+__all__ = ["committed_steps_at", "read_model", "read_subtree"]
 
 log = logging.getLogger("ftrain.ckpt")
 
@@ -77,3 +77,14 @@ def read_subtree(
             problems.append(f"step {s}: {e}")
             log.warning("[step=%d] %s is corrupt (%s)", s, steps[s], e)
     raise CorruptCheckpointError(f"{location}: no step verifies: " + "; ".join(problems))
+
+
+def read_model(
+    location: str | Path, step: int | None = None, storage: Mapping | None = None
+) -> tuple[int, TensorDictBase, dict]:
+    """:func:`read_subtree` of ``params`` and ``buffers`` (a BatchNorm's statistics are
+    part of a trained model), or of ``params`` alone for a checkpoint without buffers."""
+    try:
+        return read_subtree(location, step, only=("params", "buffers"), storage=storage)
+    except ValueError:  # no buffers group (a state saved through the API as params only)
+        return read_subtree(location, step, only=("params",), storage=storage)

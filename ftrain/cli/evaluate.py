@@ -39,7 +39,7 @@ from tensordict import TensorDict
 from ftrain.ckpt import CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
-from ftrain.ckpt.readonly import read_subtree
+from ftrain.ckpt.readonly import read_model
 from ftrain.cli.build import build_model, check_vocab, pick_device
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
@@ -107,14 +107,6 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def _read(where: str, step: int | None):
-    """``(step, params/buffers tree, attributes)``; buffers when the checkpoint has them."""
-    try:
-        return read_subtree(where, step, only=("params", "buffers"))
-    except ValueError:  # no buffers group: params alone
-        return read_subtree(where, step, only=("params",))
-
-
 def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict:
     """Val loss and perplexity of a run's checkpoint (see the module doc).
 
@@ -136,7 +128,7 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         {'step': 400, 'val_loss': 1.92, 'perplexity': 6.8, ...}
     """
     where, at = parse_init_from(str(run))
-    got, tree, attrs = _read(where, step if step is not None else at)
+    got, tree, attrs = read_model(where, step if step is not None else at)
     recorded = attrs.get("config")
     if not isinstance(recorded, dict) or "model" not in recorded:
         raise ConfigError(

@@ -54,7 +54,11 @@ def unused_lora_settings(cfg: DictConfig) -> str | None:
     if node is None or lora_enabled(cfg):
         return None
     defaults = OmegaConf.structured(LoraConfig)
-    changed = [k for k in ("alpha", "targets", "dropout") if node.get(k) != defaults[k]]
+    changed = [
+        k
+        for k in ("alpha", "targets", "dropout")
+        if node.get(k) is not None and node.get(k) != defaults[k]  # a user YAML may omit keys
+    ]
     if not changed:
         return None
     keys = ", ".join(f"model.lora.{k}" for k in changed)
@@ -118,31 +122,43 @@ def check_patterns(cfg: DictConfig, params: TensorDictBase) -> None:
                 f"{key} pattern {pattern!r} matches no parameter; parameter paths look like: "
                 f"{shown} (globs: * matches dots too, e.g. 'transformer.h.[0-5].*')"
             )
-    if uses_groups(cfg):
-        _check_labels(cfg, params)
 
 
-def _check_labels(cfg: DictConfig, params: TensorDictBase) -> None:
-    """What the label rules leave: something to train, and every group its parameters
-    (``optim.freeze`` wins over a group; the run failed at its first step, after an
-    emergency save that then refused the corrected config, or trained a group's
-    parameters at no rate while logging the group's learning rate)."""
+def check_labels(cfg: DictConfig, params: TensorDictBase) -> None:
+    """What the label rules leave, checked on a fresh start: something to train, and every
+    group some parameters (``optim.freeze`` and earlier groups win over a group). Before,
+    the first failed at its first step, after an emergency save that then refused the
+    corrected config; the second trained nothing while logging the group's rate. (A
+    resume is not refused: its optimizer state already has the groups it started with.)
+
+    Raises:
+        ConfigError: naming the keys and the fix.
+    """
+    if not uses_groups(cfg):
+        return
     label = labeller(cfg)
-    labels = [label(path_str(k), t) for k, t in zip(*flatten(params), strict=True)]
+    named = [(path_str(k), t) for k, t in zip(*flatten(params), strict=True)]
+    labels = [label(p, t) for p, t in named]
     if all(x == "frozen" for x in labels):
         raise ConfigError(
             f"every parameter is frozen (optim.freeze={list(cfg.optim.freeze)}"
             + (", and LoRA trains adapters only" if lora_enabled(cfg) else "")
             + "): nothing would train; freeze fewer parameters"
         )
-    for name in cfg.optim.groups:
-        if name not in labels:
-            raise ConfigError(
-                f"optim.groups.{name}.params={list(cfg.optim.groups[name].params)} match only "
-                f"parameters that optim.freeze={list(cfg.optim.freeze)} freezes (freezing "
-                "wins), so the group would train nothing; take them out of optim.freeze or "
-                "drop the group"
-            )
+    for name, group in cfg.optim.groups.items():
+        if name in labels:
+            continue
+        matches = optim.masks.glob(*group.params)
+        took = sorted({x for (p, t), x in zip(named, labels, strict=True) if matches(p, t)})
+        by = (
+            f"optim.freeze={list(cfg.optim.freeze)} freezes them (freezing wins)"
+            if took == ["frozen"]
+            else f"they go to {took} first (freezing wins, then the first matching group)"
+        )
+        raise ConfigError(
+            f"optim.groups.{name}.params={list(group.params)} take no parameter: {by}, so "
+            "the group would train nothing; narrow the other patterns or drop the group"
+        )
 
 
 def describe_labels(cfg: DictConfig, params: TensorDictBase) -> str | None:
@@ -194,14 +210,12 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
         ConfigError: no such run/step, nothing verifies, or the params do not fit.
     """
     from ftrain.ckpt import CorruptCheckpointError
-    from ftrain.ckpt.readonly import read_subtree
+    from ftrain.ckpt.readonly import read_model
 
     where, step = parse_init_from(str(cfg.init["from"]))
     what = f"init.from={cfg.init['from']!r}"
     try:  # the buffers too: a BatchNorm's running statistics are part of what was trained
-        got_step, loaded, _ = read_subtree(
-            where, step, only=("params", "buffers"), storage=cfg.checkpoint.storage
-        )
+        got_step, loaded, _ = read_model(where, step, storage=cfg.checkpoint.storage)
     except (FileNotFoundError, CorruptCheckpointError, ValueError) as err:
         raise ConfigError(f"{what}: {err}") from None
     table = dict(zip(*_named(loaded["params"]), strict=True))

@@ -36,7 +36,13 @@ from ftrain.cli.build import (
     pick_device,
     schedule_horizon,
 )
-from ftrain.cli.finetune import check_patterns, describe_labels, init_from, unused_lora_settings
+from ftrain.cli.finetune import (
+    check_labels,
+    check_patterns,
+    describe_labels,
+    init_from,
+    unused_lora_settings,
+)
 from ftrain.cli.pretrained import init_from_hf
 from ftrain.cli.resume import (
     ResumeError,
@@ -179,11 +185,11 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     horizon = schedule_horizon(cfg, saved)
     tx = build_tx(cfg, horizon)
     fresh = init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
-    check_patterns(cfg, fresh["params"])
     shard = _shard_mode(cfg, world)
     # a sharded resume reads only this rank's rows, into DTensors on the sharder's mesh
     sharder = Sharder(full=shard == "full") if shard != "none" else None
     try:
+        check_patterns(cfg, fresh["params"])
         state, report, _ = start_state(
             cfg, manager, fresh, world, tx, train_src.fingerprint, sharder=sharder
         )
@@ -191,6 +197,8 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
             # continues its own params
             state, line = (init_from if cfg.init["from"] else init_from_hf)(cfg, state)
             report.notes.append(line)
+        if not report.resumed:
+            check_labels(cfg, state["params"])
         loggers = _loggers(cfg, world, report)
     except BaseException:
         manager.close()

@@ -108,16 +108,61 @@ def _job(num: int, overrides: list[str], config_name: str) -> Job:
     with open_dict(raw):
         raw.hydra.job.num = num
         raw.hydra.job.id = str(num)
-        hydras = raw.hydra.job.override_dirname  # Hydra's: exclude_keys matched exactly
-        raw.hydra.job.override_dirname = _override_dirname(raw, overrides)
+        names = _dirname_candidates(raw, overrides)
+        raw.hydra.job.override_dirname = names[0]
         job_dir = _job_dir(raw, num)
-        if not job_dir.exists() and hydras != raw.hydra.job.override_dirname:
-            # a sweep started before sub-keys were left out of the name: resume it there
-            raw.hydra.job.override_dirname = hydras
-            earlier = _job_dir(raw, num)
-            job_dir = earlier if earlier.exists() else job_dir
+        for earlier in names[1:]:
+            if job_dir.exists():
+                break
+            raw.hydra.job.override_dirname = earlier
+            there = _job_dir(raw, num)
+            if there.exists():  # a sweep begun under an earlier naming rule: resume there
+                print(f"[sweep] job {num}: resuming in {there} (named by an earlier rule)")
+                job_dir = there
         raw.run.dir = str(job_dir)
     return Job(num, overrides, finish_config(raw, overrides))
+
+
+# exclude_keys of ftrain <= 2026-12-03, matched exactly as Hydra does: the names of the
+# sweep directories made then, so that re-running such a sweep still finds its jobs
+_EARLIER_EXCLUDE_KEYS = (
+    "trainer.max_steps",
+    "trainer.eval_every",
+    "trainer.eval_batches",
+    "trainer.log_every",
+    "trainer.device",
+    "trainer.compile",
+    "trainer.hang_timeout_s",
+    "resume",
+    "run.name",
+    "run.overwrite",
+    "run.allow_config_change",
+    "run.plot",
+    "checkpoint.every_steps",
+    "checkpoint.every_seconds",
+    "checkpoint.keep_last",
+    "checkpoint.async_save",
+    "data.path",
+    "data.cache_dir",
+    "data.prefetch",
+    "data.allow_changed",
+)
+
+
+def _dirname_candidates(raw: DictConfig, overrides: list[str]) -> list[str]:
+    """The job's ``override_dirname`` (first), then the names earlier rules gave it:
+    Hydra's exact matching of this config's exclude_keys, and of ftrain's earlier list."""
+    conf = raw.hydra.job.config.override_dirname
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    parsed = [o for o in parsed if not o.is_hydra_override()]  # as Hydra's own
+    keys = [o.key_or_group for o in parsed]
+    rules = [
+        [k for k in keys if _under_any(k, conf.exclude_keys)],
+        [k for k in keys if k in conf.exclude_keys],
+        [k for k in keys if k in _EARLIER_EXCLUDE_KEYS],
+    ]
+    names = [get_overrides_dirname(parsed, ex, conf.item_sep, conf.kv_sep) for ex in rules]
+    return list(dict.fromkeys(names))  # each once, in order
 
 
 def _job_dir(raw: DictConfig, num: int) -> Path:
@@ -125,18 +170,6 @@ def _job_dir(raw: DictConfig, num: int) -> Path:
         return Path(str(raw.hydra.sweep.dir)) / str(raw.hydra.sweep.subdir)
     except Exception as err:  # an interpolation in hydra.sweep.* that does not resolve
         raise ConfigError(f"hydra.sweep.dir/subdir do not resolve for job {num}: {err}") from None
-
-
-def _override_dirname(raw: DictConfig, overrides: list[str]) -> str:
-    """``hydra.job.override_dirname`` with each ``exclude_keys`` entry taken with the keys
-    under it (Hydra matches keys exactly): ``logger`` leaves out ``logger=[jsonl,csv]`` and
-    ``logger.csv.path=...`` alike, so a re-run that adds a logger or changes a checkpoint
-    setting resumes the same jobs instead of starting every job afresh in new directories."""
-    conf = raw.hydra.job.config.override_dirname
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    parsed = [o for o in parsed if not o.is_hydra_override()]  # as Hydra's own
-    excluded = [o.key_or_group for o in parsed if _under_any(o.key_or_group, conf.exclude_keys)]
-    return get_overrides_dirname(parsed, excluded, conf.item_sep, conf.kv_sep)
 
 
 def _under_any(key: str, prefixes) -> bool:
@@ -174,8 +207,8 @@ def _sharing_fix(key: str) -> str:
 
 
 # a logger entry's keys that name where it writes (ftrain/conf/logger: csv.path,
-# tensorboard.log_dir); W&B's dir is shared safely (every run gets a folder of its own)
-_LOGGER_PLACES = ("path", "log_dir")
+# tensorboard.log_dir, wandb.dir: W&B keeps the run id a resume continues under it)
+_LOGGER_PLACES = ("path", "log_dir", "dir")
 
 
 def _places(cfg: DictConfig) -> list[tuple[str, str]]:

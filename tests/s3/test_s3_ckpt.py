@@ -256,6 +256,8 @@ def test_a_fallback_naming_the_primary_or_an_endpoint_without_scheme_is_refused(
         CheckpointManager(f"s3://{bucket}/ck")
     with pytest.raises(CheckpointLocationError, match="checkpoint.storage.endpoint='localhost"):
         parse_location(f"s3://{bucket}/ck", {"endpoint": "localhost:9000"})
+    # a valid option wins over the bad variable
+    parse_location(f"s3://{bucket}/ck", {"endpoint": f"http://127.0.0.1:{port}"}).probe()
 
 
 @pytest.mark.parametrize(

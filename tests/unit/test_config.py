@@ -143,4 +143,6 @@ def test_lora_settings_without_a_rank_are_warned_about():
         "warning: model.lora.alpha, model.lora.targets set but model.lora.rank=0"
     )
     assert unused_lora_settings(load_config([])) is None
+    partial = OmegaConf.create({"model": {"lora": {"rank": 0}}})  # a user YAML's own node
+    assert unused_lora_settings(partial) is None
     assert unused_lora_settings(load_config(["model.lora.rank=8", "model.lora.alpha=32"])) is None

@@ -211,10 +211,15 @@ def test_a_sweep_rerun_with_resume_safe_changes_keeps_its_job_dirs(tmp_path):
     changed = ["logger=[jsonl,csv]", "logger.csv.path=${run.dir}/m.csv", "trainer.donate=true"]
     changed += ["checkpoint.keep_best=2", "dist.timeout_s=60", "optim.fused=false"]
     assert [j.cfg.run.dir for j in plan_jobs(base + changed)] == dirs
-    # a sweep begun under the exact-match rule resumes in its directories
-    (tmp_path / "checkpoint.keep_last=5,optim.lr=0.001").mkdir()
-    old = [j.cfg.run.dir for j in plan_jobs(base + ["checkpoint.keep_last=5"])]
-    assert old == [f"{tmp_path}/checkpoint.keep_last=5,optim.lr=0.001", dirs[1]]
+    # a sweep begun under the earlier rule (Hydra's exact match of the earlier list, which
+    # named logger and trainer.grad_accum) resumes in its directories
+    earlier = "logger=[jsonl,csv],optim.lr=0.001,trainer.grad_accum=2"
+    (tmp_path / earlier).mkdir()
+    old = [j.cfg.run.dir for j in plan_jobs(base + ["logger=[jsonl,csv]", "trainer.grad_accum=2"])]
+    assert old == [f"{tmp_path}/{earlier}", dirs[1]]
+    # a W&B dir shared by the jobs: its run-id file would make one job log into another's
+    with pytest.raises(ConfigError, match="job 0's logger.wandb.dir, job 1's logger.wandb.dir"):
+        plan_jobs(base + ["logger=[jsonl,wandb]", "logger.wandb.dir=/tmp/wb"])
 
 
 def test_a_job_that_raises_is_that_jobs_exit_1_and_the_sweep_goes_on(capsys):

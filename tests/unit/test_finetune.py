@@ -243,6 +243,14 @@ def test_init_from_takes_the_base_runs_buffers_too(tmp_path):
     assert torch.equal(state["buffers"]["bn"]["running_var"], torch.full((4,), 2.0))
     assert int(state["buffers"]["bn"]["num_batches_tracked"]) == 30
     assert torch.equal(state["params"]["bn"]["weight"], base["params"]["bn"]["weight"])
+    # a base saved through the API as params only (no buffers group) still initialises
+    bare = TensorDict({"step": torch.tensor(1), "params": base["params"]}, batch_size=[])
+    CheckpointManager(tmp_path / "bare", async_save=False).save(bare)
+    cfg_bare = OmegaConf.merge(cfg, {"init": {"from": str(tmp_path / "bare")}})
+    state, line = init_from(cfg_bare, ftrain.init_state(BNNet(), tx, seed=1))
+    assert "buffers" not in line and torch.equal(
+        state["buffers"]["bn"]["running_var"], torch.ones(4)
+    )
     other = replace(ftrain.init_state(BNNet(), tx, seed=1), buffers=_bn_buffers(0, 1, 0, 5))
     with pytest.raises(ConfigError, match="buffers of another shape/dtype: bn.running_mean"):
         init_from(cfg, other)
@@ -250,11 +258,11 @@ def test_init_from_takes_the_base_runs_buffers_too(tmp_path):
 
 def test_a_config_that_trains_nothing_or_an_empty_group_is_refused_at_start():
     """Every parameter frozen failed at step 1 after an emergency save (which then refused
-    the corrected config); a group whose parameters optim.freeze also froze trained nothing
-    while its learning rate was logged."""
+    the corrected config); a group whose parameters optim.freeze (or an earlier group) also
+    took trained nothing while its learning rate was logged."""
     from omegaconf import OmegaConf
 
-    from ftrain.cli.finetune import check_patterns
+    from ftrain.cli.finetune import check_labels
     from ftrain.config import ConfigError
 
     params = ftrain.init_state(Net(), optim.adamw(1e-3), seed=0)["params"]
@@ -264,8 +272,11 @@ def test_a_config_that_trains_nothing_or_an_empty_group_is_refused_at_start():
         return OmegaConf.create({"optim": optim_cfg, "model": {}})
 
     with pytest.raises(ConfigError, match=r"every parameter is frozen \(optim.freeze=\['\*'\]"):
-        check_patterns(cfg(["*"]), params)
+        check_labels(cfg(["*"]), params)
     shadowed = {"top": {"params": ["body.*"], "lr": 3e-3}}
-    with pytest.raises(ConfigError, match=r"optim.groups.top.params=\['body.\*'\] match only"):
-        check_patterns(cfg(["body.*", "emb.*"], shadowed), params)
-    check_patterns(cfg(["emb.*"], shadowed), params)  # fine: body trains in its group
+    with pytest.raises(ConfigError, match=r"top.params=\['body.\*'\] take no parameter: optim"):
+        check_labels(cfg(["body.*", "emb.*"], shadowed), params)
+    check_labels(cfg(["emb.*"], shadowed), params)  # fine: body trains in its group
+    earlier = {"all": {"params": ["*"]}, "bias": {"params": ["*.bias"]}}
+    with pytest.raises(ConfigError, match=r"they go to \['all'\] first"):
+        check_labels(cfg([], earlier), params)

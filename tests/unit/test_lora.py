@@ -119,5 +119,5 @@ def test_apply_lora_errors_name_the_fix():
     assert adapted == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj"]
     # a typo beside a target that matches: adapters on part of the model, silently, before
     for typo in (["c_attn", "c_prj"], ["transformer.h.*.attn.*", "mlp.cfc"]):
-        with pytest.raises(ValueError, match=rf"LoRA targets \['{typo[1]}'\] match no nn.Linear"):
+        with pytest.warns(RuntimeWarning, match=rf"LoRA targets \['{typo[1]}'\] match no nn.Lin"):
             lora.apply_lora(_gpt(), rank=2, alpha=4, targets=typo, generator=torch.Generator())

@@ -240,15 +240,16 @@ def _shards(index: Path) -> list[str]:
 def _load_safetensors(load_file, f: Path) -> dict[str, torch.Tensor]:
     """One safetensors file, or an HFFormatError naming it (a git-lfs pointer left by a
     clone without git-lfs, a truncated download)."""
+    from safetensors import SafetensorError  # not an OSError
+
     try:
         return load_file(str(f))
-    except OSError:
-        raise
-    except Exception as err:  # safetensors' own SafetensorError is not an OSError
-        head = f.read_bytes()[:40] if f.stat().st_size < 4096 else b""
+    except SafetensorError as err:
+        head = f.read_bytes()[:200] if f.stat().st_size < 4096 else b""
         lfs = b"git-lfs" in head
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
         raise HFFormatError(
-            f"{f} is not a readable safetensors file ({str(err).splitlines()[0][:120]})"
+            f"{f} is not a readable safetensors file ({reason})"
             + (
                 "; it is a git-lfs pointer: fetch the weights (git lfs pull)"
                 if lfs
