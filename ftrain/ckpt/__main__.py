@@ -85,6 +85,9 @@ def cmd_list(root: Path, _: list[int]) -> int:
             nbytes, metrics = _summary(path)
             print(f"{step:>10}  {nbytes:>14,}  {metrics}")
         except CorruptCheckpointError as e:
+            if _deleted_meanwhile(root, step):
+                print(f"{step:>10}  {'deleted':>14}  (by the run's retention while listing)")
+                continue
             bad += 1
             print(f"{step:>10}  {'CORRUPT':>14}  {e}")
     for step, paths in protocol.set_aside_steps(root).items():
@@ -124,11 +127,24 @@ def cmd_verify(root: Path, args: list[int]) -> int:
             read_root_attributes(path, manifest)
             print(f"ok   step {step}: {verify_tree(path, manifest):,} bytes verified")
         except CorruptCheckpointError as e:
+            if path is not None and _deleted_meanwhile(root, step):
+                print(f"gone step {step}: deleted while verifying (a live run's retention)")
+                continue
             bad += 1
             print(f"BAD  step {step}: {e}")
     for path, why in invalid.items() if not args else ():
         print(f"BAD  {path.name}: {why}")
     return 1 if bad else 0
+
+
+def _deleted_meanwhile(root, step: int) -> bool:
+    """Whether a step that failed to read is no longer committed at all: a live run's
+    retention deleted it after the listing (not corruption; a damaged step stays listed,
+    or is listed as invalid)."""
+    invalid: dict = {}  # quietly: the first listing reported the invalid ones
+    steps = protocol.committed_steps(root, on_invalid=invalid.__setitem__)
+    name = protocol.step_dirname(step)
+    return step not in steps and not any(getattr(p, "name", None) == name for p in invalid)
 
 
 def _bits(t):

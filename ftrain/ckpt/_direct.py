@@ -15,6 +15,7 @@ The file contents are identical either way; durability still comes from the call
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -85,6 +86,10 @@ def write_direct(path: Path, parts: list, *, durable: bool = False) -> int | Non
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
+        # Linux creates the file before it refuses O_DIRECT (tmpfs before 6.6, ramfs, some
+        # FUSE mounts): the buffered retry's O_EXCL open would then fail with EEXIST
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         _refused.add(os.stat(path.parent).st_dev)
         return None
     try:

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -406,12 +407,17 @@ def write_json(path: Path, doc: dict, *, durable: bool = True) -> tuple[int, int
 
 
 def read_bytes_nofollow(path: Path) -> bytes:
-    """A file's bytes, never through a symbolic link (a link inside a step is corruption)."""
+    """A regular file's bytes, never through a symbolic link (a link inside a step is
+    corruption) and never blocking on a FIFO planted in its place (``O_NONBLOCK``: it hung
+    every listing, so every restart)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, flags)
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(f"{path}: metadata is not a regular file")
         if os.fstat(fd).st_size > MAX_JSON_BYTES:
             raise CorruptCheckpointError(f"{path}: metadata larger than {MAX_JSON_BYTES} bytes")
         with os.fdopen(os.dup(fd), "rb") as f:

@@ -440,7 +440,10 @@ class CheckpointManager:
         s = state["step"]
         if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.is_floating_point():
             raise ValueError(f"state['step'] must be a 0-d integer tensor, got {s!r}")
-        return int(s.item())
+        step = int(s.item())
+        if step < 0:  # here, not in the background write (it failed a later call before)
+            raise ValueError(f"state['step'] must be >= 0 (a step number), got {step}")
+        return step
 
     def _attributes(
         self,
@@ -872,12 +875,17 @@ class CheckpointManager:
             self._raise_pending()
 
     def close(self) -> None:
-        """Wait for the save in flight, then refuse further saves. Idempotent."""
-        if not self._closed:
-            try:
-                self.wait()
-            finally:
-                self._closed = True
+        """Wait for the save in flight, then refuse further saves. Idempotent.
+
+        Under the lock ``save()`` takes (re-entrant, so ``wait()`` inside it too): a save
+        from another thread (the hang watchdog's) cannot start between the wait and the
+        closing, where it would outlive ``close()`` with its error never raised."""
+        with self._calls:
+            if not self._closed:
+                try:
+                    self.wait()
+                finally:
+                    self._closed = True
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -14,6 +14,7 @@ import types
 import warnings
 
 import pytest
+import torch
 
 from ftrain.ckpt import (
     AnyOf,
@@ -496,3 +497,46 @@ def test_a_fallback_that_is_the_primary_under_another_spelling_is_refused(tmp_pa
         with pytest.raises(CheckpointLocationError, match="under another spelling"):
             CheckpointManager(tmp_path / "ck", fallback_directory=fallback)
     CheckpointManager(tmp_path / "ck", fallback_directory="ck2").close()
+
+
+def test_a_save_from_another_thread_cannot_outlive_close(tmp_path):
+    """close() waited, then marked itself closed without the save lock: a save from another
+    thread (the hang watchdog's) that got in between started a write close() never waited
+    for, and its failure was never raised. Now it waits for close() and is refused."""
+    m = CheckpointManager(tmp_path, async_save=True)
+    m.save(make_state(1))
+    m.wait()
+    real_wait, in_gap, other_done = m.wait, threading.Event(), threading.Event()
+    result = {}
+
+    def wait_then_yield():  # close() preempted right after its wait
+        real_wait()
+        if threading.current_thread() is threading.main_thread() and not in_gap.is_set():
+            in_gap.set()
+            other_done.wait(2)
+
+    def other():
+        in_gap.wait(5)
+        try:
+            result["saved"] = m.save(make_state(2))
+        except RuntimeError as e:
+            result["refused"] = str(e)
+        other_done.set()
+
+    m.wait = wait_then_yield
+    t = threading.Thread(target=other)
+    t.start()
+    m.close()
+    t.join(10)
+    assert result == {"refused": "this CheckpointManager is closed; create a new one"}
+    assert m._thread is None and CheckpointManager(tmp_path).all_steps() == [1]
+
+
+def test_a_negative_step_is_refused_by_save_itself(tmp_path):
+    """An async save(step=-1) returned True and failed on the next call instead."""
+    m = CheckpointManager(tmp_path, async_save=True)
+    bad = make_state(1).clone()
+    bad["step"] = torch.tensor(-1)
+    with pytest.raises(ValueError, match=r"state\['step'\] must be >= 0 \(a step number\), got -1"):
+        m.save(bad)
+    assert m.save(make_state(2)) and (m.wait() is None) and m.all_steps() == [2]

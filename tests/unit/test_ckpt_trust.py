@@ -325,3 +325,56 @@ def test_ckpt_tool_lists_set_aside_steps_and_refuses_newer_formats(tmp_path, cap
     as_format(tmp_path / "step_00000001", 9)
     rc, out = ckpt_cli(capsys, "list", tmp_path)
     assert rc == 2 and "(format 9)" in out
+
+
+@pytest.mark.parametrize("document", ["COMMITTED", "manifest.json", "zarr.json"])
+def test_a_fifo_in_place_of_a_document_is_corruption_not_a_hang(tmp_path, document):
+    """Chunk reads never blocked on a planted FIFO; metadata reads did: the manager's
+    listing (so every restart) and `ckpt verify` hung forever."""
+    import threading
+
+    from ftrain.ckpt.__main__ import main as ckpt_main
+
+    saved(tmp_path, 1, 2)
+    target = tmp_path / "step_00000002" / document
+    target.unlink()
+    os.mkfifo(target)
+    out = {}
+
+    def look():
+        m = CheckpointManager(tmp_path, async_save=False)
+        out["steps"] = m.all_steps()
+        out["verify"] = ckpt_main(["verify", str(tmp_path)])
+        out["restored"] = int(m.restore()["step"])
+
+    worker = threading.Thread(target=look, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "hung on the FIFO"
+    assert out["verify"] == 1 and out["restored"] in (1, 2)
+    assert out["steps"] == ([1] if document != "zarr.json" else [1, 2])
+
+
+def test_verify_of_a_live_run_does_not_call_retentions_deletes_corruption(
+    tmp_path, monkeypatch, capsys
+):
+    """`ckpt verify` lists, then reads each step: a step the live run's retention deleted
+    in between was reported BAD (exit 1: a false corruption alarm for a monitoring job)."""
+    import shutil
+
+    from ftrain.ckpt import __main__ as cli
+
+    saved(tmp_path, 1, 2, 3)
+    real = cli.verify_tree
+
+    def retention_first(path, manifest):
+        if path.name == "step_00000001":
+            shutil.rmtree(path)  # the run's retention, between the listing and the read
+        return real(path, manifest)
+
+    monkeypatch.setattr(cli, "verify_tree", retention_first)
+    assert cli.main(["verify", str(tmp_path)]) == 0
+    assert "gone step 1: deleted while verifying" in capsys.readouterr().out
+    flip_first_chunk(tmp_path / "step_00000002")  # real damage is still BAD
+    assert cli.main(["verify", str(tmp_path)]) == 1
+    assert "BAD  step 2:" in capsys.readouterr().out
