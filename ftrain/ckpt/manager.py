@@ -687,9 +687,9 @@ class CheckpointManager:
         moved aside. Returns the committed steps left (listed again only if one moved)."""
         locations = self._locations()
         others = [p for p in locations.get(step, []) if p != final]
-        for p in others:
-            aside = protocol.set_aside(p, "replaced")
-            log.warning("[step=%d] moved %s aside to %s (another history)", step, p, aside)
+        for p in others:  # one that cannot move (a read-only location) stays listed with a
+            # warning, and no longer stops retention and the index of every later save
+            self._set_aside_or_warn(step, p, "replaced")
         return self._locations() if others else locations
 
     def _store_index(self) -> None:

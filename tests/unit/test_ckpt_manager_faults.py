@@ -540,3 +540,24 @@ def test_a_negative_step_is_refused_by_save_itself(tmp_path):
     with pytest.raises(ValueError, match=r"state\['step'\] must be >= 0 \(a step number\), got -1"):
         m.save(bad)
     assert m.save(make_state(2)) and (m.wait() is None) and m.all_steps() == [2]
+
+
+def test_a_replaced_copy_that_cannot_move_does_not_stop_retention(tmp_path, monkeypatch):
+    """Step 5 committed again in the primary while the fallback holds an older copy that
+    cannot be moved aside (a read-only location): the commit stands, retention and the
+    index still run (before, the error ended them for this and every later such save)."""
+    primary, fallback = tmp_path / "p", tmp_path / "f"
+    for s in (3, 4, 5):
+        CheckpointManager(fallback, async_save=False).save(make_state(s), force=True)
+    m = CheckpointManager(
+        primary, async_save=False, fallback_directory=fallback, keep_policy=LatestN(1)
+    )
+    monkeypatch.setattr(
+        protocol, "set_aside", lambda *a: (_ for _ in ()).throw(OSError(30, "EROFS"))
+    )
+    with pytest.warns(
+        RuntimeWarning, match=r"could not move .*f/step_00000005 aside \(\[Errno 30\]"
+    ):
+        assert m.save(make_state(5), force=True)
+    assert (primary / "step_00000005" / "COMMITTED").exists()
+    assert not (fallback / "step_00000003").exists()  # retention ran: LatestN(1)
