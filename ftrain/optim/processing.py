@@ -363,7 +363,9 @@ def dynamic_loss_scale(
             return _select_finite(found_inf, u, out, old_inner, new_inner, new_ls)
         if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical
             out = [torch.full_like(t, -0.0) for t in u]
-            return out, new_td({"loss_scale": new_ls, "inner": old_inner.copy()})
+            # the old moments as new tensors: shared ones would be written in place by the
+            # next donated step while an async save of the old (pinned) state reads them
+            return out, new_td({"loss_scale": new_ls, "inner": old_inner.clone()})
         out, new_inner = inner_flat(keys, unscaled, old_inner, params)
         return out, new_td({"loss_scale": new_ls, "inner": new_inner})
 
@@ -396,13 +398,19 @@ def _bucketed_loss_scale(src: Source, ls, old_inner, rule, inner_prepare) -> Bod
         _check_finite(torch._foreach_mul(src.read(span), inv), found_inf)
     new_ls = _next_scale(ls, found_inf, rule, device)
     if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical
+        copied: list = []  # the old moments, copied once for every bucket
 
         def skipped(idx, u, params, owned=False, donated=False, apply=False):  # old state
             if apply:  # the parameters as they were: kept (donated) or copied
                 out = params if donated else [p.clone() for p in params]
             else:
                 out = [torch.full_like(t, -0.0) for t in u]
-            return out, new_td({"loss_scale": new_ls, "inner": old_inner.copy()})
+            # the old moments: kept when donated, else copied (shared, the next donated
+            # step would write them while an async save of the old, pinned state reads)
+            if not donated and not copied:
+                copied.append(old_inner.clone())
+            inner = old_inner.copy() if donated else copied[0]
+            return out, new_td({"loss_scale": new_ls, "inner": inner})
 
         return _applying_if(inner_prepare, owning(skipped))
 

@@ -163,6 +163,27 @@ def test_pinned_state_is_never_written_by_a_bucketed_donated_step(name, monkeypa
     assert tree_equal(state, snapshot), first_difference(state, snapshot)
 
 
+@pytest.mark.parametrize("bucket", [None, 1])
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw_fused"])
+def test_a_skipped_fp16_step_shares_no_moment_with_a_pinned_state(fused, bucket, monkeypatch):
+    """Pinned (an async save in flight), the next step runs out of place; an fp16 overflow
+    there returned the old moments' tensors, so the donated step after wrote a later step's
+    moments into the state still being saved."""
+    from ftrain.state import pin
+
+    monkeypatch.setattr(apply, "BUCKET_BYTES", bucket)
+    model = _model()
+    tx = o.dynamic_loss_scale(o.adamw(1e-2, fused=fused), init_scale=1.0)
+    step = ftrain.make_step(model, _mse, tx, donate=True, precision="fp16")
+    saved, _ = step(init_state(model, tx, seed=0, precision="fp16"), _batch(0))
+    pin(saved)
+    snapshot = saved.clone()
+    skipped, _ = step(saved, _batch(1, overflow=True))
+    assert int(skipped["opt", "loss_scale", "skipped"]) == 1, "the overflow must skip"
+    step(skipped, _batch(2))  # donated: written in place
+    assert tree_equal(saved, snapshot), first_difference(saved, snapshot)
+
+
 def _recorder(log):
     """A leafwise identity that records, per bucket, how many earlier buckets' gradients
     are still alive."""
