@@ -62,6 +62,27 @@ class DataFormatError(ValueError):
     """A data file exists but is corrupt, truncated or too small."""
 
 
+def _token_dtype(dtype) -> np.dtype:
+    """``data.dtype`` as a numpy integer dtype: a float, bool or unknown dtype read token
+    ids as garbage (a uint16 file as float16: every id 0, trained to the end) or failed
+    deep inside numpy.
+
+    Raises:
+        DataFormatError: naming the value and the usual choices.
+    """
+    try:
+        out = np.dtype(dtype)
+    except TypeError:
+        out = None
+    if out is None or out.kind not in "iu":
+        raise DataFormatError(
+            f"data.dtype={dtype!r} is not an integer dtype of token ids; use the dtype the "
+            "file was written with: uint16 (vocabularies up to 65,536, e.g. GPT-2's 50,257) "
+            "or uint32 (nanoGPT writes uint16)"
+        )
+    return out
+
+
 class Source(abc.ABC):
     """A random-access dataset of token windows. Subclass to bring your own data.
 
@@ -154,7 +175,7 @@ class TokenFileSource(Source):
     ) -> None:
         self.block_size = _check_block_size(block_size)
         self.split, self.tokenizer, self.vocab_size = split, tokenizer, vocab_size
-        self.dtype = np.dtype(dtype)
+        self.dtype = _token_dtype(dtype)
         root = Path(path).expanduser()
         if not root.exists():
             raise DataPathError(
