@@ -44,7 +44,7 @@ from torch.func import functional_call
 from ftrain import rng
 from ftrain.apply import update_and_apply
 from ftrain.grads import Bound, Grads, LossFn, loss_and_aux, merge_aux, named_leaves
-from ftrain.optim.base import Trainable, flat_update, leaf_get, pick
+from ftrain.optim.base import Trainable, flat_update, leaf_get, per_structure, pick
 from ftrain.optim.bucketed import prepare_of
 from ftrain.optim.partition import learning_rates, learning_rates_in
 from ftrain.optim.processing import clip_by_global_norm_torch, global_norm_of, mean_across_ranks
@@ -176,6 +176,29 @@ def _check_sharded(opt: TensorDictBase) -> None:
         )
 
 
+def _check_params_match(model: nn.Module, pkeys: list[Key]) -> bool:
+    """The state's parameter paths are the model's (once per layout): a state of a smaller
+    model trained the rest from the module itself, never updated nor saved, silently; a
+    larger or renamed one failed deep inside torch.func.
+
+    Raises:
+        ValueError: naming the paths that differ and the fix.
+    """
+    ours = {".".join(k) for k in pkeys}
+    theirs = {name for name, _ in model.named_parameters()}
+    if ours == theirs:
+        return True
+    missing, extra = sorted(theirs - ours), sorted(ours - theirs)
+    raise ValueError(
+        "the state's params do not match the model's parameters: "
+        + (f"missing from the state {missing[:4]}" if missing else "")
+        + ("; " if missing and extra else "")
+        + (f"not in the model {extra[:4]}" if extra else "")
+        + "; make the state with ftrain.init_state(model, tx) of this model (or restore a "
+        "checkpoint of it with target=)"
+    )
+
+
 def _trainable(trainable: Trainable, pkeys: list[Key], params: list[torch.Tensor]):
     keep = trainable.indices(pkeys, params)
     if keep == []:
@@ -260,7 +283,8 @@ def make_step(
         compile: run the step's tensor core (forward, backward, ``tx``, apply) as one
             ``torch.compile`` graph per batch shape (:mod:`ftrain.compiled`); the first call
             of each shape compiles (logged once, and ``step.core.compile_seconds``); results
-            match the eager step to ~1e-6. Not with ``dp`` or ``clip=``.
+            match the eager step to ~1e-6 (fp32; ~1e-4 with fp16/bf16, whose fused intermediates
+            Inductor keeps in fp32). Not with ``dp`` or ``clip=``.
         clip: deprecated; put ``clip_by_global_norm`` in ``tx`` instead.
         shard: ``"none"``, ``"optimizer"`` (each rank keeps only its dim-0 shard of the
             optimizer state: ZeRO-1) or ``"full"`` (of the params too: ZeRO-3, whole params
@@ -302,11 +326,13 @@ def make_step(
     else:
         core = _EagerCore(model, loss_fn, tx, _AUTOCAST[precision], dp, clip, sharder)
     trainable = Trainable(getattr(tx.update, "frozen_of", None))
+    matched: dict = {}  # parameter layouts checked against the model's
 
     def step(state: TensorDictBase, batch) -> tuple[TensorDict, TensorDict]:
         check_usable(state, "step")
         cursor, micro = _split_batch(batch, grad_accum)
         pkeys, params = flatten(state["params"])
+        per_structure(matched, tuple(pkeys), lambda: _check_params_match(model, pkeys))
         bkeys, buffers = flatten(state["buffers"])
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
         opt = state["opt"]

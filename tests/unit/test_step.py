@@ -391,3 +391,20 @@ def test_fp16_sequence_matches_gradscaler_with_a_skipped_overflow_step():
         torch.testing.assert_close(
             state["params"][tuple(name.split("."))], p.detach(), rtol=1e-5, atol=1e-6
         )
+
+
+def test_a_state_of_another_model_is_refused_naming_the_paths():
+    """A state of a smaller model trained the rest from the nn.Module itself (never
+    updated, never saved), silently; a larger one failed deep inside torch.func."""
+    big = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    small = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    tx = ftrain.optim.sgd(0.1)
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 1)}
+
+    def loss(m, b):
+        return ((m(b["x"])[:, :1] - b["y"]) ** 2).mean()
+
+    with pytest.raises(ValueError, match=r"missing from the state \['1.bias', '1.weight'\]"):
+        ftrain.make_step(big, loss, tx)(ftrain.init_state(small, tx, seed=0), batch)
+    with pytest.raises(ValueError, match=r"not in the model \['1.bias', '1.weight'\]"):
+        ftrain.make_step(small, loss, tx)(ftrain.init_state(big, tx, seed=0), batch)
