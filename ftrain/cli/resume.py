@@ -82,6 +82,8 @@ class ResumeReport:
     next_lr: float | None = None
     epoch: int = 0
     position: int = 0
+    # (epoch, position) where each rank's part of the next batch begins (a resume)
+    rank_starts: list[tuple[int, int]] | None = None
     redo: tuple[int, int] | None = None
     fingerprints: dict = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
@@ -101,6 +103,14 @@ class ResumeReport:
     rows_read: int | None = None  # chunk bytes this rank read of a sharded restore (its rows)
     mapped: int = 0  # checkpoint.mmap_restore: bytes of the state mapping the step's files
     resharded: bool = False  # the checkpoint or this run holds rows per rank
+
+    def _ranks_line(self) -> str:
+        """Where each rank's part of the next batch begins, when there are several."""
+        if not self.rank_starts or len(self.rank_starts) < 2:
+            return ""
+        return (
+            " (ranks: " + ", ".join(f"{e}:{p}" for e, p in self.rank_starts) + " as epoch:position)"
+        )
 
     def lines(self) -> list[str]:
         ignored = [f"ignored {line}" for line in self.ignored]
@@ -123,7 +133,8 @@ class ResumeReport:
                 if self.mapped
                 else ""
             ),
-            f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} position={self.position}",
+            f"next step {self.step + 1}: lr={self.next_lr:.6g}, data epoch={self.epoch} "
+            f"position={self.position}{self._ranks_line()}",
             f"checkpoint config hash={self.fingerprints.get('config_hash')} data={self.fingerprints.get('data')}",
         ]
         if self.schedule:

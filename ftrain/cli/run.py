@@ -57,6 +57,7 @@ from ftrain.cli.session import Session
 from ftrain.compiled import should_compile
 from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
+from ftrain.data.sampler import rank_starts
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
@@ -151,6 +152,17 @@ def train_from_config(cfg: DictConfig) -> int:
         shutdown()
 
 
+def _next_batch_starts(cfg, report, state, num_samples: int, world_size: int) -> None:
+    starts = rank_starts(
+        state["data"],
+        world=world_size,
+        global_batch=cfg.trainer.batch_size,
+        num_samples=num_samples,
+        drop_last=cfg.data.drop_last,
+    )
+    (report.epoch, report.position), report.rank_starts = starts[0], starts
+
+
 @dataclass
 class _Parts:
     """What setup built for the run: the model as a function, optimizer, data, checkpoints."""
@@ -199,6 +211,8 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
             report.notes.append(line)
         if not report.resumed:
             check_labels(cfg, state["params"])
+        else:  # where the next batch really begins (past a shrunk dataset's end: next epoch)
+            _next_batch_starts(cfg, report, state, len(train_src), world.size)
         loggers = _loggers(cfg, world, report)
     except BaseException:
         manager.close()

@@ -113,7 +113,8 @@ class Session:
             "redo": list(report.redo) if report.redo else None,
             "fingerprints": report.fingerprints,
             "changes": report.changes,
-            "rank_positions": self._rank_positions(report.position),
+            "rank_positions": self._rank_positions(report),
+            "rank_epochs": [e for e, _ in report.rank_starts] if report.rank_starts else None,
             "restore_s": report.restore_s,
             "host_rng": report.host_rng,
             "checkpoint_bytes": report.checkpoint_bytes,
@@ -127,10 +128,12 @@ class Session:
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)
 
-    def _rank_positions(self, position: int) -> list[int]:
+    def _rank_positions(self, report) -> list[int]:
+        if report.rank_starts:  # a resume: as the sampler reads them (wrapping an epoch)
+            return [p for _, p in report.rank_starts]
         # rank r reads the r-th contiguous slice of each global batch
         local = self.cfg.trainer.batch_size // self.world.size
-        return [position + r * local for r in range(self.world.size)]
+        return [report.position + r * local for r in range(self.world.size)]
 
     def record(self, kind: str, **fields) -> None:
         step = fields.get("step", 0)

@@ -124,6 +124,33 @@ def _check(rank: int, world: int, global_batch: int, num_samples: int, drop_last
         )
 
 
+def _start(epoch: int, pos: int, n: int, global_batch: int, drop_last: bool) -> tuple[int, int]:
+    if pos >= n or (drop_last and pos + global_batch > n):
+        return epoch + 1, 0  # a shrunk dataset (allowed change) or a dropped tail
+    return epoch, pos
+
+
+def rank_starts(
+    cursor: TensorDict, *, world: int, global_batch: int, num_samples: int, drop_last: bool
+) -> list[tuple[int, int]]:
+    """``(epoch, position)`` where each rank's part of the batch at ``cursor`` begins, as
+    :func:`sample` reads it: a cursor past a shrunk dataset's end starts the next epoch,
+    and a rank whose part begins past the epoch's end reads the next one.
+
+    Example:
+        >>> rank_starts(init_cursor(0, 20), world=2, global_batch=4, num_samples=22,
+        ...             drop_last=False)
+        [(0, 20), (1, 0)]
+    """
+    epoch, pos = _start(*cursor_values(cursor), num_samples, global_batch, drop_last)
+    local = global_batch // world
+    out = []
+    for r in range(world):
+        at = pos + r * local
+        out.append((epoch, at) if at < num_samples else (epoch + 1, at - num_samples))
+    return out
+
+
 def sample(
     cursor: TensorDict,
     key: torch.Tensor,
@@ -164,9 +191,7 @@ def sample(
         ([0, 1, 2, 3], 4)
     """
     _check(rank, world, global_batch, num_samples, drop_last)
-    epoch, pos = cursor_values(cursor)
-    if pos >= num_samples or (drop_last and pos + global_batch > num_samples):
-        epoch, pos = epoch + 1, 0  # a shrunk dataset (allowed change) or a dropped tail
+    epoch, pos = _start(*cursor_values(cursor), num_samples, global_batch, drop_last)
     pieces, need = [], global_batch
     while need:
         take = min(need, num_samples - pos)

@@ -178,3 +178,35 @@ def test_bad_cursor_raises():
         sample({"epoch": 0}, BASE, global_batch=2, num_samples=4)
     with pytest.raises(ValueError, match=">= 0"):
         init_cursor(0, -1)
+
+
+def test_rank_starts_are_where_sample_reads():
+    """The resume report gave the raw cursor: after a shrunk dataset (data.allow_changed)
+    it named a position past the end, and in a 2-rank run a rank position past the epoch
+    (the sampler reads the next epoch there)."""
+    from ftrain.data.sampler import rank_starts
+    from ftrain.rng import key
+
+    cases = [
+        (init_cursor(1, 20), 1, 4, 20, False, [(2, 0)]),  # shrunk to 20 samples
+        (init_cursor(0, 20), 2, 4, 22, False, [(0, 20), (1, 0)]),  # rank 1 wraps
+        (init_cursor(0, 4), 2, 4, 22, False, [(0, 4), (0, 6)]),
+    ]
+    for cursor, world, batch, n, drop, want in cases:
+        got = rank_starts(cursor, world=world, global_batch=batch, num_samples=n, drop_last=drop)
+        assert got == want, (cursor, got)
+        for r, (e, p) in enumerate(got):  # the first sample each rank reads is that one
+            idx, _ = sample(
+                cursor,
+                key(0),
+                rank=r,
+                world=world,
+                global_batch=batch,
+                num_samples=n,
+                drop_last=drop,
+            )
+            assert idx[0] == epoch_order(key(0), e, n)[p]
+    dropped = rank_starts(
+        init_cursor(0, 18), world=2, global_batch=4, num_samples=20, drop_last=True
+    )
+    assert dropped == [(1, 0), (1, 2)]  # the tail of 2 is dropped: the next epoch
