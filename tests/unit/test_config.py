@@ -146,3 +146,11 @@ def test_lora_settings_without_a_rank_are_warned_about():
     partial = OmegaConf.create({"model": {"lora": {"rank": 0}}})  # a user YAML's own node
     assert unused_lora_settings(partial) is None
     assert unused_lora_settings(load_config(["model.lora.rank=8", "model.lora.alpha=32"])) is None
+
+
+def test_a_data_setting_the_source_refuses_is_a_config_error():
+    """data=stdlib data.path=X raised a ValueError traceback (exit 1)."""
+    from ftrain.cli.build import build_sources
+
+    with pytest.raises(ConfigError, match="data: the stdlib corpus reads the Python standard"):
+        build_sources(load_config(["data=stdlib", "data.path=/tmp/x"]))
