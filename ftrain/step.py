@@ -189,11 +189,19 @@ def _check_params_match(model: nn.Module, pkeys: list[Key]) -> bool:
     if ours == theirs:
         return True
     missing, extra = sorted(theirs - ours), sorted(ours - theirs)
+    first = {}  # a tied parameter's other names -> the name init_state keeps
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    aliases = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    tied = [f"{n!r} is a tied alias of {aliases[n]!r}" for n in extra if aliases.get(n, n) != n]
     raise ValueError(
         "the state's params do not match the model's parameters: "
-        + (f"missing from the state {missing[:4]}" if missing else "")
-        + ("; " if missing and extra else "")
-        + (f"not in the model {extra[:4]}" if extra else "")
+        + "; ".join(
+            [f"missing from the state {missing[:4]}"] * bool(missing)
+            + ([", ".join(tied[:4]) + " (leave it out: init_state does)"] if tied else [])
+            + [f"not in the model {[n for n in extra if n not in aliases][:4]}"]
+            * any(n not in aliases for n in extra)
+        )
         + "; make the state with ftrain.init_state(model, tx) of this model (or restore a "
         "checkpoint of it with target=)"
     )

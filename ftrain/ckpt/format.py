@@ -410,14 +410,15 @@ def read_bytes_nofollow(path: Path) -> bytes:
     """A regular file's bytes, never through a symbolic link (a link inside a step is
     corruption) and never blocking on a FIFO planted in its place (``O_NONBLOCK``: it hung
     every listing, so every restart)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        fd = _open_regular(path, flags)
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CorruptCheckpointError(f"{path}: metadata is not a regular file")
+        os.set_blocking(fd, True)  # a regular file: read it as usual
         if os.fstat(fd).st_size > MAX_JSON_BYTES:
             raise CorruptCheckpointError(f"{path}: metadata larger than {MAX_JSON_BYTES} bytes")
         with os.fdopen(os.dup(fd), "rb") as f:
@@ -426,6 +427,18 @@ def read_bytes_nofollow(path: Path) -> bytes:
         raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
     finally:
         os.close(fd)
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """``os.open`` with ``O_NONBLOCK`` (a FIFO in the file's place must not block), once
+    more without it where a regular file answered EAGAIN (a write lease: an NFS or Samba
+    server's delegation makes a non-blocking open fail instead of wait)."""
+    try:
+        return os.open(path, flags | os.O_NONBLOCK)
+    except BlockingIOError:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise
+        return os.open(path, flags)
 
 
 def read_json(path: Path, *, checksum: list | None = None) -> dict:

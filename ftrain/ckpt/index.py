@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ftrain.ckpt.commit import read_committed
-from ftrain.ckpt.format import CorruptCheckpointError
+from ftrain.ckpt.format import CorruptCheckpointError, read_bytes_nofollow
 from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.policies import BestN, StepInfo
 
@@ -63,11 +63,12 @@ def load_or_rebuild(
     """Entries for ``steps`` (``{step: committed path}``): each from the index where it
     describes that path (and, given ``seals`` — ``{path: marker's manifest crc32c}`` —
     that very copy of the step), else read from the step (unreadable steps left out)."""
-    try:
-        doc = json.loads(index_path.read_bytes())
+    try:  # locally never through a link nor blocking on a FIFO in its place
+        raw = read_bytes_nofollow(index_path) if isinstance(index_path, Path) else None
+        doc = json.loads(raw if raw is not None else index_path.read_bytes())
         current = doc.get("version") == INDEX_VERSION
         cached = {int(e["step"]): e for e in doc["entries"]} if current else {}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError):
         cached = {}
     return reuse_or_read(cached, steps, seals)
 

@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftrain.ckpt.format import CorruptCheckpointError, read_bytes_nofollow
 from ftrain.runlock import RunDirError
 
 __all__ = ["OWNER", "CheckpointOwnerError", "Claim", "claim"]
@@ -221,10 +222,12 @@ def _write(location, record: dict, *, create: bool) -> bool:
 def _read(location) -> dict | None:
     """The record, ``None`` if there is none; ``ValueError`` if it is not one."""
     if isinstance(location, Path):
-        try:
-            raw = (location / OWNER).read_bytes()
-        except FileNotFoundError:
-            return None
+        try:  # never through a link nor blocking on a FIFO planted in its place
+            raw = read_bytes_nofollow(location / OWNER)
+        except CorruptCheckpointError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                return None
+            raise ValueError(str(e)) from None
     else:
         raw = location.get(OWNER)
         if raw is None:

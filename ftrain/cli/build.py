@@ -34,7 +34,7 @@ from ftrain.cli.targets import (
     resolve_loss,
 )
 from ftrain.config import ConfigError
-from ftrain.data import DataFormatError, Source
+from ftrain.data import Source
 from ftrain.data.sources import source_from_config
 from ftrain.lora import apply_lora
 
@@ -194,10 +194,6 @@ def build_sources(cfg: DictConfig) -> tuple[Source, Source]:
         return source_from_config(d, split="train"), source_from_config(d, split="val")
     except KeyError as err:  # unknown source name: the message lists the known ones
         raise ConfigError(str(err.args[0]) if err.args else str(err)) from None
-    except DataFormatError:
-        raise
-    except ValueError as err:  # a setting the source refuses (data=stdlib data.path=...)
-        raise ConfigError(f"data: {err}") from None
 
 
 def check_batch(trainer, source: Source, world_size: int = 1) -> None:

@@ -108,9 +108,9 @@ class ResumeReport:
         """Where each rank's part of the next batch begins, when there are several."""
         if not self.rank_starts or len(self.rank_starts) < 2:
             return ""
-        return (
-            " (ranks: " + ", ".join(f"{e}:{p}" for e, p in self.rank_starts) + " as epoch:position)"
-        )
+        shown = ", ".join(f"{e}:{p}" for e, p in self.rank_starts[:8])
+        more = f", ... ({len(self.rank_starts)} ranks)" if len(self.rank_starts) > 8 else ""
+        return f" (ranks: {shown}{more} as epoch:position)"
 
     def lines(self) -> list[str]:
         ignored = [f"ignored {line}" for line in self.ignored]

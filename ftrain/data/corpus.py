@@ -17,7 +17,7 @@ import sysconfig
 from pathlib import Path
 
 from ftrain.data.fingerprint import cache_dir
-from ftrain.data.sources import register_source
+from ftrain.data.sources import DataPathError, register_source
 from ftrain.data.text import TextCorpusSource, resolve_text_files
 
 __all__ = ["cache_dir", "stdlib_corpus", "stdlib_files"]
@@ -54,15 +54,15 @@ def stdlib_corpus(
         path: must stay ``None`` (the stdlib is found, not configured).
 
     Raises:
-        ValueError: a ``path`` was given (use the ``text`` or ``tokens`` source for that).
+        DataPathError: a ``path`` was given (use the ``text`` or ``tokens`` source for that).
 
     Example:
         >>> src = stdlib_corpus(block_size=256)  # doctest: +SKIP
         >>> src.describe()["vocab_size"]  # doctest: +SKIP
         256
     """
-    if path is not None:
-        raise ValueError(
+    if path is not None:  # a data setting (exit 2 in the CLI), not a traceback
+        raise DataPathError(
             f"the stdlib corpus reads the Python standard library, not {path=}; for your own "
             "files use data=text data.path=DIR_OR_GLOB (or data=tokens for token files)"
         )

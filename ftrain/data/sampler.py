@@ -146,8 +146,9 @@ def rank_starts(
     local = global_batch // world
     out = []
     for r in range(world):
-        at = pos + r * local
-        out.append((epoch, at) if at < num_samples else (epoch + 1, at - num_samples))
+        e, at = epoch, pos + r * local
+        e, at = e + at // num_samples, at % num_samples  # a batch may span several epochs
+        out.append((e, at))
     return out
 
 

@@ -39,8 +39,7 @@ def resolve_text_files(
 
     Each entry of ``paths`` is a file, a directory (its files matching ``pattern``,
     sorted by relative POSIX path) or a glob (its matches, sorted). Entries keep their
-    order. Files with a path component in ``exclude`` are skipped, and in a directory
-    hidden ones (a component starting with ``.``: ``.git/``, swap files), as a glob does.
+    order. Files with a path component in ``exclude`` are skipped.
 
     Raises:
         DataPathError: an entry matches no file, or cannot be read (a directory this user
@@ -74,17 +73,13 @@ def _entry_files(p: Path, pattern: str, skip: set[str]) -> list[Path]:
     """The files of one ``data.path`` entry (see :func:`resolve_text_files`)."""
     if p.is_file():
         return [p]
-    if p.is_dir():  # hidden files and folders (.git/, editor swap files) left out, as a glob
+    if p.is_dir():
         return sorted(
-            (f for f in p.glob(pattern) if f.is_file() and _kept(f.relative_to(p).parts, skip)),
+            (f for f in p.glob(pattern) if f.is_file() and not skip & set(f.relative_to(p).parts)),
             key=lambda f: f.relative_to(p).as_posix(),
         )
     found = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
     return [f for f in found if not skip & set(f.parts)]
-
-
-def _kept(parts: tuple[str, ...], skip: set[str]) -> bool:
-    return not skip & set(parts) and not any(part.startswith(".") for part in parts)
 
 
 def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:

@@ -50,6 +50,23 @@ def test_a_damaged_record_is_taken_over_not_a_blocked_start(tmp_path, damage, ca
     assert json.loads((ckpt / OWNER).read_text())["token"] == got.record["token"]
 
 
+def test_a_fifo_in_place_of_the_record_is_taken_over_not_a_hang(tmp_path, caplog):
+    """Reading it blocked every start on the location forever."""
+    import os
+    import threading
+
+    ckpt = tmp_path / "shared"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / OWNER)
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(c=claim(ckpt, tmp_path / "b")), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "hung on the FIFO"
+    assert "not a regular file" in caplog.text
+    assert json.loads((ckpt / OWNER).read_text())["token"] == got["c"].record["token"]
+
+
 def test_release_removes_only_its_own_record(tmp_path):
     ckpt = tmp_path / "shared"
     a = claim(ckpt, tmp_path / "run-a")

@@ -149,8 +149,10 @@ def test_lora_settings_without_a_rank_are_warned_about():
 
 
 def test_a_data_setting_the_source_refuses_is_a_config_error():
-    """data=stdlib data.path=X raised a ValueError traceback (exit 1)."""
+    """data=stdlib data.path=X raised a ValueError traceback (exit 1); a DataPathError is
+    one of the start-up errors the CLI reports as exit 2."""
     from ftrain.cli.build import build_sources
+    from ftrain.data import DataPathError
 
-    with pytest.raises(ConfigError, match="data: the stdlib corpus reads the Python standard"):
+    with pytest.raises(DataPathError, match="the stdlib corpus reads the Python standard"):
         build_sources(load_config(["data=stdlib", "data.path=/tmp/x"]))

@@ -191,6 +191,7 @@ def test_rank_starts_are_where_sample_reads():
         (init_cursor(1, 20), 1, 4, 20, False, [(2, 0)]),  # shrunk to 20 samples
         (init_cursor(0, 20), 2, 4, 22, False, [(0, 20), (1, 0)]),  # rank 1 wraps
         (init_cursor(0, 4), 2, 4, 22, False, [(0, 4), (0, 6)]),
+        (init_cursor(0, 0), 4, 8, 3, False, [(0, 0), (0, 2), (1, 1), (2, 0)]),  # 3 epochs
     ]
     for cursor, world, batch, n, drop, want in cases:
         got = rank_starts(cursor, world=world, global_batch=batch, num_samples=n, drop_last=drop)

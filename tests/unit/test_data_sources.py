@@ -267,22 +267,6 @@ def test_unreadable_corpus_files_are_a_clear_data_path_error(tmp_path, monkeypat
     assert not list((tmp_path / "cache").rglob("*.tmp-*")), "no partial token file is left"
 
 
-def test_a_corpus_directory_leaves_out_hidden_files_as_its_glob_does(tmp_path):
-    """A corpus under git trained on .git's object bytes (and any git operation or swap
-    file made a resume "changed data"); the glob spelling of the same corpus did not."""
-    corpus = tmp_path / "corpus"
-    (corpus / ".git" / "objects").mkdir(parents=True)
-    (corpus / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    (corpus / ".git" / "objects" / "ab").write_bytes(b"\x78\x9c compressed")
-    (corpus / ".notes.txt.swp").write_bytes(b"swap")
-    (corpus / "a.txt").write_text("alpha beta\n")
-    (corpus / "sub").mkdir()
-    (corpus / "sub" / "b.txt").write_text("gamma\n")
-    by_dir = text_mod.resolve_text_files(corpus)
-    assert [f.relative_to(corpus).as_posix() for f in by_dir] == ["a.txt", "sub/b.txt"]
-    assert by_dir == text_mod.resolve_text_files(str(corpus / "**" / "*"))
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bool", "u16", "complex64"])
 def test_a_token_dtype_that_is_not_an_integer_is_refused_naming_the_fix(tmp_path, dtype):
     """A uint16 file read as float16 made every id 0 and trained to the end; an unknown

@@ -408,3 +408,19 @@ def test_a_state_of_another_model_is_refused_naming_the_paths():
         ftrain.make_step(big, loss, tx)(ftrain.init_state(small, tx, seed=0), batch)
     with pytest.raises(ValueError, match=r"not in the model \['1.bias', '1.weight'\]"):
         ftrain.make_step(small, loss, tx)(ftrain.init_state(big, tx, seed=0), batch)
+
+
+def test_a_tied_alias_in_the_state_is_named_as_one():
+    from ftrain.step import _check_params_match
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    keys = [("emb", "weight"), ("head", "weight")]  # as TensorDict.from_module lists them
+    with pytest.raises(ValueError, match="'head.weight' is a tied alias of 'emb.weight'"):
+        _check_params_match(Tied(), keys)
+    assert _check_params_match(Tied(), keys[:1])
