@@ -48,7 +48,7 @@ from ftrain.optim.base import Trainable, flat_update, leaf_get, per_structure, p
 from ftrain.optim.bucketed import prepare_of
 from ftrain.optim.partition import learning_rates, learning_rates_in
 from ftrain.optim.processing import clip_by_global_norm_torch, global_norm_of, mean_across_ranks
-from ftrain.state.init import check_usable, is_pinned, mark_donated
+from ftrain.state.init import check_model_and_tx, check_usable, is_pinned, mark_donated
 from ftrain.state.tree import Key, Structure, flatten, new_td, structure, unflatten
 
 __all__ = ["Step", "evaluate", "make_eval_step", "make_step"]
@@ -319,6 +319,9 @@ def make_step(
         >>> int(new["step"]), int(state["step"])
         (1, 0)
     """
+    check_model_and_tx(model, tx, "make_step")
+    if not callable(loss_fn):
+        raise TypeError(f"make_step(model, loss_fn, tx): loss_fn must be callable, got {loss_fn!r}")
     _check_args(grad_accum, precision, clip)
     rank, dp = _default_rank_world(dp)
     sharder = _sharder(shard, compile=compile, donate=donate, precision=precision, clip=clip)

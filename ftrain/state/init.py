@@ -81,6 +81,7 @@ def init_state(
         >>> sorted(state.keys())
         ['buffers', 'data', 'opt', 'params', 'rng', 'step']
     """
+    check_model_and_tx(model, tx, "init_state")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
     params = _detached_tree(list(model.named_parameters()))
@@ -101,6 +102,24 @@ def init_state(
         batch_size=[],
     )
     return state.lock_()
+
+
+def check_model_and_tx(model, tx, where: str) -> None:
+    """``model`` an ``nn.Module`` and ``tx`` an optax-shaped transformation (``init`` and
+    ``update``), or a ``TypeError`` naming what was given (arguments swapped, a
+    ``torch.optim`` optimizer) instead of an AttributeError from deep inside."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{where}(model, tx, ...) needs a torch.nn.Module as model, got "
+            f"{type(model).__module__}.{type(model).__qualname__} (arguments swapped?)"
+        )
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"{where}(model, tx, ...) needs an ftrain.optim transformation as tx (init and "
+            f"update), e.g. ftrain.optim.adamw(1e-3); got {type(tx).__module__}."
+            f"{type(tx).__qualname__} (a torch.optim optimizer is not one: ftrain.optim has "
+            "adamw, sgd, ...)"
+        )
 
 
 def _is_persistent(model: nn.Module, name: str) -> bool:

@@ -424,3 +424,18 @@ def test_a_tied_alias_in_the_state_is_named_as_one():
     with pytest.raises(ValueError, match="'head.weight' is a tied alias of 'emb.weight'"):
         _check_params_match(Tied(), keys)
     assert _check_params_match(Tied(), keys[:1])
+
+
+def test_swapped_or_foreign_arguments_are_named():
+    """init_state(tx, model), a torch.optim optimizer, a None loss: AttributeErrors from
+    deep inside before."""
+    model, tx = torch.nn.Linear(2, 1), ftrain.optim.sgd(0.1)
+    with pytest.raises(TypeError, match=r"needs a torch.nn.Module as model, got .*swapped"):
+        ftrain.init_state(tx, model, seed=0)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"got torch.optim.sgd.SGD \(a torch.optim optimizer"):
+        ftrain.init_state(model, sgd, seed=0)
+    with pytest.raises(TypeError, match="make_step.*an ftrain.optim transformation as tx"):
+        ftrain.make_step(model, lambda m, b: m(b).sum(), sgd)
+    with pytest.raises(TypeError, match="loss_fn must be callable, got None"):
+        ftrain.make_step(model, None, tx)
