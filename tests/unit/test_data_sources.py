@@ -223,7 +223,7 @@ def test_source_from_config(tmp_path):
     root = make_corpus(tmp_path / "corpus")
     text = source_from_config(CONFIG | {"name": "text", "path": str(root), "block_size": 8})
     assert isinstance(text, TextCorpusSource) and text.split == "train"
-    with pytest.raises(ValueError, match="data=text"):
+    with pytest.raises(DataPathError, match="data=text"):
         source_from_config(CONFIG | {"name": "stdlib", "path": str(root), "block_size": 8})
     with pytest.raises(KeyError, match="unknown data source"):
         source_from_config({"name": "nope"})
