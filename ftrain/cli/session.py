@@ -71,6 +71,7 @@ class Session:
         self.sharded = False  # the optimizer state is sharded over the ranks (dist.shard)
         self._ckpt_group = None  # the async sharded saves' process group (made on first use)
         self._best_checked = False  # checkpoint.best_metric looked for in a step's metrics
+        self.start_step: int | None = None  # the step this run started from (start_progress)
 
     # -- lifecycle --------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -87,6 +88,7 @@ class Session:
 
     def start_progress(self, start_step: int, device=None) -> None:
         self.device = device  # whose peak memory the step records show
+        self.start_step = start_step
         self.progress = Progress(
             self.cfg.trainer.max_steps, start_step, rank=self.world.rank, world=self.world.size
         )
@@ -169,6 +171,8 @@ class Session:
         in a data-parallel run every rank calls this, so each rank's host RNG states can be
         gathered into the checkpoint when the coordinator's manager wants the step."""
         host_rng = None
+        if reason in _LOCAL_REASONS and int(state["step"]) == self.start_step:
+            return self._skip_start_save(int(state["step"]), reason)
         self._check_best_metric(int(state["step"]), metrics)
         # emergency and hang saves happen on one rank alone: no collective may run there
         if self.sharded and reason in _LOCAL_REASONS:
@@ -207,6 +211,19 @@ class Session:
             self._committed(list(self._pending))
             self._started(int(state["step"]), reason, t0, started, self.cfg.checkpoint.async_save)
         return saved
+
+    def _skip_start_save(self, step: int, reason: str) -> bool:
+        """No emergency or hang save of the state this run started from: it is committed
+        already (a resume) or made again from the config (a fresh start, ``init.from``).
+        Saving a fresh step 0 after a failure at step 1 (out of memory, a bad batch size,
+        a bug in the loss) tied the run directory to the config that failed: the corrected
+        run was refused as a changed model or optimizer."""
+        self._say(
+            step,
+            f"{reason} save skipped: nothing was trained since this run started at step "
+            f"{step} (committed already, or made again from the config on the next start)",
+        )
+        return False
 
     def _verdict(self, state, force: bool) -> int:
         """The coordinator's decision for every rank: save, skip, or stop because its

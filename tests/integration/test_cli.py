@@ -333,6 +333,7 @@ def test_second_sigint_exits_at_once_and_leaves_only_valid_checkpoints(cli, pope
 
 
 FAILING_RUN = """
+import os
 import sys
 from ftrain.cli.build import _gpt2, register_model
 from ftrain.cli.run import main
@@ -345,8 +346,8 @@ def build(cfg, generator):
 
     def failing_loss(m, batch):
         calls["n"] += 1
-        if calls["n"] == 5:
-            raise RuntimeError("simulated failure in step 5")
+        if calls["n"] == int(os.environ.get("FAIL_AT", "5")):
+            raise RuntimeError(f"simulated failure in step {calls['n']}")
         return loss(m, batch)
 
     return model, failing_loss
@@ -383,3 +384,40 @@ def test_exception_in_the_loop_makes_an_emergency_save_then_exits_1(cache_dir, t
     event = records(run, "emergency_save")[-1]
     assert event["saved"] is True and event["step"] == 4
     assert _committed(run) == [4], "the last completed step, committed"
+
+
+def test_a_failure_at_the_first_step_saves_nothing_so_a_corrected_config_starts(
+    cache_dir, tmp_path
+):
+    """An emergency save of the fresh step 0 tied the run directory to the config that
+    failed (an OOM at step 1, a bug in the loss): the corrected run was refused as a
+    changed model. The start state is made again from the config, so nothing is saved."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import TINY
+
+    run = tmp_path / "run"
+    args = [f"run.dir={run}", *TINY, "trainer.eval_every=null", "trainer.max_steps=3"]
+
+    def start(*extra, fail_at="1"):
+        env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, FAIL_AT=fail_at)
+        cmd = [sys.executable, "-c", FAILING_RUN, *args, *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+
+    failed = start("model.name=gpt2_failing")
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "simulated failure in step 1" in failed.stderr
+    assert "emergency save skipped: nothing was trained" in failed.stdout
+    (event,) = records(run, "emergency_save")
+    assert event["step"] == 0 and event["saved"] is False
+    assert _committed(run) == []
+    # a different model: not refused (the model that fails never fails in this run)
+    fixed = start("model.name=gpt2_failing", "model.n_embd=32", fail_at="0")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert _committed(run) == [3]
+    again = start("model.name=gpt2_failing", "model.n_embd=32", "trainer.max_steps=5")
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "nothing was trained since this run started at step 3" in again.stdout
+    assert _committed(run) == [3], "the resumed start step stays as committed"
