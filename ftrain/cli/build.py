@@ -227,6 +227,12 @@ def check_batch(trainer, source: Source, world_size: int = 1) -> None:
         )
 
 
+def model_vocab(model_cfg) -> int | None:
+    """``model.vocab_size`` when the model has one (an int), else None."""
+    ours = model_cfg.get("vocab_size") if model_cfg is not None else None
+    return ours if isinstance(ours, int) and not isinstance(ours, bool) else None
+
+
 def check_vocab(model_cfg, source: Source) -> None:
     """A model whose embedding has fewer rows than the data has token ids fails at the
     first batch deep inside ``F.embedding``; say so at start, with the fix.
@@ -234,9 +240,8 @@ def check_vocab(model_cfg, source: Source) -> None:
     Raises:
         ConfigError: ``model.vocab_size`` below the source's declared ``vocab_size``.
     """
-    ours = model_cfg.get("vocab_size") if model_cfg is not None else None
-    theirs = source.describe().get("vocab_size")
-    if isinstance(ours, int) and isinstance(theirs, int) and ours < theirs:
+    ours, theirs = model_vocab(model_cfg), source.describe().get("vocab_size")
+    if ours is not None and isinstance(theirs, int) and ours < theirs:
         raise ConfigError(
             f"model.vocab_size={ours} is smaller than the data's vocabulary ({theirs} token "
             f"ids, {source.describe().get('tokenizer') or 'as the source declares'}); set "

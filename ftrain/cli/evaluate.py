@@ -40,7 +40,7 @@ from ftrain.ckpt import CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.readonly import read_model
-from ftrain.cli.build import build_model, check_vocab, pick_device
+from ftrain.cli.build import build_model, check_vocab, model_vocab, pick_device
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
 from ftrain.config import ConfigError
@@ -148,7 +148,9 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
     out = evaluate(
         make_eval_step(model.to(device), loss_fn, precision=t.precision),
         place(state, device),
-        val_batches(val, t.eval_batches, t.batch_size, device=device),
+        val_batches(
+            val, t.eval_batches, t.batch_size, device=device, vocab_size=model_vocab(cfg.model)
+        ),
     )
     loss = out["loss"]
     return {

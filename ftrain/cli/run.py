@@ -33,6 +33,7 @@ from ftrain.cli.build import (
     build_tx,
     check_batch,
     check_vocab,
+    model_vocab,
     pick_device,
     schedule_horizon,
 )
@@ -286,6 +287,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             drop_last=cfg.data.drop_last,
             prefetch=cfg.data.prefetch,
             device=device,
+            vocab_size=model_vocab(cfg.model),
         )
         evaluate = session.evaluator(p.model, p.loss_fn, p.val, device) if t.eval_every else None
         session.start_progress(int(state["step"]), device)
@@ -314,6 +316,8 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             return _diverged(err, session)
         except CheckpointSaveError as err:  # each rank said which step did not commit
             return _save_failed(err, p.manager)
+        except DataFormatError as err:
+            return _bad_batch(err, p.manager)
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
 
 
@@ -370,11 +374,21 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
 def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
     """A checkpoint that did not commit stops the run (a week of training must not go on
     unsaved): one message, where a re-run resumes, exit 1 (no traceback)."""
+    return _stopped(err, manager, "the cause (disk, permissions, the object store)")
+
+
+def _bad_batch(err: DataFormatError, manager: CheckpointManager) -> int:
+    """Data that cannot be trained on, found in a batch (a token id the model has no row
+    for): the message names the data and the fix, exit 1 after the loop's emergency save."""
+    return _stopped(err, manager, "the data or the config as the message says")
+
+
+def _stopped(err: Exception, manager: CheckpointManager, fix: str) -> int:
     latest = manager.latest_step()
     where = f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
     print(
-        f"ftrain: {err}\nftrain: newest committed checkpoint: {where}; fix the cause (disk, "
-        "permissions, the object store) and re-run the same command to resume",
+        f"ftrain: {err}\nftrain: newest committed checkpoint: {where}; fix {fix} and re-run "
+        "the same command to resume",
         file=sys.stderr,
     )
     return EXIT_ERROR

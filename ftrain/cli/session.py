@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from ftrain.ckpt import CheckpointManager, CheckpointSaveError, hostrng
 from ftrain.ckpt.commit import MARKER, step_dirname
+from ftrain.cli.build import model_vocab
 from ftrain.data import val_batches
 from ftrain.dist import World, agree_any, all_mean, broadcast_int, checkpoint_group, gather_json
 from ftrain.loop import LoopResult
@@ -381,6 +382,7 @@ class Session:
                 self.world.rank,
                 self.world.size,
                 device=device,
+                vocab_size=model_vocab(self.cfg.model),
             )
             if self.sharded:  # shard=full: every rank gathers whole params (collective)
                 state = gather_state(state, ("params",))

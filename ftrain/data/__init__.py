@@ -17,7 +17,7 @@ from ftrain.data.fingerprint import (
     file_digest,
     make_fingerprint,
 )
-from ftrain.data.loader import Loader, LoaderIterator, val_batches
+from ftrain.data.loader import Loader, LoaderIterator, check_token_ids, val_batches
 from ftrain.data.sampler import cursor_values, data_key, epoch_order, init_cursor, sample
 from ftrain.data.sources import (
     DataFormatError,
@@ -45,6 +45,7 @@ __all__ = [
     "TextCorpusSource",
     "TokenFileSource",
     "cache_dir",
+    "check_token_ids",
     "check_fingerprint",
     "cursor_values",
     "data_key",

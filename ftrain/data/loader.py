@@ -21,9 +21,9 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.data.sampler import cursor_values, init_cursor, sample
-from ftrain.data.sources import Source
+from ftrain.data.sources import DataFormatError, DataPathError, Source
 
-__all__ = ["Loader", "LoaderIterator", "val_batches"]
+__all__ = ["Loader", "LoaderIterator", "check_token_ids", "val_batches"]
 
 _POLL_S = 0.1
 
@@ -93,6 +93,8 @@ class LoaderIterator(Iterator[TensorDict]):
                         ) from None
             if isinstance(batch, _Stop):
                 self.close()
+                if isinstance(batch.error, (DataFormatError, DataPathError)):
+                    raise batch.error  # its message names the data and the fix
                 raise RuntimeError(
                     "the data prefetch thread failed while reading a batch"
                 ) from batch.error
@@ -132,6 +134,10 @@ class Loader:
         prefetch: batches to read ahead in a background thread (0: read synchronously).
         device: where ``x`` and ``y`` are delivered; on CUDA via pinned memory and
             non-blocking copies.
+        vocab_size: when given, a batch holding a token id outside ``[0, vocab_size)``
+            raises :class:`~ftrain.data.DataFormatError` naming the data and the fix
+            (the model's embedding would fail deep inside ``F.embedding``, or a CUDA
+            device assert); checked on the host before the copy, per batch.
 
     Example:
         >>> from ftrain.data.sources import TensorSource
@@ -155,6 +161,7 @@ class Loader:
         drop_last: bool = False,
         prefetch: int = 2,
         device: str | torch.device = "cpu",
+        vocab_size: int | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch=}")
@@ -166,6 +173,7 @@ class Loader:
             prefetch,
         )
         self.device = torch.device(device)
+        self.vocab_size = vocab_size
         self._pin = self.device.type == "cuda"
         self._active: LoaderIterator | None = None
         # validate the arguments now rather than in the producer thread
@@ -185,6 +193,10 @@ class Loader:
         indices, next_cursor = sample(cursor, self.key, **self._sample_kwargs())
         xy = self.source.get(indices)
         x, y = xy["x"], xy["y"]
+        if self.vocab_size is not None:
+            epoch, position = cursor_values(cursor)
+            where = f"epoch {epoch}, position {position}"
+            check_token_ids(self.source, x, y, self.vocab_size, where)
         if self._pin:
             x, y = x.pin_memory(), y.pin_memory()
         return TensorDict({"x": x, "y": y, "cursor": next_cursor}, batch_size=[])
@@ -227,6 +239,30 @@ class Loader:
         self.close()
 
 
+def check_token_ids(
+    source: Source, x: torch.Tensor, y: torch.Tensor, vocab_size: int | None, where: str
+) -> None:
+    """Every token id of a batch in ``[0, vocab_size)`` (nothing checked without a size).
+
+    Raises:
+        DataFormatError: naming the id, the data, where it was read and the fix.
+    """
+    if vocab_size is None or not x.numel():
+        return
+    lo, hi = min(int(x.min()), int(y.min())), max(int(x.max()), int(y.max()))
+    if lo >= 0 and hi < vocab_size:
+        return
+    bad = hi if hi >= vocab_size else lo
+    facts = source.describe()
+    raise DataFormatError(
+        f"token id {bad} is outside the model's vocabulary [0, {vocab_size}) in the batch read "
+        f"at {where} of {facts.get('path') or facts.get('kind', 'the data')!r}"
+        + (f" (dtype {facts['dtype']})" if "dtype" in facts else "")
+        + f"; set model.vocab_size above {bad}, or set "
+        "data.dtype to the dtype the file was written with, or regenerate the data"
+    )
+
+
 def val_batches(
     source: Source,
     n_batches: int,
@@ -234,6 +270,7 @@ def val_batches(
     rank: int = 0,
     world: int = 1,
     device: str | torch.device = "cpu",
+    vocab_size: int | None = None,
 ) -> Iterator[TensorDict]:
     """The fixed evaluation batches of ``source``: the same every call, no RNG, no cursor.
 
@@ -244,6 +281,9 @@ def val_batches(
 
     Yields:
         ``TensorDict(x, y)`` with ``[global_batch // world, block_size]`` int64 tensors.
+
+    Raises:
+        DataFormatError: with ``vocab_size``, a token id outside ``[0, vocab_size)``.
 
     Example:
         >>> from ftrain.data.sources import TensorSource
@@ -261,4 +301,5 @@ def val_batches(
     for b in range(n_batches):
         start = b * global_batch + rank * local
         xy = source.get(order[start : start + local])
+        check_token_ids(source, xy["x"], xy["y"], vocab_size, f"evaluation batch {b}")
         yield TensorDict({"x": xy["x"].to(dev), "y": xy["y"].to(dev)}, batch_size=[])

@@ -362,3 +362,31 @@ def test_a_preemption_notice_during_start_up_stops_at_the_first_boundary_with_ex
     assert stop["step"] == 0 and stop["reason"] == "SIGTERM"
     assert not records(run, "step"), "no step was trained"
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+def test_a_token_id_beyond_the_model_vocabulary_is_one_message_and_a_fixable_start(
+    cache_dir, forkserver, tmp_path
+):
+    """Token ids past model.vocab_size with nothing declaring the data's vocabulary (a
+    nanoGPT token directory): an IndexError from F.embedding at step 1, after an emergency
+    save of step 0 that then refused the corrected model. Now: the batch is refused naming
+    the id and the fix, nothing is saved, and the corrected config starts."""
+    import numpy as np
+
+    data = tmp_path / "tokens"
+    data.mkdir()
+    for split in ("train", "val"):
+        (np.arange(4096) % 300).astype(np.uint16).tofile(data / f"{split}.bin")
+    run = tmp_path / "run"
+    args = [f"run.dir={run}", *(a for a in TINY if not a.startswith("data"))]
+    args += ["data=tokens", f"data.path={data}", "trainer.max_steps=2"]
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    bad = forkserver.run(args, env, 240)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "Traceback" not in bad.stderr, bad.stderr
+    assert "outside the model's vocabulary [0, 256)" in bad.stderr
+    assert "set model.vocab_size above 299" in bad.stderr and "train.bin" in bad.stderr
+    assert _committed(run) == []
+    fixed = forkserver.run([*args, "model.vocab_size=320"], env, 240)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert _committed(run) == [2]

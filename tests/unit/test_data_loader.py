@@ -151,3 +151,34 @@ def test_cuda_batches_arrive_on_device():
         and batch["y"].is_cuda
         and batch["cursor", "position"].device.type == "cpu"
     )
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("bad", [300, -1])
+def test_a_token_id_outside_the_vocabulary_is_a_data_error_naming_it(prefetch, bad):
+    """A token id the model has no embedding row for failed deep inside F.embedding (or
+    as a CUDA device assert); the loader names it, where it was read and the fix."""
+    from ftrain.data import DataFormatError
+
+    tokens = torch.arange(81) % 200
+    tokens[30] = bad  # in sample 7 of 20
+    src = TensorSource(tokens, block_size=BLOCK)
+    loader = make(src, global_batch=10, prefetch=prefetch, vocab_size=256, shuffle=False)
+    with loader.iter_from(init_cursor()) as it, pytest.raises(DataFormatError) as err:
+        next(it)
+    msg = str(err.value)
+    assert f"token id {bad} is outside the model's vocabulary [0, 256)" in msg
+    assert "epoch 0, position 0" in msg and "model.vocab_size" in msg
+    ok = make(src, global_batch=10, prefetch=prefetch, vocab_size=256, shuffle=False)
+    with ok.iter_from(init_cursor(0, 10)) as it:  # not checked past the vocabulary: fine
+        assert next(it)["x"].shape == (10, BLOCK)
+
+
+def test_val_batches_check_the_vocabulary_too():
+    from ftrain.data import DataFormatError
+
+    tokens = torch.arange(41)
+    src = TensorSource(tokens, block_size=BLOCK)
+    assert len(list(val_batches(src, 2, 4, vocab_size=37))) == 2  # samples 0-8 of 10
+    with pytest.raises(DataFormatError, match="token id 36 is outside .* evaluation batch 1"):
+        list(val_batches(src, 2, 4, vocab_size=36))
