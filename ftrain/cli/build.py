@@ -183,17 +183,45 @@ def _optimizer(cfg: DictConfig, o: DictConfig, horizon: int):
     return build_optimizer(o, build_schedule(cfg, horizon, o.lr))
 
 
-def build_sources(cfg: DictConfig) -> tuple[Source, Source]:
-    """The train and val splits of ``data.name`` (any registered source).
+def build_sources(cfg: DictConfig) -> tuple[Source, Source | None]:
+    """The train and val splits of ``data.name`` (any registered source); no val split
+    when ``data.val_fraction=0`` holds nothing out of a split-by-range source.
 
     Raises:
         ConfigError: unknown ``data.name``; DataPathError / DataFormatError: bad data.
     """
     d = OmegaConf.to_container(cfg.data, resolve=True)
     try:
-        return source_from_config(d, split="train"), source_from_config(d, split="val")
+        train = source_from_config(d, split="train")
+        if holds_out_nothing(d, train):
+            return train, None
+        return train, source_from_config(d, split="val")
     except KeyError as err:  # unknown source name: the message lists the known ones
         raise ConfigError(str(err.args[0]) if err.args else str(err)) from None
+
+
+def holds_out_nothing(data: dict, train: Source) -> bool:
+    """``data.val_fraction=0`` on a source that splits one token range (a text corpus, one
+    token file): the train split is every token and there is no val split (a token
+    directory's ``val.bin`` is its own file, whatever the fraction)."""
+    return data.get("val_fraction") == 0 and getattr(train, "splits_by_range", False)
+
+
+def evaluates(cfg: DictConfig, val: Source | None) -> bool:
+    """Whether this run evaluates at all; with no val split (``data.val_fraction=0``) a
+    ranking by a ``val_*`` metric would keep no step by it, silently.
+
+    Raises:
+        ConfigError: ``checkpoint.keep_best`` by a ``val_*`` metric with no val split.
+    """
+    c = cfg.checkpoint
+    if val is None and c.keep_best and str(c.best_metric).startswith("val_"):
+        raise ConfigError(
+            f"checkpoint.best_metric={c.best_metric} ranks steps by evaluations, and "
+            "data.val_fraction=0 holds out no data to evaluate on; set data.val_fraction "
+            "(e.g. 0.05), or rank by a step metric (checkpoint.best_metric=loss)"
+        )
+    return val is not None and bool(cfg.trainer.eval_every)
 
 
 def check_batch(trainer, source: Source, world_size: int = 1) -> None:

@@ -33,6 +33,7 @@ from ftrain.cli.build import (
     build_tx,
     check_batch,
     check_vocab,
+    evaluates,
     model_vocab,
     pick_device,
     schedule_horizon,
@@ -172,7 +173,7 @@ class _Parts:
     loss_fn: Callable
     tx: object
     train: Source
-    val: Source
+    val: Source | None  # None: data.val_fraction=0 holds nothing out
     manager: CheckpointManager
     state: TensorDictBase
     report: ResumeReport
@@ -191,6 +192,8 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)
+    if cfg.trainer.eval_every and not evaluates(cfg, val_src) and world.is_coordinator:
+        print("no evaluation: data.val_fraction=0 holds out no data (trainer.eval_every unused)")
     check_vocab(cfg.model, train_src)
     check_batch(cfg.trainer, train_src, world.size)
     manager = build_manager(cfg)
@@ -289,7 +292,8 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             device=device,
             vocab_size=model_vocab(cfg.model),
         )
-        evaluate = session.evaluator(p.model, p.loss_fn, p.val, device) if t.eval_every else None
+        evaluating = t.eval_every and p.val is not None
+        evaluate = session.evaluator(p.model, p.loss_fn, p.val, device) if evaluating else None
         session.start_progress(int(state["step"]), device)
         watchdog = _watchdog(cfg, session)
         try:

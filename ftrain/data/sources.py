@@ -196,7 +196,8 @@ class TokenFileSource(Source):
             self.file = root
         n_file = self._count_tokens()
         self.lo, self.hi = 0, n_file
-        if not root.is_dir():
+        self.splits_by_range = not root.is_dir()  # train and val share one file
+        if self.splits_by_range:
             if not 0.0 <= val_fraction < 1.0:
                 raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction=}")
             cut = n_file - int(n_file * val_fraction)

@@ -390,3 +390,21 @@ def test_a_token_id_beyond_the_model_vocabulary_is_one_message_and_a_fixable_sta
     fixed = forkserver.run([*args, "model.vocab_size=320"], env, 240)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert _committed(run) == [2]
+
+
+def test_val_fraction_zero_trains_on_everything_and_evaluates_nothing(cli, tmp_path):
+    """data.val_fraction=0 passed validation, then failed at start on an empty val split
+    (naming the tokenizer's cache file). Now the train split is every token and the run
+    does not evaluate; a ranking by val_loss, which would keep nothing, is refused."""
+    run = tmp_path / "run"
+    out = cli(run, "data.val_fraction=0", "trainer.max_steps=4", "trainer.eval_every=2", check=0)
+    assert "no evaluation: data.val_fraction=0" in out.stdout
+    assert not records(run, "eval") and _committed(run) == [4]
+    assert "val_loss" not in json.dumps(records(run, "step"))
+    refused = cli(
+        tmp_path / "best",
+        "data.val_fraction=0",
+        "checkpoint.keep_best=2",
+        "checkpoint.best_metric=val_loss",
+    )
+    _one_clear_error(refused, "checkpoint.best_metric=val_loss", "data.val_fraction=0")
