@@ -211,7 +211,8 @@ class CheckpointManager:
 
     # ---- listing ---------------------------------------------------------------
     def _locations(self) -> dict[int, list[Path]]:
-        """``{step: [paths...]}`` of committed steps, primary location first."""
+        """``{step: [paths...]}`` of committed steps; a step in both locations newest copy
+        first (see :func:`_newest_copy_first`), else primary location first."""
         out: dict[int, list[Path]] = {}
         invalid: dict[Path, str] = {}
         seals: dict[str, object] = {}  # which copy each listed path holds (index entries)
@@ -224,7 +225,7 @@ class CheckpointManager:
             for s, p in found.items():
                 out.setdefault(s, []).append(p)
         self._invalid, self._seals = invalid, seals
-        return dict(sorted(out.items()))
+        return {s: _newest_copy_first(ps) if len(ps) > 1 else ps for s, ps in sorted(out.items())}
 
     def invalid_steps(self) -> dict[Path, str]:
         """``step_*`` directories that do not count as checkpoints, with the reason
@@ -245,8 +246,9 @@ class CheckpointManager:
         return list(self._locations())
 
     def committed_copies(self) -> list[tuple[int, int | None]]:
-        """``(step, copy)`` of every committed copy, newest step first, primary location
-        first: ``copy`` is the seal :meth:`restore` takes (the marker's manifest crc32c)."""
+        """``(step, copy)`` of every committed copy, newest step first, then newest copy
+        first (primary first on a tie): ``copy`` is the seal :meth:`restore` takes (the
+        marker's manifest crc32c)."""
         locations = self._locations()
         return [(s, self._seals.get(str(p))) for s, ps in reversed(locations.items()) for p in ps]
 
@@ -259,7 +261,8 @@ class CheckpointManager:
         """The root attributes of ``step`` plus ``"save"`` (bytes, timings) and ``"path"``.
 
         ``copy``: of that copy of the step (:attr:`restored_copy`: the metadata of what a
-        restore read, when two locations hold the step), else of the primary's.
+        restore read, when two locations hold the step), else of the copy saved last (the
+        one :meth:`restore` reads first).
 
         Raises:
             CheckpointNotFoundError: ``step`` (that copy) is not committed.
@@ -897,6 +900,24 @@ class CheckpointManager:
             if exc is None:
                 raise
             log.exception("a checkpoint save failed while handling another exception")
+
+
+def _newest_copy_first(paths: list) -> list:
+    """Two committed copies of one step: the one saved last first. They differ after a
+    redo whose old copy could not be moved aside (a primary remounted read-only after a
+    disk error, the new copy in the fallback): reading the primary's first resumed the
+    history the run had left, silently. A copy whose save time cannot be read goes last;
+    on a tie the primary stays first."""
+
+    def saved_at(path) -> float:
+        try:
+            _, manifest = protocol.read_committed(path)
+            when = read_root_attributes(path, manifest).get("time")
+        except (CorruptCheckpointError, CheckpointFormatError, OSError, ValueError):
+            return float("-inf")
+        return float(when) if isinstance(when, (int, float)) else float("-inf")
+
+    return sorted(paths, key=saved_at, reverse=True)  # stable: primary first on a tie
 
 
 def _check_mmap(mmap: bool, rows, dirs: list) -> None:

@@ -379,10 +379,10 @@ def test_a_step_held_in_both_locations_is_read_from_the_copy_asked_for(tmp_path)
     CheckpointManager(primary, async_save=False).save(a, force=True)
     CheckpointManager(fallback, async_save=False).save(b, force=True)
     m = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
-    (_, seal_a), (_, seal_b) = m.committed_copies()
+    (_, seal_b), (_, seal_a) = m.committed_copies()
     assert seal_a != seal_b
-    assert same(m.restore(5), a) and m.restored_copy == seal_a  # the primary's first
-    assert same(m.restore(5, copy=seal_b), b) and m.restored_copy == seal_b
+    assert same(m.restore(5), b) and m.restored_copy == seal_b  # the copy saved last first
+    assert same(m.restore(5, copy=seal_a), a) and m.restored_copy == seal_a
     with pytest.raises(manager.CheckpointNotFoundError, match="of copy 7"):
         m.restore(5, copy=7)
 
@@ -441,6 +441,10 @@ def test_a_location_refusing_the_set_aside_does_not_stop_every_later_save(tmp_pa
         assert m.save(make_state(30, n=32), force=True)
     assert any("could not move" in str(w.message) for w in caught)
     assert CheckpointManager(fallback).all_steps() == [20, 30]
+    # a restart reads the new history's 20, not the primary's old copy left listed
+    both = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
+    assert same(both.restore(20), make_state(20, n=32))
+    assert both.metadata(20)["path"] == str(fallback / "step_00000020")
 
 
 def test_the_metadata_of_a_restored_copy_is_that_copys(tmp_path):
@@ -448,10 +452,10 @@ def test_the_metadata_of_a_restored_copy_is_that_copys(tmp_path):
     CheckpointManager(primary, async_save=False).save(make_state(5), metadata={"w": "a"})
     CheckpointManager(fallback, async_save=False).save(make_state(5), metadata={"w": "b"})
     m = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
-    (_, seal_a), (_, seal_b) = m.committed_copies()
-    m.restore(5, copy=seal_b)
-    assert m.metadata(5, copy=m.restored_copy)["w"] == "b"
-    assert m.metadata(5)["w"] == "a"  # without a copy: the primary's
+    (_, seal_b), (_, seal_a) = m.committed_copies()  # the copy saved last first
+    m.restore(5, copy=seal_a)
+    assert m.metadata(5, copy=m.restored_copy)["w"] == "a"
+    assert m.metadata(5)["w"] == "b"  # without a copy: the one saved last
 
 
 def test_saves_from_two_threads_never_run_two_writers_at_once(tmp_path, monkeypatch):
