@@ -63,6 +63,7 @@ from ftrain.data.sampler import rank_starts
 from ftrain.dist import World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
+from ftrain.optim import refresh_hyperparams
 from ftrain.runlock import RunDirError, claim_run_dir
 from ftrain.sharding import Sharder, shard_state
 from ftrain.signals import (
@@ -74,7 +75,8 @@ from ftrain.signals import (
     StopFlag,
 )
 from ftrain.state import init_state, place
-from ftrain.step import make_step
+from ftrain.state.tree import replace
+from ftrain.step import learning_rate_metrics, make_step
 from ftrain.watchdog import Watchdog
 
 __all__ = ["console_main", "main"]
@@ -209,6 +211,11 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         state, report, _ = start_state(
             cfg, manager, fresh, world, tx, train_src.fingerprint, sharder=sharder
         )
+        if _horizon_differs(cfg, report, horizon):  # read from a step the restore skipped
+            horizon = saved = report.horizon
+            tx = build_tx(cfg, horizon)
+            state = replace(state, opt=refresh_hyperparams(tx, state["opt"]))
+            report.next_lr = float(learning_rate_metrics(state["opt"])["lr"])
         if not report.resumed and (cfg.init["from"] or cfg.init["from_hf"]):  # a resume
             # continues its own params
             state, line = (init_from if cfg.init["from"] else init_from_hf)(cfg, state)
@@ -228,6 +235,17 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     return _Parts(
         model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard
     )
+
+
+def _horizon_differs(cfg: DictConfig, report: ResumeReport, horizon: int) -> bool:
+    """The restored step recorded another LR-schedule horizon than the one the optimizer
+    was built with: that one came from the newest step's metadata, but the restore fell
+    back past it (corrupt), or its metadata could not be read (then ``trainer.max_steps``
+    was taken). The restored step's horizon is the run's; the other one changed the LR
+    curve silently, and was recorded into every later checkpoint."""
+    fixed = cfg.schedule.get("decay_steps") is not None
+    recorded = report.horizon if report.resumed else None
+    return not fixed and isinstance(recorded, int) and recorded != horizon
 
 
 def _compile(t: DictConfig, p: _Parts, world: World) -> bool:

@@ -408,3 +408,29 @@ def test_val_fraction_zero_trains_on_everything_and_evaluates_nothing(cli, tmp_p
         "checkpoint.best_metric=val_loss",
     )
     _one_clear_error(refused, "checkpoint.best_metric=val_loss", "data.val_fraction=0")
+
+
+def test_a_fallback_past_a_corrupt_newest_step_keeps_the_recorded_lr_horizon(cli, tmp_path):
+    """The horizon was read from the newest step's metadata: unreadable (corrupt), the
+    resume from the older step took trainer.max_steps instead and trained on with another
+    LR curve, recorded into every later checkpoint. Now the restored step's horizon is
+    taken, as if the corrupt step had never been saved."""
+    import shutil
+
+    first = ["trainer.max_steps=6", "checkpoint.every_steps=2", "schedule.decay_steps=null"]
+    first += ["checkpoint.async_save=false", "trainer.eval_every=null"]
+    resume = [*first, "trainer.max_steps=10"]
+    corrupt, clean = tmp_path / "corrupt", tmp_path / "clean"
+    for run in (corrupt, clean):
+        cli(run, *first, check=0)
+    root = corrupt / "checkpoints" / "step_00000006" / "zarr.json"
+    root.write_bytes(root.read_bytes().replace(b'"max_steps"', b'"mXx_steps"'))
+    shutil.rmtree(clean / "checkpoints" / "step_00000006")  # as if never saved
+    outs = [cli(run, *resume, check=0) for run in (corrupt, clean)]
+    assert "skipped in favour of step 4" in outs[0].stdout
+    for out in outs:
+        assert "lr schedule decays over 6 steps (as recorded" in out.stdout, out.stdout
+    (got,), (want,) = (records(run, "resume") for run in (corrupt, clean))
+    assert got["from_step"] == want["from_step"] == 4 and got["next_lr"] == want["next_lr"]
+    meta = CheckpointManager(corrupt / "checkpoints", async_save=False).metadata(10)
+    assert meta["schedule_horizon"] == 6
