@@ -250,8 +250,11 @@ def stale_note(lock: RunLock) -> str | None:
 
 
 def claim_checkpoint_locations(cfg) -> list:
-    """Claim ``checkpoint.dir`` and ``checkpoint.fallback_dir`` for ``run.dir`` where they
-    lie outside it (inside, the run lock covers them): :mod:`ftrain.ckpt.owner`.
+    """Claim ``checkpoint.dir`` and ``checkpoint.fallback_dir`` for ``run.dir``
+    (:mod:`ftrain.ckpt.owner`), also where they lie inside it: the run lock covers only
+    runs started on the same ``run.dir``, and a second run elsewhere pointing its
+    ``checkpoint.dir`` at this run's (``runs/b`` with ``checkpoint.dir=runs/a/checkpoints``)
+    trained into it beside the first, moving its steps aside as another history.
 
     Raises:
         CheckpointOwnerError: one belongs to another run directory (claims made so far are
@@ -265,8 +268,6 @@ def claim_checkpoint_locations(cfg) -> list:
     try:
         for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
             where = parse_location(d, cfg.checkpoint.storage)
-            if isinstance(where, Path) and where.resolve().is_relative_to(run_dir):
-                continue
             claims.append(claim(where, run_dir, take_over=cfg.checkpoint.take_over))
     except BaseException:
         for c in claims:

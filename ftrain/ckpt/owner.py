@@ -1,11 +1,11 @@
 """One run per checkpoint location: the owner record ``.owner.json``.
 
-Why. The run lock (:mod:`ftrain.runlock`) keeps two processes off one ``run.dir``, and
-the default ``checkpoint.dir`` lies inside it. A ``checkpoint.dir`` (or ``fallback_dir``)
-*elsewhere* — a shared prefix on S3, a path set once for a Hydra sweep whose jobs get their
-own ``run.dir`` — had no guard: two runs writing it skip, replace and set aside each
-other's steps, and either may resume from the other's. A start now claims each such
-location for its ``run.dir``.
+Why. The run lock (:mod:`ftrain.runlock`) keeps two processes off one ``run.dir``, not a
+run in another ``run.dir`` whose ``checkpoint.dir`` (or ``fallback_dir``) points at the
+same place — a shared prefix on S3, a path set once for a Hydra sweep whose jobs get their
+own ``run.dir``, another run's ``${run.dir}/checkpoints``: two runs writing it skip,
+replace and set aside each other's steps, and either may resume from the other's. A start
+claims every checkpoint location for its ``run.dir``.
 
 The record. ``LOCATION/.owner.json``::
 
@@ -17,6 +17,9 @@ The record. ``LOCATION/.owner.json``::
   other reads the winner's record.
 - Naming this ``run.dir``: a restart of the same run (the run lock already keeps a second
   process out), rewritten with this process.
+- Naming another ``run.dir`` that no longer exists on this host, for a location inside
+  this ``run.dir``: the run directory was moved (``mv runs/a runs/b``) with its
+  checkpoints and record; taken over with a warning.
 - Naming another ``run.dir``: refused (:class:`CheckpointOwnerError`, exit 2) with the owner
   and the two ways out — another ``checkpoint.dir``, or ``checkpoint.take_over=true`` once
   that run is gone. An object store has no lock that dies with its process, so a record is
@@ -123,14 +126,28 @@ def claim(location, run_dir: str | os.PathLike, *, take_over: bool = False) -> C
         if first and _write(location, mine, create=True):
             return Claim(location, mine)
         held = _held(location)
-        if held is not None and held.get("run_dir") != mine["run_dir"] and not take_over:
+        other = held is not None and held.get("run_dir") != mine["run_dir"]
+        if other and _moved_here(location, held, mine):
+            log.warning("%s: its run directory moved here from %r", location, held["run_dir"])
+        elif other and not take_over:
             raise CheckpointOwnerError(_refusal(location, held))
-        if held is not None and held.get("run_dir") != mine["run_dir"]:
+        elif other:
             log.warning("checkpoint.take_over=true: %s was %s", location, _describe(held))
         _write(location, mine, create=False)
         return Claim(location, mine, taken_from=held)
     except OSError as e:  # a full or read-only location (what fallback_dir is there for)
         return _unwritten(location, mine, take_over, e)
+
+
+def _moved_here(location, held: dict, mine: dict) -> bool:
+    """The record came along with a moved run directory: the location lies inside this
+    ``run.dir`` and the recorded one, on this host, is gone (a copy whose original still
+    exists, or one on another host, is not taken: those ask for ``take_over``)."""
+    if not isinstance(location, Path) or held.get("host") != mine["host"]:
+        return False
+    theirs = held.get("run_dir")
+    inside = location.resolve().is_relative_to(mine["run_dir"])
+    return inside and isinstance(theirs, str) and not os.path.lexists(theirs)
 
 
 def _held(location) -> dict | None:

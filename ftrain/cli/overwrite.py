@@ -24,10 +24,16 @@ def move_aside(directory: Path) -> Path | None:
         return None
     target = _free(directory.with_name(f"{directory.name}.overwritten-{_stamp()}"))
     directory.rename(target)
-    if (target / OWNER).exists():
-        directory.mkdir()
-        (target / OWNER).rename(directory / OWNER)
+    _claim_stays(target, directory)
     return target
+
+
+def _claim_stays(moved: Path, directory: Path) -> None:
+    """This run's claim record moved out with the old steps goes back: the location stays
+    claimed while the new run writes there."""
+    if (moved / OWNER).exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        (moved / OWNER).rename(directory / OWNER)
 
 
 # What a run writes into run.dir besides checkpoints: moved aside together on overwrite.
@@ -67,6 +73,7 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
             moved |= _move_entries(run_dir, aside)
         elif there.is_relative_to(here):
             moved |= _move_into(d, aside / there.relative_to(here))
+            _claim_stays(aside / there.relative_to(here), d)
         else:
             print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
     return aside if moved else None
@@ -104,8 +111,8 @@ def _local_checkpoint_dirs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 def _move_entries(run_dir: Path, aside: Path) -> bool:
     """Everything in ``run_dir`` into ``aside``, except the run lock (held by this start:
-    a second trainer must still find it) and earlier overwrites' folders."""
-    keep = {LOCK_NAME, aside.name}
+    a second trainer must still find it), this run's claim and earlier overwrites' folders."""
+    keep = {LOCK_NAME, OWNER, aside.name}  # the lock and this run's claim stay
     entries = [
         p
         for p in sorted(run_dir.iterdir())

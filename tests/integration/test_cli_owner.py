@@ -56,3 +56,47 @@ def test_run_overwrite_keeps_the_claim_with_the_checkpoint_dir(cli, tmp_path):
     moved = [p for p in tmp_path.iterdir() if p.name.startswith("ext.overwritten-")]
     assert len(moved) == 1 and CheckpointManager(moved[0]).all_steps() == [2]
     assert not (ckpt / OWNER).exists() and not (moved[0] / OWNER).exists()
+
+
+def test_a_run_dirs_own_checkpoints_refuse_a_run_elsewhere_pointed_at_them(
+    cli, cache_dir, tmp_path
+):
+    """The default checkpoint.dir (inside run.dir) was left unclaimed, the run lock being
+    thought to cover it: a run in another run.dir with checkpoint.dir=<a>/checkpoints
+    trained into it beside the first run, moving its steps aside as another history."""
+    from ftrain.faults import inject_dir
+
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    arm = tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "k", "phase": "renamed", "count": 1, "rank": 0}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONPATH=path)
+    env["FTRAIN_CHAOS_ARM"] = str(arm)
+    cmd = [sys.executable, "-m", "ftrain", f"run.dir={run_a}", *TINY, "trainer.max_steps=4"]
+    killed = subprocess.run([*cmd, *SAVES], env=env, capture_output=True, timeout=240)
+    assert killed.returncode == -9, killed
+    ckpt = run_a / "checkpoints"
+    assert json.loads((ckpt / OWNER).read_text())["run_dir"] == str(run_a.resolve())
+    before = sorted(p.name for p in ckpt.iterdir())
+    out = cli(run_b, f"checkpoint.dir={ckpt}", "trainer.max_steps=4", *SAVES, check=2)
+    assert "belongs to another run" in out.stderr and str(run_a.resolve()) in out.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing written
+    assert "resumed from step 2" in cli(run_a, "trainer.max_steps=4", *SAVES, check=0).stdout
+
+
+def test_run_overwrite_keeps_the_claim_of_checkpoints_inside_run_dir(tmp_path):
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.overwrite import move_run_aside
+    from ftrain.ckpt.owner import claim
+
+    run = tmp_path / "run"
+    for ckpt in (run / "checkpoints", run):  # the default, and checkpoint.dir=run.dir
+        c = claim(ckpt, run)
+        (ckpt / "step_00000002").mkdir(parents=True)
+        cfg = {"run": {"dir": str(run)}, "checkpoint": {"dir": str(ckpt)}}
+        cfg["checkpoint"] |= {"fallback_dir": None, "storage": None}
+        aside = move_run_aside(OmegaConf.create(cfg))
+        assert aside is not None and not (ckpt / "step_00000002").exists()
+        assert json.loads((ckpt / OWNER).read_text())["token"] == c.record["token"]
+        c.release()

@@ -156,3 +156,22 @@ def test_a_write_that_landed_but_failed_to_answer_is_held_and_released(tmp_path,
     assert got.held
     got.release()
     assert not (tmp_path / "ckpt" / OWNER).exists()
+
+
+def test_a_moved_run_directory_takes_its_claim_along_but_a_copy_does_not(tmp_path):
+    """A run's own checkpoints carry its record: after ``mv runs/a runs/b`` (on this host,
+    the old path gone) the restart in the new place takes it over; a copy whose original
+    still exists is refused (two runs could continue one history)."""
+    import shutil
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    claim(a / "checkpoints", a)  # left behind, as by a SIGKILL
+    shutil.copytree(a, c)
+    with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
+        claim(c / "checkpoints", c)  # a copy: the original run directory is still there
+    a.rename(b)
+    moved = claim(b / "checkpoints", b)
+    assert moved.taken_from["run_dir"] == str(a.resolve())
+    assert json.loads((b / "checkpoints" / OWNER).read_text())["run_dir"] == str(b.resolve())
+    with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
+        claim(b / "checkpoints", tmp_path / "elsewhere")  # not inside that run.dir
