@@ -24,7 +24,7 @@ from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import mapped_bytes
 from ftrain.cli.errors import ResumeError
 from ftrain.cli.overwrite import move_aside, move_run_aside
-from ftrain.cli.redo import last_run_ended, redo_range
+from ftrain.cli.redo import last_run_ended, read_records, redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, to_plain
 from ftrain.dist import World, broadcast_json, gather_json
@@ -267,12 +267,39 @@ def _pick_step(cfg: DictConfig, manager: CheckpointManager) -> int | None:
             )
         return None
     if cfg.resume == "latest":
+        if not steps:
+            _refuse_lost_steps(cfg, manager)
         return _LATEST if steps else None
     if cfg.resume not in steps:
         raise ResumeError(
             f"resume={cfg.resume} but step {cfg.resume} is not committed; available steps: {steps or 'none'}"
         )
     return int(cfg.resume)
+
+
+def _refuse_lost_steps(cfg: DictConfig, manager: CheckpointManager) -> None:
+    """No committed step where this start looks, but the run directory's records show
+    commits: a changed ``checkpoint.dir``, an unmounted volume, deleted checkpoints. A
+    fresh start there trained from step 0 as if nothing had been saved (and reported the
+    old steps as never committed).
+
+    Raises:
+        ResumeError: naming the newest recorded commit, where it was saved (runs that
+            record it), where this start looked, and the ways on.
+    """
+    records = list(read_records(Path(cfg.run.dir)))
+    committed = [r["step"] for r in records if r.get("kind") == "committed"]
+    if not committed:
+        return
+    saved_to = [r["checkpoint_dirs"] for r in records if r.get("checkpoint_dirs")]
+    there = f" (saved to {', '.join(saved_to[-1])})" if saved_to else ""
+    looked = [str(d) for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir))]
+    raise ResumeError(
+        f"run.dir={cfg.run.dir} records committed steps up to {max(committed)}{there}, but "
+        f"{' and '.join(looked)} hold no committed step. Point checkpoint.dir (and "
+        "checkpoint.fallback_dir) where they are, mount that storage, or start this run "
+        "over with resume=none run.overwrite=true (the old records are moved aside)"
+    )
 
 
 def _first_choice(cfg: DictConfig, manager: CheckpointManager) -> int | None:

@@ -128,6 +128,10 @@ class Session:
             "mapped_bytes": report.mapped,  # checkpoint.mmap_restore
             # init.from's "initialised params from DIR step N" (which base step), groups
             "notes": list(report.notes) or None,
+            # where this start saves: a later start that finds no step names it
+            "checkpoint_dirs": [
+                str(d) for d in (self.cfg.checkpoint.dir, self.cfg.checkpoint.fallback_dir) if d
+            ],
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)
 

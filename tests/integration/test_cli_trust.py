@@ -436,3 +436,23 @@ def test_a_fallback_past_a_corrupt_newest_step_keeps_the_recorded_lr_horizon(cli
     assert got["from_step"] == want["from_step"] == 4 and got["next_lr"] == want["next_lr"]
     meta = CheckpointManager(corrupt / "checkpoints", async_save=False).metadata(10)
     assert meta["schedule_horizon"] == 6
+
+
+def test_a_start_that_finds_no_step_where_the_records_show_commits_is_refused(cli, tmp_path):
+    """checkpoint.dir changed (or its volume not mounted, or the checkpoints deleted): the
+    start found nothing and trained from step 0 as a fresh run, reporting the committed
+    steps as never committed. Now refused, naming where they were saved and the ways on."""
+    run, other = tmp_path / "run", tmp_path / "elsewhere"
+    steps = ["trainer.max_steps=4", "checkpoint.every_steps=2", "trainer.eval_every=null"]
+    cli(run, *steps, check=0)
+    refused = cli(run, *steps, f"checkpoint.dir={other}")
+    _one_clear_error(refused, "records committed steps up to 4", str(run / "checkpoints"))
+    assert "resume=none run.overwrite=true" in refused.stderr
+    assert not other.exists() or not any(other.iterdir())
+    out = cli(run, *steps, f"checkpoint.dir={other}", "resume=none", "run.overwrite=true")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _committed_at(other) == [2, 4] and _committed(run) == [2, 4]  # never deleted
+
+
+def _committed_at(directory):
+    return CheckpointManager(directory, async_save=False).all_steps()
