@@ -37,6 +37,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_PREEMPTED",
     "StopFlag",
+    "take_received",
 ]
 
 EXIT_OK = 0
@@ -47,6 +48,18 @@ EXIT_HUNG = 4
 EXIT_FORCED = 130
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+_RECEIVED: list[str] = []  # stop signals handled in this process, until taken
+
+
+def take_received() -> str | None:
+    """The first stop signal a :class:`StopFlag` handled since the last call (then
+    forgotten), else None. A sweep asks after each job: a SIGTERM during a job's last
+    step or final save ends that job normally (exit 0), and the sweep must still stop."""
+    first = _RECEIVED[0] if _RECEIVED else None
+    _RECEIVED.clear()
+    return first
 
 
 class StopFlag:
@@ -63,6 +76,7 @@ class StopFlag:
         self._event = threading.Event()
         self.reason: str | None = None
         self._previous: dict[int, object] = {}
+        self._interrupted = False  # a SIGINT came (a SIGTERM before it is not a first SIGINT)
 
     def request(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -74,10 +88,12 @@ class StopFlag:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # os.write, not sys.stderr: a handler may interrupt a buffered write to stderr
-        if signum == signal.SIGINT and self.requested:
+        if signum == signal.SIGINT and self._interrupted:
             os.write(2, b"second SIGINT: exiting now; the newest committed checkpoint is intact\n")
             os._exit(EXIT_FORCED)
+        self._interrupted |= signum == signal.SIGINT
         name = signal.Signals(signum).name
+        _RECEIVED.append(name)  # for a sweep: the stop outlives this flag (take_received)
         # flag first: a second signal can run its handler in the middle of this one
         self.request(name)
         os.write(2, f"{name} received: finishing this step, saving, then exiting\n".encode())

@@ -11,8 +11,9 @@ Every job's config is composed and checked before the first one starts (a bad va
 any job: exit 2, nothing run), including that no two jobs write the same run, checkpoint,
 fallback or logger path. Jobs run one after another in this process; a failed job (exit 1,
 2, 4, or an exception: exit 1 with its traceback) is reported and the next one starts; a
-job stopped by a signal (exit 3, 130) ends the sweep there (re-run it to continue). The
-exit status is the first failed job's, 0 when all succeeded.
+job stopped by a signal (exit 3, 130) ends the sweep there (re-run it to continue), as does
+a signal that came as a job was finishing (it ended with exit 0). The exit status is the
+first failed job's, 0 when all succeeded, 3 when a signal left jobs unstarted.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ftrain.config.compose import (
     finish_config,
     hydra_session,
 )
-from ftrain.signals import EXIT_ERROR, EXIT_FORCED, EXIT_OK, EXIT_PREEMPTED
+from ftrain.signals import EXIT_ERROR, EXIT_FORCED, EXIT_OK, EXIT_PREEMPTED, take_received
 
 __all__ = ["Job", "expand", "plan_jobs", "run_sweep"]
 
@@ -236,6 +237,7 @@ def _normalized(place: str) -> str:
 def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
     """Run ``train(job.cfg)`` for each job in order; return the sweep's exit status."""
     results: list[tuple[Job, int]] = []
+    take_received()  # only signals during the jobs count
     for job in jobs:
         print(
             f"[sweep] job {job.num} ({job.num + 1} of {len(jobs)}): "
@@ -245,12 +247,17 @@ def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
         )
         rc = _train_job(train, job)
         results.append((job, rc))
-        if rc in _STOP_SWEEP:
-            print(f"[sweep] job {job.num} was stopped (exit {rc}): stopping the sweep")
+        # a signal that came as the job was ending (its last step, its final save) let it
+        # finish (exit 0): the sweep stops all the same
+        received = take_received()
+        if rc in _STOP_SWEEP or received is not None:
+            why = f"was stopped (exit {rc})" if rc in _STOP_SWEEP else f"ended as {received} came"
+            print(f"[sweep] job {job.num} {why}: stopping the sweep")
             break
     _summary(jobs, results)
     failed = [rc for _, rc in results if rc != EXIT_OK]
-    return failed[0] if failed else EXIT_OK
+    cut_short = len(results) < len(jobs)
+    return failed[0] if failed else (EXIT_PREEMPTED if cut_short else EXIT_OK)
 
 
 def _train_job(train: Callable[[DictConfig], int], job: Job) -> int:

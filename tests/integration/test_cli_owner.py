@@ -87,8 +87,8 @@ def test_a_run_dirs_own_checkpoints_refuse_a_run_elsewhere_pointed_at_them(
 def test_run_overwrite_keeps_the_claim_of_checkpoints_inside_run_dir(tmp_path):
     from omegaconf import OmegaConf
 
-    from ftrain.cli.overwrite import move_run_aside
     from ftrain.ckpt.owner import claim
+    from ftrain.cli.overwrite import move_run_aside
 
     run = tmp_path / "run"
     for ckpt in (run / "checkpoints", run):  # the default, and checkpoint.dir=run.dir

@@ -276,3 +276,39 @@ def test_a_recorded_builtin_target_under_a_name_of_its_own_is_accepted():
     recorded["model"]["loss"] = "os.system"
     with pytest.raises(ConfigError, match="model.loss='os.system'"):
         check_recorded_targets(recorded)
+
+
+def test_a_signal_as_a_job_finishes_still_stops_the_sweep(capsys):
+    """A SIGTERM during a job's last step or final save lets the job finish (exit 0); the
+    sweep went on to train the next job in full, where the supervisor's SIGKILL landed."""
+    import signal
+
+    from ftrain.signals import StopFlag
+
+    jobs = plan_jobs(["optim.lr=1e-3,2e-3,3e-3"])
+    ran = []
+
+    def train(cfg):
+        ran.append(cfg.optim.lr)
+        with StopFlag():  # the job's own handler, as in ftrain.cli.run
+            signal.raise_signal(signal.SIGTERM)
+        return 0  # finished anyway: the signal came during the final save
+
+    assert run_sweep(jobs, train) == 3
+    assert ran == [1e-3]
+    out = capsys.readouterr().out
+    assert "job 0 ended as SIGTERM came: stopping the sweep" in out
+    assert "job 1: not started" in out
+
+
+def test_a_sigterm_then_one_sigint_is_not_a_second_sigint():
+    """SIGTERM (a stop request) then a single Ctrl-C exited at once with 130 and no save;
+    only a second SIGINT does that."""
+    import signal
+
+    from ftrain.signals import StopFlag
+
+    with StopFlag() as flag:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)  # would os._exit(130) the test process before
+        assert flag.requested and flag.reason == "SIGTERM"
