@@ -176,7 +176,7 @@ def _check_sharded(opt: TensorDictBase) -> None:
         )
 
 
-def _check_params_match(model: nn.Module, pkeys: list[Key]) -> bool:
+def check_params_match(model: nn.Module, pkeys: list[Key]) -> bool:
     """The state's parameter paths are the model's (once per layout): a state of a smaller
     model trained the rest from the module itself, never updated nor saved, silently; a
     larger or renamed one failed deep inside torch.func.
@@ -343,7 +343,7 @@ def make_step(
         check_usable(state, "step")
         cursor, micro = _split_batch(batch, grad_accum)
         pkeys, params = flatten(state["params"])
-        per_structure(matched, tuple(pkeys), lambda: _check_params_match(model, pkeys))
+        per_structure(matched, tuple(pkeys), lambda: check_params_match(model, pkeys))
         bkeys, buffers = flatten(state["buffers"])
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
         opt = state["opt"]

@@ -33,7 +33,12 @@ import torch
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
-from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError, parse_location
+from ftrain.ckpt.location import (
+    CheckpointLocationError,
+    CheckpointStoreError,
+    is_object_url,
+    parse_location,
+)
 from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.reader import read_tree, specs_of, verify_tree
 
@@ -169,10 +174,16 @@ def _checkpoints_at(where: str):
     return root
 
 
+def _run_checkpoints(where: str) -> str:
+    """``where``, or a run directory's ``checkpoints/`` (for commands taking a path)."""
+    inside = Path(where) / "checkpoints"
+    return str(inside) if not is_object_url(where) and inside.is_dir() else where
+
+
 def _diff_args(args: list[str]) -> tuple[tuple[Path, int | None], tuple[Path, int | None]]:
     """``DIR A B`` (two steps of one directory) or ``DIR_A[:STEP] DIR_B[:STEP]``."""
     if len(args) == 3 and all(a.isdigit() for a in args[1:]):
-        root = parse_location(args[0])
+        root = _checkpoints_at(args[0])
         return (root, int(args[1])), (root, int(args[2]))
     if len(args) == 2 and not (args[1].isdigit() and not Path(args[1]).exists()):
         return _side(args[0]), _side(args[1])
@@ -243,7 +254,7 @@ def cmd_export(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m ftrain.ckpt export",
-        description="write a step's params (only) to a safetensors file, or (--format hf) "
+        description="write a step's params and buffers to a safetensors file, or (--format hf) "
         "to a directory transformers.GPT2LMHeadModel.from_pretrained loads",
     )
     p.add_argument("directory", help="a checkpoint directory or URL (s3://bucket/prefix)")
@@ -255,7 +266,7 @@ def cmd_export(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     try:
         done = export_params(
-            ns.directory,
+            _run_checkpoints(ns.directory),
             ns.out,
             step=ns.step,
             merge_lora=ns.merge_lora,

@@ -1,7 +1,7 @@
 """Export a checkpoint's parameters to safetensors or an HF directory (``ckpt export``).
 
-Params only (no optimizer state, step, cursor or RNG), named by their dotted paths, which
-are the model's ``state_dict()`` names (a tied weight appears once, under its first name,
+Params and module buffers (no optimizer state, step, cursor or RNG), named by their dotted
+paths, which are the model's ``state_dict()`` names (a tied weight appears once, under its first name,
 as safetensors' ``save_model`` writes it; its ``load_model`` loads it
 back into a model with the tie). Dtypes are kept: bf16 stays bf16.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ftrain.ckpt.readonly import read_subtree
+from ftrain.ckpt.readonly import read_model, read_subtree
 from ftrain.lora import merge
 from ftrain.recipes.gpt2.hf import HFFormatError, hf_config, to_hf_names
 from ftrain.state.tree import flatten, path_str
@@ -79,9 +79,18 @@ def _scalings(params, alpha: float) -> dict[str, float]:
     }
 
 
-def _params(location, step, merge_lora, lora_alpha) -> tuple[int, dict, dict, list[str]]:
-    """``(step, {name: tensor}, root attributes, merged modules)`` of the step to export."""
-    got, tree, attrs = read_subtree(location, step, only=("params",))
+def _params(location, step, merge_lora, lora_alpha, with_buffers: bool):
+    """``(step, {name: tensor}, root attributes, merged modules)`` of the step to export:
+    params, and with ``with_buffers`` the module buffers (a BatchNorm's running statistics
+    are ``state_dict()`` entries: without them a strict load fails, a loose one computes
+    with fresh statistics)."""
+    try:
+        if with_buffers:
+            got, tree, attrs = read_model(location, step)
+        else:
+            got, tree, attrs = read_subtree(location, step, only=("params",))
+    except ValueError as err:  # no params group: a state saved by other code
+        raise ExportError(f"{location}: {err}; export writes a model's params") from None
     params = tree["params"]
     merged = []
     if merge_lora:
@@ -94,8 +103,11 @@ def _params(location, step, merge_lora, lora_alpha) -> tuple[int, dict, dict, li
                 f"--merge-lora: step {got} records no model.lora.alpha; pass --lora-alpha"
             )
         params, merged = merge(params, scalings), sorted(scalings)
-    keys, leaves = flatten(params)
-    tensors = {path_str(k): t.contiguous() for k, t in zip(keys, leaves, strict=True)}
+    tensors = {}
+    for tree_part in (params, tree.get("buffers")) if with_buffers else (params,):
+        if tree_part is not None:
+            keys, leaves = flatten(tree_part)
+            tensors |= {path_str(k): t.contiguous() for k, t in zip(keys, leaves, strict=True)}
     return got, tensors, attrs, merged
 
 
@@ -134,14 +146,46 @@ def export_params(
         raise ExportError(f"{out} exists; export never overwrites, pick another path")
     if out.parent.exists() and not out.parent.is_dir():
         raise ExportError(f"{out.parent} is not a directory; pick an output path in one")
-    got, tensors, attrs, merged = _params(location, step, merge_lora, lora_alpha)
-    if format == "hf":
-        nbytes = _write_hf(out, tensors, attrs, got, save_file)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out), metadata={"format": "pt", "ftrain_step": str(got)})
-        nbytes = out.stat().st_size
+    # HF GPT-2 has no persistent buffers of ours to take (its own masks are built)
+    got, tensors, attrs, merged = _params(location, step, merge_lora, lora_alpha, format != "hf")
+    try:
+        if format == "hf":
+            nbytes = _write_hf(out, tensors, attrs, got, save_file)
+        else:
+            nbytes = _write_file(out, tensors, got, save_file)
+    except OSError as err:  # a full disk, a file size limit, EIO: no half an export is left
+        raise ExportError(f"writing {out} failed: {err}") from None
     return {"step": got, "tensors": len(tensors), "bytes": nbytes, "merged": merged}
+
+
+def _write_file(out: Path, tensors: dict, step: int, save_file) -> int:
+    """One safetensors file, written beside ``out`` and linked into place only if ``out``
+    still does not exist (two exports to one path: one wins, the other is refused)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        _save(save_file, tensors, stage, step)
+        try:
+            os.link(stage, out)
+        except FileExistsError:
+            raise ExportError(f"{out} exists; export never overwrites, pick another path") from None
+    finally:
+        stage.unlink(missing_ok=True)
+    return out.stat().st_size
+
+
+def _save(save_file, tensors: dict, path: Path, step: int) -> None:
+    """``save_file`` with the mode the umask gives (safetensors writes 0600: a serving
+    process of another user could not read the model) and its errors as ``OSError``."""
+    from safetensors import SafetensorError
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt", "ftrain_step": str(step)})
+    except SafetensorError as err:  # an I/O error inside the Rust writer
+        raise OSError(str(err)) from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _recorded_model(attrs: dict, step: int) -> dict:
@@ -173,11 +217,7 @@ def _write_hf(out: Path, tensors: dict, attrs: dict, step: int, save_file) -> in
     stage.mkdir(parents=True)
     try:
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(
-            to_hf_names(tensors),
-            str(stage / "model.safetensors"),
-            metadata={"format": "pt", "ftrain_step": str(step)},
-        )
+        _save(save_file, to_hf_names(tensors), stage / "model.safetensors", step)
         nbytes = sum(f.stat().st_size for f in stage.iterdir())
         stage.rename(out)
     except BaseException:

@@ -64,9 +64,32 @@ def read_subtree(
         raise FileNotFoundError(
             f"step {step} is not committed in {location}; available: {sorted(steps)}"
         )
-    candidates = [step] if step is not None else sorted(steps, reverse=True)
+    for _ in range(_RELISTS):
+        try:
+            return _read_first(location, steps, step, only)
+        except _DeletedMeanwhile as gone:  # a live run's retention: list again
+            steps = committed_steps_at(location, storage)
+            if step is not None or not steps:
+                raise FileNotFoundError(
+                    f"step {gone.step} of {location} was deleted while being read (a live "
+                    f"run's retention); available now: {sorted(steps)}"
+                ) from None
+    return _read_first(location, steps, step, only)
+
+
+_RELISTS = 5  # a run deleting the newest step on every listing is not reading's to outrun
+
+
+class _DeletedMeanwhile(Exception):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+def _read_first(location, steps: dict, step: int | None, only) -> tuple:
+    """The first of ``step`` (or every step, newest first) that verifies; a step that
+    vanished after the listing is :class:`_DeletedMeanwhile`, not corruption."""
     problems = []
-    for s in candidates:
+    for s in [step] if step is not None else sorted(steps, reverse=True):
         try:
             _, manifest = protocol.read_committed(steps[s])
             specs_of(manifest)
@@ -74,9 +97,18 @@ def read_subtree(
             check_only(manifest, only)
             return s, read_tree(steps[s], manifest, only=only), attrs
         except CorruptCheckpointError as e:
+            if _vanished(steps[s]):
+                raise _DeletedMeanwhile(s) from None
             problems.append(f"step {s}: {e}")
             log.warning("[step=%d] %s is corrupt (%s)", s, steps[s], e)
     raise CorruptCheckpointError(f"{location}: no step verifies: " + "; ".join(problems))
+
+
+def _vanished(path) -> bool:
+    """The step's marker is gone (deleted or set aside since the listing)."""
+    if isinstance(path, Path):
+        return not (path / protocol.MARKER).exists()
+    return False  # an object store: a deleted step reads as missing objects, reported
 
 
 def read_model(

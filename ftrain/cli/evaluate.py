@@ -49,7 +49,8 @@ from ftrain.config.schema import GROUP_SCHEMAS
 from ftrain.data import DataFormatError, DataPathError, val_batches
 from ftrain.data.sources import source_from_config
 from ftrain.state import place
-from ftrain.step import evaluate, make_eval_step
+from ftrain.state.tree import flatten
+from ftrain.step import check_params_match, evaluate, make_eval_step
 
 __all__ = ["evaluate_run", "main"]
 
@@ -128,7 +129,10 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         {'step': 400, 'val_loss': 1.92, 'perplexity': 6.8, ...}
     """
     where, at = parse_init_from(str(run))
-    got, tree, attrs = read_model(where, step if step is not None else at)
+    try:
+        got, tree, attrs = read_model(where, step if step is not None else at)
+    except ValueError as err:  # no params group: a state saved by other code
+        raise ConfigError(f"{where}: {err}; ftrain.eval evaluates a model's params") from None
     recorded = attrs.get("config")
     if not isinstance(recorded, dict) or "model" not in recorded:
         raise ConfigError(
@@ -138,6 +142,10 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
     cfg = eval_config(recorded, list(overrides))
     device = pick_device(cfg.trainer.device)
     model, loss_fn = build_model(cfg)
+    try:  # a missing parameter was evaluated fresh from the module, silently
+        check_params_match(model, flatten(tree["params"])[0])
+    except ValueError as err:
+        raise ConfigError(f"step {got} of {where}: {err}") from None
     data = OmegaConf.to_container(cfg.data, resolve=True)
     val = source_from_config(data, split="val")
     check_vocab(cfg.model, val)

@@ -252,3 +252,23 @@ def test_diff_across_two_runs_and_within_one(tool, run8, cli, tmp_path):
     assert within.returncode == 1 and "arrays differ between 4 and 8" in within.stdout
     bad = tool("ftrain.ckpt", "diff", run8 / "checkpoints", 4)
     assert bad.returncode == 2 and "diff needs two steps" in bad.stderr  # a usage error
+
+
+def test_eval_refuses_params_that_are_not_the_recorded_models(tool, run8, env, tmp_path):
+    """A checkpoint without a tensor of the recorded model (here the final LayerNorm) was
+    evaluated with that module's fresh weights, silently (functional_call, strict=False)."""
+    from tensordict import TensorDict
+
+    from ftrain.ckpt.readonly import read_subtree
+
+    _, tree, attrs = read_subtree(run8 / "checkpoints", 4, only=("params", "buffers", "step"))
+    params = tree["params"].clone()
+    del params["transformer", "ln_f"]
+    state = TensorDict(step=tree["step"], params=params, buffers=tree["buffers"], batch_size=[])
+    with CheckpointManager(tmp_path / "checkpoints", async_save=False) as m:
+        m.save(state, force=True, metadata={"config": attrs["config"]})
+    out = tool("ftrain.eval", tmp_path, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "missing from the state ['transformer.ln_f.bias', 'transformer.ln_f.weight']" in (
+        out.stderr
+    )

@@ -411,7 +411,7 @@ def test_a_state_of_another_model_is_refused_naming_the_paths():
 
 
 def test_a_tied_alias_in_the_state_is_named_as_one():
-    from ftrain.step import _check_params_match
+    from ftrain.step import check_params_match
 
     class Tied(torch.nn.Module):
         def __init__(self):
@@ -422,8 +422,8 @@ def test_a_tied_alias_in_the_state_is_named_as_one():
 
     keys = [("emb", "weight"), ("head", "weight")]  # as TensorDict.from_module lists them
     with pytest.raises(ValueError, match="'head.weight' is a tied alias of 'emb.weight'"):
-        _check_params_match(Tied(), keys)
-    assert _check_params_match(Tied(), keys[:1])
+        check_params_match(Tied(), keys)
+    assert check_params_match(Tied(), keys[:1])
 
 
 def test_swapped_or_foreign_arguments_are_named():

@@ -1,0 +1,119 @@
+"""Export and the read-only readers: buffers exported, no half or overwriting export, the
+umask's mode, I/O errors as one message, a live run's retention during a read."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import ftrain
+from ftrain.ckpt import commit as protocol
+from ftrain.ckpt import readonly
+from ftrain.ckpt.export import ExportError, export_params
+
+safetensors = pytest.importorskip("safetensors.torch")
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+
+def _saved(tmp_path, step=4):
+    model = _bn_model()
+    model.train()
+    model(torch.randn(16, 4))  # running statistics away from 0/1
+    state = ftrain.init_state(model, ftrain.optim.sgd(0.1), seed=0)
+    state = ftrain.replace(state, step=torch.tensor(step))
+    m = ftrain.CheckpointManager(tmp_path / "ck", async_save=False)
+    m.save(state, force=True)
+    return model, tmp_path / "ck"
+
+
+def test_export_writes_the_buffers_so_a_strict_load_gives_the_same_model(tmp_path):
+    """BatchNorm's running statistics were left out: a strict load failed, a loose one
+    computed with fresh statistics, silently."""
+    model, ck = _saved(tmp_path)
+    done = export_params(ck, tmp_path / "m.safetensors")
+    assert done["tensors"] == len(model.state_dict())
+    fresh = _bn_model()
+    safetensors.load_model(fresh, str(tmp_path / "m.safetensors"), strict=True)
+    fresh.eval(), model.eval()
+    x = torch.randn(8, 4)
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_export_files_get_the_umask_mode_and_never_replace_one_made_meanwhile(
+    tmp_path, monkeypatch
+):
+    _, ck = _saved(tmp_path)
+    old = os.umask(0o022)
+    try:
+        export_params(ck, tmp_path / "a.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.safetensors").stat().st_mode & 0o777 == 0o644  # not 0600
+    out = tmp_path / "b.safetensors"
+    real = safetensors.save_file
+
+    def racing(tensors, path, metadata=None):  # another export lands first
+        out.write_bytes(b"the other export")
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors, "save_file", racing)
+    with pytest.raises(ExportError, match="exists; export never overwrites"):
+        export_params(ck, out)
+    assert out.read_bytes() == b"the other export"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".b.")] == []
+
+
+def test_an_io_error_writing_the_export_is_one_message_and_leaves_nothing(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    _, ck = _saved(tmp_path)
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").close()  # begun, as a full disk leaves it
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(safetensors, "save_file", full)
+    out = tmp_path / "x.safetensors"
+    with pytest.raises(ExportError, match=r"writing .*x.safetensors failed: .*No space left"):
+        export_params(ck, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def _racing_listing(monkeypatch, during):
+    """``protocol.committed_steps`` that runs ``during()`` right after its first listing."""
+    real = protocol.committed_steps
+
+    def listing(root, **kw):
+        steps = real(root, **kw)
+        monkeypatch.setattr(protocol, "committed_steps", real)
+        during()
+        return steps
+
+    monkeypatch.setattr(protocol, "committed_steps", listing)
+
+
+def test_a_read_skips_a_step_a_live_run_deleted_after_the_listing(tmp_path, monkeypatch):
+    """keep_last=1 beside a reader: the step it chose was deleted before it read it, and
+    it reported "no step verifies" although a newer step was committed."""
+    _, ck = _saved(tmp_path, step=4)
+    newer = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=1)
+
+    def commit_6_delete_4():
+        m = ftrain.CheckpointManager(ck, async_save=False)
+        m.save(ftrain.replace(newer, step=torch.tensor(6)), force=True)
+        shutil.rmtree(ck / "step_00000004")
+
+    _racing_listing(monkeypatch, commit_6_delete_4)
+    got, tree, _ = readonly.read_subtree(ck)
+    assert got == 6 and torch.equal(tree["params", "0", "weight"], newer["params", "0", "weight"])
+    _racing_listing(monkeypatch, lambda: shutil.rmtree(ck / "step_00000006"))
+    with pytest.raises(FileNotFoundError, match="step 6 of .* was deleted while being read"):
+        readonly.read_subtree(ck, step=6)  # asked for: said so, not "corrupt"
