@@ -307,6 +307,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(
             f"resume must be 'latest', 'none' or a step number >= 0, got resume={resume!r}"
         )
+    _check_run(cfg)
     check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint)
     _check_optim(cfg.optim)
@@ -317,6 +318,25 @@ def _check_values(cfg: DictConfig) -> None:
     check_data(cfg.data)
     _check_shard(cfg)
     _check_best_metric(cfg)
+
+
+def _check_run(cfg: DictConfig) -> None:
+    """An empty ``run.dir=`` (or ``checkpoint.dir=``) put the records in the working
+    directory and the checkpoints at ``/checkpoints``; ``run.overwrite=true`` without
+    ``resume=none`` resumed the old run, silently ignored."""
+    for key in ("run.dir", "checkpoint.dir", "checkpoint.fallback_dir"):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and not value.strip():
+            fix = "use checkpoint.fallback_dir=null for none" if "fallback" in key else ""
+            raise _bad(key, value, "an empty path", fix or f"give a directory, e.g. {key}=runs/x")
+    if cfg.run.get("overwrite") and cfg.resume != "none":
+        raise _bad(
+            "run.overwrite",
+            True,
+            f"it starts the run over, and resume={cfg.resume} continues it",
+            "add resume=none to start over (the old run is moved aside), or leave "
+            "run.overwrite out to resume",
+        )
 
 
 def _check_best_metric(cfg: DictConfig) -> None:

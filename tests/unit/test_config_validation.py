@@ -34,6 +34,10 @@ from ftrain.config import ConfigError, load_config
         ("trainer.compile=sometimes", ["trainer.compile must be true, false or auto"]),
         ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
         ("+model.n_layers=2", ["model.n_layers"]),
+        ("run.dir=", ["run.dir='' is invalid: an empty path"]),  # records in cwd, /checkpoints
+        ("checkpoint.dir=", ["checkpoint.dir='' is invalid"]),
+        ("checkpoint.fallback_dir=", ["checkpoint.fallback_dir=null for none"]),
+        ("run.overwrite=true", ["run.overwrite=True is invalid", "add resume=none"]),
         (
             "checkpoint.keep_best=2 trainer.eval_every=null",
             ["checkpoint.best_metric='val_loss' is invalid", "trainer.eval_every"],
