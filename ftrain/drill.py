@@ -81,22 +81,24 @@ def _parse(argv: list[str]) -> Plan:
             opts[key] = int(value)
         else:
             rest.append(arg)
-    plan = Plan(
-        opts["drill.steps"],
-        opts["drill.commit_every"],
-        opts["drill.kill_at"],
-        opts["dist.nproc"],
-        Path(root or tempfile.mkdtemp(prefix="ftrain-drill-")),
-        rest,
-        keep=root is not None,
-    )
-    if not 0 < plan.commit < plan.kill < 2 * plan.commit <= plan.steps:
+    steps, commit = opts["drill.steps"], opts["drill.commit_every"]
+    kill, nproc = opts["drill.kill_at"], opts["dist.nproc"]
+    if not 0 < commit < kill < 2 * commit <= steps:
         raise SystemExit(
             f"need 0 < drill.commit_every < drill.kill_at < 2 * drill.commit_every <= drill.steps, "
-            f"got steps={plan.steps} commit_every={plan.commit} kill_at={plan.kill}"
+            f"got steps={steps} commit_every={commit} kill_at={kill}"
         )
-    if plan.nproc < 2:
-        raise SystemExit(f"dist.nproc={plan.nproc}: the drill kills one rank of several; use >= 2")
+    if nproc < 2:
+        raise SystemExit(f"dist.nproc={nproc}: the drill kills one rank of several; use >= 2")
+    if root is not None and Path(root).is_dir() and any(Path(root).iterdir()):
+        raise SystemExit(
+            f"drill.dir={root} is not empty: an earlier drill's runs there would be resumed "
+            "(a reference that trains nothing passes) and their heartbeats name processes "
+            "long gone; use a new or empty directory"
+        )
+    # made only once the options hold: a refused drill leaves no temporary directory
+    where = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="ftrain-drill-"))
+    plan = Plan(steps, commit, kill, nproc, where, rest, keep=root is not None)
     _check_overrides(plan)
     return plan
 
@@ -258,12 +260,33 @@ def _kill_at(run: Path, proc, step: int, ranks, after_commit: int) -> int:
         reached = infos[0].get("step", -1) if all(infos) else -1
         if reached >= step and _committed(run, after_commit):
             for info in infos:
-                os.kill(int(info["pid"]), signal.SIGKILL)
+                _kill_rank(int(info["pid"]), proc.pid)
             return int(infos[0]["step"])
         if reached >= 2 * after_commit:
             raise DrillFailed(f"step {after_commit} was not committed by step {reached}")
         time.sleep(0.005)
     raise DrillFailed(f"ranks {list(ranks)} never reached step {step}")
+
+
+def _kill_rank(pid: int, launcher: int) -> None:
+    """SIGKILL a rank of this drill's torchrun, never another process whose pid a
+    heartbeat happens to name."""
+    if not _descends_from(pid, launcher):
+        raise DrillFailed(f"pid {pid} of a heartbeat is not a rank of this drill's torchrun")
+    os.kill(pid, signal.SIGKILL)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` is ``pid`` or one of its parents (``/proc``; without it, yes)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return not Path("/proc/self/stat").exists()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: ppid
+    return False
 
 
 def _committed(run: Path, step: int) -> bool:
