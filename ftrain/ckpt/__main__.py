@@ -174,10 +174,15 @@ def _checkpoints_at(where: str):
     return root
 
 
-def _run_checkpoints(where: str) -> str:
-    """``where``, or a run directory's ``checkpoints/`` (for commands taking a path)."""
-    inside = Path(where) / "checkpoints"
-    return str(inside) if not is_object_url(where) and inside.is_dir() else where
+def _run_checkpoints(where: str) -> str | list[str]:
+    """``where``, or a run directory's checkpoint locations (``checkpoints/`` and the
+    fallback the run used: :func:`ftrain.ckpt.readonly.run_locations`)."""
+    from ftrain.ckpt.readonly import run_locations
+
+    if is_object_url(where) or not (Path(where) / "checkpoints").is_dir():
+        return where
+    found = run_locations(Path(where))
+    return found if len(found) > 1 else found[0]
 
 
 def _diff_args(args: list[str]) -> tuple[tuple[Path, int | None], tuple[Path, int | None]]:

@@ -21,22 +21,75 @@ from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.target import check_only
 
-__all__ = ["committed_steps_at", "read_model", "read_subtree"]
+__all__ = ["committed_steps_at", "read_model", "read_subtree", "run_locations"]
 
 log = logging.getLogger("ftrain.ckpt")
 
 
-def committed_steps_at(location: str | Path, storage: Mapping | None = None) -> dict[int, object]:
-    """``{step: path}`` of the committed steps at a checkpoint location (read-only);
-    ``storage``: object-store options (:func:`ftrain.ckpt.location.parse_location`)."""
-    root = parse_location(location, storage)
-    if isinstance(root, Path) and not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such checkpoint directory")
-    return protocol.committed_steps(root)
+Locations = str | Path | list  # one checkpoint location, or a run's primary and fallback
+
+
+def committed_steps_at(location: Locations, storage: Mapping | None = None) -> dict[int, object]:
+    """``{step: path}`` of the committed steps at a checkpoint location (read-only), or
+    over a list of them (a run's primary and fallback, as :func:`run_locations` gives:
+    a step held in both is the copy saved last, as the manager reads it); ``storage``:
+    object-store options (:func:`ftrain.ckpt.location.parse_location`)."""
+    from ftrain.ckpt.manager import _newest_copy_first
+
+    locations = location if isinstance(location, list) else [location]
+    found: dict[int, list] = {}
+    for i, where in enumerate(locations):
+        root = parse_location(where, storage)
+        if isinstance(root, Path) and not root.is_dir():
+            if i == 0:
+                raise FileNotFoundError(f"{root}: no such checkpoint directory")
+            continue  # a fallback the run never had to write to
+        for step, path in protocol.committed_steps(root).items():
+            found.setdefault(step, []).append(path)
+    return {s: _newest_copy_first(ps)[0] for s, ps in sorted(found.items())}
+
+
+def run_locations(run_dir: Path) -> list[str]:
+    """A run directory's checkpoint locations that exist: its ``checkpoints/``, the
+    ``checkpoint.dir`` and ``checkpoint.fallback_dir`` its start records name, and the
+    fallback its newest step's config records. Reading only ``checkpoints/`` took an older
+    step as the newest when saves had gone to the fallback (a full disk)."""
+    from ftrain.metrics import read_records
+
+    named = [r["checkpoint_dirs"] for r in read_records(run_dir) if r.get("checkpoint_dirs")]
+    found = [str(run_dir / "checkpoints"), *(named[-1] if named else [])]
+    found += [_recorded_fallback(Path(found[0]))] if Path(found[0]).is_dir() else []
+    out: list[str] = []
+    for d in filter(None, found):
+        there = d if "://" in d else str(Path(d).resolve())
+        if ("://" in d or Path(d).is_dir()) and there not in out:
+            out.append(there)
+    return out or [str(run_dir / "checkpoints")]
+
+
+def _recorded_fallback(checkpoints: Path) -> str | None:
+    """``checkpoint.fallback_dir`` as the newest step there records it (None: none)."""
+    steps = protocol.committed_steps(checkpoints)
+    if not steps:
+        return None
+    path = steps[max(steps)]
+    try:
+        attrs = read_root_attributes(path, protocol.read_committed(path)[1])
+    except (CorruptCheckpointError, OSError, ValueError):
+        return None  # the reader reports that step itself
+    config = attrs.get("config")
+    fallback = (
+        config.get("checkpoint", {}).get("fallback_dir") if isinstance(config, dict) else None
+    )
+    return fallback if isinstance(fallback, str) else None
+
+
+def _name(location: Locations) -> str:
+    return " + ".join(map(str, location)) if isinstance(location, list) else str(location)
 
 
 def read_subtree(
-    location: str | Path,
+    location: Locations,
     step: int | None = None,
     only: tuple[str, ...] = ("params",),
     storage: Mapping | None = None,
@@ -59,10 +112,10 @@ def read_subtree(
     """
     steps = committed_steps_at(location, storage)
     if not steps:
-        raise FileNotFoundError(f"{location}: no committed checkpoints")
+        raise FileNotFoundError(f"{_name(location)}: no committed checkpoints")
     if step is not None and step not in steps:
         raise FileNotFoundError(
-            f"step {step} is not committed in {location}; available: {sorted(steps)}"
+            f"step {step} is not committed in {_name(location)}; available: {sorted(steps)}"
         )
     for _ in range(_RELISTS):
         try:
@@ -71,7 +124,7 @@ def read_subtree(
             steps = committed_steps_at(location, storage)
             if step is not None or not steps:
                 raise FileNotFoundError(
-                    f"step {gone.step} of {location} was deleted while being read (a live "
+                    f"step {gone.step} of {_name(location)} was deleted while being read (a live "
                     f"run's retention); available now: {sorted(steps)}"
                 ) from None
     return _read_first(location, steps, step, only)
@@ -101,7 +154,7 @@ def _read_first(location, steps: dict, step: int | None, only) -> tuple:
                 raise _DeletedMeanwhile(s) from None
             problems.append(f"step {s}: {e}")
             log.warning("[step=%d] %s is corrupt (%s)", s, steps[s], e)
-    raise CorruptCheckpointError(f"{location}: no step verifies: " + "; ".join(problems))
+    raise CorruptCheckpointError(f"{_name(location)}: no step verifies: " + "; ".join(problems))
 
 
 def _vanished(path) -> bool:
@@ -112,7 +165,7 @@ def _vanished(path) -> bool:
 
 
 def read_model(
-    location: str | Path, step: int | None = None, storage: Mapping | None = None
+    location: Locations, step: int | None = None, storage: Mapping | None = None
 ) -> tuple[int, TensorDictBase, dict]:
     """:func:`read_subtree` of ``params`` and ``buffers`` (a BatchNorm's statistics are
     part of a trained model), or of ``params`` alone for a checkpoint without buffers."""

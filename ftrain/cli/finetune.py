@@ -180,18 +180,22 @@ def describe_labels(cfg: DictConfig, params: TensorDictBase) -> str | None:
 _STEP_SUFFIX = re.compile(r"^(?P<path>.+):(?P<step>\d+)$")
 
 
-def parse_init_from(value: str) -> tuple[str, int | None]:
-    """``RUN[:STEP]`` -> ``(checkpoints location, step or None)``.
+def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
+    """``RUN[:STEP]`` -> ``(checkpoint location(s), step or None)``.
 
-    ``RUN`` is a run directory (its ``checkpoints/`` is used), a checkpoints directory, or
-    an object-store URL of one.
+    ``RUN`` is a run directory (its ``checkpoints/`` and the fallback directory the run
+    used: :func:`ftrain.ckpt.readonly.run_locations`), a checkpoints directory, or an
+    object-store URL of one.
     """
+    from ftrain.ckpt.readonly import run_locations
+
     m = _STEP_SUFFIX.match(value)
     where, step = (m["path"], int(m["step"])) if m else (value, None)
     if "://" not in where:
         run = Path(where)
-        if (run / "checkpoints").is_dir():
-            where = str(run / "checkpoints")
+        if (run / "checkpoints").is_dir() or (run / "metrics.jsonl").is_file():
+            found = run_locations(run)
+            return (found if len(found) > 1 else found[0]), step
     return where, step
 
 

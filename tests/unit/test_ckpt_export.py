@@ -117,3 +117,34 @@ def test_a_read_skips_a_step_a_live_run_deleted_after_the_listing(tmp_path, monk
     _racing_listing(monkeypatch, lambda: shutil.rmtree(ck / "step_00000006"))
     with pytest.raises(FileNotFoundError, match="step 6 of .* was deleted while being read"):
         readonly.read_subtree(ck, step=6)  # asked for: said so, not "corrupt"
+
+
+def test_a_run_directorys_fallback_steps_are_found_by_the_readers(tmp_path):
+    """Saves that went to checkpoint.fallback_dir (a full primary) were invisible to
+    export, eval and init.from given the run directory: an older step was "the newest"."""
+    import json
+
+    from ftrain.cli.finetune import parse_init_from
+
+    run, fallback = tmp_path / "run", tmp_path / "fb"
+    older = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    newer = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=1)
+    config = {"checkpoint": {"fallback_dir": str(fallback)}}
+    with ftrain.CheckpointManager(run / "checkpoints", async_save=False) as m:
+        m.save(ftrain.replace(older, step=torch.tensor(2)), force=True, metadata={"config": config})
+    with ftrain.CheckpointManager(fallback, async_save=False) as m:
+        m.save(ftrain.replace(newer, step=torch.tensor(4)), force=True)
+    for records in (False, True):  # the step's recorded config, then the start records
+        if records:
+            config["checkpoint"]["fallback_dir"] = None
+            dirs = [str(run / "checkpoints"), str(fallback)]
+            line = {"kind": "start", "step": 0, "checkpoint_dirs": dirs}
+            (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        where, step = parse_init_from(str(run))
+        assert where == [str((run / "checkpoints").resolve()), str(fallback.resolve())]
+        got, tree, _ = readonly.read_model(where, step)
+        assert got == 4 and torch.equal(
+            tree["params", "0", "weight"], newer["params", "0", "weight"]
+        )
+    done = export_params(where, tmp_path / "m.safetensors")
+    assert done["step"] == 4
