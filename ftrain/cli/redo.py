@@ -69,7 +69,12 @@ def reached_steps(run_dir: Path) -> list[int]:
 
 
 def _explicit(record: dict) -> bool:
-    return record.get("reason") != "resume=latest" and _is_step(record.get("from_step"))
+    """A resume to an explicit step that went back (left committed steps behind). One
+    that did not (``resume=N`` with N the newest commit) abandons nothing: the steps the
+    run reached past N are still to be redone. Records before ``went_back`` was written
+    count every explicit resume as going back."""
+    explicit = record.get("reason") != "resume=latest" and _is_step(record.get("from_step"))
+    return explicit and record.get("went_back", True) is not False
 
 
 def _is_step(value: object) -> bool:

@@ -128,6 +128,7 @@ class Session:
             "mapped_bytes": report.mapped,  # checkpoint.mmap_restore
             # init.from's "initialised params from DIR step N" (which base step), groups
             "notes": list(report.notes) or None,
+            "went_back": bool(report.left_behind),  # committed steps left (ftrain.cli.redo)
             # where this start saves: a later start that finds no step names it
             "checkpoint_dirs": [
                 str(d) for d in (self.cfg.checkpoint.dir, self.cfg.checkpoint.fallback_dir) if d

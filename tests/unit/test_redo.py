@@ -53,6 +53,18 @@ def test_a_resume_of_the_latest_step_keeps_the_steps_it_redoes(tmp_path):
     assert redo_range(tmp_path, 10) == (11, 13)
 
 
+def test_an_explicit_resume_of_the_newest_commit_keeps_the_steps_it_redoes(tmp_path):
+    """resume=5 with 5 the newest commit abandons nothing: steps 6..8 reached before it are
+    still to be redone (the report said 6..6 after a later kill at 6)."""
+    recs = [{"kind": "step", "step": s, "time": float(s)} for s in range(1, 9)]
+    went = {"kind": "resume", "step": 5, "from_step": 5, "reason": "resume=5", "time": 20.0}
+    recs += [went | {"went_back": False}]
+    _write(tmp_path, recs, {"step": 6, "time": 21.0})  # killed again at step 6
+    assert redo_range(tmp_path, 5) == (6, 8)
+    _write(tmp_path, [*recs[:-1], went | {"went_back": True}], {"step": 6, "time": 21.0})
+    assert redo_range(tmp_path, 5) == (6, 6)  # it went back: 7 and 8 are another history's
+
+
 def test_damaged_heartbeats_are_ignored(tmp_path):
     recs = [{"kind": "step", "step": 3, "time": 3.0}]
     for beat in ("not json", json.dumps([1]), json.dumps({"step": "7"}), json.dumps({"step": -1})):
