@@ -35,6 +35,7 @@ Options (``drill.*`` and ``dist.nproc`` are the drill's; everything else goes to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -139,8 +140,13 @@ def _env(arm: Path | None = None) -> dict:
 def _torchrun(plan: Plan, run_dir: Path, *extra: str, nproc: int | None = None, arm=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc or plan.nproc}"]
     cmd += ["--standalone", "--max-restarts=2", "-m", "ftrain", *_overrides(plan, run_dir, *extra)]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(arm)
+    return subprocess.Popen(  # its own process group: a failed scenario stops all of it
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(arm),
+        start_new_session=True,
     )
 
 
@@ -246,6 +252,19 @@ def _bit_identical(plan: Plan, run: Path) -> None:
 
 
 def _kill_at(run: Path, proc, step: int, ranks, after_commit: int) -> int:
+    """:func:`_kill_when`; if it fails (or the drill is interrupted), the scenario's whole
+    torchrun group is stopped: it kept training through the later scenarios and after the
+    drill had exited."""
+    try:
+        return _kill_when(run, proc, step, ranks, after_commit)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+
+
+def _kill_when(run: Path, proc, step: int, ranks, after_commit: int) -> int:
     """SIGKILL the given ranks (pids from their heartbeats) once the first reached ``step``
     and step ``after_commit`` is committed. An async save of that step may still be being
     written at ``step`` on a busy machine; a kill before its commit would test a fresh
