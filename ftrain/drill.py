@@ -161,9 +161,12 @@ def _finish(proc, what: str) -> str:
     try:
         out, _ = proc.communicate(timeout=_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _stop_group(proc)
         out, _ = proc.communicate()
         raise DrillFailed(f"{what}: timed out\n{out[-2000:]}") from None
+    except BaseException:  # Ctrl-C: the ranks are in their own session, not the terminal's
+        _stop_group(proc)
+        raise
     if proc.returncode != 0:
         raise DrillFailed(f"{what}: exit {proc.returncode}\n{out[-3000:]}")
     return out
@@ -258,10 +261,19 @@ def _kill_at(run: Path, proc, step: int, ranks, after_commit: int) -> int:
     try:
         return _kill_when(run, proc, step, ranks, after_commit)
     except BaseException:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _stop_group(proc)
         proc.communicate()
         raise
+
+
+def _stop_group(proc) -> None:
+    """SIGKILL a scenario's torchrun and its ranks (its own process group), or the one
+    process of a single-process run."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
 
 
 def _kill_when(run: Path, proc, step: int, ranks, after_commit: int) -> int:

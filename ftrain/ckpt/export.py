@@ -19,6 +19,7 @@ runs need ``merge_lora=True`` here: HF GPT-2 has no place for adapters.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -165,13 +166,30 @@ def _write_file(out: Path, tensors: dict, step: int, save_file) -> int:
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         _save(save_file, tensors, stage, step)
-        try:
-            os.link(stage, out)
-        except FileExistsError:
-            raise ExportError(f"{out} exists; export never overwrites, pick another path") from None
+        _place(stage, out)
     finally:
         stage.unlink(missing_ok=True)
     return out.stat().st_size
+
+
+def _place(stage: Path, out: Path) -> None:
+    """``stage`` at ``out`` unless ``out`` exists: a hard link (atomic, create-only), or on
+    a filesystem without them (vfat, FUSE mounts of object stores) an exclusively created
+    placeholder replaced by the file."""
+    taken = f"{out} exists; export never overwrites, pick another path"
+    try:
+        os.link(stage, out)
+        return
+    except FileExistsError:
+        raise ExportError(taken) from None
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+    try:
+        os.close(os.open(out, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        raise ExportError(taken) from None
+    os.replace(stage, out)
 
 
 def _save(save_file, tensors: dict, path: Path, step: int) -> None:

@@ -147,7 +147,13 @@ def _moved_here(location, held: dict, mine: dict) -> bool:
         return False
     theirs = held.get("run_dir")
     inside = location.resolve().is_relative_to(mine["run_dir"])
-    return inside and isinstance(theirs, str) and not os.path.lexists(theirs)
+    if not inside or not isinstance(theirs, str):
+        return False
+    if not os.path.lexists(theirs):
+        return True
+    with contextlib.suppress(OSError):  # the same directory under another path (a bind mount)
+        return os.path.samefile(theirs, mine["run_dir"])
+    return False
 
 
 def _held(location) -> dict | None:

@@ -46,25 +46,31 @@ def committed_steps_at(location: Locations, storage: Mapping | None = None) -> d
             continue  # a fallback the run never had to write to
         for step, path in protocol.committed_steps(root).items():
             found.setdefault(step, []).append(path)
-    return {s: _newest_copy_first(ps)[0] for s, ps in sorted(found.items())}
+    return {
+        s: _newest_copy_first(ps)[0] if len(ps) > 1 else ps[0] for s, ps in sorted(found.items())
+    }
 
 
 def run_locations(run_dir: Path) -> list[str]:
-    """A run directory's checkpoint locations that exist: its ``checkpoints/``, the
-    ``checkpoint.dir`` and ``checkpoint.fallback_dir`` its start records name, and the
-    fallback its newest step's config records. Reading only ``checkpoints/`` took an older
-    step as the newest when saves had gone to the fallback (a full disk)."""
+    """A run directory's checkpoint locations that exist: its ``checkpoints/`` (or the
+    directory itself when the steps are there), and the ``checkpoint.fallback_dir`` the
+    run used, from its start records or its newest step's config, when that is an
+    absolute path (a relative one was relative to wherever the run was started; the
+    primary's recorded path is never taken: after ``mv runs/a runs/a_old`` it names the
+    next run's). Reading only ``checkpoints/`` took an older step as the newest when saves
+    had gone to the fallback (a full disk)."""
     from ftrain.metrics import read_records
 
+    primary = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
     named = [r["checkpoint_dirs"] for r in read_records(run_dir) if r.get("checkpoint_dirs")]
-    found = [str(run_dir / "checkpoints"), *(named[-1] if named else [])]
-    found += [_recorded_fallback(Path(found[0]))] if Path(found[0]).is_dir() else []
-    out: list[str] = []
-    for d in filter(None, found):
-        there = d if "://" in d else str(Path(d).resolve())
-        if ("://" in d or Path(d).is_dir()) and there not in out:
-            out.append(there)
-    return out or [str(run_dir / "checkpoints")]
+    fallbacks = [*(named[-1][1:] if named else []), _recorded_fallback(primary)]
+    out = [str(primary)]
+    for d in fallbacks:
+        if isinstance(d, str) and (d.startswith("/") or "://" in d):
+            there = d if "://" in d else str(Path(d).resolve())
+            if ("://" in d or Path(d).is_dir()) and there not in out:
+                out.append(there)
+    return out
 
 
 def _recorded_fallback(checkpoints: Path) -> str | None:
@@ -84,7 +90,8 @@ def _recorded_fallback(checkpoints: Path) -> str | None:
     return fallback if isinstance(fallback, str) else None
 
 
-def _name(location: Locations) -> str:
+def name_of(location: Locations) -> str:
+    """How a location (or a run's list of them) is named in messages."""
     return " + ".join(map(str, location)) if isinstance(location, list) else str(location)
 
 
@@ -112,10 +119,10 @@ def read_subtree(
     """
     steps = committed_steps_at(location, storage)
     if not steps:
-        raise FileNotFoundError(f"{_name(location)}: no committed checkpoints")
+        raise FileNotFoundError(f"{name_of(location)}: no committed checkpoints")
     if step is not None and step not in steps:
         raise FileNotFoundError(
-            f"step {step} is not committed in {_name(location)}; available: {sorted(steps)}"
+            f"step {step} is not committed in {name_of(location)}; available: {sorted(steps)}"
         )
     for _ in range(_RELISTS):
         try:
@@ -124,10 +131,13 @@ def read_subtree(
             steps = committed_steps_at(location, storage)
             if step is not None or not steps:
                 raise FileNotFoundError(
-                    f"step {gone.step} of {_name(location)} was deleted while being read (a live "
+                    f"step {gone.step} of {name_of(location)} was deleted while being read (a live "
                     f"run's retention); available now: {sorted(steps)}"
                 ) from None
-    return _read_first(location, steps, step, only)
+    raise FileNotFoundError(
+        f"{name_of(location)}: the newest step was deleted while being read {_RELISTS} times "
+        "(a live run's retention); try again, or name a step it keeps"
+    )
 
 
 _RELISTS = 5  # a run deleting the newest step on every listing is not reading's to outrun
@@ -154,7 +164,7 @@ def _read_first(location, steps: dict, step: int | None, only) -> tuple:
                 raise _DeletedMeanwhile(s) from None
             problems.append(f"step {s}: {e}")
             log.warning("[step=%d] %s is corrupt (%s)", s, steps[s], e)
-    raise CorruptCheckpointError(f"{_name(location)}: no step verifies: " + "; ".join(problems))
+    raise CorruptCheckpointError(f"{name_of(location)}: no step verifies: " + "; ".join(problems))
 
 
 def _vanished(path) -> bool:

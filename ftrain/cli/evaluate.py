@@ -39,7 +39,7 @@ from tensordict import TensorDict
 from ftrain.ckpt import CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
-from ftrain.ckpt.readonly import read_model
+from ftrain.ckpt.readonly import name_of, read_model
 from ftrain.cli.build import build_model, check_vocab, model_vocab, pick_device
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
@@ -136,7 +136,7 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
     recorded = attrs.get("config")
     if not isinstance(recorded, dict) or "model" not in recorded:
         raise ConfigError(
-            f"step {got} of {where} records no run config (not written by python -m ftrain); "
+            f"step {got} of {name_of(where)} records no run config (not written by python -m ftrain); "
             "evaluate it in Python with ftrain.make_eval_step"
         )
     cfg = eval_config(recorded, list(overrides))
@@ -145,7 +145,7 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
     try:  # a missing parameter was evaluated fresh from the module, silently
         check_params_match(model, flatten(tree["params"])[0])
     except ValueError as err:
-        raise ConfigError(f"step {got} of {where}: {err}") from None
+        raise ConfigError(f"step {got} of {name_of(where)}: {err}") from None
     data = OmegaConf.to_container(cfg.data, resolve=True)
     val = source_from_config(data, split="val")
     check_vocab(cfg.model, val)

@@ -193,7 +193,7 @@ def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
     where, step = (m["path"], int(m["step"])) if m else (value, None)
     if "://" not in where:
         run = Path(where)
-        if (run / "checkpoints").is_dir() or (run / "metrics.jsonl").is_file():
+        if (run / "checkpoints").is_dir():
             found = run_locations(run)
             return (found if len(found) > 1 else found[0]), step
     return where, step
@@ -214,7 +214,7 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
         ConfigError: no such run/step, nothing verifies, or the params do not fit.
     """
     from ftrain.ckpt import CorruptCheckpointError
-    from ftrain.ckpt.readonly import read_model
+    from ftrain.ckpt.readonly import name_of, read_model
 
     where, step = parse_init_from(str(cfg.init["from"]))
     what = f"init.from={cfg.init['from']!r}"
@@ -225,7 +225,7 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     table = dict(zip(*_named(loaded["params"]), strict=True))
     state, fresh_only = load_into(cfg, fresh, table, what)
     state, n_buffers = _load_buffers(state, loaded, what)
-    line = f"initialised params from {where} step {got_step}: {len(table)} tensors loaded"
+    line = f"initialised params from {name_of(where)} step {got_step}: {len(table)} tensors loaded"
     line += f" (and {n_buffers} buffers)" if n_buffers else ""
     if fresh_only:
         line += f", {len(fresh_only)} new ({_sample(fresh_only)}) initialised fresh"

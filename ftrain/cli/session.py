@@ -15,6 +15,7 @@ is ``committed``).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -131,7 +132,9 @@ class Session:
             "went_back": bool(report.left_behind),  # committed steps left (ftrain.cli.redo)
             # where this start saves: a later start that finds no step names it
             "checkpoint_dirs": [
-                str(d) for d in (self.cfg.checkpoint.dir, self.cfg.checkpoint.fallback_dir) if d
+                d if "://" in str(d) else os.path.abspath(d)
+                for d in (self.cfg.checkpoint.dir, self.cfg.checkpoint.fallback_dir)
+                if d
             ],
         }
         self.writer.write("resume" if report.resumed else "start", step=report.step, **fields)

@@ -324,11 +324,10 @@ def _check_run(cfg: DictConfig) -> None:
     """An empty ``run.dir=`` (or ``checkpoint.dir=``) put the records in the working
     directory and the checkpoints at ``/checkpoints``; ``run.overwrite=true`` without
     ``resume=none`` resumed the old run, silently ignored."""
-    for key in ("run.dir", "checkpoint.dir", "checkpoint.fallback_dir"):
+    for key in ("run.dir", "checkpoint.dir"):  # an empty fallback_dir means none, as null
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str) and not value.strip():
-            fix = "use checkpoint.fallback_dir=null for none" if "fallback" in key else ""
-            raise _bad(key, value, "an empty path", fix or f"give a directory, e.g. {key}=runs/x")
+            raise _bad(key, value, "an empty path", f"give a directory, e.g. {key}=runs/x")
     if cfg.run.get("overwrite") and cfg.resume != "none":
         raise _bad(
             "run.overwrite",

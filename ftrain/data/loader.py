@@ -242,24 +242,29 @@ class Loader:
 def check_token_ids(
     source: Source, x: torch.Tensor, y: torch.Tensor, vocab_size: int | None, where: str
 ) -> None:
-    """Every token id of a batch in ``[0, vocab_size)`` (nothing checked without a size).
+    """Every input id of a batch in ``[0, vocab_size)`` and no target id at or above it
+    (nothing checked without a size). Negative targets pass: ``-100`` is the ignore index
+    of ``F.cross_entropy`` (a source masking padding or prompt tokens).
 
     Raises:
         DataFormatError: naming the id, the data, where it was read and the fix.
     """
     if vocab_size is None or not x.numel():
         return
-    lo, hi = min(int(x.min()), int(y.min())), max(int(x.max()), int(y.max()))
+    lo, hi = int(x.min()), max(int(x.max()), int(y.max()))
     if lo >= 0 and hi < vocab_size:
         return
     bad = hi if hi >= vocab_size else lo
     facts = source.describe()
+    bigger = (
+        f"a model.vocab_size above {bad} (a new run once steps are committed: " if bad >= 0 else ""
+    )
     raise DataFormatError(
         f"token id {bad} is outside the model's vocabulary [0, {vocab_size}) in the batch read "
         f"at {where} of {facts.get('path') or facts.get('kind', 'the data')!r}"
         + (f" (dtype {facts['dtype']})" if "dtype" in facts else "")
-        + f"; set model.vocab_size above {bad}, or set "
-        "data.dtype to the dtype the file was written with, or regenerate the data"
+        + "; set data.dtype to the dtype the file was written with, regenerate the data"
+        + (f", or use {bigger}resume=none run.overwrite=true)" if bigger else "")
     )
 
 

@@ -386,7 +386,7 @@ def test_a_token_id_beyond_the_model_vocabulary_is_one_message_and_a_fixable_sta
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "Traceback" not in bad.stderr, bad.stderr
     assert "outside the model's vocabulary [0, 256)" in bad.stderr
-    assert re.search(r"set model.vocab_size above 2[5-9]\d", bad.stderr), bad.stderr
+    assert re.search(r"a model.vocab_size above 2[5-9]\d", bad.stderr), bad.stderr
     assert "train.bin" in bad.stderr
     assert _committed(run) == []
     fixed = forkserver.run([*args, "model.vocab_size=320"], env, 240)

@@ -148,3 +148,30 @@ def test_a_run_directorys_fallback_steps_are_found_by_the_readers(tmp_path):
         )
     done = export_params(where, tmp_path / "m.safetensors")
     assert done["step"] == 4
+
+
+def test_a_run_directory_never_reads_another_runs_checkpoints(tmp_path, monkeypatch):
+    """Records name paths as written (``runs/a/checkpoints``, relative): after ``mv runs/a
+    runs/a_old`` and a new ``runs/a``, reading ``runs/a_old`` merged in the new run's steps.
+    Only an absolute fallback is taken; a run whose steps sit in ``run.dir`` itself is read."""
+    import json
+
+    from ftrain.cli.finetune import parse_init_from
+
+    monkeypatch.chdir(tmp_path)
+    old, new = tmp_path / "runs" / "a_old", tmp_path / "runs" / "a"
+    mine = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    theirs = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=1)
+    with ftrain.CheckpointManager(old / "checkpoints", async_save=False) as m:
+        m.save(ftrain.replace(mine, step=torch.tensor(2)), force=True)
+    with ftrain.CheckpointManager(new / "checkpoints", async_save=False) as m:
+        m.save(ftrain.replace(theirs, step=torch.tensor(9)), force=True)
+    line = {"kind": "start", "step": 0, "checkpoint_dirs": ["runs/a/checkpoints", "runs/a"]}
+    (old / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    where, _ = parse_init_from("runs/a_old")
+    assert where == "runs/a_old/checkpoints"
+    assert readonly.read_model(where)[0] == 2
+    flat = tmp_path / "flat"  # checkpoint.dir=${run.dir}
+    with ftrain.CheckpointManager(flat, async_save=False) as m:
+        m.save(ftrain.replace(mine, step=torch.tensor(3)), force=True)
+    assert readonly.run_locations(flat) == [str(flat)]

@@ -168,7 +168,8 @@ def test_a_token_id_outside_the_vocabulary_is_a_data_error_naming_it(prefetch, b
         next(it)
     msg = str(err.value)
     assert f"token id {bad} is outside the model's vocabulary [0, 256)" in msg
-    assert "epoch 0, position 0" in msg and "model.vocab_size" in msg
+    assert "epoch 0, position 0" in msg and "data.dtype" in msg
+    assert ("model.vocab_size above 300" in msg) == (bad == 300)  # no bigger model for -1
     ok = make(src, global_batch=10, prefetch=prefetch, vocab_size=256, shuffle=False)
     with ok.iter_from(init_cursor(0, 10)) as it:  # not checked past the vocabulary: fine
         assert next(it)["x"].shape == (10, BLOCK)
@@ -182,3 +183,12 @@ def test_val_batches_check_the_vocabulary_too():
     assert len(list(val_batches(src, 2, 4, vocab_size=37))) == 2  # samples 0-8 of 10
     with pytest.raises(DataFormatError, match="token id 36 is outside .* evaluation batch 1"):
         list(val_batches(src, 2, 4, vocab_size=36))
+
+
+def test_ignored_targets_pass_the_vocabulary_check():
+    """-100 is F.cross_entropy's ignore index: a source masking padding in its targets
+    trained before the check and still does."""
+    from ftrain.data import check_token_ids
+
+    x, y = torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, -100]])
+    check_token_ids(TensorSource(torch.arange(9), block_size=BLOCK), x, y, 256, "here")
