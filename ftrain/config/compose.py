@@ -346,7 +346,9 @@ def _check_best_metric(cfg: DictConfig) -> None:
             c.best_metric,
             "val_* metrics come from evaluations, and trainer.eval_every=null runs none, so "
             "checkpoint.keep_best would keep no step by it",
-            "set trainer.eval_every, or rank by a step metric (checkpoint.best_metric=loss)",
+            "set trainer.eval_every"
+            + (" and a data.val_fraction above 0" if cfg.data.get("val_fraction") == 0 else "")
+            + ", or rank by a step metric (checkpoint.best_metric=loss)",
         )
 
 

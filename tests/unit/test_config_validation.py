@@ -41,6 +41,10 @@ from ftrain.config import ConfigError, load_config
             "checkpoint.keep_best=2 trainer.eval_every=null",
             ["checkpoint.best_metric='val_loss' is invalid", "trainer.eval_every"],
         ),
+        (  # both fixes named at once (the start refused the ranking for the val split next)
+            "checkpoint.keep_best=2 trainer.eval_every=null data.val_fraction=0",
+            ["set trainer.eval_every and a data.val_fraction above 0"],
+        ),
         ("trainer.seed=18446744073709551616", ["trainer.seed=18446744073709551616", "2**64"]),
         ("trainer.seed=-1", ["trainer.seed=-1"]),
         ("trainer.eval_batches=0", ["trainer.eval_batches=0", ">= 1"]),
