@@ -28,6 +28,10 @@ The command line: ``python -m ftrain +recipe=gpt2``; ``python -m ftrain.ckpt``;
 ``python -m ftrain.eval RUN``.
 """
 
+# first, before torch: `python -m ftrain` keeps a stop signal that comes while torch imports
+from ftrain import _early_signals  # noqa: F401  (installs on import; the CLI takes them)
+
+# isort: split
 from ftrain import ckpt, data, lora, nn, optim, rng, state
 from ftrain.ckpt import (
     AnyOf,

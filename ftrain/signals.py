@@ -29,6 +29,8 @@ import signal
 import threading
 from types import FrameType
 
+from ftrain import _early_signals
+
 __all__ = [
     "EXIT_CONFIG",
     "EXIT_ERROR",
@@ -102,6 +104,8 @@ class StopFlag:
         """Install handlers for ``signals`` (default SIGTERM, SIGINT, SIGUSR1; main thread
         only, elsewhere a no-op) and return self."""
         if threading.current_thread() is threading.main_thread():
+            for name in _early_signals.take(signals):  # came while `python -m ftrain` imported
+                self.request(name)
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from torch import nn
 
+from ftrain import _early_signals
 from ftrain.ckpt import (
     CheckpointFormatError,
     CheckpointLocationError,
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     nothing was saved by this process, the newest committed checkpoint is intact.
     """
     try:
+        if _early_signals.take((signal.SIGINT,)):  # a Ctrl-C while torch was importing
+            raise KeyboardInterrupt
         return _main(argv)
     except KeyboardInterrupt:
         print(

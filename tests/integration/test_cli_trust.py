@@ -456,3 +456,35 @@ def test_a_start_that_finds_no_step_where_the_records_show_commits_is_refused(cl
 
 def _committed_at(directory):
     return CheckpointManager(directory, async_save=False).all_steps()
+
+
+EARLY_SIGNAL = """
+import os, signal, sys
+sys.orig_argv[:] = [sys.executable, "-m", "ftrain"]  # as `python -m ftrain` starts
+import ftrain  # the package records stop signals first thing, before torch
+os.kill(os.getpid(), getattr(signal, os.environ["SIG"]))  # as if it came during the import
+from ftrain.cli.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 3), ("SIGUSR1", 3), ("SIGINT", 130)])
+def test_a_signal_while_torch_imports_is_handled_as_documented(cache_dir, tmp_path, sig, code):
+    """Before the CLI's handlers existed (the first seconds: torch importing), SIGTERM and
+    SIGUSR1 ended the process with 143/138 and a Ctrl-C printed a KeyboardInterrupt
+    traceback from inside the torch import."""
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, SIG=sig)
+    args = [f"run.dir={tmp_path / 'run'}", *TINY, "trainer.max_steps=2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", EARLY_SIGNAL, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if code == 3:
+        assert f"stop reason={sig}" in proc.stdout and not _committed(tmp_path / "run")
+    else:
+        assert "interrupted (SIGINT) outside the training loop" in proc.stderr
