@@ -175,3 +175,31 @@ def test_a_run_directory_never_reads_another_runs_checkpoints(tmp_path, monkeypa
     with ftrain.CheckpointManager(flat, async_save=False) as m:
         m.save(ftrain.replace(mine, step=torch.tensor(3)), force=True)
     assert readonly.run_locations(flat) == [str(flat)]
+
+
+def test_export_without_hard_links_still_refuses_to_overwrite(tmp_path, monkeypatch):
+    """vfat, FUSE mounts of object stores: os.link is refused (EPERM); the export goes in
+    through an exclusively created placeholder, and an existing file still wins."""
+    import errno
+
+    _, ck = _saved(tmp_path)
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    out = tmp_path / "m.safetensors"
+    assert export_params(ck, out)["step"] == 4
+    assert len(safetensors.load_file(str(out))) == 7
+    late = tmp_path / "late.safetensors"
+    real = safetensors.save_file
+
+    def racing(tensors, path, metadata=None):  # another export lands during this one
+        late.write_bytes(b"the other export")
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors, "save_file", racing)
+    with pytest.raises(ExportError, match="exists; export never overwrites"):
+        export_params(ck, late)
+    assert late.read_bytes() == b"the other export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "late.safetensors", "m.safetensors"]
