@@ -63,11 +63,20 @@ def _steps(root: Path, invalid: _Invalid | None = None) -> dict[int, Path]:
     return steps
 
 
-def _pick(root: Path, step: int | None) -> tuple[int, Path]:
-    steps = _steps(root)
+def _pick(roots, step: int | None) -> tuple[int, Path]:
+    """``step`` (default: the newest) in a location, or over a list of a run's locations
+    (a step in both is the copy saved last, as a resume reads it)."""
+    from ftrain.ckpt.readonly import committed_steps_at, name_of
+
+    roots = roots if isinstance(roots, list) else [roots]
+    steps = committed_steps_at(roots) if len(roots) > 1 else _steps(roots[0])
+    if not steps:
+        raise SystemExit(f"{name_of(roots)}: no committed checkpoints")
     step = max(steps) if step is None else step
     if step not in steps:
-        raise SystemExit(f"step {step} is not committed in {root}; available: {list(steps)}")
+        raise SystemExit(
+            f"step {step} is not committed in {name_of(roots)}; available: {list(steps)}"
+        )
     return step, steps[step]
 
 
@@ -101,8 +110,8 @@ def cmd_list(root: Path, _: list[int]) -> int:
     return 1 if bad or invalid else 0
 
 
-def cmd_show(root: Path, args: list[int]) -> int:
-    step, path = _pick(root, args[0] if args else None)
+def cmd_show(roots: list, args: list[int]) -> int:
+    step, path = _pick(roots, args[0] if args else None)
     try:
         marker, manifest = protocol.read_committed(path)
         attrs = dict(read_root_attributes(path, manifest))
@@ -183,6 +192,39 @@ def _run_checkpoints(where: str) -> str | list[str]:
         return where
     found = run_locations(Path(where))
     return found if len(found) > 1 else found[0]
+
+
+def _listed(where: str | list[str]) -> list[str]:
+    return where if isinstance(where, list) else [where]
+
+
+def _each_location(cmd, roots: list, steps: list[int]) -> int:
+    """``list``/``verify`` of one location, or of each of a run's locations under a
+    heading (its primary, then the fallback its saves went to when the disk was full):
+    reading only ``checkpoints/`` showed an older step as the newest. Named steps are
+    verified where they are; the exit status is the worst; a location holding nothing
+    is said so, and is an error only when no location holds anything."""
+    if len(roots) == 1:
+        return cmd(roots[0], steps)
+    status, held = 0, set()
+    for i, root in enumerate(roots):
+        print(f"== {root}{' (fallback)' if i else ''}")
+        invalid: dict = {}
+        here = (
+            protocol.committed_steps(root, on_invalid=invalid.__setitem__) if root.is_dir() else {}
+        )
+        held |= set(here)
+        mine = [s for s in steps if s in here]
+        if not (here or invalid) or (steps and not mine):
+            print("no committed steps" if not steps else "none of the steps named")
+            continue
+        status = max(status, cmd(root, mine))
+    if not held:
+        raise SystemExit(f"{' + '.join(map(str, roots))}: no committed checkpoints")
+    for step in sorted(set(steps) - held):
+        print(f"BAD  step {step}: not committed in any of the run's locations")
+        status = 1
+    return status
 
 
 def _diff_args(args: list[str]) -> tuple[tuple[Path, int | None], tuple[Path, int | None]]:
@@ -307,9 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.steps:
             p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
         return cmd_advise(Path(ns.directory), ns.mtbf)
-    cmds = {"list": cmd_list, "show": cmd_show, "verify": cmd_verify}
     try:
-        return cmds[ns.command](_checkpoints_at(ns.directory), ns.steps)
+        roots = [_checkpoints_at(str(w)) for w in _listed(_run_checkpoints(ns.directory))]
+        if ns.command == "show":
+            return cmd_show(roots, ns.steps)
+        return _each_location(cmd_list if ns.command == "list" else cmd_verify, roots, ns.steps)
     except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:
         print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
         return 2

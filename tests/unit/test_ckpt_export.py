@@ -150,6 +150,50 @@ def test_a_run_directorys_fallback_steps_are_found_by_the_readers(tmp_path):
     assert done["step"] == 4
 
 
+def test_ckpt_list_show_verify_of_a_run_directory_read_its_fallback_too(tmp_path, capsys):
+    """``python -m ftrain.ckpt list runs/x`` showed only ``checkpoints/``: after saves went
+    to the fallback (a full disk) an older step looked like the newest, and ``verify``
+    passed without reading the steps a resume would take."""
+    import json
+
+    from ftrain.ckpt.__main__ import main
+
+    run, fallback = tmp_path / "run", tmp_path / "fb"
+    fallback.mkdir()
+    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    with ftrain.CheckpointManager(run / "checkpoints", async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(2)), force=True)
+    line = {
+        "kind": "start",
+        "step": 0,
+        "checkpoint_dirs": [str(run / "checkpoints"), str(fallback)],
+    }
+    (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    assert main(["list", str(run)]) == 0  # a fallback never written to: said, not an error
+    assert "no committed steps" in capsys.readouterr().out
+    with ftrain.CheckpointManager(fallback, async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(4)), force=True)
+    assert main(["list", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"== {fallback.resolve()} (fallback)" in out and out.index(" 2 ") < out.index(" 4 ")
+    assert main(["show", str(run)]) == 0
+    assert str(fallback.resolve() / protocol.step_dirname(4)) in capsys.readouterr().out
+    assert main(["verify", str(run), "4"]) == 0
+    assert "ok   step 4" in capsys.readouterr().out
+    assert main(["verify", str(run), "2", "7"]) == 1
+    out = capsys.readouterr().out
+    assert "ok   step 2" in out and "BAD  step 7: not committed in any" in out
+    files = (p for p in (fallback / protocol.step_dirname(4)).rglob("c*") if p.is_file())
+    chunk = max(files, key=lambda p: p.stat().st_size)
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    assert main(["verify", str(run)]) == 1
+    assert "BAD  step 4" in capsys.readouterr().out
+    shutil.rmtree(run / "checkpoints" / protocol.step_dirname(2))
+    assert main(["show", str(run), "4"]) == 0  # the primary holding nothing any more
+
+
 def test_a_run_directory_never_reads_another_runs_checkpoints(tmp_path, monkeypatch):
     """Records name paths as written (``runs/a/checkpoints``, relative): after ``mv runs/a
     runs/a_old`` and a new ``runs/a``, reading ``runs/a_old`` merged in the new run's steps.
