@@ -47,6 +47,7 @@ from ftrain.cli.finetune import (
     unused_lora_settings,
 )
 from ftrain.cli.pretrained import init_from_hf
+from ftrain.cli.restarts import continue_restarted_job
 from ftrain.cli.resume import (
     ResumeError,
     ResumeReport,
@@ -202,6 +203,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_vocab(cfg.model, train_src)
     check_batch(cfg.trainer, train_src, world.size)
     manager = build_manager(cfg)
+    cfg, restart_note = continue_restarted_job(cfg, world)  # resume=N: the first attempt's
     saved = saved_horizon(cfg, manager)
     horizon = schedule_horizon(cfg, saved)
     tx = build_tx(cfg, horizon)
@@ -214,6 +216,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         state, report, _ = start_state(
             cfg, manager, fresh, world, tx, train_src.fingerprint, sharder=sharder
         )
+        report.notes[:0] = [restart_note] if restart_note else []
         if _horizon_differs(cfg, report, horizon):  # read from a step the restore skipped
             horizon = saved = report.horizon
             tx = build_tx(cfg, horizon)

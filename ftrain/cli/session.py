@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from ftrain.ckpt import CheckpointManager, CheckpointSaveError, hostrng
 from ftrain.ckpt.commit import MARKER, step_dirname
 from ftrain.cli.build import model_vocab
+from ftrain.cli.restarts import elastic_job
 from ftrain.data import val_batches
 from ftrain.dist import World, agree_any, all_mean, broadcast_int, checkpoint_group, gather_json
 from ftrain.loop import LoopResult
@@ -130,6 +131,7 @@ class Session:
             # init.from's "initialised params from DIR step N" (which base step), groups
             "notes": list(report.notes) or None,
             "went_back": bool(report.left_behind),  # committed steps left (ftrain.cli.redo)
+            "elastic_job": elastic_job(),  # a torchrun restart's (ftrain.cli.restarts)
             # where this start saves: a later start that finds no step names it
             "checkpoint_dirs": [
                 d if "://" in str(d) else os.path.abspath(d)

@@ -221,3 +221,32 @@ def test_a_failed_final_save_is_shared_at_the_end_barrier(cache_dir, tmp_path):
     out = _run_with_a_failing_save(tmp_path, cache_dir, every=1000, steps=4)
     assert "checkpoint of step 4 did not commit" in out, out
     assert "[rank=1][step=4] stopping: the coordinator's last checkpoint save failed" in out, out
+
+
+def test_a_torchrun_restart_continues_the_history_resume_n_began(cache_dir, tmp_path):
+    """``torchrun --max-restarts=1 ... resume=3``: the restart took resume=3 again, went
+    back to step 3 and set aside steps 6 and 9 that the job had just committed (every
+    restart lost them). Now the restart resumes from the job's latest commit and says why;
+    the old history's steps are set aside once, by the first attempt."""
+    from ftrain.faults import inject_dir
+
+    run, common = tmp_path / "run", ("checkpoint.every_steps=3", "checkpoint.async_save=false")
+    rc, out = _finish(_torchrun(run, cache_dir, *common, "trainer.max_steps=9"))
+    assert rc == 0, out
+    arm = tmp_path / "arm.json"  # rank 0 dies as it begins its 3rd save (step 12)
+    arm.write_text(json.dumps({"id": "restart", "phase": "begun", "count": 3, "rank": 0}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    proc = _torchrun(
+        run, cache_dir, *common, "trainer.max_steps=15", "resume=3",
+        extra=("--max-restarts=1",), env=env,
+    )  # fmt: skip
+    rc, out = _finish(proc)
+    assert rc == 0 and arm.with_name("arm.json.fired").exists(), out
+    resumes = [(r["from_step"], r["reason"]) for r in records(run, "resume")]
+    assert resumes[-2:] == [(3, "resume=3"), (9, "resume=latest")], resumes
+    assert "restart 1 continues the history it began (step(s) 6, 9 committed since)" in out, out
+    names = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]
+    aside = sorted(n.split(".")[0] for n in names if "." in n)
+    assert aside == ["step_00000006", "step_00000009"], aside  # the old history's, once
+    assert CheckpointManager(run / "checkpoints", async_save=False).latest_step() == 15

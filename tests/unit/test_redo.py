@@ -96,3 +96,21 @@ def test_a_fresh_start_after_a_run_that_ended_redoes_nothing(tmp_path):
     hist = adv._history(adv._sessions(recs + [{"kind": "end", "time": 4.0},
                                                {"kind": "start", "time": 5.0, "redo": [1, 3]}]))  # fmt: skip
     assert (hist["failures"], hist["continuations"], hist["redo"]) == (0, 0, 0)
+
+
+def test_a_restart_continues_only_its_own_jobs_history_after_resume_n(tmp_path):
+    """The records a torchrun restart reads: commits after *this* job's resume=3 (another
+    job's, or commits before it, do not make it skip resume=3)."""
+    from ftrain.cli.restarts import committed_since_going_back
+
+    yesterday = {"kind": "resume", "reason": "resume=3", "from_step": 3, "elastic_job": "h:1:x"}
+    today = dict(yesterday, elastic_job="h:2:y")
+    commit = [{"kind": "committed", "step": s} for s in (3, 6, 9)]
+    _write(tmp_path, [yesterday, *commit])
+    assert committed_since_going_back(tmp_path, 3, "h:2:y") == []  # not this job's resume
+    assert committed_since_going_back(tmp_path, 3, "h:1:x") == [6, 9]
+    _write(tmp_path, [yesterday, *commit, today])
+    assert committed_since_going_back(tmp_path, 3, "h:2:y") == []  # nothing committed since
+    _write(tmp_path, [yesterday, *commit, today, commit[1]])
+    assert committed_since_going_back(tmp_path, 3, "h:2:y") == [6]
+    assert committed_since_going_back(tmp_path, 4, "h:2:y") == []  # resume=4 never ran

@@ -1,0 +1,87 @@
+"""A torchrun restart continues the history its job began: ``resume=N`` is the first
+attempt's.
+
+``torchrun --max-restarts=K -m ftrain ... resume=N`` reruns the same command line in every
+attempt after a rank dies. Taking ``resume=N`` again went back to N on every restart and
+set aside the steps the job had committed since (superseded), so a failure that recurs
+after N lost that work each time until the restarts ran out. A restart attempt
+(``TORCHELASTIC_RESTART_COUNT`` > 0) whose run records show that *this* job (same host,
+same torchrun agent process, same rendezvous id) went back to N and has committed steps
+after N since resumes from the latest commit instead, and says so. Every step after N
+that is still committed then belongs to the job's own history: a resume that goes back
+sets the old history's steps aside at its first commit.
+
+A restart before the job's first commit after going back keeps ``resume=N`` (the old
+history's steps are still there, and N is still what was asked for). Another supervisor
+that reruns one command line (systemd, a Slurm requeue) cannot be told apart from a user
+asking again: give it ``resume=latest``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ftrain.cli.redo import read_records
+from ftrain.dist import World, broadcast_json
+
+__all__ = ["continue_restarted_job", "elastic_job"]
+
+
+def elastic_job() -> str | None:
+    """This process's torchrun job (None outside torchrun): the host, the agent process
+    that started the workers, and the rendezvous id (``none`` by default without
+    ``--standalone``, so not unique alone)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    return f"{socket.gethostname()}:{os.getppid()}:{run_id}"
+
+
+def _restart_attempt() -> int:
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def committed_since_going_back(run_dir: Path, step: int, job: str) -> list[int]:
+    """Steps after ``step`` committed since ``job``'s last resume to ``resume=step``
+    ([] if that job never resumed there, or committed nothing since)."""
+    since: list[int] | None = None
+    for r in read_records(run_dir):
+        kind, s = r.get("kind"), r.get("step")
+        if kind == "resume" and r.get("reason") == f"resume={step}" and r.get("elastic_job") == job:
+            since = []
+        elif since is not None and kind == "committed" and type(s) is int and s > step:
+            since.append(s)
+    return since or []
+
+
+def continue_restarted_job(cfg: DictConfig, world: World) -> tuple[DictConfig, str | None]:
+    """``cfg``, with ``resume=latest`` in place of ``resume=N`` on a torchrun restart of a
+    job that went back to N and committed since; and the line that says so (None: as
+    asked). The coordinator reads the records; every rank takes its answer."""
+    job = elastic_job()
+    if isinstance(cfg.resume, bool) or not isinstance(cfg.resume, int) or job is None:
+        return cfg, None
+    if _restart_attempt() == 0:
+        return cfg, None
+    if world.is_coordinator:
+        mine = committed_since_going_back(Path(cfg.run.dir), cfg.resume, job)
+    since = broadcast_json(mine if world.is_coordinator else None)
+    if not since:
+        return cfg, None
+    note = (
+        f"resume={cfg.resume} was this torchrun job's first attempt's: restart "
+        f"{_restart_attempt()} continues the history it began (step(s) "
+        f"{', '.join(map(str, sorted(set(since))))} committed since), so resume=latest"
+    )
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    cfg.resume = "latest"
+    return cfg, note
