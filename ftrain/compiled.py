@@ -40,6 +40,7 @@ from ftrain.optim.buffers import BufferPool, poolable
 from ftrain.optim.processing import global_norm_of
 from ftrain.state.tree import Key, flatten, rebuild, structure, unflatten
 from ftrain.step import carry_frozen
+from ftrain.watchdog import compile_started
 
 __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 
@@ -148,6 +149,7 @@ class CompiledCore:
         p = parts[0]
         cpp = CPP_WRAPPER and all(t.device.type == "cpu" for t in p[1])
         wrappers = [True, False] if cpp else [False]
+        compile_started()  # the hang watchdog allows this wait its first-step allowance
         while True:
             wrapper = wrappers.pop(0)
             fn = self.cache[key] = _compile(self._pure(key, *parts), wrapper)

@@ -341,6 +341,10 @@ def make_step(
 
     def step(state: TensorDictBase, batch) -> tuple[TensorDict, TensorDict]:
         check_usable(state, "step")
+        if donate and compile and is_pinned(state):
+            # a save still reads this state: the in-place graph gets a copy to write, not a
+            # second (out-of-place) graph compiled mid-run, tens of seconds into a step
+            state = state.clone()
         cursor, micro = _split_batch(batch, grad_accum)
         pkeys, params = flatten(state["params"])
         per_structure(matched, tuple(pkeys), lambda: check_params_match(model, pkeys))

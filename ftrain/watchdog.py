@@ -12,7 +12,8 @@ a daemon thread that the loop *feeds*:
 So ``timeout_s`` bounds the wait for one batch plus one step, one evaluation and one
 blocking save call. Before the first beat the allowance is ``first_timeout_s`` (default
 5 x ``timeout_s``): the first step includes CUDA initialisation, ``torch.compile``
-warm-up and the loader's first read.
+warm-up and the loader's first read; so does a wait during which a compile of a new
+layout began (:func:`compile_started`: a new batch shape, mid-run).
 
 When the allowance runs out the watchdog
 
@@ -50,7 +51,17 @@ from tensordict import TensorDictBase
 from ftrain.signals import EXIT_HUNG
 from ftrain.state.init import pin, unpin
 
-__all__ = ["Watchdog", "dump_stacks"]
+__all__ = ["Watchdog", "compile_started", "dump_stacks"]
+
+_compiles = [0]  # compiles started in this process; a watchdog compares it at each beat
+
+
+def compile_started() -> None:
+    """A ``torch.compile`` of a new layout begins (:mod:`ftrain.compiled` calls this): the
+    wait for the current beat gets ``first_timeout_s``, as the first step's does. A new
+    batch shape compiled mid-run took tens of seconds, and a watchdog sized for steps
+    called it a hang."""
+    _compiles[0] += 1
 
 
 def dump_stacks(path: str | os.PathLike, header: str = "") -> Path:
@@ -133,6 +144,7 @@ class Watchdog:
         self._where: tuple[str, object, dict, bool] = ("start", None, {}, False)
         self._last = time.monotonic()
         self._beats = 0
+        self._compiles_seen = _compiles[0]
         self._until_beat: float | None = None  # start(allowance_s=...): until the next beat
         self._where_lock = threading.Lock()
         self._stop = threading.Event()
@@ -151,6 +163,7 @@ class Watchdog:
         self._until_beat = None
         self._last = time.monotonic()
         self._beats += 1
+        self._compiles_seen = _compiles[0]
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, allowance_s: float | None = None) -> Watchdog:
@@ -182,7 +195,8 @@ class Watchdog:
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(poll):
-            allowed = self.timeout_s if self._beats else self.first_timeout_s
+            compiling = _compiles[0] != self._compiles_seen  # since the last beat
+            allowed = self.timeout_s if self._beats and not compiling else self.first_timeout_s
             allowed = self._until_beat or allowed
             idle = time.monotonic() - self._last
             if idle > allowed:

@@ -88,6 +88,18 @@ def test_compiled_donate_matches_pure_and_poisons_input():
     assert _max_diff(a, b) < 1e-6  # two graphs, fused differently: equal up to rounding
     with pytest.raises(RuntimeError, match="donated"):
         donated(old, make_data(16, seed=0))
+    # a state an async save still reads (pinned): the compiled in-place graph runs on a
+    # copy, the saved state stays intact, and nothing is compiled again mid-run (a second,
+    # out-of-place graph stalled that step for tens of seconds: a "hang" to the watchdog)
+    twin = b.clone()
+    kept = b.clone()
+    ftrain.state.pin(b)
+    c, _ = donated(b, make_data(16, seed=5))
+    ftrain.state.unpin(b)
+    assert donated.core.compiles == 1 and not ftrain.state.is_donated(b)
+    assert _max_diff(b, kept) == 0
+    d, _ = donated(twin, make_data(16, seed=5))
+    assert _max_diff(c, d) == 0  # the same graph: the same bits
 
 
 def test_compiled_pure_writes_into_the_buffers_of_the_state_two_steps_back():

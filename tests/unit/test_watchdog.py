@@ -46,8 +46,9 @@ class Fired:
         self.release.set()
 
 
-def _run(tmp_path, n=2, *, donate=False, save=None, **wd_kwargs):
-    state, step = _setup()
+def _run(tmp_path, n=2, *, donate=False, save=None, step=None, **wd_kwargs):
+    state, default_step = _setup()
+    step = step or default_step
     release = threading.Event()
     fired, saves, hangs = Fired(release), [], []
     wd = Watchdog(
@@ -80,6 +81,26 @@ def test_the_first_step_gets_its_own_larger_allowance(tmp_path):
     _, fired, saves, hangs, took = _run(tmp_path, n=0, timeout_s=0.2, first_timeout_s=1.0)
     assert fired.codes == [EXIT_HUNG] and took >= 1.0, "not before first_timeout_s"
     assert saves == [(0, {})] and hangs[0]["timeout_s"] == 1.0
+
+
+def test_a_compile_mid_run_gets_the_first_step_allowance_not_a_hang(tmp_path):
+    """A new layout compiled mid-run (a new batch shape) took tens of seconds: a watchdog
+    sized for steps fired, exit 4, and every restart compiled and "hung" again."""
+    from ftrain.watchdog import compile_started
+
+    _, inner = _setup()
+
+    def compiling_step(s, b):
+        if int(s["step"]) == 2:
+            compile_started()
+            time.sleep(0.8)
+        return inner(s, b)
+
+    wd, fired, saves, hangs, _ = _run(
+        tmp_path, n=4, timeout_s=0.2, first_timeout_s=2.0, step=compiling_step
+    )
+    assert fired.codes == [EXIT_HUNG] and hangs[0]["phase"] == "data"  # the real hang, later
+    assert [s for s, _ in saves] == [4] and hangs[0]["timeout_s"] == 0.2
 
 
 def test_no_save_while_a_donated_step_may_be_rewriting_the_state(tmp_path):
