@@ -39,6 +39,7 @@ from ftrain.cli.build import (
     pick_device,
     schedule_horizon,
 )
+from ftrain.cli.console import tolerate_lost_console
 from ftrain.cli.finetune import (
     check_labels,
     check_patterns,
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if _early_signals.take((signal.SIGINT,)):  # a Ctrl-C while torch was importing
             raise KeyboardInterrupt
-        return _main(argv)
+        with tolerate_lost_console():  # a dead `| tee` never stops training
+            return _main(argv)
     except KeyboardInterrupt:
         print(
             "ftrain: interrupted (SIGINT) outside the training loop; nothing was saved by this "

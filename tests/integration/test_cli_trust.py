@@ -488,3 +488,29 @@ def test_a_signal_while_torch_imports_is_handled_as_documented(cache_dir, tmp_pa
         assert f"stop reason={sig}" in proc.stdout and not _committed(tmp_path / "run")
     else:
         assert "interrupted (SIGINT) outside the training loop" in proc.stderr
+
+
+def test_a_console_that_goes_away_never_stops_training(cache_dir, tmp_path):
+    """``python -m ftrain ... | tee log`` whose tee dies: the next progress line raised
+    BrokenPipeError, the run made an emergency save, exited 1, and recorded that committed
+    save as failed. The console is advisory: the run trains on to the end and says once,
+    on stderr, that stdout is gone."""
+    run = tmp_path / "run"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=60", "checkpoint.every_steps=20"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftrain", *args, "trainer.log_every=1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    while not first_line(proc).startswith("[step=5]"):  # training, then the reader goes
+        pass
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and err.count("stdout is gone") == 1, err
+    assert CheckpointManager(run / "checkpoints", async_save=False).all_steps()[-1] == 60
+    assert records(run, "end")[-1]["reason"] == "done"
+    assert not records(run, "emergency_save")

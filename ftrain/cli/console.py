@@ -1,0 +1,83 @@
+"""The training command's stdout and stderr are advisory: losing them never stops training.
+
+``python -m ftrain ... | tee log`` whose ``tee`` dies with its ssh session, or output
+redirected to a file on a disk that fills: the next progress line raised
+``BrokenPipeError`` (or ``OSError(ENOSPC)``) from deep inside the loop, which made an
+emergency save and exited 1, and a print during that save recorded a committed save as
+failed. The run records (``metrics.jsonl``), the loggers and the checkpoints are where a
+run's results live; the console only shows them. :func:`tolerate_lost_console` wraps both
+streams while the command runs so that a write or flush that fails is dropped: the first failure is said once on
+the other stream (if that one still works), and later output to that stream is discarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+__all__ = ["TolerantStream", "tolerate_lost_console"]
+
+
+class TolerantStream:
+    """A text stream whose writes and flushes never raise ``OSError``: after the first
+    failure it drops everything, having said so once on ``other`` (a callable returning
+    the other console stream, read when needed)."""
+
+    def __init__(self, inner: TextIO, name: str, other=None) -> None:
+        self._inner, self._name, self._other = inner, name, other
+        self.lost: OSError | None = None
+
+    def write(self, text: str) -> int:
+        if self.lost is None:
+            try:
+                return self._inner.write(text)
+            except OSError as err:
+                self._lose(err)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.lost is None:
+            try:
+                self._inner.flush()
+            except OSError as err:
+                self._lose(err)
+
+    def _lose(self, err: OSError) -> None:
+        self.lost = err
+        other = self._other() if self._other is not None else None
+        try:
+            if other is not None and not getattr(other, "lost", None):
+                other.write(
+                    f"ftrain: {self._name} is gone ({err.strerror or repr(err)}); training goes on, "
+                    f"its output is dropped (metrics.jsonl and the checkpoints are unaffected)\n"
+                )
+                other.flush()
+        except OSError:
+            pass
+
+    def isatty(self) -> bool:
+        try:
+            return self.lost is None and self._inner.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def __getattr__(self, name: str):  # fileno, encoding, buffer...: the real stream's
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def tolerate_lost_console() -> Iterator[None]:
+    """``sys.stdout`` and ``sys.stderr`` wrapped in :class:`TolerantStream` meanwhile (the
+    streams found are put back after; nested: once)."""
+    if isinstance(sys.stdout, TolerantStream) or sys.stdout is None or sys.stderr is None:
+        yield
+        return
+    saved = sys.stdout, sys.stderr
+    sys.stdout = TolerantStream(saved[0], "stdout", lambda: sys.stderr)
+    sys.stderr = TolerantStream(saved[1], "stderr", lambda: sys.stdout)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
