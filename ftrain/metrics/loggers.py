@@ -248,11 +248,42 @@ class CsvLogger:
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 - held open for the run
 
     def _existing_header(self) -> list[str]:
+        """The header of the file this run appends to, its torn last row (a kill, a full
+        disk mid-write) cut off: appending after it glued the next row onto it. A file
+        that cannot be read as this logger's CSV (not UTF-8, a directory, a torn header)
+        is moved aside with a warning and a new one begun: the CSV mirrors
+        ``metrics.jsonl``, never a reason to refuse a restart."""
         try:
-            with open(self.path, newline="") as f:
-                return next(csv.reader(f), [])
+            raw = self.path.read_bytes()
+            header = raw.split(b"\n", 1)[0].decode("utf-8").rstrip("\r")
+            if b"\n" not in raw or not header.startswith("step,"):
+                raise ValueError("no complete header line")
         except FileNotFoundError:
             return []
+        except (OSError, ValueError) as err:
+            return self._set_aside(err)
+        if not raw.endswith(b"\n"):
+            with open(self.path, "r+b") as f:
+                f.truncate(raw.rindex(b"\n") + 1)
+        return next(csv.reader([header]))
+
+    def _set_aside(self, err: Exception) -> list[str]:
+        aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
+        try:
+            os.replace(self.path, aside)
+        except OSError as e:
+            raise LoggerError(
+                f"{self.path} cannot be read as a CSV ({err}) nor moved aside ({e}); move or "
+                "delete it, or drop csv from logger="
+            ) from None
+        log.warning(
+            "ftrain: %s cannot be read as a CSV (%s); moved to %s, a new one begins "
+            "(metrics.jsonl holds every record)",
+            self.path,
+            err,
+            aside.name,
+        )
+        return []
 
     def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
         row = {"step": step, "time": round(time.time(), 3), "kind": kind, **values}
@@ -267,19 +298,26 @@ class CsvLogger:
     def _widen(self, columns: list[str]) -> None:
         """Rewrite the file with ``columns`` as its header (old rows keep their values)."""
         self._file.close()
-        with open(self.path, newline="") as f:
-            old = list(csv.DictReader(f)) if self.columns else []
+        with open(self.path, newline="") as f:  # cells past the header (a bad row): dropped
+            old = list(csv.DictReader(f, restkey=_EXTRA)) if self.columns else []
         tmp = self.path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, columns, restval="")
-            w.writeheader()
-            w.writerows(old)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, columns, restval="", extrasaction="ignore")
+                w.writeheader()
+                w.writerows(old)
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self.columns = columns
         self._file = open(self.path, "a", newline="")  # noqa: SIM115
 
     def close(self) -> None:
         self._file.close()
+
+
+_EXTRA = "\0extra"  # DictReader's key for a row's cells past the header
 
 
 def _cell(value: Any) -> Any:

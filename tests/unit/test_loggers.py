@@ -83,6 +83,52 @@ def test_csv_parses_back_widens_for_val_loss_and_appends_on_resume(tmp_path):
     ]
 
 
+def _csv_rows(path: Path) -> list[tuple]:
+    with open(path, newline="") as f:
+        return [(r["step"], r["kind"], r["loss"], r.get("val_loss")) for r in csv.DictReader(f)]
+
+
+def test_a_torn_csv_row_is_cut_not_glued_to_the_next_runs_first_row(tmp_path):
+    """A kill (or full disk) mid-row: the resume appended after the torn row, gluing its
+    first row onto it (21 cells under 11 columns; pandas refused the file), and the next
+    header widening then failed and dropped the CSV logger for the rest of the run."""
+    first = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r"))
+    _log(first, {1: 4.0, 2: 3.5})
+    first.close()
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(path.read_bytes() + b"3,1.0,step,3.2")  # torn: no newline
+    again = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r", start_step=2, resumed=True))
+    _log(again, {3: 3.25}, val={3: 3.3})  # val_loss widens the header
+    again.close()
+    assert not path.with_suffix(".csv.tmp").exists()
+    rows = _csv_rows(path)
+    assert rows == [
+        ("1", "step", "4.0", ""),
+        ("2", "step", "3.5", ""),
+        ("3", "step", "3.25", ""),
+        ("3", "eval", "", "3.3"),
+    ]
+
+
+@pytest.mark.parametrize("damage", ["not utf-8", "torn header", "a directory"])
+def test_a_damaged_csv_is_set_aside_and_never_blocks_a_restart(tmp_path, damage, caplog):
+    """Bytes that are not UTF-8 in the header refused the restart, exit 2, with 8 KiB of
+    the file in the message and no path: the CSV mirrors metrics.jsonl, so a damaged one
+    is moved aside, said once, and a new one begins."""
+    path = tmp_path / "metrics.csv"
+    if damage == "a directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe garbage\n1,2\n" if damage == "not utf-8" else b"step,ti")
+    with caplog.at_level(logging.WARNING):
+        again = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r", start_step=2, resumed=True))
+    _log(again, {3: 3.25})
+    again.close()
+    assert _csv_rows(path) == [("3", "step", "3.25", None)]
+    aside = list(tmp_path.glob("metrics.csv.damaged-*"))
+    assert len(aside) == 1 and f"moved to {aside[0].name}" in caplog.text
+
+
 def _wandb_records(path: str):
     """The records of a ``.wandb`` transaction log (LevelDB log format, wandb's framing)."""
     from wandb.proto import wandb_internal_pb2
