@@ -58,8 +58,24 @@ AUTO_MIN_STEPS = 5_000
 CPP_WRAPPER = False
 
 
+def cxx_compiler_problem() -> str | None:
+    """Why Inductor cannot build CPU kernels here (no working C++ compiler), or None. A
+    compile without one failed at the first step with a 100-line traceback."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()  # probes `$CXX --version` once per process
+    except Exception as err:  # InvalidCxxCompiler, or a toolchain probe that broke
+        return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return None
+
+
 def should_compile(
-    setting: bool | str, steps: int, world_size: int = 1, shard: str = "none"
+    setting: bool | str,
+    steps: int,
+    world_size: int = 1,
+    shard: str = "none",
+    device_type: str = "cpu",
 ) -> tuple[bool, str]:
     """Whether a run compiles its step (``trainer.compile``), and why.
 
@@ -70,6 +86,8 @@ def should_compile(
         steps: the run's length (``trainer.max_steps``).
         world_size: ranks of the run.
         shard: ``dist.shard`` as it applies.
+        device_type: where the step runs; ``auto`` on a CPU without a working C++
+            compiler runs eager (:func:`cxx_compiler_problem`).
 
     Returns:
         ``(compile, reason)``.
@@ -87,6 +105,9 @@ def should_compile(
             f"eager: a {steps:,}-step run, shorter than the {AUTO_MIN_STEPS:,} steps that "
             "repay a compile"
         )
+    problem = cxx_compiler_problem() if device_type == "cpu" else None
+    if problem:
+        return False, f"eager: {problem} (install g++, or point CXX at a C++ compiler)"
     return True, f"compiling the step: a {steps:,}-step run repays the compile"
 
 

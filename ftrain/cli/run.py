@@ -59,7 +59,7 @@ from ftrain.cli.resume import (
     start_state,
 )
 from ftrain.cli.session import Session
-from ftrain.compiled import should_compile
+from ftrain.compiled import cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.data.sampler import rank_starts
@@ -204,6 +204,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         print("no evaluation: data.val_fraction=0 holds out no data (trainer.eval_every unused)")
     check_vocab(cfg.model, train_src)
     check_batch(cfg.trainer, train_src, world.size)
+    _check_compiler(cfg.trainer, device)
     manager = build_manager(cfg)
     cfg, restart_note = continue_restarted_job(cfg, world)  # resume=N: the first attempt's
     saved = saved_horizon(cfg, manager)
@@ -245,6 +246,17 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     )
 
 
+def _check_compiler(t: DictConfig, device) -> None:
+    """``trainer.compile=true`` on a CPU needs a C++ compiler: refused at start, naming the
+    fixes (it failed at the first step with Inductor's traceback)."""
+    problem = cxx_compiler_problem() if t.compile is True and device.type == "cpu" else None
+    if problem:
+        raise ConfigError(
+            f"trainer.compile=true needs a C++ compiler on the CPU: {problem}; install one "
+            "(g++) or point CXX at it, or run eager with trainer.compile=false"
+        )
+
+
 def _horizon_differs(cfg: DictConfig, report: ResumeReport, horizon: int) -> bool:
     """The restored step recorded another LR-schedule horizon than the one the optimizer
     was built with: that one came from the newest step's metadata, but the restore fell
@@ -256,11 +268,11 @@ def _horizon_differs(cfg: DictConfig, report: ResumeReport, horizon: int) -> boo
     return not fixed and isinstance(recorded, int) and recorded != horizon
 
 
-def _compile(t: DictConfig, p: _Parts, world: World) -> bool:
+def _compile(t: DictConfig, p: _Parts, world: World, device) -> bool:
     """``trainer.compile`` for this start; ``auto`` says what it chose and why. It decides on
     the run's length, not on the steps left: a resumed run makes its start's choice, so its
     numbers (compiled and eager differ by ~1e-6) do not depend on where it stopped."""
-    chosen, why = should_compile(t.compile, t.max_steps, world.size, p.shard)
+    chosen, why = should_compile(t.compile, t.max_steps, world.size, p.shard, device.type)
     if t.compile == "auto" and world.is_coordinator:
         print(f"ftrain: trainer.compile=auto: {why}", file=sys.stderr, flush=True)
     return chosen
@@ -300,7 +312,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             grad_accum=t.grad_accum,
             precision=t.precision,
             donate=t.donate,
-            compile=_compile(t, p, world),
+            compile=_compile(t, p, world, device),
             shard=p.shard,
         )
         if step.sharder is not None:  # a fresh state's rows (a resumed one holds them already)

@@ -8,3 +8,41 @@ def test_a_short_run_with_compile_auto_stays_eager_and_says_why(cli, tmp_path):
         "that repay a compile" in proc.stderr
     ), proc.stderr
     assert "compiled the step" not in proc.stderr
+
+
+def test_no_cpp_compiler_refuses_compile_true_at_start_and_auto_stays_eager(cache_dir, tmp_path):
+    """Without a working C++ compiler a compiled CPU step failed at the first step with a
+    100-line Inductor traceback, exit 1; with ``auto`` (not asked for) on every restart of
+    a long run. ``true`` is refused at start naming the fixes; ``auto`` runs eager, saying why."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import TINY
+
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, CXX="/nonexistent/g++")
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # nothing cached to reuse
+
+    cmd = [sys.executable, "-m", "ftrain", f"run.dir={tmp_path / 'run'}", *TINY]
+    refused = subprocess.run(
+        [*cmd, "trainer.compile=true", "trainer.max_steps=2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "trainer.compile=true needs a C++ compiler on the CPU" in refused.stderr
+    assert "/nonexistent/g++" in refused.stderr and "trainer.compile=false" in refused.stderr
+    auto = subprocess.Popen(  # a run long enough for auto to compile: stopped once it chose
+        [*cmd, "trainer.compile=auto", "trainer.max_steps=6000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    chose = auto.stderr.readline()
+    auto.terminate()  # SIGTERM: the step finishes, is saved, exit 3
+    rest = auto.communicate(timeout=120)[1]
+    assert "trainer.compile=auto: eager: No working C++ compiler" in chose, chose + rest
+    assert auto.returncode == 3 and "Traceback" not in rest and "compiled the step" not in rest
