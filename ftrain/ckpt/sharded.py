@@ -92,7 +92,8 @@ def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compre
         return plan_array(key, local, chunk_bytes, compression)
     c = _shard_rows(t.shape[0], world)
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
-    wanted = max(1, math.ceil(c * row_bytes / chunk_bytes))  # chunks per shard, at least
+    # chunks per shard, at least; one row per chunk where a row is wider than chunk_bytes
+    wanted = min(c, max(1, math.ceil(c * row_bytes / chunk_bytes)))
     per_shard = next(d for d in range(wanted, c + 1) if c % d == 0)
     return ArraySpec(
         key,
@@ -324,7 +325,7 @@ def save_all_ranks(
         why = str(e)
         if not isinstance(e, (OSError, ValueError)):  # unexpected: keep its traceback
             log.exception("rank %d: writing its part of step %d failed", rank, step)
-            why = f"{type(e).__name__}: {e}"
+            why = f"{type(e).__name__}: {e}" if str(e) else repr(e)
         report = {"ok": False, "error": f"rank {rank}: {why}"}
     parts = gather_json(report, group)
     final = _commit(target, handle, step, parts, marker_extra) if rank == 0 else None

@@ -71,6 +71,7 @@ def main(out_path: str) -> None:
     for mode, run in runs.items():
         report[mode] = run.report(a)
         report[mode]["store"] = _check_store(run.state, Path(out_path).with_name(mode), rank, world)
+    report["wide_rows"] = _wide_rows_round_trip(Path(out_path).with_name("wide"), world)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(report, f)
@@ -78,6 +79,25 @@ def main(out_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _wide_rows_round_trip(where: Path, world: int) -> bool:
+    """A sharded leaf whose one row is wider than ``chunk_bytes`` (8 KiB rows, 4 KiB chunks):
+    the chunk plan raised a bare StopIteration on every save. One row per chunk instead."""
+    from tensordict import TensorDict
+
+    from ftrain.ckpt import CheckpointManager
+
+    sharder = sharding.Sharder()
+    w = torch.arange(4 * world * 2048, dtype=torch.float32).reshape(4 * world, 2048)
+    state = TensorDict(
+        {"step": torch.tensor(1), "params": {"w": w.clone()}, "opt": {"mu": sharder.shard(w)}},
+        batch_size=[],
+    )
+    manager = CheckpointManager(where, async_save=False, chunk_bytes=4096)
+    manager.save_sharded(state)
+    back = CheckpointManager(where, async_save=False).restore()
+    return manager.all_steps() == [1] and torch.equal(back["opt", "mu"], w)
 
 
 class _Run:

@@ -46,6 +46,7 @@ def test_sharded_state_matches_unsharded_and_splits_what_each_rank_holds(tmp_pat
     assert fused["params_rel"] <= 1e-5 and fused["opt_rel"] <= 1e-5, fused
     assert fused["params_identical_across_ranks"] and fused["store"]["restore_whole"], fused
     assert report["optimizer"]["param_bytes"] == report["param_bytes_plain"]
+    assert report["wide_rows"], "a sharded row wider than chunk_bytes saves, one row a chunk"
     # rows are split with torch.chunk's rule: a 1-row-per-rank tail may round up
     assert report["full"]["param_bytes"] <= report["param_bytes_plain"] / nproc * 1.05
 
