@@ -394,17 +394,36 @@ class CheckpointManager:
         return True
 
     def _write_sharded(self, state, step: int, attrs: dict, t0: float, blocking: float, group):
-        from ftrain.ckpt.sharded import save_all_ranks
-
         with self._unsaved_on_failure(step, "sharded save"):
-            done = save_all_ranks(
-                self, state, step, attrs, lambda m: _marker_extra(m, attrs, blocking, t0), group
-            )
+            done = self._sharded_first(state, step, attrs, t0, blocking, group)
         if done is not None:  # the coordinator: retention, index
             final, manifest = done
             self._after_commit(step, final, time.perf_counter() - t0, manifest)
         else:
             self._written.add(step)
+
+    def _sharded_first(self, state, step: int, attrs: dict, t0: float, blocking: float, group):
+        """:meth:`_write_first` for a sharded save: every rank learns the same failure, so
+        every rank moves on to the same next location (the fallback)."""
+        from ftrain.ckpt.sharded import save_all_ranks
+
+        errors = []
+
+        def extra(manifest: dict) -> dict:
+            return _marker_extra(manifest, attrs, blocking, t0)
+
+        for i, root in enumerate(self._dirs):
+            try:
+                return save_all_ranks(self, state, step, attrs, extra, group, root=root)
+            except OSError as e:
+                errors.append(f"{root}: {e}")
+                if i + 1 < len(self._dirs):
+                    msg = f"[step={step}] sharded save to {root} failed ({e}); saving to fallback {self._dirs[i + 1]}"
+                    log.warning(msg)
+                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        raise CheckpointSaveError(
+            f"[step={step}] sharded save failed in every location: " + "; ".join(errors)
+        )
 
     @property
     def failed(self) -> bool:

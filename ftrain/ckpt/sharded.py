@@ -241,11 +241,11 @@ def upload_part(
 class _LocalTarget:
     """The two-phase commit's steps on a local directory: a staging dir, renamed."""
 
-    def __init__(self, manager) -> None:
-        self.manager = manager
+    def __init__(self, manager, root) -> None:
+        self.manager, self.root = manager, root  # root: the location being written
 
     def begin(self, step: int):
-        return protocol.begin(self.manager.directory, step)
+        return protocol.begin(self.root, step)
 
     def name(self, staging) -> str:
         return str(staging.path)
@@ -274,7 +274,7 @@ class _ObjectTarget(_LocalTarget):
     """The same steps on an object store: the step's final prefix, the marker put last."""
 
     def begin(self, step: int):
-        return self.manager.directory.begin_step(step)
+        return self.root.begin_step(step)
 
     def name(self, key) -> str:
         return key.key
@@ -282,7 +282,7 @@ class _ObjectTarget(_LocalTarget):
     def write(self, where: str, state, attrs: dict, rank: int, world: int) -> dict:
         m = self.manager
         return upload_part(
-            m.directory / where,
+            self.root / where,
             state,
             attrs,
             rank=rank,
@@ -292,30 +292,31 @@ class _ObjectTarget(_LocalTarget):
         )
 
     def commit(self, key, step: int, manifest: dict, marker_extra) -> tuple:
-        return key, self.manager.directory.commit_step(key, step, manifest, marker_extra)
+        return key, self.root.commit_step(key, step, manifest, marker_extra)
 
     def abort(self, key) -> None:
-        self.manager.directory.abort_step(key)
+        self.root.abort_step(key)
 
 
 def save_all_ranks(
-    manager, state: TensorDictBase, step: int, attrs: dict, marker_extra, group=None
+    manager, state: TensorDictBase, step: int, attrs: dict, marker_extra, group=None, root=None
 ):
     """The two-phase commit (see the module doc). Every rank calls it. Returns
     ``(committed path, manifest)`` on rank 0 and ``None`` on the others once the step is
-    committed; raises ``OSError`` on every rank otherwise. ``group``: the process group
-    of its collectives (one of its own when it runs in a background thread)."""
+    committed; raises ``OSError`` on every rank otherwise (the same message: every rank
+    then tries the same next location). ``group``: the process group of its collectives
+    (one of its own when it runs in a background thread); ``root``: the location to write
+    (default: the manager's primary)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    target = (
-        _LocalTarget(manager) if isinstance(manager.directory, Path) else _ObjectTarget(manager)
-    )
+    root = manager.directory if root is None else root
+    target = (_LocalTarget if isinstance(root, Path) else _ObjectTarget)(manager, root)
     handle, error = None, None
     if rank == 0:
         try:
             manager._set_aside_old_history(step)  # before the commit: see the manager
             handle = target.begin(step)
         except Exception as e:  # noqa: BLE001 - any failure must reach the broadcast
-            error = f"rank 0 cannot stage step {step} in {manager.directory}: {e}"
+            error = f"rank 0 cannot stage step {step} in {root}: {e}"
     where = broadcast_json(None if handle is None else target.name(handle), group=group)
     if where is None:
         raise OSError(broadcast_json(error, group=group))

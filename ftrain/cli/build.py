@@ -224,6 +224,23 @@ def evaluates(cfg: DictConfig, val: Source | None) -> bool:
     return val is not None and bool(cfg.trainer.eval_every)
 
 
+def check_block_size(cfg) -> None:
+    """``data.block_size`` against the model's context (``model.block_size``, where the
+    model has one): a longer one passed the start and failed at step 1 with the model's
+    traceback, after an emergency save.
+
+    Raises:
+        ConfigError: naming both keys and the fix.
+    """
+    block, most = cfg.data.block_size, cfg.model.get("block_size")
+    if isinstance(most, int) and not 1 <= block <= most:
+        raise ConfigError(
+            f"data.block_size={block} is invalid: the model reads 1..{most} tokens a sequence "
+            f"(model.block_size={most}); use data.block_size={most} or less, or a model with a "
+            "longer model.block_size"
+        )
+
+
 def check_batch(trainer, source: Source, world_size: int = 1) -> None:
     """The global batch against the data and the ranks, at start: a batch larger than the
     training split ran out of memory building its epoch order; one the ranks cannot split

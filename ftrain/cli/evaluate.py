@@ -40,7 +40,7 @@ from ftrain.ckpt import CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.readonly import name_of, read_model
-from ftrain.cli.build import build_model, check_vocab, model_vocab, pick_device
+from ftrain.cli.build import build_model, check_block_size, check_vocab, model_vocab, pick_device
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
 from ftrain.config import ConfigError
@@ -100,11 +100,7 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
     if not cfg.trainer.eval_batches >= 1 or not cfg.trainer.batch_size >= 1:
         raise ConfigError("trainer.eval_batches and trainer.batch_size must be >= 1")
     check_data(cfg.data)
-    block, most = cfg.data.block_size, cfg.model.get("block_size")
-    if isinstance(most, int) and not 1 <= block <= most:
-        raise ConfigError(
-            f"data.block_size={block} is invalid: the model reads 1..{most} tokens a sequence"
-        )
+    check_block_size(cfg)
     return cfg
 
 

@@ -33,6 +33,7 @@ from ftrain.cli.build import (
     build_sources,
     build_tx,
     check_batch,
+    check_block_size,
     check_vocab,
     evaluates,
     model_vocab,
@@ -193,11 +194,7 @@ class _Parts:
 def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     """Everything that can refuse to start: config-derived parts, data, resume decision."""
     check_loggers(cfg.logger)  # every rank, first: a missing extra stops all before anything
-    if cfg.resume == "none" and cfg.run.overwrite and world.is_coordinator:
-        moved = move_run_aside(cfg)
-        if moved:
-            print(f"run.overwrite=true: moved the old run's records and checkpoints to {moved}")
-    agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
+    check_block_size(cfg)
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)
     if cfg.trainer.eval_every and not evaluates(cfg, val_src) and world.is_coordinator:
@@ -205,6 +202,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_vocab(cfg.model, train_src)
     check_batch(cfg.trainer, train_src, world.size)
     _check_compiler(cfg.trainer, device)
+    _overwrite(cfg, world)  # once every check that needs no checkpoint has passed
     manager = build_manager(cfg)
     cfg, restart_note = continue_restarted_job(cfg, world)  # resume=N: the first attempt's
     saved = saved_horizon(cfg, manager)
@@ -244,6 +242,18 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     return _Parts(
         model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard
     )
+
+
+def _overwrite(cfg: DictConfig, world: World) -> None:
+    """``resume=none run.overwrite=true``: the old run's records and checkpoints moved aside.
+    After the start checks: a start refused for a typo elsewhere (exit 2, "nothing
+    trained") had moved the old run aside all the same, and a re-run without the
+    override then started fresh."""
+    if cfg.resume == "none" and cfg.run.overwrite and world.is_coordinator:
+        moved = move_run_aside(cfg)
+        if moved:
+            print(f"run.overwrite=true: moved the old run's records and checkpoints to {moved}")
+    agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
 
 
 def _check_compiler(t: DictConfig, device) -> None:

@@ -78,6 +78,10 @@ def test_resume_none_refuses_existing_run_unless_overwrite(cli, tmp_path):
     cli(run, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
     refused = cli(run, "trainer.max_steps=2", "resume=none", check=2)
     assert "run.overwrite=true" in refused.stderr
+    # a start refused for another reason (a typo'd data path) moves nothing aside
+    typo = cli(run, "resume=none", "run.overwrite=true", "data.path=/nonexistent", check=2)
+    assert "/nonexistent" in typo.stderr and "moved the old run" not in typo.stdout
+    assert not list(run.glob("overwritten-*")) and (run / "checkpoints" / "step_00000002").is_dir()
     cli(run, "trainer.max_steps=2", "resume=none", "run.overwrite=true", check=0)
     assert list(run.glob("overwritten-*/checkpoints/step_*")), (
         "old checkpoints are moved aside (with the old run's records), never deleted"
@@ -151,6 +155,9 @@ def test_bad_override_is_a_clear_error(cli, tmp_path):
     assert "Traceback" not in out.stderr
     out = cli(tmp_path / "run", "trainer.batch_size=100000", check=2)  # the OOM killer's before
     assert "trainer.batch_size=100000 is larger than the training split (" in out.stderr
+    out = cli(tmp_path / "run", "data.block_size=64", check=2)  # model.block_size=32: a step-1
+    assert "data.block_size=64 is invalid: the model reads 1..32 tokens" in out.stderr  # crash
+    assert "Traceback" not in out.stderr and not list(tmp_path.glob("run/checkpoints/step_*"))
 
 
 def test_keep_best_by_a_metric_the_run_does_not_report_is_warned_about(cli, tmp_path):

@@ -208,6 +208,34 @@ def test_a_failed_part_on_rank_1_commits_nothing_and_the_next_start_resumes(
     assert first_difference(_state(whole, 6), _state(run, 6)) is None
 
 
+def test_a_sharded_save_the_primary_refuses_goes_to_the_fallback(cache_dir, tmp_path, reference):
+    """checkpoint.fallback_dir was silently unused by sharded saves: ENOSPC in the primary
+    stopped the run (exit 1) and the steps since the last commit were lost. Every rank
+    learns the failure, so every rank writes its rows to the fallback; the run goes on,
+    bit-identical, and the next start resumes from the fallback's step."""
+    from ftrain.ckpt import CheckpointManager
+    from ftrain.faults import inject_dir
+    from ftrain.state import first_difference
+
+    whole, _ = reference("optimizer")
+    run, fallback, arm = tmp_path / "run", tmp_path / "fallback", tmp_path / "arm.json"
+    arm.write_text(  # rank 0 cannot stage step 6 in the primary (a full disk)
+        json.dumps({"id": "f", "phase": "begun", "count": 2, "rank": 0, "action": "enospc"})
+    )
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    common = [*_common("optimizer"), "trainer.max_steps=6", f"checkpoint.fallback_dir={fallback}"]
+    out = _torchrun(run, cache_dir, *common, env=env)
+    assert arm.with_name("arm.json.fired").exists(), out
+    assert "saving to fallback" in out, out
+    assert CheckpointManager(run / "checkpoints", async_save=False).all_steps() == [3]
+    saved = CheckpointManager(fallback, async_save=False)
+    assert saved.all_steps() == [6]
+    assert first_difference(_state(whole, 6), saved.restore(6)) is None
+    out = _torchrun(run, cache_dir, *common[:-2], "trainer.max_steps=9", common[-1])
+    assert "resumed from step 6" in out, out
+
+
 @pytest.mark.long
 def test_a_kill_at_the_first_sharded_commit_after_going_back_resumes_the_new_history(
     cache_dir, tmp_path, reference
