@@ -201,7 +201,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         print("no evaluation: data.val_fraction=0 holds out no data (trainer.eval_every unused)")
     check_vocab(cfg.model, train_src)
     check_batch(cfg.trainer, train_src, world.size)
-    _check_compiler(cfg.trainer, device)
+    _check_compiler(cfg.trainer, device, world)
     _overwrite(cfg, world)  # once every check that needs no checkpoint has passed
     manager = build_manager(cfg)
     cfg, restart_note = continue_restarted_job(cfg, world)  # resume=N: the first attempt's
@@ -256,9 +256,16 @@ def _overwrite(cfg: DictConfig, world: World) -> None:
     agree_any(False)  # a barrier: every rank waits until old checkpoints are out of the way
 
 
-def _check_compiler(t: DictConfig, device) -> None:
-    """``trainer.compile=true`` on a CPU needs a C++ compiler: refused at start, naming the
-    fixes (it failed at the first step with Inductor's traceback)."""
+def _check_compiler(t: DictConfig, device, world: World) -> None:
+    """``trainer.compile=true`` on several ranks (a data-parallel step is not one graph) or
+    on a CPU without a C++ compiler: refused at start, naming the fixes (each failed at the
+    first step with a traceback)."""
+    if t.compile is True and world.size > 1:
+        raise ConfigError(
+            f"trainer.compile=true compiles a one-rank step; this run has {world.size} ranks "
+            "(a data-parallel step is not one graph): use trainer.compile=false, or "
+            "trainer.compile=auto (eager on several ranks)"
+        )
     problem = cxx_compiler_problem() if t.compile is True and device.type == "cpu" else None
     if problem:
         raise ConfigError(

@@ -259,8 +259,14 @@ def _explain(err: Exception, overrides) -> str:
     return f"invalid config from overrides {list(overrides)}:\n  {msg}\n  fix: {hint}"
 
 
+# groups config.yaml's defaults list does not name: chosen with +GROUP=OPTION (a hint of
+# GROUP=OPTION named a command Hydra refuses, "No match in the defaults list")
+_ADDED_GROUPS = ("recipe",)
+
+
 def _option_hint(group: str, option: str) -> str:
-    choices = ", ".join(f"{group}={o}" for o in group_options(group))
+    plus = "+" if group in _ADDED_GROUPS else ""
+    choices = ", ".join(f"{plus}{group}={o}" for o in group_options(group))
     if option == f"{group}_schema":
         return f"{group}={option} is the typed schema of the {group} group, not an option; pick one of: {choices}"
     return f"{group}={option} is not an option; pick one of: {choices} (or add DIR/{group}/{option}.yaml with --config-dir DIR)"

@@ -140,6 +140,9 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_at_start(cache_dir, tm
     rc, out = _finish(_torchrun(run, cache_dir, "trainer.batch_size=3", "trainer.max_steps=2"))
     assert rc != 0, out
     assert "trainer.batch_size=3 (the global batch) does not split over 2 ranks" in out, out
+    # trainer.compile=true on 2 ranks: make_step's ValueError at step 1 before, a traceback
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.compile=true", "trainer.max_steps=2"))
+    assert rc != 0 and "trainer.compile=true compiles a one-rank step" in out, out
     # torchrun's agent prints its own traceback for a failed child; none from the ranks
     assert "ValueError" not in out and "ftrain/data/" not in out, out
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())

@@ -258,3 +258,18 @@ def test_a_donated_state_whose_compile_failed_is_still_whole(monkeypatch):
     assert ftrain.state.tree_equal(saved["emergency"], state)
     new, _ = step(state, make_data(16, seed=0))  # compiles for real this time
     assert int(new["step"]) == 1 and ftrain.state.is_donated(state)
+
+
+def test_the_start_refuses_compile_true_on_several_ranks_naming_the_fixes():
+    """make_step refused compile with dp only at the first step, with a traceback."""
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.run import _check_compiler
+    from ftrain.config import ConfigError
+    from ftrain.dist import World
+
+    t = OmegaConf.create({"compile": True})
+    with pytest.raises(ConfigError, match="this run has 2 ranks .* trainer.compile=false"):
+        _check_compiler(t, torch.device("cpu"), World(0, 2))
+    _check_compiler(OmegaConf.create({"compile": "auto"}), torch.device("cpu"), World(0, 2))
+    _check_compiler(t, torch.device("cpu"), World())  # one rank, a compiler here: fine

@@ -30,6 +30,7 @@ from ftrain.config import ConfigError, load_config
         ("data=tokens", ["data=tokens needs data.path", "train.bin"]),
         ("model=model_schema", ["model=model_schema", "not an option", "model=gpt2_tiny"]),
         ("data=data_schema", ["data=data_schema", "data=stdlib"]),
+        ("+recipe=gpt3", ["recipe=gpt3 is not an option", "pick one of: +recipe=gpt2"]),
         ("+trainer.max_step=10", ["trainer.max_step", "max_steps"]),
         ("trainer.compile=sometimes", ["trainer.compile must be true, false or auto"]),
         ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
