@@ -109,7 +109,7 @@ def _job(num: int, overrides: list[str], config_name: str) -> Job:
     with open_dict(raw):
         raw.hydra.job.num = num
         raw.hydra.job.id = str(num)
-        names = _dirname_candidates(raw, overrides)
+        names = _dirname_candidates(raw, overrides, config_name)
         raw.hydra.job.override_dirname = names[0]
         job_dir = _job_dir(raw, num)
         for earlier in names[1:]:
@@ -150,20 +150,42 @@ _EARLIER_EXCLUDE_KEYS = (
 )
 
 
-def _dirname_candidates(raw: DictConfig, overrides: list[str]) -> list[str]:
+def _dirname_candidates(raw: DictConfig, overrides: list[str], config_name: str) -> list[str]:
     """The job's ``override_dirname`` (first), then the names earlier rules gave it:
-    Hydra's exact matching of this config's exclude_keys, and of ftrain's earlier list."""
+    with group choices the config makes anyway, Hydra's exact matching of this config's
+    exclude_keys, and of ftrain's earlier list."""
     conf = raw.hydra.job.config.override_dirname
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    parsed = [o for o in parsed if not o.is_hydra_override()]  # as Hydra's own
+    pairs = zip(overrides, OverridesParser.create().parse_overrides(list(overrides)), strict=True)
+    pairs = [(text, o) for text, o in pairs if not o.is_hydra_override()]  # as Hydra's own
+    parsed = [o for _, o in pairs]
     keys = [o.key_or_group for o in parsed]
+    resume_safe = [k for k in keys if _under_any(k, conf.exclude_keys)]
     rules = [
-        [k for k in keys if _under_any(k, conf.exclude_keys)],
+        resume_safe + _chosen_anyway(raw, pairs, overrides, config_name),
+        resume_safe,
         [k for k in keys if k in conf.exclude_keys],
         [k for k in keys if k in _EARLIER_EXCLUDE_KEYS],
     ]
     names = [get_overrides_dirname(parsed, ex, conf.item_sep, conf.kv_sep) for ex in rules]
+    if not names[0]:  # only default choices (optim=glob(*)'s adamw job): named by them
+        names.pop(0)
     return list(dict.fromkeys(names))  # each once, in order
+
+
+def _chosen_anyway(raw: DictConfig, pairs, overrides: list[str], config_name: str) -> list[str]:
+    """Groups whose override picks what the config picks without it (``model=gpt2_tiny``,
+    the default): the job is the same run either way, so its name leaves them out. A
+    re-run spelled without them started every job afresh in a new directory."""
+    choices = raw.hydra.runtime.choices
+    out = []
+    for text, o in pairs:
+        group, value = o.key_or_group, o.value()
+        if o.is_add() or o.is_delete() or group not in choices or not isinstance(value, str):
+            continue
+        rest = [x for x in overrides if x is not text]
+        if compose_raw(rest, config_name=config_name).hydra.runtime.choices.get(group) == value:
+            out.append(group)
+    return out
 
 
 def _job_dir(raw: DictConfig, num: int) -> Path:

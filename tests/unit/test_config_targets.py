@@ -217,6 +217,16 @@ def test_a_sweep_rerun_with_resume_safe_changes_keeps_its_job_dirs(tmp_path):
     (tmp_path / earlier).mkdir()
     old = [j.cfg.run.dir for j in plan_jobs(base + ["logger=[jsonl,csv]", "trainer.grad_accum=2"])]
     assert old == [f"{tmp_path}/{earlier}", dirs[1]]
+    # the docs' "continue both jobs" spelled without the default model=gpt2_tiny: the same
+    # jobs (they started afresh in new directories, the first jobs' steps unused)
+    spelled = [j.cfg.run.dir for j in plan_jobs(["model=gpt2_tiny", *base])]
+    assert spelled == dirs
+    other = plan_jobs(["model=gpt2,gpt2_tiny", "optim.lr=1e-3", f"hydra.sweep.dir={tmp_path}"])
+    assert [j.cfg.run.dir for j in other] == [f"{tmp_path}/model=gpt2,optim.lr=0.001", dirs[0]]
+    (tmp_path / "model=gpt2_tiny,optim.lr=0.002").mkdir()  # named so before: still found
+    assert plan_jobs(["model=gpt2_tiny", *base])[1].cfg.run.dir == (
+        f"{tmp_path}/model=gpt2_tiny,optim.lr=0.002"
+    )
     # a W&B dir shared by the jobs: its run-id file would make one job log into another's
     with pytest.raises(ConfigError, match="job 0's logger.wandb.dir, job 1's logger.wandb.dir"):
         plan_jobs(base + ["logger=[jsonl,wandb]", "logger.wandb.dir=/tmp/wb"])
