@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -165,13 +164,11 @@ def _bits(t):
     return t.reshape(-1).view(torch.uint8)
 
 
-_SIDE = re.compile(r"^(?P<where>.+):(?P<step>\d+)$")
-
-
 def _side(spec: str) -> tuple[Path, int | None]:
     """``DIR[:STEP]`` -> (checkpoint location, step); a run directory means its checkpoints/."""
-    m = _SIDE.match(spec)
-    where, step = (m["where"], int(m["step"])) if m else (spec, None)
+    from ftrain.ckpt.readonly import split_step
+
+    where, step = split_step(spec)
     return _checkpoints_at(where), step
 
 

@@ -9,6 +9,7 @@ so this reader only lists committed steps and reads (and verifies) the selected 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.target import check_only
 
-__all__ = ["committed_steps_at", "read_model", "read_subtree", "run_locations"]
+__all__ = ["committed_steps_at", "read_model", "read_subtree", "run_locations", "split_step"]
 
 log = logging.getLogger("ftrain.ckpt")
 
@@ -88,6 +89,19 @@ def _recorded_fallback(checkpoints: Path) -> str | None:
         config.get("checkpoint", {}).get("fallback_dir") if isinstance(config, dict) else None
     )
     return fallback if isinstance(fallback, str) else None
+
+
+_STEP_SUFFIX = re.compile(r"^(?P<where>.+):(?P<step>\d+)$")
+
+
+def split_step(spec: str) -> tuple[str, int | None]:
+    """``WHERE[:STEP]`` -> ``(WHERE, STEP or None)``. A local path that exists as written
+    is never split: a sweep over ``init.from=b64:4,b64:6`` names its job directories
+    ``...init.from=b64\\:4``, and reading that run took ``:4`` for a step."""
+    m = _STEP_SUFFIX.match(spec)
+    if m is None or ("://" not in spec and Path(spec).exists()):
+        return spec, None
+    return m["where"], int(m["step"])
 
 
 def name_of(location: Locations) -> str:

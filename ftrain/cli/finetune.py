@@ -15,7 +15,6 @@ A parameter's label: ``frozen`` if it matches ``optim.freeze``; else the first g
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -177,9 +176,6 @@ def describe_labels(cfg: DictConfig, params: TensorDictBase) -> str | None:
     return "parameter groups: " + "; ".join(parts)
 
 
-_STEP_SUFFIX = re.compile(r"^(?P<path>.+):(?P<step>\d+)$")
-
-
 def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
     """``RUN[:STEP]`` -> ``(checkpoint location(s), step or None)``.
 
@@ -187,10 +183,9 @@ def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
     used: :func:`ftrain.ckpt.readonly.run_locations`), a checkpoints directory, or an
     object-store URL of one.
     """
-    from ftrain.ckpt.readonly import run_locations
+    from ftrain.ckpt.readonly import run_locations, split_step
 
-    m = _STEP_SUFFIX.match(value)
-    where, step = (m["path"], int(m["step"])) if m else (value, None)
+    where, step = split_step(value)
     if "://" not in where:
         run = Path(where)
         if (run / "checkpoints").is_dir():

@@ -247,3 +247,18 @@ def test_export_without_hard_links_still_refuses_to_overwrite(tmp_path, monkeypa
         export_params(ck, late)
     assert late.read_bytes() == b"the other export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "late.safetensors", "m.safetensors"]
+
+
+def test_a_run_directory_whose_name_ends_in_colon_digits_is_not_read_as_run_step(tmp_path):
+    """A sweep over ``init.from=b64:4,b64:6`` names its jobs ``init.from=b64\\:4``: eval,
+    init.from and diff of that directory took ``:4`` as a step of ``init.from=b64\\``."""
+    from ftrain.cli.finetune import parse_init_from
+
+    run = tmp_path / "init.from=b64\\:4"
+    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    with ftrain.CheckpointManager(run / "checkpoints", async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(2)), force=True)
+    assert parse_init_from(str(run)) == (str(run / "checkpoints"), None)
+    assert parse_init_from(f"{run}:2") == (str(run / "checkpoints"), 2)
+    assert readonly.split_step("runs/absent:7") == ("runs/absent", 7)
+    assert readonly.split_step("s3://b/p:3") == ("s3://b/p", 3)
