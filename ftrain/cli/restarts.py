@@ -12,7 +12,11 @@ that is still committed then belongs to the job's own history: a resume that goe
 sets the old history's steps aside at its first commit.
 
 A restart before the job's first commit after going back keeps ``resume=N`` (the old
-history's steps are still there, and N is still what was asked for). Another supervisor
+history's steps are still there, and N is still what was asked for). ``resume=none`` (with
+or without ``run.overwrite=true``) is the first attempt's too: a restart refused to start
+over the job's own commits (exit 2 on every restart), or with ``run.overwrite`` moved them
+aside and trained from step 0 again; once the job has started it resumes from its latest
+commit (or starts fresh if it committed nothing). Another supervisor
 that reruns one command line (systemd, a Slurm requeue) cannot be told apart from a user
 asking again: give it ``resume=latest``.
 """
@@ -62,26 +66,44 @@ def committed_since_going_back(run_dir: Path, step: int, job: str) -> list[int]:
     return since or []
 
 
+def started_fresh(run_dir: Path, job: str) -> bool:
+    """Whether ``job`` already made a fresh start (``resume=none``) in ``run_dir``."""
+    return any(
+        r.get("kind") == "start" and r.get("elastic_job") == job for r in read_records(run_dir)
+    )
+
+
 def continue_restarted_job(cfg: DictConfig, world: World) -> tuple[DictConfig, str | None]:
-    """``cfg``, with ``resume=latest`` in place of ``resume=N`` on a torchrun restart of a
-    job that went back to N and committed since; and the line that says so (None: as
-    asked). The coordinator reads the records; every rank takes its answer."""
-    job = elastic_job()
-    if isinstance(cfg.resume, bool) or not isinstance(cfg.resume, int) or job is None:
+    """``cfg``, with ``resume=latest`` in place of the first attempt's ``resume=N`` (once the
+    job committed after going back to N) or ``resume=none`` (once the job started fresh;
+    ``run.overwrite`` then off: it would move the job's own steps aside) on a torchrun
+    restart; and the line that says so (None: as asked). The coordinator reads the
+    records; every rank takes its answer."""
+    job, resume = elastic_job(), cfg.resume
+    step = not isinstance(resume, bool) and isinstance(resume, int)
+    if job is None or _restart_attempt() == 0 or not (step or resume == "none"):
         return cfg, None
-    if _restart_attempt() == 0:
-        return cfg, None
+    mine = None
     if world.is_coordinator:
-        mine = committed_since_going_back(Path(cfg.run.dir), cfg.resume, job)
-    since = broadcast_json(mine if world.is_coordinator else None)
+        run_dir = Path(cfg.run.dir)
+        mine = (
+            committed_since_going_back(run_dir, resume, job)
+            if step
+            else started_fresh(run_dir, job)
+        )
+    since = broadcast_json(mine)
     if not since:
         return cfg, None
+    began = (
+        f"the history it began (step(s) {', '.join(map(str, sorted(set(since))))} committed since)"
+        if step
+        else "the run it started"
+    )
     note = (
-        f"resume={cfg.resume} was this torchrun job's first attempt's: restart "
-        f"{_restart_attempt()} continues the history it began (step(s) "
-        f"{', '.join(map(str, sorted(set(since))))} committed since), so resume=latest"
+        f"resume={resume}{' run.overwrite=true' if cfg.run.overwrite else ''} was this torchrun "
+        f"job's first attempt's: restart {_restart_attempt()} continues {began}, so resume=latest"
     )
     cfg = copy.deepcopy(cfg)
     OmegaConf.set_readonly(cfg, False)
-    cfg.resume = "latest"
+    cfg.resume, cfg.run.overwrite = "latest", False
     return cfg, note

@@ -202,9 +202,10 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_vocab(cfg.model, train_src)
     check_batch(cfg.trainer, train_src, world.size)
     _check_compiler(cfg.trainer, device, world)
+    # resume=N / resume=none (run.overwrite): a torchrun restart continues the first attempt
+    cfg, restart_note = continue_restarted_job(cfg, world)
     _overwrite(cfg, world)  # once every check that needs no checkpoint has passed
     manager = build_manager(cfg)
-    cfg, restart_note = continue_restarted_job(cfg, world)  # resume=N: the first attempt's
     saved = saved_horizon(cfg, manager)
     horizon = schedule_horizon(cfg, saved)
     tx = build_tx(cfg, horizon)

@@ -240,10 +240,10 @@ def test_a_torchrun_restart_continues_the_history_resume_n_began(cache_dir, tmp_
     arm.write_text(json.dumps({"id": "restart", "phase": "begun", "count": 3, "rank": 0}))
     path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
     env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    restarts = ("--max-restarts=1",)
     proc = _torchrun(
-        run, cache_dir, *common, "trainer.max_steps=15", "resume=3",
-        extra=("--max-restarts=1",), env=env,
-    )  # fmt: skip
+        run, cache_dir, *common, "trainer.max_steps=15", "resume=3", extra=restarts, env=env
+    )
     rc, out = _finish(proc)
     assert rc == 0 and arm.with_name("arm.json.fired").exists(), out
     resumes = [(r["from_step"], r["reason"]) for r in records(run, "resume")]
@@ -253,3 +253,16 @@ def test_a_torchrun_restart_continues_the_history_resume_n_began(cache_dir, tmp_
     aside = sorted(n.split(".")[0] for n in names if "." in n)
     assert aside == ["step_00000006", "step_00000009"], aside  # the old history's, once
     assert CheckpointManager(run / "checkpoints", async_save=False).latest_step() == 15
+    # resume=none run.overwrite=true: each restart moved the job's own steps aside and
+    # trained from step 0 again; now the old run is moved aside once, and the restart
+    # resumes the job's commit
+    arm = tmp_path / "arm2.json"  # rank 0 dies as it begins its 2nd save (step 6)
+    arm.write_text(json.dumps({"id": "over", "phase": "begun", "count": 2, "rank": 0}))
+    env["FTRAIN_CHAOS_ARM"] = str(arm)
+    over = ("trainer.max_steps=9", "resume=none", "run.overwrite=true")
+    rc, out = _finish(_torchrun(run, cache_dir, *common, *over, extra=restarts, env=env))
+    assert rc == 0 and arm.with_name("arm2.json.fired").exists(), out
+    assert "resume=none run.overwrite=true was this torchrun job's first attempt's: " in out
+    assert len(list(run.glob("overwritten-*"))) == 1, out
+    assert [r["from_step"] for r in records(run, "resume")] == [3], out
+    assert CheckpointManager(run / "checkpoints", async_save=False).latest_step() == 9
