@@ -78,11 +78,26 @@ class MetricsWriter:
         record = {"kind": kind, "time": time.time(), **{k: _clean(v) for k, v in fields.items()}}
         if self._file is not None:
             try:
+                self._reopen_if_deleted()
                 self._file.write((json.dumps(record, sort_keys=True) + "\n").encode())
                 self._file.flush()
             except OSError as err:
                 self._give_up("cannot write", err)
         return record
+
+    def _reopen_if_deleted(self) -> None:
+        """``metrics.jsonl`` deleted while the run writes it (a cleanup script, ``rm``): the
+        records went on into the unlinked file, silently lost. A new file begins, said once;
+        later starts read their redo report and committed steps from it."""
+        if os.fstat(self._file.fileno()).st_nlink > 0:
+            return
+        self._file.close()
+        self._file = self._open()
+        log.warning(
+            "ftrain: %s was deleted while the run wrote it; a new one begins here (the "
+            "records before are gone; the checkpoints are not)",
+            self.path,
+        )
 
     def close(self) -> None:
         if self._file is not None:

@@ -62,6 +62,23 @@ def test_a_writer_after_a_torn_line_starts_a_fresh_line(tmp_path):
     assert [r["kind"] for r in read_records(tmp_path)] == ["step", "resume"]
 
 
+def test_records_written_after_metrics_jsonl_is_deleted_go_to_a_new_file(tmp_path, caplog):
+    """A cleanup deleting metrics.jsonl mid-run: the records went on into the unlinked file,
+    silently lost (and with them the next start's redo report and lost-steps check)."""
+    w = MetricsWriter(tmp_path)
+    w.write("step", step=1)
+    (tmp_path / "metrics.jsonl").unlink()
+    with caplog.at_level(logging.WARNING):
+        w.write("committed", step=2)
+        w.write("step", step=3)
+    w.close()
+    assert [(r["kind"], r["step"]) for r in read_records(tmp_path)] == [
+        ("committed", 2),
+        ("step", 3),
+    ]
+    assert caplog.text.count("was deleted while the run wrote it") == 1
+
+
 def test_a_failing_write_disables_records_and_the_heartbeat_warns(tmp_path, caplog):
     w = MetricsWriter(tmp_path)
     w._file.close()
@@ -79,6 +96,9 @@ def test_a_failing_write_disables_records_and_the_heartbeat_warns(tmp_path, capl
 class _Broken:
     def write(self, data):
         raise OSError(28, "No space left on device")
+
+    def fileno(self):
+        raise OSError(5, "Input/output error")
 
     def flush(self):
         pass
