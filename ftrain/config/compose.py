@@ -236,6 +236,15 @@ OWN_DEFAULTS = {
 
 
 _NOT_FOUND = re.compile(r"Could not find '(\w+)/([\w.\-]+)'")
+_FULL_KEY = re.compile(r"full_key: ([\w.\-]+)")
+# omegaconf's words for a value of the wrong type (not an unknown key)
+_TYPE_ERRORS = (
+    "Cannot assign",
+    "could not be converted",
+    "is not a valid",
+    "Invalid value assigned",
+)
+_CONTAINER_ERRORS = ("Cannot assign", "is not a ListConfig", "is not a DictConfig")
 
 
 def _explain(err: Exception, overrides) -> str:
@@ -248,9 +257,16 @@ def _explain(err: Exception, overrides) -> str:
         "schedule, data, checkpoint, trainer, dist, logger, resume, init); +key=value adds a key "
         "only outside those groups, for a recipe that reads it"
     )
-    missing = _NOT_FOUND.search(msg)
+    missing, full_key = _NOT_FOUND.search(msg), _FULL_KEY.search(msg)
     if missing:
         hint = _option_hint(*missing.groups())
+    elif full_key and any(t in msg for t in _TYPE_ERRORS):
+        key = full_key.group(1)
+        hint = f"{key} takes another type, as said above (its current value: `python -m ftrain --cfg job --package {key}`)"
+        if any(t in msg for t in _CONTAINER_ERRORS):
+            hint += (
+                f"; a list or mapping is written whole and quoted: '{key}=[a,b]', '{key}={{k: v}}'"
+            )
     elif "Interpolation key 'model.block_size' not found" in msg:
         hint = (
             "the data option reads its sample length from model.block_size, which this model "

@@ -31,6 +31,9 @@ from ftrain.config import ConfigError, load_config
         ("model=model_schema", ["model=model_schema", "not an option", "model=gpt2_tiny"]),
         ("data=data_schema", ["data=data_schema", "data=stdlib"]),
         ("+recipe=gpt3", ["recipe=gpt3 is not an option", "pick one of: +recipe=gpt2"]),
+        # a value of the wrong type is not an unknown key: its hint names the key's type
+        ("optim.groups=5", ["optim.groups takes another type", "'optim.groups=[a,b]'"]),
+        ("model.lora.targets=c_attn", ["model.lora.targets takes another type"]),
         ("+trainer.max_step=10", ["trainer.max_step", "max_steps"]),
         ("trainer.compile=sometimes", ["trainer.compile must be true, false or auto"]),
         ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
