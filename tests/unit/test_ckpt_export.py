@@ -51,12 +51,16 @@ def test_export_files_get_the_umask_mode_and_never_replace_one_made_meanwhile(
     tmp_path, monkeypatch
 ):
     _, ck = _saved(tmp_path)
-    old = os.umask(0o022)
+    old = os.umask(0o027)
     try:
+        seen = []  # the umask another thread would see meanwhile: never changed to read it
+        monkeypatch.setattr(os, "umask", lambda m, real=os.umask: seen.append(m) or real(m))
         export_params(ck, tmp_path / "a.safetensors")
     finally:
+        monkeypatch.undo()
         os.umask(old)
-    assert (tmp_path / "a.safetensors").stat().st_mode & 0o777 == 0o644  # not 0600
+    assert (tmp_path / "a.safetensors").stat().st_mode & 0o777 == 0o640  # not 0600
+    assert seen == []
     out = tmp_path / "b.safetensors"
     real = safetensors.save_file
 
