@@ -164,12 +164,13 @@ def _bits(t):
     return t.reshape(-1).view(torch.uint8)
 
 
-def _side(spec: str) -> tuple[Path, int | None]:
-    """``DIR[:STEP]`` -> (checkpoint location, step); a run directory means its checkpoints/."""
+def _side(spec: str) -> tuple[list, int | None]:
+    """``DIR[:STEP]`` -> (checkpoint locations, step); a run directory means its checkpoints/
+    and fallback."""
     from ftrain.ckpt.readonly import split_step
 
     where, step = split_step(spec)
-    return _checkpoints_at(where), step
+    return _roots(where), step
 
 
 def _checkpoints_at(where: str):
@@ -191,8 +192,11 @@ def _run_checkpoints(where: str) -> str | list[str]:
     return found if len(found) > 1 else found[0]
 
 
-def _listed(where: str | list[str]) -> list[str]:
-    return where if isinstance(where, list) else [where]
+def _roots(where: str) -> list:
+    """The checkpoint locations ``where`` names, parsed: one, or a run directory's
+    ``checkpoints/`` and the fallback it used."""
+    found = _run_checkpoints(where)
+    return [_checkpoints_at(w) for w in (found if isinstance(found, list) else [found])]
 
 
 def _each_location(cmd, roots: list, steps: list[int]) -> int:
@@ -224,11 +228,11 @@ def _each_location(cmd, roots: list, steps: list[int]) -> int:
     return status
 
 
-def _diff_args(args: list[str]) -> tuple[tuple[Path, int | None], tuple[Path, int | None]]:
+def _diff_args(args: list[str]) -> tuple[tuple[list, int | None], tuple[list, int | None]]:
     """``DIR A B`` (two steps of one directory) or ``DIR_A[:STEP] DIR_B[:STEP]``."""
     if len(args) == 3 and all(a.isdigit() for a in args[1:]):
-        root = _checkpoints_at(args[0])
-        return (root, int(args[1])), (root, int(args[2]))
+        roots = _roots(args[0])
+        return (roots, int(args[1])), (roots, int(args[2]))
     if len(args) == 2 and not (args[1].isdigit() and not Path(args[1]).exists()):
         return _side(args[0]), _side(args[1])
     print(
@@ -239,8 +243,8 @@ def _diff_args(args: list[str]) -> tuple[tuple[Path, int | None], tuple[Path, in
     raise SystemExit(2)  # a usage error, as argparse's (1 means "they differ")
 
 
-def _label(root: Path, step: int, other: Path) -> str:
-    return str(step) if root == other else f"{root}:{step}"
+def _label(roots: list, step: int, other: list) -> str:
+    return str(step) if roots == other else f"{' + '.join(map(str, roots))}:{step}"
 
 
 def cmd_diff(argv: list[str]) -> int:
@@ -347,10 +351,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
         return cmd_advise(Path(ns.directory), ns.mtbf)
     try:
-        roots = [_checkpoints_at(str(w)) for w in _listed(_run_checkpoints(ns.directory))]
+        roots = _roots(ns.directory)
         if ns.command == "show":
             return cmd_show(roots, ns.steps)
-        return _each_location(cmd_list if ns.command == "list" else cmd_verify, roots, ns.steps)
+        if ns.command == "list":  # lists every step (step arguments are verify's)
+            return _each_location(cmd_list, roots, [])
+        return _each_location(cmd_verify, roots, ns.steps)
     except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:
         print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
         return 2

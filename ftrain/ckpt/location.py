@@ -115,7 +115,9 @@ def parse_location(value: str | Path, storage: Mapping | None = None):
         >>> parse_location("ckpt")
         PosixPath('ckpt')
     """
-    if isinstance(value, Path):
+    from ftrain.ckpt.objstore import ObjectRoot
+
+    if isinstance(value, Path | ObjectRoot):  # parsed already
         return value
     if not isinstance(value, str) or not value:
         raise CheckpointLocationError(f"checkpoint location must be a path or URL, got {value!r}")

@@ -407,23 +407,13 @@ class CheckpointManager:
         every rank moves on to the same next location (the fallback)."""
         from ftrain.ckpt.sharded import save_all_ranks
 
-        errors = []
-
         def extra(manifest: dict) -> dict:
             return _marker_extra(manifest, attrs, blocking, t0)
 
-        for i, root in enumerate(self._dirs):
-            try:
-                return save_all_ranks(self, state, step, attrs, extra, group, root=root)
-            except OSError as e:
-                errors.append(f"{root}: {e}")
-                if i + 1 < len(self._dirs):
-                    msg = f"[step={step}] sharded save to {root} failed ({e}); saving to fallback {self._dirs[i + 1]}"
-                    log.warning(msg)
-                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        raise CheckpointSaveError(
-            f"[step={step}] sharded save failed in every location: " + "; ".join(errors)
-        )
+        def write(root):
+            return save_all_ranks(self, state, step, attrs, extra, group, root=root)
+
+        return self._first_location(step, "sharded save", write)
 
     @property
     def failed(self) -> bool:
@@ -533,18 +523,27 @@ class CheckpointManager:
 
     def _write_first(self, snapshot, step: int, attrs: dict, t0: float, blocking: float, plan):
         """Write to the first location that takes it (an OSError moves on to the next)."""
+
+        def write(root):
+            return self._write_to(root, snapshot, step, attrs, t0, blocking, plan)
+
+        return self._first_location(step, "save", write)
+
+    def _first_location(self, step: int, what: str, write):
+        """``write(root)`` in the first location that takes it: an ``OSError`` moves on to
+        the next (the fallback), said once; none taking it is a ``CheckpointSaveError``."""
         errors = []
         for i, root in enumerate(self._dirs):
             try:
-                return self._write_to(root, snapshot, step, attrs, t0, blocking, plan)
+                return write(root)
             except OSError as e:
                 errors.append(f"{root}: {e}")
                 if i + 1 < len(self._dirs):
-                    msg = f"[step={step}] saving to {root} failed ({e}); saving to fallback {self._dirs[i + 1]}"
+                    msg = f"[step={step}] {what} to {root} failed ({e}); saving to fallback {self._dirs[i + 1]}"
                     log.warning(msg)
-                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                    warnings.warn(msg, RuntimeWarning, stacklevel=3)
         raise CheckpointSaveError(
-            f"[step={step}] save failed in every location: " + "; ".join(errors)
+            f"[step={step}] {what} failed in every location: " + "; ".join(errors)
         )
 
     @contextlib.contextmanager

@@ -102,14 +102,14 @@ def labeller(cfg: DictConfig):
     return label
 
 
-def check_patterns(cfg: DictConfig, params: TensorDictBase) -> None:
-    """Every ``optim.freeze`` / group glob must match a parameter: a typo would otherwise
-    train (or freeze) something else silently.
+def check_patterns(cfg: DictConfig, paths: list[str]) -> None:
+    """Every ``optim.freeze`` / group glob must match one of the parameter ``paths``
+    (``model.named_parameters()``' names, as the state's params are keyed): a typo would
+    otherwise train (or freeze) something else silently.
 
     Raises:
         ConfigError: naming the pattern and showing parameter paths to pick from.
     """
-    paths = [path_str(k) for k in flatten(params)[0]]
     patterns = [("optim.freeze", p) for p in cfg.optim.freeze]
     patterns += [
         (f"optim.groups.{n}.params", p) for n, g in cfg.optim.groups.items() for p in g.params

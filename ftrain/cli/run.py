@@ -202,6 +202,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_vocab(cfg.model, train_src)
     check_batch(cfg.trainer, train_src, world.size)
     _check_compiler(cfg.trainer, device, world)
+    check_patterns(cfg, sorted(name for name, _ in model.named_parameters()))
     # resume=N / resume=none (run.overwrite): a torchrun restart continues the first attempt
     cfg, restart_note = continue_restarted_job(cfg, world)
     _overwrite(cfg, world)  # once every check that needs no checkpoint has passed
@@ -214,7 +215,6 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     # a sharded resume reads only this rank's rows, into DTensors on the sharder's mesh
     sharder = Sharder(full=shard == "full") if shard != "none" else None
     try:
-        check_patterns(cfg, fresh["params"])
         state, report, _ = start_state(
             cfg, manager, fresh, world, tx, train_src.fingerprint, sharder=sharder
         )

@@ -183,7 +183,11 @@ def _chosen_anyway(raw: DictConfig, pairs, overrides: list[str], config_name: st
         if o.is_add() or o.is_delete() or group not in choices or not isinstance(value, str):
             continue
         rest = [x for x in overrides if x is not text]
-        if compose_raw(rest, config_name=config_name).hydra.runtime.choices.get(group) == value:
+        try:
+            without = compose_raw(rest, config_name=config_name).hydra.runtime.choices
+        except ConfigError:  # the others need it (keys of a user's option): not a default
+            continue
+        if without.get(group) == value:
             out.append(group)
     return out
 

@@ -255,6 +255,8 @@ class CsvLogger:
         ``metrics.jsonl``, never a reason to refuse a restart."""
         try:
             raw = self.path.read_bytes()
+            if not raw:  # a start that ended before its first row
+                return []
             header = raw.split(b"\n", 1)[0].decode("utf-8").rstrip("\r")
             if b"\n" not in raw or not header.startswith("step,"):
                 raise ValueError("no complete header line")
@@ -268,9 +270,11 @@ class CsvLogger:
         return next(csv.reader([header]))
 
     def _set_aside(self, err: Exception) -> list[str]:
-        aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
+        aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}-{os.getpid()}")
         try:
-            os.replace(self.path, aside)
+            if aside.exists():
+                raise FileExistsError(f"{aside} exists")
+            os.rename(self.path, aside)
         except OSError as e:
             raise LoggerError(
                 f"{self.path} cannot be read as a CSV ({err}) nor moved aside ({e}); move or "

@@ -81,6 +81,9 @@ def test_resume_none_refuses_existing_run_unless_overwrite(cli, tmp_path):
     # a start refused for another reason (a typo'd data path) moves nothing aside
     typo = cli(run, "resume=none", "run.overwrite=true", "data.path=/nonexistent", check=2)
     assert "/nonexistent" in typo.stderr and "moved the old run" not in typo.stdout
+    typo = cli(run, "resume=none", "run.overwrite=true", "optim.freeze=[nosuch.*]", check=2)
+    assert "'nosuch.*' matches no parameter" in typo.stderr, typo.stderr
+    assert "moved the old run" not in typo.stdout
     assert not list(run.glob("overwritten-*")) and (run / "checkpoints" / "step_00000002").is_dir()
     cli(run, "trainer.max_steps=2", "resume=none", "run.overwrite=true", check=0)
     assert list(run.glob("overwritten-*/checkpoints/step_*")), (

@@ -184,6 +184,8 @@ def test_ckpt_list_show_verify_of_a_run_directory_read_its_fallback_too(tmp_path
     assert str(fallback.resolve() / protocol.step_dirname(4)) in capsys.readouterr().out
     assert main(["verify", str(run), "4"]) == 0
     assert "ok   step 4" in capsys.readouterr().out
+    assert main(["diff", str(run), "2", "4"]) in (0, 1)  # both found, over both locations
+    assert "arrays differ between 2 and 4" in capsys.readouterr().out
     assert main(["verify", str(run), "2", "7"]) == 1
     out = capsys.readouterr().out
     assert "ok   step 2" in out and "BAD  step 7: not committed in any" in out

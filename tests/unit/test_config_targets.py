@@ -1,6 +1,8 @@
 """Options built by ``_target_``, user config directories, hydra.* overrides, sweep plans,
 and old checkpoints (recorded before options had targets) still comparing equal."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -227,6 +229,13 @@ def test_a_sweep_rerun_with_resume_safe_changes_keeps_its_job_dirs(tmp_path):
     assert plan_jobs(["model=gpt2_tiny", *base])[1].cfg.run.dir == (
         f"{tmp_path}/model=gpt2_tiny,optim.lr=0.002"
     )
+    # a user's option with keys of its own: composing the job without it fails, so it is
+    # no default choice (the whole sweep was refused before any job ran)
+    (tmp_path / "cd" / "model").mkdir(parents=True)
+    (tmp_path / "cd" / "model" / "mine.yaml").write_text("name: gpt2\nhidden: 16\nblock_size: 8\n")
+    mine = ["model=mine", "model.hidden=16,32", f"hydra.searchpath=[file://{tmp_path / 'cd'}]"]
+    names = [Path(j.cfg.run.dir).name for j in plan_jobs([*mine, *base[1:]])]
+    assert names == ["model.hidden=16,model=mine", "model.hidden=32,model=mine"]
     # a W&B dir shared by the jobs: its run-id file would make one job log into another's
     with pytest.raises(ConfigError, match="job 0's logger.wandb.dir, job 1's logger.wandb.dir"):
         plan_jobs(base + ["logger=[jsonl,wandb]", "logger.wandb.dir=/tmp/wb"])

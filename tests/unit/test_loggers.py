@@ -110,6 +110,16 @@ def test_a_torn_csv_row_is_cut_not_glued_to_the_next_runs_first_row(tmp_path):
     ]
 
 
+def test_an_empty_csv_left_by_a_start_that_logged_nothing_is_not_damaged(tmp_path, caplog):
+    build_loggers({"csv": CSV}, RunInfo(tmp_path, "r")).close()  # ended before its first row
+    with caplog.at_level(logging.WARNING):
+        again = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r"))
+    _log(again, {1: 4.0})
+    again.close()
+    assert _csv_rows(tmp_path / "metrics.csv") == [("1", "step", "4.0", None)]
+    assert not list(tmp_path.glob("metrics.csv.damaged-*")) and "CSV" not in caplog.text
+
+
 @pytest.mark.parametrize("damage", ["not utf-8", "torn header", "a directory"])
 def test_a_damaged_csv_is_set_aside_and_never_blocks_a_restart(tmp_path, damage, caplog):
     """Bytes that are not UTF-8 in the header refused the restart, exit 2, with 8 KiB of
