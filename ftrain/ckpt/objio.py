@@ -160,12 +160,19 @@ def upload_objects(step, part: Part, jobs: list, copies: list = (), fallback=Non
 
     async def copy_chunk(s: ArraySpec, i: int, source: str) -> tuple:
         rel = f"{s.key}/{s.chunk_key(i)}"
+        size = (s.stored[i] if s.compression else s.chunk_nbytes) + 4  # + its crc32c
         try:
             await obstore.copy_async(store.store, f"{source}/{rel}", f"{prefix}/{rel}")
+            # the copy is the committed source's bytes: one of another size (truncated,
+            # replaced) would commit a step that cannot be restored, as the local link
+            # checks before it links
+            copied_size = (await obstore.head_async(store.store, f"{prefix}/{rel}"))["size"]
         except (obstore.exceptions.BaseError, OSError):  # gone, refused, too large: upload
+            copied_size = None
+        if copied_size != size:
             return await put_chunk(s, i, *fallback.chunk(s.key, s, i))
         protocol._phase("object_uploaded")
-        return s.key, i, s.crc32c[i], s.stored[i] if s.compression else s.chunk_nbytes, True
+        return s.key, i, s.crc32c[i], size - 4, True
 
     async def put_doc(rel: str, data: bytes) -> None:
         await store.set(f"{prefix}/{rel}", _buffer(data))

@@ -92,6 +92,26 @@ def test_a_copy_that_fails_is_uploaded_instead(bucket, s3, requests):
     assert save["linked_bytes"] > 0 and save["written_bytes"] >= wte
 
 
+def test_a_source_object_of_another_size_is_uploaded_not_copied(bucket, s3, requests):
+    """A source chunk replaced after its commit (truncated, overwritten by another tool):
+    the server-side copy took it as it was and the save reported success, then retention
+    deleted the source's step and the newest step could not be restored. The local link
+    checks the size first; so does the copy now, uploading from memory instead."""
+    url = f"s3://{bucket}/run/ckpt"
+    base = frozen_base()
+    s2 = state_at(2, base)
+    m = CheckpointManager(url, chunk_bytes=CHUNK, async_save=False, keep_policy=LatestN(1))
+    m.save(state_at(1, base))
+    chunks = objects(s3, bucket, "run/ckpt/step_00000001/params/base/wte/")
+    key = next(k for k in chunks if "/c." in k)
+    s3.put_object(Bucket=bucket, Key=key, Body=b"short")
+    m.save(s2)
+    m.close()
+    assert CheckpointManager(url).all_steps() == [2]  # step 1 deleted by retention
+    assert same(CheckpointManager(url).restore(2), s2)
+    verify_ok(url, 2)
+
+
 def test_a_local_previous_step_is_not_copied_to_the_bucket(bucket, tmp_path, monkeypatch):
     """The previous step on local disk, this save going to an S3 fallback: uploaded."""
     url = f"s3://{bucket}/fb"
