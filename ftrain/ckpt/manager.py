@@ -601,8 +601,12 @@ class CheckpointManager:
 
     # ---- retention and index ---------------------------------------------------
     def _load_index(self) -> dict[int, dict]:
+        """The index entries, read or rebuilt, with the keep policy's "best" flags (an
+        entry read again from its step, e.g. a rebuilt index, had none)."""
         steps = {s: ps[0] for s, ps in self._locations().items()}
-        return load_or_rebuild(self._index_path(), steps, self._seals)
+        entries = load_or_rebuild(self._index_path(), steps, self._seals)
+        mark_best(entries, best_policies(self.keep_policy))
+        return entries
 
     def _after_commit(self, step: int, final: Path, total: float, manifest: dict) -> None:
         self._committed_last = (
@@ -724,8 +728,7 @@ class CheckpointManager:
     def index(self) -> list[dict]:
         """The index entries (step, path, time, metrics, bytes, timings, best flags)."""
         with self._lock:
-            steps = {s: ps[0] for s, ps in self._locations().items()}
-            self._entries = load_or_rebuild(self._index_path(), steps, self._seals)
+            self._entries = self._load_index()
             return [self._entries[s] for s in sorted(self._entries)]
 
     def _index_path(self) -> Path:

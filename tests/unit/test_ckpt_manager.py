@@ -108,6 +108,9 @@ def test_retention_keeps_latest_and_best(tmp_path):
     assert [e["step"] for e in idx["entries"]] == [2, 4, 5]
     assert idx["entries"][0]["best"] == {"val": True} and idx["entries"][2]["best"] == {}
     assert all(e["save_seconds"] > 0 and e["bytes"] > 0 for e in idx["entries"])
+    (tmp_path / "checkpoints.json").unlink()  # a rebuilt index lost every "best" flag
+    rebuilt = CheckpointManager(tmp_path, keep_policy=keep).index()
+    assert [e["best"] for e in rebuilt] == [{"val": True}, {}, {}]
 
 
 def test_index_is_rebuilt_when_missing_or_stale(tmp_path):
