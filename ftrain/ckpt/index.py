@@ -73,6 +73,17 @@ def load_or_rebuild(
     return reuse_or_read(cached, steps, seals)
 
 
+def _well_formed(entry: object) -> bool:
+    """An entry retention can rank (a hand-edited index's entry without a numeric
+    ``time`` or with ``metrics`` not an object failed every later save): else re-read."""
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("time"), int | float)
+        and isinstance(entry.get("metrics"), dict)
+        and isinstance(entry.get("best", {}), dict)
+    )
+
+
 def reuse_or_read(
     cached: dict[int, dict],
     steps: dict[int, Path],
@@ -84,7 +95,7 @@ def reuse_or_read(
     out = {}
     for step, path in steps.items():
         e = cached.get(step)
-        same_path = isinstance(e, dict) and e.get("path") == str(path)
+        same_path = _well_formed(e) and e.get("path") == str(path)
         if same_path and (seals is None or e.get("seal") == seals.get(str(path))):
             out[step] = e
             continue

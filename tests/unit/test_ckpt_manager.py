@@ -122,6 +122,18 @@ def test_index_is_rebuilt_when_missing_or_stale(tmp_path):
     (tmp_path / "checkpoints.json").unlink()
     entries = CheckpointManager(tmp_path).index()
     assert entries[0]["metrics"] == {"loss": 2.0} and entries[1]["save_seconds"] > 0
+    # a hand-edited entry retention cannot rank (no time, metrics not an object): re-read
+    # from its step, not a failure of every later save
+    with CheckpointManager(tmp_path) as m:
+        m.save(make_state(2), force=True)  # writes the index again
+    idx = json.loads((tmp_path / "checkpoints.json").read_text())
+    del idx["entries"][0]["time"]
+    idx["entries"][1]["metrics"] = "oops"
+    (tmp_path / "checkpoints.json").write_text(json.dumps(idx))
+    with CheckpointManager(tmp_path, keep_policy=AnyOf(LatestN(2), BestN("loss", 1))) as m:
+        assert m.save(make_state(3), metrics={"loss": 1.0})
+    entries = CheckpointManager(tmp_path).index()  # LatestN(2) let step 1 go
+    assert [(e["step"], e["metrics"]) for e in entries] == [(2, {}), (3, {"loss": 1.0})]
 
 
 def test_restore_only_and_target_validation(tmp_path):
