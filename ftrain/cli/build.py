@@ -10,6 +10,7 @@ calls :func:`ftrain.cli.run.main` itself may also ``register_model`` a builder u
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -35,7 +36,8 @@ from ftrain.cli.targets import (
 )
 from ftrain.config import ConfigError
 from ftrain.data import Source
-from ftrain.data.sources import source_from_config
+from ftrain.data.fingerprint import cache_path
+from ftrain.data.sources import DataPathError, source_from_config
 from ftrain.lora import apply_lora
 
 __all__ = [
@@ -193,11 +195,46 @@ def build_sources(cfg: DictConfig) -> tuple[Source, Source | None]:
     d = OmegaConf.to_container(cfg.data, resolve=True)
     try:
         train = source_from_config(d, split="train")
+        _check_not_own_files(cfg, train)
         if holds_out_nothing(d, train):
             return train, None
         return train, source_from_config(d, split="val")
     except KeyError as err:  # unknown source name: the message lists the known ones
         raise ConfigError(str(err.args[0]) if err.args else str(err)) from None
+
+
+def _check_not_own_files(cfg: DictConfig, train: Source) -> None:
+    """A text corpus must not take in the run's own files: ``data.path=.`` with the default
+    ``run.dir=runs/...`` (or a cache inside the corpus) tokenized the run's records and
+    checkpoint chunks, which change on every start, so every restart was refused as
+    "the dataset differs" (or, allowed, trained on them).
+
+    Raises:
+        DataPathError: naming the corpus entry, the run's directory inside it, the fix.
+    """
+    files = getattr(train, "files", None)
+    if not files:
+        return
+    own = {
+        "run.dir": cfg.run.dir,
+        "checkpoint.dir": cfg.checkpoint.dir,
+        "checkpoint.fallback_dir": cfg.checkpoint.fallback_dir,
+        "the data cache (data.cache_dir / FTRAIN_CACHE_DIR)": str(
+            cache_path(cfg.data.get("cache_dir"))
+        ),
+    }
+    for key, where in own.items():
+        if not where or "://" in str(where):
+            continue
+        inside = Path(where).resolve()
+        hit = next((f for f in files if inside in Path(f).resolve().parents), None)
+        if hit is not None:
+            raise DataPathError(
+                f"data.path={cfg.data.path} takes in {key} ({where}): e.g. {hit}; its files "
+                "change on every start (so would the data, refused on resume) and are not "
+                "training data. Point data.path at the data alone, or put the run elsewhere "
+                "(run.dir=..., data.cache_dir=...)"
+            )
 
 
 def holds_out_nothing(data: dict, train: Source) -> bool:

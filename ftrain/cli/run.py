@@ -440,7 +440,12 @@ def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
 def _bad_batch(err: DataFormatError, manager: CheckpointManager) -> int:
     """Data that cannot be trained on, found in a batch (a token id the model has no row
     for): the message names the data and the fix, exit 1 after the loop's emergency save."""
-    return _stopped(err, manager, "the data or the config as the message says")
+    return _stopped(
+        err,
+        manager,
+        "the data or the config as the message says (fixed data has a new fingerprint: "
+        "resume it with data.allow_changed=true)",
+    )
 
 
 def _stopped(err: Exception, manager: CheckpointManager, fix: str) -> int:

@@ -22,10 +22,12 @@ restored mtime in the probed regions. A file edited in place outside the probes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 __all__ = [
@@ -58,6 +60,13 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
         >>> cache_dir("/tmp/ftrain-cache").name
         'ftrain-cache'
     """
+    path = cache_path(override)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_path(override: str | os.PathLike | None = None) -> Path:
+    """:func:`cache_dir` without creating it."""
     if override is not None:
         path = Path(override)
     elif os.environ.get("FTRAIN_CACHE_DIR"):
@@ -65,9 +74,7 @@ def cache_dir(override: str | os.PathLike | None = None) -> Path:
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")
         path = (Path(xdg) if xdg else Path.home() / ".cache") / "ftrain"
-    path = path.expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path.expanduser()
 
 
 def _full_digest(path: Path) -> str:
@@ -91,15 +98,28 @@ def _probe_digest(path: Path, size: int) -> str:
 
 
 def _entry_path(path: Path, cache: Path) -> Path:
-    name = hashlib.blake2b(str(path).encode(), digest_size=12).hexdigest()
+    name = hashlib.blake2b(os.fsencode(path), digest_size=12).hexdigest()
     return cache / "fingerprints" / f"{name}.json"
 
 
 def _write_json_atomic(target: Path, obj: dict) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    os.replace(tmp, target)
+    with unique_tmp(target) as tmp:  # two writers (even of one pid) never share a tmp
+        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+        os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def unique_tmp(target: Path):
+    """A fresh temporary path beside ``target`` (``target.tmp-<random>``), removed if the
+    block leaves it behind (an error, a KeyboardInterrupt): two processes with one pid (two
+    containers on one cache volume) wrote the same ``.tmp-<pid>``, truncating each other's."""
+    fd, name = tempfile.mkstemp(prefix=f"{target.name}.tmp-", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
 
 
 def file_digest(path: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> str:

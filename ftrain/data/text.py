@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ftrain.data.fingerprint import _write_json_atomic, cache_dir
+from ftrain.data.fingerprint import (
+    _probe_digest,
+    _write_json_atomic,
+    cache_dir,
+    cache_path,
+    unique_tmp,
+)
 from ftrain.data.sources import DataPathError, TokenFileSource, register_source
 from ftrain.data.tokenizer import ByteTokenizer
 
@@ -83,17 +89,18 @@ def _entry_files(p: Path, pattern: str, skip: set[str]) -> list[Path]:
 
 
 def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
-    """Write ``files`` as byte tokens joined by EOT into ``target`` (atomically)."""
+    """Write ``files`` as byte tokens joined by EOT into ``target`` (atomically; a killed or
+    failed write leaves no temporary file behind)."""
     tok = ByteTokenizer()
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     h, n, t0 = hashlib.blake2b(digest_size=16), 0, time.perf_counter()
-    with open(tmp, "wb") as out:
-        for i, f in enumerate(files):
-            data = (bytes([tok.eot]) if i else b"") + _read(f, tmp)
-            out.write(data)
-            h.update(data)
-            n += len(data)
-    os.replace(tmp, target)
+    with unique_tmp(target) as tmp:
+        with open(tmp, "wb") as out:
+            for i, f in enumerate(files):
+                data = (bytes([tok.eot]) if i else b"") + _read(f)
+                out.write(data)
+                h.update(data)
+                n += len(data)
+        os.replace(tmp, target)
     log.info(
         "tokenized %d files (%d bytes) into %s in %.1fs",
         len(files),
@@ -101,16 +108,14 @@ def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
         target,
         time.perf_counter() - t0,
     )
-    return {"num_tokens": n, "digest": h.hexdigest()}
+    return {"num_tokens": n, "digest": h.hexdigest(), "probe": _probe_digest(target, n)}
 
 
-def _read(f: Path, tmp: Path) -> bytes:
-    """One corpus file's bytes; a file that cannot be read is a DataPathError (the partial
-    token file is removed)."""
+def _read(f: Path) -> bytes:
+    """One corpus file's bytes; a file that cannot be read is a DataPathError."""
     try:
         return f.read_bytes()
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise DataPathError(f"text corpus file {str(f)!r} cannot be read ({err})") from None
 
 
@@ -125,23 +130,49 @@ def tokenize_corpus(
     Returns:
         ``(token_file, meta, tokenized_now)``; ``meta`` has ``num_tokens`` and ``digest``.
     """
-    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    try:
+        stats = [_stat(f) for f in files]
+    except OSError as err:  # a file gone or failing since it was listed
+        raise DataPathError(f"text corpus file cannot be read ({err})") from None
     key = hashlib.blake2b(
-        json.dumps([ByteTokenizer.id, stats]).encode(), digest_size=12
+        json.dumps([ByteTokenizer.id, _CACHE_KEY_VERSION, stats]).encode(), digest_size=12
     ).hexdigest()
-    folder = cache_dir(cache) / "corpus"
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder = cache_dir(cache) / "corpus"
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataPathError(
+            f"the text corpus cache {cache_path(cache) / 'corpus'} cannot be created ({err}); "
+            "point data.cache_dir (or FTRAIN_CACHE_DIR) at a writable directory"
+        ) from None
     token_file, meta_file = folder / f"{key}.u8", folder / f"{key}.json"
     try:
         meta = json.loads(meta_file.read_text())
-        if token_file.stat().st_size == meta["num_tokens"]:
+        size = token_file.stat().st_size
+        if size == meta["num_tokens"] and _probe_digest(token_file, size) == meta["probe"]:
             return token_file, meta, False
         log.warning("corpus cache %s is incomplete or corrupt; tokenizing again", token_file)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     meta = {"tokenizer": ByteTokenizer.id, "files": len(files)} | _tokenize_files(files, token_file)
-    _write_json_atomic(meta_file, meta)
+    try:
+        _write_json_atomic(meta_file, meta)
+    except OSError as err:  # a full cache disk: the tokens are right, only not reusable
+        log.warning(
+            "corpus cache %s: sidecar not written (%s); tokenizing again next start", meta_file, err
+        )
     return token_file, meta, True
+
+
+# 2: each file's probe digest joined the key (a file rewritten with its old size and
+# mtime, as cp -p and rsync -a leave it, reused the old tokens)
+_CACHE_KEY_VERSION = 2
+
+
+def _stat(f: Path) -> list:
+    """What keys a corpus file's tokens: path, size, mtime and a probe of its content."""
+    st = f.stat()
+    return [str(f.resolve()), st.st_size, st.st_mtime_ns, _probe_digest(f, st.st_size)]
 
 
 class TextCorpusSource(TokenFileSource):

@@ -158,6 +158,11 @@ def test_bad_override_is_a_clear_error(cli, tmp_path):
     assert "Traceback" not in out.stderr
     out = cli(tmp_path / "run", "trainer.batch_size=100000", check=2)  # the OOM killer's before
     assert "trainer.batch_size=100000 is larger than the training split (" in out.stderr
+    project = tmp_path / "project"  # data.path=. with the run inside: its own files as data
+    project.mkdir()
+    (project / "notes.txt").write_text("words and more words\n" * 400)
+    out = cli(project / "runs" / "x", f"data.path={project}", check=2)
+    assert f"data.path={project} takes in run.dir" in out.stderr, out.stderr
     out = cli(tmp_path / "run", "data.block_size=64", check=2)  # model.block_size=32: a step-1
     assert "data.block_size=64 is invalid: the model reads 1..32 tokens" in out.stderr  # crash
     assert "Traceback" not in out.stderr and not list(tmp_path.glob("run/checkpoints/step_*"))

@@ -166,6 +166,26 @@ def test_text_corpus_repairs_a_corrupt_cache(tmp_path):
     assert again.tokenized and again.fingerprint == src.fingerprint
 
 
+def test_text_corpus_cache_is_checked_against_its_content_and_its_sources(tmp_path):
+    """A cache entry zeroed in place (its size kept) was reused with its old fingerprint, so
+    every batch was token 0; a source rewritten with its old size and mtime (cp -p, rsync -a)
+    reused the old tokens. Both are tokenized again now, and nothing temporary is left."""
+    root = make_corpus(tmp_path / "corpus")
+    src = TextCorpusSource(root, block_size=16)
+    first = src.get([0])["x"].clone()
+    src.file.write_bytes(bytes(src.file.stat().st_size))
+    again = TextCorpusSource(root, block_size=16)
+    assert again.tokenized and again.fingerprint == src.fingerprint
+    assert torch.equal(again.get([0])["x"], first)
+    a = root / "a.txt"
+    st = a.stat()
+    a.write_bytes(bytes(b ^ 1 for b in a.read_bytes()))  # same size, other content
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    stale = TextCorpusSource(root, block_size=16)
+    assert stale.tokenized and stale.fingerprint != src.fingerprint
+    assert not list(src.file.parent.glob("*.tmp-*"))
+
+
 def test_text_corpus_glob_and_errors(tmp_path):
     root = make_corpus(tmp_path / "corpus")
     src = TextCorpusSource(str(root / "**" / "c.txt"), block_size=8)
