@@ -143,7 +143,13 @@ def file_digest(path: str | os.PathLike, *, cache: str | os.PathLike | None = No
     """
     path = Path(path).resolve()
     st = path.stat()
-    entry_file = _entry_path(path, cache_dir(cache))
+    try:
+        entry_file = _entry_path(path, cache_dir(cache))
+    except OSError as e:  # a read-only HOME or cache volume: hashed, not cached
+        log.warning(
+            "fingerprint cache %s unusable (%s); hashing %s in full", cache_path(cache), e, path
+        )
+        return _full_digest(path)
     try:
         entry = json.loads(entry_file.read_text())
     except (OSError, ValueError):

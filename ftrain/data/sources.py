@@ -171,8 +171,10 @@ class TokenFileSource(Source):
         val_fraction: float = 0.1,
         tokenizer: str = "raw",
         vocab_size: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
         _content_digest: str | None = None,
     ) -> None:
+        self.cache_dir = cache_dir  # where file_digest caches this file's content hash
         self.block_size = _check_block_size(block_size)
         self.split, self.tokenizer, self.vocab_size = split, tokenizer, vocab_size
         self.dtype = _token_dtype(dtype)
@@ -234,7 +236,7 @@ class TokenFileSource(Source):
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            content = self._content or file_digest(self.file)
+            content = self._content or file_digest(self.file, cache=self.cache_dir)
             self._fingerprint = make_fingerprint(
                 kind=self.kind,
                 tokenizer=self.tokenizer,

@@ -231,6 +231,7 @@ class TextCorpusSource(TokenFileSource):
             val_fraction=val_fraction,
             tokenizer=ByteTokenizer.id,
             vocab_size=ByteTokenizer.vocab_size,
+            cache_dir=cache_dir,
             _content_digest=meta["digest"],
         )
 

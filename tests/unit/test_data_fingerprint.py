@@ -56,6 +56,25 @@ def test_file_digest_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
     assert file_digest(f) == d3 and len(calls) == 3
 
 
+def test_tokens_use_data_cache_dir_and_an_unusable_cache_only_costs_a_rehash(
+    tmp_path, monkeypatch, caplog
+):
+    """data=tokens ignored data.cache_dir (the fingerprint went to $FTRAIN_CACHE_DIR), and
+    a cache that could not be created (a read-only HOME, a file in its place) crashed the
+    start with a traceback."""
+    f = tokens(tmp_path / "t.bin", range(5_000))
+    monkeypatch.setenv("FTRAIN_CACHE_DIR", str(tmp_path / "env_cache"))
+    src = TokenFileSource(f, block_size=8, cache_dir=tmp_path / "mine")
+    expected = src.fingerprint
+    assert list((tmp_path / "mine" / "fingerprints").glob("*.json"))
+    assert not (tmp_path / "env_cache").exists()
+    (tmp_path / "blocked").write_text("a file where the cache would go")
+    with caplog.at_level(logging.WARNING):
+        again = TokenFileSource(f, block_size=8, cache_dir=tmp_path / "blocked" / "cache")
+        assert again.fingerprint == expected
+    assert "fingerprint cache" in caplog.text and "hashing" in caplog.text
+
+
 def test_check_fingerprint_mismatch_names_both_and_the_override():
     assert check_fingerprint("x", "x", allow_changed=False) is False
     assert check_fingerprint(None, "x") is False
