@@ -196,7 +196,7 @@ def build_sources(cfg: DictConfig) -> tuple[Source, Source | None]:
     try:
         train = source_from_config(d, split="train")
         _check_not_own_files(cfg, train)
-        if holds_out_nothing(d, train):
+        if holds_out_nothing(d, train) or not _uses_val(cfg):
             return train, None
         return train, source_from_config(d, split="val")
     except KeyError as err:  # unknown source name: the message lists the known ones
@@ -235,6 +235,16 @@ def _check_not_own_files(cfg: DictConfig, train: Source) -> None:
                 "training data. Point data.path at the data alone, or put the run elsewhere "
                 "(run.dir=..., data.cache_dir=...)"
             )
+
+
+def _uses_val(cfg: DictConfig) -> bool:
+    """Whether the run reads a val split: it evaluates, or ranks steps by a ``val_*``
+    metric (refused later without one). A token directory without ``val.bin`` was refused
+    even with evaluation off."""
+    c = cfg.checkpoint
+    return bool(cfg.trainer.eval_every) or bool(
+        c.keep_best and str(c.best_metric).startswith("val_")
+    )
 
 
 def holds_out_nothing(data: dict, train: Source) -> bool:

@@ -156,3 +156,18 @@ def test_a_data_setting_the_source_refuses_is_a_config_error():
 
     with pytest.raises(DataPathError, match="the stdlib corpus reads the Python standard"):
         build_sources(load_config(["data=stdlib", "data.path=/tmp/x"]))
+
+
+def test_a_token_directory_without_val_bin_trains_when_nothing_evaluates(tmp_path):
+    """No val.bin was refused even with evaluation off (the val split was always built)."""
+    import numpy as np
+
+    from ftrain.cli.build import build_sources
+    from ftrain.data import DataPathError
+
+    np.arange(2_000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    base = ["data=tokens", f"data.path={tmp_path}", "run.dir=/tmp/x"]
+    train, val = build_sources(load_config([*base, "trainer.eval_every=null"]))
+    assert len(train) > 0 and val is None
+    with pytest.raises(DataPathError, match="no 'val.bin' in token directory"):
+        build_sources(load_config([*base, "trainer.eval_every=5"]))
