@@ -85,7 +85,20 @@ def _entry_files(p: Path, pattern: str, skip: set[str]) -> list[Path]:
             key=lambda f: f.relative_to(p).as_posix(),
         )
     found = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
-    return [f for f in found if not skip & set(f.parts)]
+    return _once_each([f for f in found if not skip & set(f.parts)])
+
+
+def _once_each(files: list[Path]) -> list[Path]:
+    """Each file once, at its first match: a recursive glob follows symlinked folders, and
+    one linking back up (``sub/loop -> ..``) matched every file ~40 times, until ELOOP."""
+    seen: set[Path] = set()
+    out = []
+    for f in files:
+        real = f.resolve()
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
+    return out
 
 
 def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:

@@ -295,3 +295,13 @@ def test_a_token_dtype_that_is_not_an_integer_is_refused_naming_the_fix(tmp_path
     with pytest.raises(DataFormatError, match=f"data.dtype='{dtype}' is not an integer dtype"):
         TokenFileSource(tmp_path, block_size=8, dtype=dtype)
     assert len(TokenFileSource(tmp_path, block_size=8, dtype="uint16")) == 12
+
+
+def test_a_glob_over_a_symlink_loop_takes_each_file_once(tmp_path):
+    from ftrain.data.text import resolve_text_files
+
+    root = make_corpus(tmp_path / "corpus")
+    (root / "sub" / "loop").symlink_to("..")  # a recursive glob followed it ~40 times
+    plain = resolve_text_files(root)
+    files = resolve_text_files(f"{root}/**/*")
+    assert [f.resolve() for f in files] == [f.resolve() for f in plain]
