@@ -27,7 +27,7 @@ from ftrain.data.fingerprint import (
     cache_path,
     unique_tmp,
 )
-from ftrain.data.sources import DataPathError, TokenFileSource, register_source
+from ftrain.data.sources import DataFormatError, DataPathError, TokenFileSource, register_source
 from ftrain.data.tokenizer import ByteTokenizer
 
 __all__ = ["TextCorpusSource", "resolve_text_files", "tokenize_corpus"]
@@ -236,6 +236,19 @@ class TextCorpusSource(TokenFileSource):
             )
         self.files = resolve_text_files(path, pattern=pattern, exclude=exclude)
         token_file, meta, self.tokenized = tokenize_corpus(self.files, cache=cache_dir)
+        if meta["num_tokens"] == 0:
+            raise DataFormatError(
+                f"text corpus {_shown(path)} holds no text ({len(self.files)} empty file(s)); "
+                "point data.path at the text to train on"
+            )
+        try:
+            self._open_tokens(token_file, meta, block_size, split, val_fraction, cache_dir)
+        except DataFormatError as err:  # named by the corpus, not by its cache file
+            raise DataFormatError(
+                str(err).replace(repr(str(token_file)), f"text corpus {_shown(path)}")
+            ) from None
+
+    def _open_tokens(self, token_file, meta, block_size, split, val_fraction, cache_dir) -> None:
         super().__init__(
             token_file,
             block_size=block_size,
@@ -250,6 +263,10 @@ class TextCorpusSource(TokenFileSource):
 
     def describe(self) -> dict[str, Any]:
         return super().describe() | {"num_files": len(self.files), "eot": ByteTokenizer.eot}
+
+
+def _shown(path) -> str:
+    return repr(str(path)) if isinstance(path, str | os.PathLike) else repr([str(p) for p in path])
 
 
 register_source("text", TextCorpusSource)

@@ -305,3 +305,18 @@ def test_a_glob_over_a_symlink_loop_takes_each_file_once(tmp_path):
     plain = resolve_text_files(root)
     files = resolve_text_files(f"{root}/**/*")
     assert [f.resolve() for f in files] == [f.resolve() for f in plain]
+
+
+def test_a_text_corpus_too_small_or_empty_is_named_by_its_path_not_its_cache(tmp_path):
+    """The messages named the internal cache file (and advised data.dtype, which text has
+    not)."""
+    from ftrain.data import DataFormatError
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "e.txt").write_text("")
+    with pytest.raises(DataFormatError, match=f"text corpus '{root}' holds no text"):
+        TextCorpusSource(root, block_size=16)
+    (root / "e.txt").write_text("abc")
+    with pytest.raises(DataFormatError, match=f"split 'train' of text corpus '{root}' has 3"):
+        TextCorpusSource(root, block_size=16)
