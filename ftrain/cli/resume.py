@@ -658,6 +658,20 @@ def start_state(
     return state, report, meta
 
 
+def val_change_note(meta: dict, val_fp: str | None) -> list[str]:
+    """A resume whose val split differs from the checkpoint's: said, since ``val_*``
+    metrics (and ``keep_best`` ranking by them) then compare different data (it went
+    unnoticed: only the train split is checked)."""
+    saved = meta.get("val_fingerprint")
+    if not isinstance(saved, str) or val_fp is None or saved == val_fp:
+        return []
+    return [
+        f"the val split changed since the checkpoint (fingerprint {saved} -> {val_fp}): val_* "
+        "metrics before and after this resume measure different data, and "
+        "checkpoint.keep_best ranks across both"
+    ]
+
+
 def _fresh_redo(cfg: DictConfig) -> tuple[int, int] | None:
     """A fresh start redoes the steps of a process that died before its first commit; a
     run that ended (its checkpoints elsewhere, or moved away) is not redone."""
@@ -693,9 +707,15 @@ def recorded_config(cfg: DictConfig) -> dict:
 
 
 def checkpoint_metadata(
-    cfg: DictConfig, data_fp: str, data_desc: dict, world: World, horizon: int
+    cfg: DictConfig,
+    data_fp: str,
+    data_desc: dict,
+    world: World,
+    horizon: int,
+    val_fp: str | None = None,
 ) -> dict:
-    """The JSON facts stored with every checkpoint of this run."""
+    """The JSON facts stored with every checkpoint of this run (``val_fp``: the val split's
+    fingerprint, None without one)."""
     plain = recorded_config(cfg)
     return {
         "schedule_horizon": horizon,
@@ -704,6 +724,7 @@ def checkpoint_metadata(
             {k: v for k, v in plain.items() if k in ("model", "optim", "schedule", "data")}
         ),
         "data_fingerprint": data_fp,
+        "val_fingerprint": val_fp,
         "data": data_desc,
         "world_size": world.size,
         # every store holds global shapes; "rows:N" = written by N ranks, each its own rows

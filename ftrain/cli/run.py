@@ -58,6 +58,7 @@ from ftrain.cli.resume import (
     saved_horizon,
     schedule_line,
     start_state,
+    val_change_note,
 )
 from ftrain.cli.session import Session
 from ftrain.compiled import cxx_compiler_problem, should_compile
@@ -215,9 +216,10 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     # a sharded resume reads only this rank's rows, into DTensors on the sharder's mesh
     sharder = Sharder(full=shard == "full") if shard != "none" else None
     try:
-        state, report, _ = start_state(
+        state, report, meta = start_state(
             cfg, manager, fresh, world, tx, train_src.fingerprint, sharder=sharder
         )
+        report.notes += val_change_note(meta, _val_fp(val_src))
         report.notes[:0] = [restart_note] if restart_note else []
         if _horizon_differs(cfg, report, horizon):  # read from a step the restore skipped
             horizon = saved = report.horizon
@@ -243,6 +245,10 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     return _Parts(
         model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard
     )
+
+
+def _val_fp(val: Source | None) -> str | None:
+    return val.fingerprint if val is not None else None
 
 
 def _overwrite(cfg: DictConfig, world: World) -> None:
@@ -320,7 +326,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             stop.request(early.reason)
         session.resumed(p.report)
         session.metadata = checkpoint_metadata(
-            cfg, p.train.fingerprint, p.train.describe(), world, p.horizon
+            cfg, p.train.fingerprint, p.train.describe(), world, p.horizon, _val_fp(p.val)
         )
         state = place(p.state, device)
         step = make_step(

@@ -436,3 +436,22 @@ def test_a_failure_at_the_first_step_saves_nothing_so_a_corrected_config_starts(
     assert again.returncode == 1, again.stdout + again.stderr
     assert "nothing was trained since this run started at step 3" in again.stdout
     assert _committed(run) == [3], "the resumed start step stays as committed"
+
+
+def test_a_resume_says_when_the_val_split_changed(cli, tmp_path):
+    """Only the train split was fingerprinted: val.bin replaced between runs went unnoticed
+    while keep_best went on ranking steps by val_loss measured on other data."""
+    import numpy as np
+
+    data, run = tmp_path / "tokens", tmp_path / "run"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(0, 256, 4_000, dtype=np.uint16).tofile(data / "train.bin")
+    rng.integers(0, 256, 1_000, dtype=np.uint16).tofile(data / "val.bin")
+    args = ["data=tokens", f"data.path={data}", "checkpoint.every_steps=2"]
+    cli(run, *args, "trainer.max_steps=2", check=0)
+    out = cli(run, *args, "trainer.max_steps=3", check=0)
+    assert "the val split changed" not in out.stdout
+    np.full(1_000, 7, dtype=np.uint16).tofile(data / "val.bin")
+    out = cli(run, *args, "trainer.max_steps=4", check=0)
+    assert "the val split changed since the checkpoint (fingerprint" in out.stdout, out.stdout
