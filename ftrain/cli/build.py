@@ -223,11 +223,12 @@ def _check_not_own_files(cfg: DictConfig, train: Source) -> None:
             cache_path(cfg.data.get("cache_dir"))
         ),
     }
+    resolved = [(f, Path(f).resolve().parents) for f in files]
     for key, where in own.items():
         if not where or "://" in str(where):
             continue
         inside = Path(where).resolve()
-        hit = next((f for f in files if inside in Path(f).resolve().parents), None)
+        hit = next((f for f, parents in resolved if inside in parents), None)
         if hit is not None:
             raise DataPathError(
                 f"data.path={cfg.data.path} takes in {key} ({where}): e.g. {hit}; its files "
