@@ -38,6 +38,19 @@ def _wait_for_step(run_dir, proc, at_least, timeout=120):
     raise AssertionError("timed out waiting for the heartbeat")
 
 
+def _wait_for_commit(run_dir, proc, timeout=120):
+    """Async saves commit behind training: on a busy machine step 4's checkpoint may still be
+    writing at step 7, so a test that needs a committed step waits for one."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early:\n{proc.stdout.read()}")
+        if (Path(run_dir) / "checkpoints").is_dir() and _committed(run_dir):
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for a committed checkpoint")
+
+
 def test_fresh_run_commits_configured_steps_then_resumes(cli, tmp_path):
     run = tmp_path / "run"
     cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)
@@ -269,6 +282,7 @@ def test_the_redo_report_counts_steps_that_were_not_logged(cli, popen_cli, tmp_p
     run, quiet = tmp_path / "run", ["trainer.log_every=5", "trainer.eval_every=null"]
     proc = popen_cli(run, "trainer.max_steps=400", "checkpoint.every_steps=4", *quiet)
     _wait_for_step(run, proc, 7)
+    _wait_for_commit(run, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     reached = json.loads((run / "heartbeat.json").read_text())["step"]
