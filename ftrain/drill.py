@@ -30,7 +30,9 @@ Scenarios (``S`` steps, a commit every ``C``, a kill at ``K``, ``C < K < 2C <= S
 
 Options (``drill.*`` and ``dist.nproc`` are the drill's; everything else goes to ftrain):
 ``drill.steps`` (12), ``drill.commit_every`` (4), ``drill.kill_at`` (6), ``drill.dir``
-(a temporary directory, removed on pass), ``dist.nproc`` (2).
+(a temporary directory, removed on pass), ``dist.nproc`` (2), ``drill.only`` (all
+scenarios; e.g. ``drill.only=machine,kill``: the reference always runs, and
+``corrupt_newest`` brings ``machine``, whose run it corrupts).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Plan:
     root: Path
     overrides: list[str]
     keep: bool
+    only: tuple[str, ...] = ()  # the scenarios to run (with what they need); () = all
 
 
 class DrillFailed(Exception):
@@ -71,11 +74,13 @@ class DrillFailed(Exception):
 
 
 def _parse(argv: list[str]) -> Plan:
-    opts, rest, root = dict(_DEFAULTS), [], None
+    opts, rest, root, only = dict(_DEFAULTS), [], None, ()
     for arg in argv:
         key, eq, value = arg.partition("=")
         if key == "drill.dir" and eq:
             root = value
+        elif key == "drill.only" and eq:
+            only = _chosen(value)
         elif key in opts and eq:
             if not value.isdigit():
                 raise SystemExit(f"{key}={value!r} must be a positive integer")
@@ -99,9 +104,23 @@ def _parse(argv: list[str]) -> Plan:
         )
     # made only once the options hold: a refused drill leaves no temporary directory
     where = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="ftrain-drill-"))
-    plan = Plan(steps, commit, kill, nproc, where, rest, keep=root is not None)
+    plan = Plan(steps, commit, kill, nproc, where, rest, keep=root is not None, only=only)
     _check_overrides(plan)
     return plan
+
+
+def _chosen(value: str) -> tuple[str, ...]:
+    """``drill.only=a,b``: the named scenarios plus what they need, in the drill's order."""
+    known = [s.__name__ for s in SCENARIOS]
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    unknown = sorted(names - set(known))
+    if unknown or not names:
+        raise SystemExit(
+            f"drill.only={value!r}: {', '.join(unknown) or 'no scenario named'}; "
+            f"choose from {', '.join(known)} (comma-separated)"
+        )
+    names |= {"reference"} | ({"machine"} if "corrupt_newest" in names else set())
+    return tuple(n for n in known if n in names)
 
 
 def _check_overrides(plan: Plan) -> None:
@@ -404,12 +423,14 @@ SCENARIOS = (reference, machine, kill, kill_during_save, corrupt_newest, world_s
 def main(argv: list[str] | None = None) -> int:
     """Run the drill; returns 0 when every scenario passed."""
     plan = _parse(list(sys.argv[1:] if argv is None else argv))
+    chosen = [s for s in SCENARIOS if not plan.only or s.__name__ in plan.only]
+    subset = f" only={','.join(s.__name__ for s in chosen)}" if plan.only else ""
     print(
-        f"ftrain drill in {plan.root}: steps={plan.steps} commit_every={plan.commit} kill_at={plan.kill} ranks={plan.nproc} {' '.join(plan.overrides)}",
+        f"ftrain drill in {plan.root}: steps={plan.steps} commit_every={plan.commit} kill_at={plan.kill} ranks={plan.nproc}{subset} {' '.join(plan.overrides)}",
         flush=True,
     )
     failed = 0
-    for scenario in SCENARIOS:
+    for scenario in chosen:
         t0 = time.perf_counter()
         try:
             detail = scenario(plan)

@@ -15,6 +15,7 @@ def _drill(*args, timeout=1500):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~80 s; CI runs the machine-death scenario below
 def test_the_drill_passes_every_scenario_bit_exact(tmp_path):
     proc = _drill(f"drill.dir={tmp_path / 'drill'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -40,6 +41,17 @@ def test_the_drill_passes_every_scenario_bit_exact(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_drill_can_run_one_scenario(tmp_path):
+    """``drill.only=machine``: the reference and the machine-death scenario, nothing else."""
+    proc = _drill(f"drill.dir={tmp_path / 'drill'}", "drill.only=machine")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = re.findall(r"PASS (\w+)", proc.stdout)
+    assert ran == ["reference", "machine"], proc.stdout
+    assert "only=reference,machine" in proc.stdout
+    assert "resumed from 4 on every rank" in proc.stdout and "bit-identical" in proc.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_the_drill_passes_with_a_sharded_state(tmp_path):
     proc = _drill(f"drill.dir={tmp_path / 'drill'}", "dist.shard=optimizer")
@@ -54,3 +66,7 @@ def test_bad_drill_settings_and_overrides_are_clear_errors(tmp_path):
     assert typo.returncode != 0 and "trainer.max_step" in typo.stderr
     one = _drill("dist.nproc=1", timeout=120)
     assert one.returncode != 0 and "use >= 2" in one.stderr
+    typo = _drill("drill.only=machin,kill", timeout=120)
+    assert typo.returncode != 0 and "drill.only='machin,kill': machin; choose from" in typo.stderr
+    empty = _drill("drill.only=,", timeout=120)
+    assert empty.returncode != 0 and "no scenario named" in empty.stderr
