@@ -122,15 +122,27 @@ def _builtin_name(table: dict, node: dict) -> str | None:
     return by_target.get(node.get("_target_"), node.get("name"))
 
 
+# Hydra's instantiate acts on these keys wherever they are (in dicts and in lists):
+# ``_target_`` imports and calls, ``_args_`` passes arguments, the others change how.
+_HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
+
+
 def _refuse_nested_targets(node, where: str) -> None:
+    """Refuse Hydra's keys anywhere in a recorded config but a group's own ``_target_``
+    (checked against the built-ins by the caller), in dicts and in lists alike."""
+    if isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _refuse_nested_targets(v, f"{where.rstrip('.')}[{i}].")
+        return
     if not isinstance(node, dict):
         return
     for k, v in node.items():
-        top = where.count(".") == 1 and k in ("_target_", "loss")  # checked above
-        if k == "_target_" and not top:
+        top = where.count(".") == 1 and k == "_target_"  # checked above
+        if k in _HYDRA_KEYS and not top:
             raise ConfigError(
-                f"the run's recorded config names code ({where}_target_={v!r}); a checkpoint's "
-                "metadata never decides what is imported"
+                f"the run's recorded config names code or its arguments ({where}{k}={v!r}); "
+                "a checkpoint's metadata never decides what is imported or called: rebuild "
+                "the model in Python (ftrain.make_eval_step, ftrain.evaluate)"
             )
         _refuse_nested_targets(v, f"{where}{k}.")
 

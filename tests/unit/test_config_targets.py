@@ -275,6 +275,11 @@ def test_tools_rebuilding_from_a_checkpoint_accept_only_builtin_targets():
         {"model": {**recorded["model"], "loss": "evil.loss"}},
         {"model": {"name": "mine", "_target_": "mypkg.Model"}},
         {"data": {**recorded["data"], "cache_dir": {"_target_": "evil.f"}}},
+        # instantiate builds targets inside lists too, and _args_ passes them arguments
+        {"model": {**recorded["model"], "extra": [1, {"_target_": "os.makedirs"}]}},
+        {"model": {**recorded["model"], "extra": [[{"_target_": "os.system"}]]}},
+        {"model": {**recorded["model"], "_args_": ["/tmp/x"]}},
+        {"data": {**recorded["data"], "opts": {"_partial_": True}}},
     ):
         with pytest.raises(ConfigError, match="names code"):
             check_recorded_targets(forged)
