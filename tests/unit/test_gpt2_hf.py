@@ -4,6 +4,7 @@ transpose of the square attn.c_proj) caught."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -128,6 +129,23 @@ def test_refusals_name_the_problem(tmp_path):
         gpt2_hf.gpt_fields_from_hf({"activation_function": "relu", "n_inner": 7, "n_embd": 8})
     with pytest.raises(gpt2_hf.HFFormatError, match="bias=false"):
         gpt2_hf.hf_config({**SIZES, "block_size": 8, "bias": False}, torch.float32)
+    # a damaged config.json: sizes that are not whole numbers, an epsilon that is text
+    for bad, said in (
+        ({"n_embd": 64.9}, "n_embd=64.9 is not a whole number"),
+        ({"n_layer": "2"}, "n_layer='2' is not a whole number"),
+        ({"n_head": True}, "n_head=True is not a whole number"),
+        ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon='1e-5' is not a number"),
+    ):
+        with pytest.raises(gpt2_hf.HFFormatError, match=re.escape(said)):
+            gpt2_hf.gpt_fields_from_hf(bad)
+    assert gpt2_hf.gpt_fields_from_hf({"n_embd": 64.0, "n_layer": 2})["n_embd"] == 64
+
+
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
+    save_file({"wte.weight": torch.zeros(4, 2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(gpt2_hf.HFFormatError, match="config.json is not a JSON object"):
+        gpt2_hf.read_hf(tmp_path)
 
 
 def test_damaged_weight_files_are_named_with_the_fix(tmp_path):

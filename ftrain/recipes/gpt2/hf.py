@@ -95,9 +95,24 @@ def to_hf_names(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (t.t() if _is_conv1d(k) else t).contiguous() for k, t in params.items()}
 
 
-def _number(hf: dict, key: str, default):
+def _count(hf: dict, key: str, default: int) -> int:
+    """A size of config.json: a whole number (``64.9`` or ``"64"`` is a damaged file, not
+    a size to round)."""
     value = hf.get(key)
-    return default if value is None else value
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise HFFormatError(f"config.json: {key}={value!r} is not a whole number")
+    return int(value)
+
+
+def _real(hf: dict, key: str, default: float) -> float:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HFFormatError(f"config.json: {key}={value!r} is not a number")
+    return float(value)
 
 
 def gpt_fields_from_hf(hf: dict) -> dict[str, int]:
@@ -110,12 +125,12 @@ def gpt_fields_from_hf(hf: dict) -> dict[str, int]:
     """
     if hf.get("model_type", "gpt2") != "gpt2":
         raise HFFormatError(f"config.json says model_type={hf.get('model_type')!r}; need gpt2")
-    n_embd = int(_number(hf, "n_embd", 768))
+    n_embd = _count(hf, "n_embd", 768)
     problems = []
     act = hf.get("activation_function", "gelu_new")
     if act not in _GELU_TANH:
         problems.append(f"activation_function={act!r} (ftrain's MLP is GELU-tanh: gelu_new)")
-    eps = float(_number(hf, "layer_norm_epsilon", 1e-5))
+    eps = _real(hf, "layer_norm_epsilon", 1e-5)
     if not math.isclose(eps, 1e-5, rel_tol=1e-6):
         problems.append(f"layer_norm_epsilon={eps} (ftrain's LayerNorm uses 1e-5)")
     n_inner = hf.get("n_inner")
@@ -130,8 +145,8 @@ def gpt_fields_from_hf(hf: dict) -> dict[str, int]:
             problems.append(f"{key}={hf[key]} (ftrain computes {key}={want})")
     if problems:
         raise HFFormatError("this GPT-2 differs from ftrain's GPT: " + "; ".join(problems))
-    fields = {ours: int(_number(hf, theirs, 0)) for theirs, ours in _FIELDS.items()}
-    return fields | {"n_head": int(_number(hf, "n_head", 12)), "n_embd": n_embd}
+    fields = {ours: _count(hf, theirs, 0) for theirs, ours in _FIELDS.items()}
+    return fields | {"n_head": _count(hf, "n_head", 12), "n_embd": n_embd}
 
 
 def infer_fields(params: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -285,4 +300,6 @@ def read_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
         hf = json.loads(config.read_text()) if config is not None else None
     except json.JSONDecodeError as err:
         raise HFFormatError(f"{config} is not valid JSON: {err}") from None
+    if hf is not None and not isinstance(hf, dict):
+        raise HFFormatError(f"{config} is not a JSON object ({type(hf).__name__}): damaged?")
     return from_hf_names(tensors), hf
