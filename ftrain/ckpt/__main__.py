@@ -310,7 +310,11 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--step", type=int, help="the step (default: the newest that verifies)")
     p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
     p.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into W")
-    p.add_argument("--lora-alpha", type=float, help="alpha when the run recorded none")
+    p.add_argument(
+        "--lora-alpha",
+        type=float,
+        help="with --merge-lora: alpha for a run that recorded none (a recorded one is used)",
+    )
     ns = p.parse_args(argv)
     try:
         done = export_params(

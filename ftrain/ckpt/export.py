@@ -70,6 +70,17 @@ def _check_alpha(alpha: float | None) -> None:
         )
 
 
+def _merge_alpha(step: int, given: float | None, recorded: float | None) -> float | None:
+    """The alpha to merge with: the run's own; ``--lora-alpha`` only where it recorded none
+    (a different one would merge wrongly scaled weights without a word)."""
+    if given is not None and recorded is not None and given != recorded:
+        raise ExportError(
+            f"--lora-alpha {given:g}: step {step} was trained with model.lora.alpha="
+            f"{recorded:g}; drop --lora-alpha (the recorded alpha is used)"
+        )
+    return recorded if recorded is not None else given
+
+
 def _scalings(params, alpha: float) -> dict[str, float]:
     """``{module: alpha / rank}`` with each module's rank from its ``lora_A`` rows."""
     keys, leaves = flatten(params)
@@ -95,7 +106,7 @@ def _params(location, step, merge_lora, lora_alpha, with_buffers: bool):
     params = tree["params"]
     merged = []
     if merge_lora:
-        alpha = lora_alpha if lora_alpha is not None else recorded_alpha(attrs)
+        alpha = _merge_alpha(got, lora_alpha, recorded_alpha(attrs))
         scalings = _scalings(params, alpha or 0.0)
         if not scalings:
             raise ExportError(f"--merge-lora: step {got} has no LoRA adapters (no *.lora_A)")
@@ -141,6 +152,8 @@ def export_params(
     if format not in ("safetensors", "hf"):
         raise ExportError(f"format={format!r} is unknown; use safetensors or hf")
     _check_alpha(lora_alpha)
+    if lora_alpha is not None and not merge_lora:
+        raise ExportError("--lora-alpha applies only with --merge-lora (nothing is merged)")
     save_file = _safetensors()
     out = Path(out)
     if out.exists():

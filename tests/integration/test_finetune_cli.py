@@ -133,6 +133,13 @@ def test_merge_lora_export_loads_into_the_plain_model_with_equal_logits(
         bad = _ckpt_tool(forkserver, [*args[:2], str(tmp_path / "a.safetensors"), args[3],
                                       "--lora-alpha", alpha])  # fmt: skip
         assert bad.returncode == 2 and "must be a finite number > 0" in bad.stderr, bad.stderr
+    other = [*args[:2], str(tmp_path / "a.safetensors"), args[3], "--lora-alpha", "16"]
+    wrong = _ckpt_tool(forkserver, other)  # the run's 8 is what it was trained with
+    assert wrong.returncode == 2 and "model.lora.alpha=8; drop --lora-alpha" in wrong.stderr
+    same = _ckpt_tool(forkserver, [*other[:-1], "8"])
+    assert same.returncode == 0, same.stderr
+    unmerged = _ckpt_tool(forkserver, [*args[:2], str(tmp_path / "u.st"), "--lora-alpha", "8"])
+    assert unmerged.returncode == 2 and "only with --merge-lora" in unmerged.stderr
     (tmp_path / "afile").write_text("x")
     under_a_file = _ckpt_tool(forkserver, ["export", args[1], str(tmp_path / "afile" / "x.st")])
     assert under_a_file.returncode == 2 and "is not a directory" in under_a_file.stderr
