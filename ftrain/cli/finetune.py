@@ -160,6 +160,23 @@ def check_labels(cfg: DictConfig, params: TensorDictBase) -> None:
         )
 
 
+def frozen_at_random(cfg: DictConfig, params: TensorDictBase) -> str | None:
+    """A warning for a fresh start that freezes parameters it did not load (no
+    ``init.from``/``init.from_hf``): LoRA or ``optim.freeze`` would then train on a random
+    base — almost always a forgotten ``init.from``."""
+    if not uses_groups(cfg) or cfg.init["from"] or cfg.init["from_hf"]:
+        return None
+    label = labeller(cfg)
+    frozen = [t for k, t in zip(*flatten(params), strict=True) if label(path_str(k), t) == "frozen"]
+    if not frozen:
+        return None
+    return (
+        f"warning: {len(frozen)} frozen parameters ({sum(t.numel() for t in frozen):,} values) "
+        "keep their random initialisation: no init.from or init.from_hf is set; set one to "
+        "fine-tune a trained base"
+    )
+
+
 def describe_labels(cfg: DictConfig, params: TensorDictBase) -> str | None:
     """One line: parameters per label (``None`` when nothing is frozen or grouped)."""
     if not uses_groups(cfg):
@@ -214,10 +231,11 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     where, step = parse_init_from(str(cfg.init["from"]))
     what = f"init.from={cfg.init['from']!r}"
     try:  # the buffers too: a BatchNorm's running statistics are part of what was trained
-        got_step, loaded, _ = read_model(where, step, storage=cfg.checkpoint.storage)
+        got_step, loaded, attrs = read_model(where, step, storage=cfg.checkpoint.storage)
     except (FileNotFoundError, CorruptCheckpointError, ValueError) as err:
         raise ConfigError(f"{what}: {err}") from None
     table = dict(zip(*_named(loaded["params"]), strict=True))
+    _check_adapter_alpha(cfg, table, attrs, what)
     state, fresh_only = load_into(cfg, fresh, table, what)
     state, n_buffers = _load_buffers(state, loaded, what)
     line = f"initialised params from {name_of(where)} step {got_step}: {len(table)} tensors loaded"
@@ -225,6 +243,23 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     if fresh_only:
         line += f", {len(fresh_only)} new ({_sample(fresh_only)}) initialised fresh"
     return state, line
+
+
+def _check_adapter_alpha(cfg: DictConfig, table: dict, attrs: dict, what: str) -> None:
+    """Adapters loaded into a run of another ``model.lora.alpha`` would be scaled by the
+    new ``alpha / rank``: step 0 would be neither the base nor the LoRA run."""
+    from ftrain.ckpt.export import recorded_alpha
+
+    theirs = recorded_alpha(attrs)
+    ours = cfg.model.get("lora", {}).get("alpha")
+    adapters = any(name.endswith(".lora_A") for name in table)
+    if adapters and theirs is not None and ours is not None and float(ours) != theirs:
+        raise ConfigError(
+            f"{what} holds LoRA adapters trained with model.lora.alpha={theirs:g}, this run "
+            f"has model.lora.alpha={ours:g}: they would be rescaled; set "
+            f"model.lora.alpha={theirs:g}, or start from the weights with the adapters merged "
+            "(docs/fine-tuning.md: export --merge-lora --format hf, then init.from_hf)"
+        )
 
 
 def _load_buffers(state: TensorDictBase, loaded: TensorDictBase, what: str):

@@ -45,6 +45,7 @@ from ftrain.cli.finetune import (
     check_labels,
     check_patterns,
     describe_labels,
+    frozen_at_random,
     init_from,
     unused_lora_settings,
 )
@@ -232,6 +233,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
             report.notes.append(line)
         if not report.resumed:
             check_labels(cfg, state["params"])
+            report.notes += filter(None, [frozen_at_random(cfg, state["params"])])
         else:  # where the next batch really begins (past a shrunk dataset's end: next epoch)
             _next_batch_starts(cfg, report, state, len(train_src), world.size)
         loggers = _loggers(cfg, world, report)

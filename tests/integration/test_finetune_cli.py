@@ -47,6 +47,7 @@ def test_lora_from_a_base_run_trains_adapters_only(cli, base_run, tmp_path):
     )
     assert f"initialised params from {base_run / 'checkpoints'} step 4" in out.stdout
     assert "initialised fresh" in out.stdout and "parameter groups: default:" in out.stdout
+    assert "keep their random initialisation" not in out.stdout  # the base was loaded
     (start,) = records(run, "start")  # which base step it came from is on record too
     assert any(f"{base_run / 'checkpoints'} step 4" in n for n in start["notes"])
     base, tuned = _restore(base_run, 4), _restore(run, 4)
@@ -62,6 +63,11 @@ def test_lora_from_a_base_run_trains_adapters_only(cli, base_run, tmp_path):
     )
     moments = [path_str(k) for k in flatten(tuned["opt"])[0] if k[-1] != "count" and "mu" in k]
     assert moments and all(lora.is_adapter(m) for m in moments)  # no moments for the base
+
+    # its adapters into a run of another alpha would be rescaled: refused before training
+    rescaled = [*LORA[:1], "model.lora.alpha=64", f"init.from={run}", "trainer.max_steps=1"]
+    out = cli(tmp_path / "rescaled", *rescaled, check=2)
+    assert "trained with model.lora.alpha=8, this run has model.lora.alpha=64" in out.stderr
 
 
 @pytest.mark.long  # CI keeps the SIGKILL variant below (the harder path, the same resume)
@@ -165,6 +171,8 @@ def test_freeze_globs_groups_and_their_errors(cli, base_run, tmp_path):
         check=0,
     )
     assert "frozen: 13 tensors" in out.stdout and "top: 12 tensors" in out.stdout
+    # no init.from: the frozen tensors stay random (a forgotten init.from, most likely)
+    assert "warning: 13 frozen parameters" in out.stdout and "no init.from" in out.stdout
     opt_paths = [path_str(k) for k in flatten(_restore(run, 2)["opt"])[0]]
     assert not [p for p in opt_paths if ".wte." in p or ".h.0." in p]
     assert [p for p in opt_paths if p.startswith("multi_transform.top.") or p.startswith("top.")]
