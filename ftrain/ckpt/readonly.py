@@ -30,11 +30,14 @@ log = logging.getLogger("ftrain.ckpt")
 Locations = str | Path | list  # one checkpoint location, or a run's primary and fallback
 
 
-def committed_steps_at(location: Locations, storage: Mapping | None = None) -> dict[int, object]:
+def committed_steps_at(
+    location: Locations, storage: Mapping | None = None, invalid: list | None = None
+) -> dict[int, object]:
     """``{step: path}`` of the committed steps at a checkpoint location (read-only), or
     over a list of them (a run's primary and fallback, as :func:`run_locations` gives:
     a step held in both is the copy saved last, as the manager reads it); ``storage``:
-    object-store options (:func:`ftrain.ckpt.location.parse_location`)."""
+    object-store options (:func:`ftrain.ckpt.location.parse_location`); ``invalid``
+    collects the reasons (naming each) of the step directories that do not count."""
     from ftrain.ckpt.manager import _newest_copy_first
 
     locations = location if isinstance(location, list) else [location]
@@ -45,7 +48,12 @@ def committed_steps_at(location: Locations, storage: Mapping | None = None) -> d
             if i == 0:
                 raise FileNotFoundError(f"{root}: no such checkpoint directory")
             continue  # a fallback the run never had to write to
-        for step, path in protocol.committed_steps(root).items():
+        why = (
+            None
+            if invalid is None
+            else (lambda p, r: invalid.append(r if p.name in r else f"{p.name}: {r}"))
+        )
+        for step, path in protocol.committed_steps(root, on_invalid=why).items():
             found.setdefault(step, []).append(path)
     return {
         s: _newest_copy_first(ps)[0] if len(ps) > 1 else ps[0] for s, ps in sorted(found.items())
@@ -131,9 +139,11 @@ def read_subtree(
         CorruptCheckpointError: the explicit ``step``, or every step, fails verification.
         ValueError: ``only`` names nothing in the checkpoint.
     """
-    steps = committed_steps_at(location, storage)
-    if not steps:
-        raise FileNotFoundError(f"{name_of(location)}: no committed checkpoints")
+    invalid: list[str] = []
+    steps = committed_steps_at(location, storage, invalid)
+    if not steps:  # a damaged marker hid the only step: say so, it is not "never saved"
+        why = f" ({'; '.join(invalid[:3])})" if invalid else ""
+        raise FileNotFoundError(f"{name_of(location)}: no committed checkpoints{why}")
     if step is not None and step not in steps:
         raise FileNotFoundError(
             f"step {step} is not committed in {name_of(location)}; available: {sorted(steps)}"

@@ -268,3 +268,18 @@ def test_a_run_directory_whose_name_ends_in_colon_digits_is_not_read_as_run_step
     assert parse_init_from(f"{run}:2") == (str(run / "checkpoints"), 2)
     assert readonly.split_step("runs/absent:7") == ("runs/absent", 7)
     assert readonly.split_step("s3://b/p:3") == ("s3://b/p", 3)
+
+
+def test_a_damaged_marker_on_the_only_step_is_named_not_never_saved(tmp_path):
+    """A COMMITTED marker that fails its checks hid the run's only step: the readers said
+    "no committed checkpoints", as if nothing had ever been saved."""
+    _, ck = _saved(tmp_path)
+    marker = ck / "step_00000004" / "COMMITTED"
+    marker.write_bytes(marker.read_bytes()[:-3])  # torn
+    with pytest.raises(FileNotFoundError) as err:
+        readonly.read_subtree(ck)
+    said = str(err.value)
+    assert "no committed checkpoints (" in said and "step_00000004" in said, said
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no committed checkpoints$"):
+        readonly.read_subtree(tmp_path / "empty")  # nothing there: nothing more to say
