@@ -230,6 +230,11 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
 
     where, step = parse_init_from(str(cfg.init["from"]))
     what = f"init.from={cfg.init['from']!r}"
+    if isinstance(where, str) and Path(where).is_file():
+        hint = (
+            " (a GPT-2 .safetensors file: init.from_hf)" if where.endswith(".safetensors") else ""
+        )
+        raise ConfigError(f"{what} is a file; init.from takes a run or checkpoints directory{hint}")
     try:  # the buffers too: a BatchNorm's running statistics are part of what was trained
         got_step, loaded, attrs = read_model(where, step, storage=cfg.checkpoint.storage)
     except (FileNotFoundError, CorruptCheckpointError, ValueError) as err:

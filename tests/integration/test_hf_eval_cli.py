@@ -212,6 +212,10 @@ def test_init_from_hf_refusals(cli, tmp_path):
     assert "never unpickles pytorch_model.bin" in out.stderr
     out = cli(tmp_path / "r", f"init.from_hf={pickled}", f"init.from={tmp_path}", check=2)
     assert "set only one" in out.stderr
+    weights = tmp_path / "v300" / "model.safetensors"
+    out = cli(tmp_path / "r", f"init.from={weights}", check=2)
+    assert "is a file; init.from takes a run or checkpoints directory" in out.stderr
+    assert "init.from_hf" in out.stderr
     assert not list((tmp_path / "r").glob("checkpoints/step_*"))  # nothing trained
 
 
