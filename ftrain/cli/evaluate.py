@@ -48,6 +48,7 @@ from ftrain.config.compose import check_data, check_precision
 from ftrain.config.schema import GROUP_SCHEMAS
 from ftrain.data import DataFormatError, DataPathError, val_batches
 from ftrain.data.sources import source_from_config
+from ftrain.metrics.jsonl import json_safe
 from ftrain.state import place
 from ftrain.state.tree import flatten
 from ftrain.step import check_params_match, evaluate, make_eval_step
@@ -144,6 +145,8 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         raise ConfigError(f"step {got} of {name_of(where)}: {err}") from None
     data = OmegaConf.to_container(cfg.data, resolve=True)
     val = source_from_config(data, split="val")
+    if not any(o.lstrip("+").startswith("data.") for o in overrides):
+        _check_same_val(val, attrs, cfg, f"step {got} of {name_of(where)}")
     check_vocab(cfg.model, val)
     state = TensorDict(
         params=tree["params"], buffers=tree.get("buffers", TensorDict()), batch_size=[]
@@ -160,12 +163,33 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
     return {
         "step": got,
         "val_loss": loss,
-        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "perplexity": _perplexity(loss),
         "batches": int(t.eval_batches),
         "samples": int(out["samples"]),
         "tokens": int(out["tokens"]) if "tokens" in out else None,  # None: the loss counts none
         "data": val.describe(),
     }
+
+
+def _perplexity(loss: float) -> float:
+    """``exp(loss)``; a diverged (NaN) loss has a NaN perplexity, not an infinite one."""
+    if math.isnan(loss):
+        return math.nan
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def _check_same_val(val, attrs: dict, cfg: DictConfig, what: str) -> None:
+    """With no ``data.*`` override eval promises the run's own val split: one that differs
+    from the fingerprint the checkpoint recorded (a relative ``data.path`` read from
+    another directory, files edited since) gave other numbers with exit 0."""
+    saved = attrs.get("val_fingerprint")
+    if isinstance(saved, str) and val.fingerprint != saved:
+        raise ConfigError(
+            f"{what} was trained with a val split of fingerprint {saved}, but "
+            f"data.path={cfg.data.get('path')!r} read from {Path.cwd()} gives {val.fingerprint}: "
+            "run from the directory the run started in, or pass data.path=<absolute path> "
+            "(to evaluate other data on purpose, any data.* override skips this check)"
+        )
 
 
 _ERRORS = (
@@ -197,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m ftrain.eval: {err}", file=sys.stderr)
         not_found = isinstance(err, FileNotFoundError) and not isinstance(err, DataPathError)
         return 1 if not_found else 2
-    if ns.json:
-        print(json.dumps(r))
+    if ns.json:  # strict JSON: non-finite numbers as metrics.jsonl writes them ("nan")
+        print(json.dumps({k: json_safe(v) for k, v in r.items()}, allow_nan=False))
     else:
         print(
             f"step {r['step']}: val_loss {r['val_loss']:.4f} perplexity {r['perplexity']:.2f} "

@@ -30,7 +30,8 @@ __all__ = ["Heartbeat", "MetricsWriter", "read_records"]
 log = logging.getLogger(__name__)
 
 
-def _clean(value):
+def json_safe(value):
+    """``value`` for strict JSON: a non-finite float as its text (``"nan"``, ``"inf"``)."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep them readable
     return value
@@ -75,7 +76,7 @@ class MetricsWriter:
         self.enabled = False
 
     def write(self, kind: str, **fields) -> dict:
-        record = {"kind": kind, "time": time.time(), **{k: _clean(v) for k, v in fields.items()}}
+        record = {"kind": kind, "time": time.time(), **{k: json_safe(v) for k, v in fields.items()}}
         if self._file is not None:
             try:
                 self._reopen_if_deleted()

@@ -276,3 +276,35 @@ def test_eval_refuses_params_that_are_not_the_recorded_models(tool, run8, env, t
     assert "missing from the state ['transformer.ln_f.bias', 'transformer.ln_f.weight']" in (
         out.stderr
     )
+
+
+def test_eval_refuses_a_val_split_other_than_the_runs(cli, tool, env, tmp_path):
+    """With no data.* override eval promises the run's own val split: files changed since
+    (or a relative data.path read from another directory) gave other numbers, exit 0."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a", "b"):
+        (corpus / f"{name}.txt").write_text(f"{name}: the quick brown fox jumps " * 400)
+    run = tmp_path / "run"
+    text = ["data=text", f"data.path={corpus}", "trainer.max_steps=2", "checkpoint.every_steps=2"]
+    cli(run, *text, check=0)
+    assert tool("ftrain.eval", run, env=env).returncode == 0
+    (corpus / "b.txt").write_text("edited since the run " * 500)
+    out = tool("ftrain.eval", run, env=env)
+    assert out.returncode == 2 and "was trained with a val split of fingerprint" in out.stderr
+    assert "pass data.path=<absolute path>" in out.stderr, out.stderr
+    on_purpose = tool("ftrain.eval", run, f"data.path={corpus}", env=env)  # other data, asked
+    assert on_purpose.returncode == 0, on_purpose.stderr
+
+
+def test_eval_of_a_diverged_step_says_nan_in_strict_json(cli, tool, env, tmp_path):
+    """A NaN loss had perplexity inf, and --json printed NaN/Infinity (not JSON)."""
+    run = tmp_path / "run"
+    diverge = ["optim.lr=1e8", "trainer.on_nonfinite=continue", "trainer.eval_every=null"]
+    cli(run, *diverge, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
+    out = tool("ftrain.eval", run, "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert got["val_loss"] == "nan" and got["perplexity"] == "nan", got
+    human = tool("ftrain.eval", run, env=env)
+    assert "val_loss nan perplexity nan" in human.stdout, human.stdout
