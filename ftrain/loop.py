@@ -304,13 +304,15 @@ class _Run:
         self.watchdog.phase("record", state, self.current, safe=True)
         if logged:
             self.record("step", step=n, **self.last)
+        # the step ran: said before its eval and save, so a kill during them (of a step
+        # with no step record, log_every > 1) still counts it among the steps redone
+        self.record("heartbeat", step=n)
         self.watchdog.beat()
         self._maybe_evaluate(state, n)
         self.watchdog.phase("save", state, self.current, safe=True)
         self.save(state, self.current, force=False, reason="policy")
         self.watchdog.beat()
         self.watchdog.phase("record", state, self.current, safe=True)  # out of the save
-        self.record("heartbeat", step=n)
 
     def _on_bad(self, n: int, bad: dict[str, float]) -> None:
         action = {"stop": "stopped", "skip": "skipped", "continue": "continued"}

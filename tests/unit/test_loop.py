@@ -129,6 +129,28 @@ def test_saves_record_the_metrics_of_the_saved_step_and_eval_does_not_change_tra
     assert "loss" in by_step[1], "metrics of the step itself, even when it was not logged"
 
 
+def test_a_step_is_counted_done_before_its_eval_and_save():
+    """The heartbeat (what the redo report reads for steps with no step record) is written
+    before the step's eval and save: a kill during a long eval of an unlogged step 5
+    reported steps ..4 as redone, not ..5."""
+    state, step = _setup()
+    events = []
+
+    def save(s, metrics, *, force, reason):
+        events.append(("save", int(s["step"])))
+        return force
+
+    def evaluate(s):
+        events.append(("eval", int(s["step"])))
+        return {"val_loss": 0.0}
+
+    record = lambda kind, **f: events.append((kind, f.get("step")))  # noqa: E731
+    train_loop(state, step, _batches(), max_steps=5, save=save, record=record, log_every=4,
+               evaluate=evaluate, eval_every=5)  # fmt: skip
+    at_5 = [kind for kind, n in events if n == 5]
+    assert at_5.index("heartbeat") < at_5.index("eval") < at_5.index("save"), at_5
+
+
 # -- divergence: trainer.on_nonfinite --------------------------------------------------
 
 
