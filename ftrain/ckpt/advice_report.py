@@ -67,12 +67,18 @@ def _measured_rows(a: Advice) -> list[tuple[str, str, str]]:
     ]
 
 
+_UNMEASURED = (
+    "; the async stall is not measured yet (it needs step records of consecutive steps, "
+    "trainer.log_every=1, around a few async saves)"
+)
+
+
 def _cost_rows(s, kind: str) -> list[tuple[str, str, str]]:
     """C, and what it is made of: blocking only (sync, or an async stall not measured yet),
     or the measured stall of async saves with their blocking part beside it."""
     blocking = f"median of {s.n_saves:,} {kind} saves (metrics.jsonl save blocking_s)"
     if not (s.policy.async_save and s.stall_s is not None):
-        note = "" if not s.policy.async_save else "; the async stall is not measured yet"
+        note = "" if not s.policy.async_save else _UNMEASURED
         return [("save cost C (blocking)", _dur(s.blocking_s), blocking + note)]
     return [
         (

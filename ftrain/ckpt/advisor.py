@@ -284,8 +284,15 @@ def _step_spans(session: list[dict]) -> list[tuple[float, float]]:
 
 
 def _step_deltas(session: list[dict]) -> list[float]:
-    """Seconds between consecutive step records (step n -> n+1) of one process."""
-    return [b - a for a, b in _step_spans(session)]
+    """Seconds per step between successive step records of one process: with
+    ``trainer.log_every=k`` the records are k steps apart, and the gap is k steps' time
+    (it was refused, "fewer than two consecutive step records")."""
+    steps = [r for r in session if r.get("kind") == "step" and isinstance(r.get("step"), int)]
+    return [
+        (b["time"] - a["time"]) / (b["step"] - a["step"])
+        for a, b in zip(steps, steps[1:], strict=False)
+        if b["step"] > a["step"] and b["time"] > a["time"]
+    ]
 
 
 def _save_stalls(sessions: list[list[dict]]) -> list[float]:
@@ -432,7 +439,7 @@ def measure(run_dir: str | Path, ckpt_dir: str | Path | None = None) -> RunStats
     deltas = [d for s in sessions for d in _step_deltas(s)]
     if not deltas:
         raise AdvisorError(
-            f"{run_dir}/metrics.jsonl has fewer than two consecutive step records; "
+            f"{run_dir}/metrics.jsonl has fewer than two step records of one process; "
             "train for a few steps before asking for advice"
         )
     entries, attrs = _read_checkpoints(ckpt_dir)

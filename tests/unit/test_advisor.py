@@ -275,6 +275,24 @@ def test_measure_reads_the_records_and_the_index(tmp_path):
     assert adv.advise(s).mtbf_s == pytest.approx(s.train_s)  # one failure
 
 
+def test_a_run_logging_every_few_steps_is_measured_per_step(tmp_path):
+    """trainer.log_every=3: step records 3 steps apart (it was refused, "fewer than two
+    consecutive step records"); the step time is the gap over the steps it spans."""
+    run = _fake_run(tmp_path)
+    path = run / "metrics.jsonl"
+    kept = [
+        line
+        for line in path.read_text().splitlines()[:-1]  # less the torn tail
+        if json.loads(line)["kind"] != "step" or json.loads(line)["step"] % 3 == 0
+    ]
+    path.write_text("\n".join(kept) + "\n")
+    s = adv.measure(run)
+    assert s.step_s == pytest.approx(0.5) and s.n_steps >= 2
+    assert "not measured yet (it needs step records of consecutive steps" in render(
+        adv.advise(s, 3600.0)
+    )
+
+
 def _stalled_records(t0: float = 100.0, eval_s: float = 0.0) -> list[dict]:
     """Steps of 0.5 s; an async save after step 4 (blocking 10 ms) whose 1.21 s write slows
     steps 5 and 6 by 0.3 s each; one after step 8 that never committed; a sync one after 10.
@@ -387,7 +405,7 @@ def test_run_without_saves(tmp_path):
 
 def test_run_without_steps(tmp_path):
     _records(tmp_path / "metrics.jsonl", [{"kind": "start", "time": 1.0}])
-    with pytest.raises(adv.AdvisorError, match="fewer than two consecutive step records"):
+    with pytest.raises(adv.AdvisorError, match="fewer than two step records of one process"):
         adv.measure(tmp_path)
 
 
