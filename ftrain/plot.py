@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ftrain.metrics import read_records
 
-__all__ = ["commit_steps", "main", "plot_run", "segments", "smooth"]
+__all__ = ["NothingToPlot", "commit_steps", "main", "plot_run", "segments", "smooth"]
 
 
 def smooth(values: list[float], window: int | None = None) -> list[float]:
@@ -37,11 +37,18 @@ def smooth(values: list[float], window: int | None = None) -> list[float]:
     if window is None:
         window = max(1, n // 15)
     half = max(window, 1) // 2
-    finite = [v if math.isfinite(v) else None for v in values]
+    # running sums and counts of the finite values: each average is O(1), the curve O(n)
+    # (a slice per point was O(n * window): minutes at the end of a million-step run)
+    sums, counts = [0.0], [0]
+    for v in values:
+        ok = math.isfinite(v)
+        sums.append(sums[-1] + (v if ok else 0.0))
+        counts.append(counts[-1] + ok)
     out = []
     for i, v in enumerate(values):
-        near = [x for x in finite[max(0, i - half) : i + half + 1] if x is not None]
-        out.append(sum(near) / len(near) if near and math.isfinite(v) else v)
+        lo, hi = max(0, i - half), min(n, i + half + 1)
+        k = counts[hi] - counts[lo]
+        out.append((sums[hi] - sums[lo]) / k if k and math.isfinite(v) else v)
     return out
 
 
@@ -65,13 +72,37 @@ def commit_steps(records: list[dict]) -> list[int]:
     return [r["step"] for r in records if r.get("kind") == "committed" and _has_step(r)]
 
 
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as metrics.jsonl writes
+
+
+def _number(value) -> float | None:
+    """A metric's value: a number, or the text metrics.jsonl writes for NaN and inf (a
+    diverged step must show as a gap, not vanish under a line drawn over it)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value
+    return _NONFINITE.get(value) if isinstance(value, str) else None
+
+
 def _series(seg: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
     pts = [
-        (r["step"], r[key])
+        (r["step"], _number(r.get(key)))
         for r in seg
-        if r.get("kind") == kind and _has_step(r) and isinstance(r.get(key), int | float)
+        if r.get("kind") == kind and _has_step(r) and _number(r.get(key)) is not None
     ]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+class NothingToPlot(ValueError):
+    """The run has recorded no step or eval yet."""
+
+
+def _out_path(run_dir: Path, out: str | Path | None) -> Path:
+    """Where the figure goes: ``out`` (``.png`` added when it has no suffix, as matplotlib
+    would, so the path said is the file written), else ``RUN_DIR/training.png``."""
+    if not out:
+        return run_dir / "training.png"
+    path = Path(out)
+    return path if path.suffix else path.with_name(path.name + ".png")
 
 
 def plot_run(
@@ -85,6 +116,8 @@ def plot_run(
 
     Raises:
         FileNotFoundError: ``RUN_DIR/metrics.jsonl`` does not exist.
+        NothingToPlot: it holds no step or eval record yet.
+        OSError / ValueError: ``out`` cannot be written, or names a format matplotlib lacks.
     """
     import matplotlib
 
@@ -97,10 +130,15 @@ def plot_run(
             f"{run_dir / 'metrics.jsonl'} does not exist; is {run_dir} an ftrain run directory?"
         )
     records = list(read_records(run_dir))
+    segs = segments(records)
+    if not segs:
+        raise NothingToPlot(
+            f"{run_dir / 'metrics.jsonl'} holds no step records yet: nothing to plot"
+        )
+    path = _out_path(run_dir, out)
     fig, (ax_loss, ax_lr) = plt.subplots(
         2, 1, sharex=True, figsize=(9, 6), height_ratios=(3, 1), layout="constrained"
     )
-    segs = segments(records)
     window = max(1, sum(len(_series(seg, "step", "loss")[0]) for seg in segs) // 15)
     for i, seg in enumerate(segs):
         color = f"C{i % 10}"  # one colour per segment, shared by its loss, val loss and lr
@@ -117,6 +155,10 @@ def plot_run(
     for step in commit_steps(records):
         for ax in (ax_loss, ax_lr):
             ax.axvline(step, color="tab:green", lw=0.5, alpha=0.5)
+    bad = [r["step"] for r in records if r.get("kind") == "nonfinite" and _has_step(r)]
+    if bad:  # marked along the bottom: a skipped step leaves no point to see
+        ax_loss.plot(bad, [0.02] * len(bad), "x", ms=4, color="tab:red",
+                     transform=ax_loss.get_xaxis_transform(), label="non-finite step")  # fmt: skip
     for r in filter(_has_step, records):
         if r.get("kind") == "resume":
             for ax in (ax_loss, ax_lr):
@@ -138,9 +180,10 @@ def plot_run(
     ax_lr.set_ylabel("lr")
     ax_lr.set_xlabel("step (green: checkpoint committed, red: resumed)")
     fig.suptitle(title or run_dir.resolve().name)
-    path = Path(out) if out else run_dir / "training.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")  # nothing clipped at the edges
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100, bbox_inches="tight")  # nothing clipped at the edges
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -156,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(plot_run(args.run_dir, args.out, title=args.title))
-    except FileNotFoundError as err:
+    except OSError as err:  # no such run; an output path that cannot be written
         print(f"ftrain.plot: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # nothing to plot yet; an output format matplotlib lacks
+        print(f"ftrain.plot: {err}".splitlines()[0], file=sys.stderr)
         return 2
     return 0
 

@@ -444,11 +444,13 @@ class Session:
             )
 
     def _plot(self, step: int) -> None:
-        try:
-            from ftrain.plot import plot_run
+        from ftrain.plot import NothingToPlot, plot_run  # matplotlib: imported by plot_run
 
+        try:
             path = plot_run(self.run_dir, title=f"{self.cfg.run.name} ({self.run_dir})")
             self._say(step, f"plot written to {path}")
+        except NothingToPlot:
+            self._say(step, "no step recorded yet: no plot")
         except ImportError:
             print(
                 "ftrain: matplotlib is not installed; skipping the plot (pip install matplotlib)",

@@ -1,6 +1,8 @@
 import io
 import json
 
+import pytest
+
 from ftrain.metrics import Heartbeat, MetricsWriter, Progress, format_duration, read_records
 from ftrain.plot import plot_run, segments
 
@@ -83,3 +85,64 @@ def test_plot_has_the_run_name_a_smoothed_loss_over_the_raw_one_and_commits_only
     plt.close(fig)
     a, b, nan, d = smooth([1.0, 3.0, float("nan"), 5.0], window=3)
     assert (a, b, d) == (2.0, 2.0, 5.0) and nan != nan, "a NaN is passed through, not averaged"
+
+
+def test_smooth_is_the_centred_average_of_the_finite_values_in_linear_time():
+    """Running sums (a slice per point was O(n * window): minutes for a million-step run)."""
+    import math
+    import random
+
+    from ftrain.plot import smooth
+
+    rng = random.Random(0)
+    values = [rng.random() if i % 7 else float("nan") for i in range(301)]
+    got = smooth(values, window=9)
+    for i, v in enumerate(values):
+        near = [x for x in values[max(0, i - 4) : i + 5] if math.isfinite(x)]
+        want = sum(near) / len(near) if math.isfinite(v) else v
+        assert got[i] == pytest.approx(want, rel=1e-12) or (got[i] != got[i] and v != v)
+
+
+def test_plot_shows_nonfinite_losses_as_gaps_with_marks(tmp_path, monkeypatch):
+    """metrics.jsonl writes NaN as "nan": those steps vanished and a line was drawn over."""
+    import matplotlib.pyplot as plt
+
+    w = MetricsWriter(tmp_path)
+    for s in range(1, 7):
+        w.write("step", step=s, loss=float("nan") if s in (3, 4) else 2.0, lr=1e-3)
+        if s in (3, 4):
+            w.write("nonfinite", step=s, action="continued", loss=float("nan"))
+    w.write("eval", step=4, val_loss=float("inf"))
+    w.close()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_run(tmp_path)
+    (fig,) = figures
+    monkeypatch.undo()
+    raw = fig.axes[0].lines[0]
+    assert list(raw.get_xdata()) == [1, 2, 3, 4, 5, 6]  # the NaN steps are there, as gaps
+    marks = [ln for ln in fig.axes[0].lines if ln.get_label() == "non-finite step"]
+    assert marks and list(marks[0].get_xdata()) == [3, 4]
+    plt.close(fig)
+
+
+def test_plot_cli_paths_and_empty_runs_are_clear(tmp_path, capsys):
+    from ftrain.plot import NothingToPlot, main
+
+    w = MetricsWriter(tmp_path)
+    w.write("start", step=0)
+    w.close()
+    with pytest.raises(NothingToPlot, match="no step records yet"):
+        plot_run(tmp_path)
+    assert main([str(tmp_path)]) == 2 and "nothing to plot" in capsys.readouterr().err
+    w = MetricsWriter(tmp_path)
+    w.write("step", step=1, loss=1.0, lr=1e-3)
+    w.close()
+    assert main([str(tmp_path), "-o", str(tmp_path / "fig")]) == 0  # matplotlib adds .png
+    assert capsys.readouterr().out.strip() == str(tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").stat().st_size > 1000
+    (tmp_path / "afile").write_text("x")
+    for bad in (tmp_path / "afile" / "x.png", tmp_path / "x.xyz"):
+        assert main([str(tmp_path), "-o", str(bad)]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith("ftrain.plot: ") and "Traceback" not in err, err
