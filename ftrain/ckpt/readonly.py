@@ -82,6 +82,26 @@ def run_locations(run_dir: Path) -> list[str]:
     return out
 
 
+def _saved_elsewhere(location: Locations) -> str:
+    """A hint for a run directory whose run saved to another ``checkpoint.dir``: its
+    records name it (only named, never read from: after ``mv`` it may be another run's)."""
+    first = location[0] if isinstance(location, list) else location
+    if not isinstance(first, str | Path) or "://" in str(first):
+        return ""
+    from ftrain.metrics import read_records
+
+    try:
+        named = [
+            r["checkpoint_dirs"] for r in read_records(Path(first)) if r.get("checkpoint_dirs")
+        ]
+    except OSError:
+        return ""
+    where = named[-1][0] if named and isinstance(named[-1], list) and named[-1] else None
+    if not isinstance(where, str) or Path(where) == Path(first):
+        return ""
+    return f"; this run directory's run saved its checkpoints to {where}: pass that"
+
+
 def _recorded_fallback(checkpoints: Path) -> str | None:
     """``checkpoint.fallback_dir`` as the newest step there records it (None: none)."""
     steps = protocol.committed_steps(checkpoints)
@@ -143,7 +163,9 @@ def read_subtree(
     steps = committed_steps_at(location, storage, invalid)
     if not steps:  # a damaged marker hid the only step: say so, it is not "never saved"
         why = f" ({'; '.join(invalid[:3])})" if invalid else ""
-        raise FileNotFoundError(f"{name_of(location)}: no committed checkpoints{why}")
+        raise FileNotFoundError(
+            f"{name_of(location)}: no committed checkpoints{why}{_saved_elsewhere(location)}"
+        )
     if step is not None and step not in steps:
         raise FileNotFoundError(
             f"step {step} is not committed in {name_of(location)}; available: {sorted(steps)}"

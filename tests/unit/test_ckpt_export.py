@@ -283,3 +283,15 @@ def test_a_damaged_marker_on_the_only_step_is_named_not_never_saved(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no committed checkpoints$"):
         readonly.read_subtree(tmp_path / "empty")  # nothing there: nothing more to say
+
+
+def test_a_run_directory_whose_checkpoints_went_elsewhere_names_them(tmp_path):
+    """checkpoint.dir outside run.dir: the readers said only "no committed checkpoints"."""
+    _, ck = _saved(tmp_path)
+    run = tmp_path / "run"
+    w = ftrain.metrics.MetricsWriter(run)
+    w.write("start", step=0, checkpoint_dirs=[str(ck)])
+    w.close()
+    with pytest.raises(FileNotFoundError, match=f"saved its checkpoints to {ck}: pass that"):
+        readonly.read_subtree(run)
+    assert readonly.read_subtree(ck)[0] == 4  # where it was named
