@@ -88,8 +88,8 @@ def parse_duration(text: str) -> float:
             "(e.g. 90s, 30m, 6h, 2d)"
         )
     seconds = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not seconds > 0:
-        raise ValueError(f"a duration must be positive, got {text!r}")
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"a duration must be positive and finite, got {text!r}")
     return seconds
 
 

@@ -87,6 +87,10 @@ def pick_device(name: str) -> torch.device:
         raise ConfigError(
             f"trainer.device={name!r} is not a device; use auto, cpu, cuda or cuda:N"
         ) from None
+    if device.type not in ("cpu", "cuda"):  # mps, meta, xpu...: failed deep inside torch
+        raise ConfigError(
+            f"trainer.device={name!r}: ftrain trains on cpu or cuda; use auto, cpu, cuda or cuda:N"
+        )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"trainer.device={name!r} but no CUDA device is available; use trainer.device=cpu"

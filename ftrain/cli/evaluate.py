@@ -126,6 +126,8 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         {'step': 400, 'val_loss': 1.92, 'perplexity': 6.8, ...}
     """
     where, at = parse_init_from(str(run))
+    if step is not None and at is not None and step != at:
+        raise ConfigError(f"{run} names step {at} but --step {step}: give the step once")
     try:
         got, tree, attrs = read_model(where, step if step is not None else at)
     except ValueError as err:  # no params group: a state saved by other code

@@ -109,6 +109,8 @@ def test_eval_errors_name_the_fix(tool, run8, env, tmp_path):
     assert out.returncode == 2 and "nope" in out.stderr
     out = tool("ftrain.eval", run8, "--step", 5, env=env)
     assert out.returncode == 1 and "available: [4, 8]" in out.stderr
+    out = tool("ftrain.eval", f"{run8}:4", "--step", 8, env=env)  # it evaluated step 8
+    assert out.returncode == 2 and "names step 4 but --step 8" in out.stderr
     out = tool("ftrain.eval", tmp_path / "absent", env=env)
     assert out.returncode == 1 and "no such checkpoint directory" in out.stderr
     # the value checks of a training start apply (they were tracebacks)

@@ -75,9 +75,11 @@ def test_parse_duration_refuses_unclear_values(text):
         adv.parse_duration(text)
 
 
-def test_parse_duration_refuses_zero():
+def test_parse_duration_refuses_zero_and_overflow():
     with pytest.raises(ValueError, match="must be positive"):
         adv.parse_duration("0h")
+    with pytest.raises(ValueError, match="positive and finite"):  # was an OverflowError later
+        adv.parse_duration("9" * 400 + "h")
 
 
 def test_estimate_mtbf():

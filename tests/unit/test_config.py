@@ -171,3 +171,16 @@ def test_a_token_directory_without_val_bin_trains_when_nothing_evaluates(tmp_pat
     assert len(train) > 0 and val is None
     with pytest.raises(DataPathError, match="no 'val.bin' in token directory"):
         build_sources(load_config([*base, "trainer.eval_every=5"]))
+
+
+def test_a_device_ftrain_does_not_train_on_is_a_clear_error():
+    """mps or meta failed deep inside torch (model.to, autocast)."""
+    import torch
+
+    from ftrain.cli.build import pick_device
+
+    assert pick_device("cpu") == torch.device("cpu")
+    for name, said in (("mps", "trains on cpu or cuda"), ("meta", "trains on cpu or cuda"),
+                       ("gpu0", "is not a device")):  # fmt: skip
+        with pytest.raises(ConfigError, match=said):
+            pick_device(name)
