@@ -299,8 +299,9 @@ def _kill_when(run: Path, proc, step: int, ranks, after_commit: int) -> int:
     """SIGKILL the given ranks (pids from their heartbeats) once the first reached ``step``
     and step ``after_commit`` is committed. An async save of that step may still be being
     written at ``step`` on a busy machine; a kill before its commit would test a fresh
-    start, not the resume the scenario is about. It must land before step
-    ``2 * after_commit``, whose save waits for it."""
+    start, not the resume the scenario is about. It must commit by step
+    ``2 * after_commit``, whose save waits for it: the heartbeat of that step is written
+    before its save, so only a later one proves the commit was missed."""
     beats = [run / (f"heartbeat.rank{r}.json" if r else "heartbeat.json") for r in ranks]
     deadline = time.time() + _TIMEOUT_S
     while time.time() < deadline:
@@ -312,7 +313,7 @@ def _kill_when(run: Path, proc, step: int, ranks, after_commit: int) -> int:
             for info in infos:
                 _kill_rank(int(info["pid"]), proc.pid)
             return int(infos[0]["step"])
-        if reached >= 2 * after_commit:
+        if reached > 2 * after_commit:
             raise DrillFailed(f"step {after_commit} was not committed by step {reached}")
         time.sleep(0.005)
     raise DrillFailed(f"ranks {list(ranks)} never reached step {step}")

@@ -37,19 +37,41 @@ def smooth(values: list[float], window: int | None = None) -> list[float]:
     if window is None:
         window = max(1, n // 15)
     half = max(window, 1) // 2
-    # running sums and counts of the finite values: each average is O(1), the curve O(n)
-    # (a slice per point was O(n * window): minutes at the end of a million-step run)
-    sums, counts = [0.0], [0]
-    for v in values:
-        ok = math.isfinite(v)
-        sums.append(sums[-1] + (v if ok else 0.0))
-        counts.append(counts[-1] + ok)
-    out = []
+    # a sliding window sum of the finite values: each average O(1), the curve O(n) (a slice
+    # per point was O(n * window): minutes at the end of a million-step run), compensated
+    # so a huge loss leaving the window takes none of the small ones' precision with it
+    window_sum, out, lo, hi = _WindowSum(), [], 0, 0
     for i, v in enumerate(values):
-        lo, hi = max(0, i - half), min(n, i + half + 1)
-        k = counts[hi] - counts[lo]
-        out.append((sums[hi] - sums[lo]) / k if k and math.isfinite(v) else v)
+        while hi < min(n, i + half + 1):  # the window is [i - half, i + half], clipped
+            window_sum.add(values[hi])
+            hi += 1
+        while lo < i - half:
+            window_sum.remove(values[lo])
+            lo += 1
+        out.append(window_sum.mean() if window_sum.count and math.isfinite(v) else v)
     return out
+
+
+class _WindowSum:
+    """Neumaier-compensated sum and count of the finite values added and not removed."""
+
+    def __init__(self) -> None:
+        self.total, self.carry, self.count = 0.0, 0.0, 0
+
+    def add(self, x: float, sign: int = 1) -> None:
+        if not math.isfinite(x):
+            return
+        x *= sign
+        t = self.total + x
+        big, small = (self.total, x) if abs(self.total) >= abs(x) else (x, self.total)
+        self.carry += (big - t) + small
+        self.total, self.count = t, self.count + sign
+
+    def remove(self, x: float) -> None:
+        self.add(x, -1)
+
+    def mean(self) -> float:
+        return (self.total + self.carry) / self.count
 
 
 def segments(records: list[dict]) -> list[list[dict]]:

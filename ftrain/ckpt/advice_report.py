@@ -44,7 +44,7 @@ def _measured_rows(a: Advice) -> list[tuple[str, str, str]]:
         (
             "step time",
             _dur(s.step_s),
-            f"median of {s.n_steps:,} step-to-step times (metrics.jsonl)",
+            f"median of {s.n_steps:,} gaps between step records, per step (metrics.jsonl)",
         ),
         *_cost_rows(s, kind),
         (

@@ -284,15 +284,45 @@ def _step_spans(session: list[dict]) -> list[tuple[float, float]]:
 
 
 def _step_deltas(session: list[dict]) -> list[float]:
-    """Seconds per step between successive step records of one process: with
-    ``trainer.log_every=k`` the records are k steps apart, and the gap is k steps' time
-    (it was refused, "fewer than two consecutive step records")."""
-    steps = [r for r in session if r.get("kind") == "step" and isinstance(r.get("step"), int)]
-    return [
-        (b["time"] - a["time"]) / (b["step"] - a["step"])
-        for a, b in zip(steps, steps[1:], strict=False)
-        if b["step"] > a["step"] and b["time"] > a["time"]
-    ]
+    """Seconds per step between successive step records of one process. Consecutive steps
+    give their gap as it is (the median drops save and eval spikes). With
+    ``trainer.log_every=k`` a gap spans k steps and, with ``every_steps`` or ``eval_every``
+    a multiple of k, holds a save or an eval every time, which the median cannot drop: a
+    save's ``blocking_s`` and an eval's time (from its step's record to the ``eval``
+    record) are taken out first; a gap whose pauses cannot be timed is used only when no
+    other is left."""
+    timed, untimed = [], []
+    last, pause = None, _Pause()
+    for r in session:
+        if r.get("kind") == "step" and isinstance(r.get("step"), int):
+            if last is not None and r["step"] > last["step"] and r["time"] > last["time"]:
+                span, gap = r["step"] - last["step"], r["time"] - last["time"]
+                work = gap if span == 1 else gap - pause.seconds
+                ok = span == 1 or (pause.timed and work > 0)
+                (timed if ok else untimed).append((work if ok else gap) / span)
+            last, pause = r, _Pause()
+        elif last is not None:
+            pause.add(r, last)
+    return timed or untimed
+
+
+class _Pause:
+    """The saves and evals between two step records, and whether each could be timed."""
+
+    def __init__(self) -> None:
+        self.seconds, self.timed, self._prev = 0.0, True, None
+
+    def add(self, r: dict, step_record: dict) -> None:
+        kind = r.get("kind")
+        if kind in ("save_started", "save"):
+            blocking = r.get("blocking_s")
+            self.timed &= _number(blocking)
+            self.seconds += blocking if _number(blocking) else 0.0
+        elif kind == "eval":  # timed when it directly follows its own step's record
+            own = self._prev is None and r.get("step") == step_record["step"]
+            self.timed &= own
+            self.seconds += r["time"] - step_record["time"] if own else 0.0
+        self._prev = r
 
 
 def _save_stalls(sessions: list[list[dict]]) -> list[float]:

@@ -51,10 +51,16 @@ def _safetensors():
 
 
 def recorded_alpha(attrs: dict) -> float | None:
-    """``model.lora.alpha`` from a checkpoint's recorded config (a number, or None)."""
-    node = attrs.get("config")
-    for key in ("model", "lora", "alpha"):
-        node = node.get(key) if isinstance(node, dict) else None
+    """``model.lora.alpha`` from a checkpoint's recorded config (a number, or None; None
+    also where the recorded ``model.lora.rank`` is 0: the default alpha of a run without
+    LoRA says nothing about adapters a custom model carries itself)."""
+    lora = attrs.get("config")
+    for key in ("model", "lora"):
+        lora = lora.get(key) if isinstance(lora, dict) else None
+    rank = lora.get("rank") if isinstance(lora, dict) else None
+    if not (isinstance(rank, int) and rank > 0):
+        return None
+    node = lora.get("alpha")
     ok = isinstance(node, int | float) and not isinstance(node, bool) and math.isfinite(node)
     return float(node) if ok and node > 0 else None
 

@@ -97,8 +97,12 @@ def _saved_elsewhere(location: Locations) -> str:
     except OSError:
         return ""
     where = named[-1][0] if named and isinstance(named[-1], list) and named[-1] else None
-    if not isinstance(where, str) or Path(where) == Path(first):
+    if not isinstance(where, str):
         return ""
+    if "://" not in where and (
+        not Path(where).is_dir() or Path(where).resolve() == Path(first).resolve()
+    ):
+        return ""  # the same directory, or one gone since: nothing to point at
     return f"; this run directory's run saved its checkpoints to {where}: pass that"
 
 

@@ -185,13 +185,22 @@ def _check_same_val(val, attrs: dict, cfg: DictConfig, what: str) -> None:
     from the fingerprint the checkpoint recorded (a relative ``data.path`` read from
     another directory, files edited since) gave other numbers with exit 0."""
     saved = attrs.get("val_fingerprint")
-    if isinstance(saved, str) and val.fingerprint != saved:
-        raise ConfigError(
-            f"{what} was trained with a val split of fingerprint {saved}, but "
-            f"data.path={cfg.data.get('path')!r} read from {Path.cwd()} gives {val.fingerprint}: "
-            "run from the directory the run started in, or pass data.path=<absolute path> "
-            "(to evaluate other data on purpose, any data.* override skips this check)"
+    if not isinstance(saved, str) or val.fingerprint == saved:
+        return
+    path = cfg.data.get("path")
+    if isinstance(path, str) and not Path(path).is_absolute():
+        why = (
+            f"data.path={path!r} read from {Path.cwd()} gives {val.fingerprint}: run from the "
+            "directory the run started in, or pass data.path=<absolute path>"
         )
+    else:  # the files themselves (or this Python's standard library, data=stdlib) differ
+        where = f"data.path={path!r}" if path else f"data.name={cfg.data.get('name')!r}"
+        why = f"{where} gives {val.fingerprint} here: the data changed since the run"
+    raise ConfigError(
+        f"{what} was trained with a val split of fingerprint {saved}, but {why} (to evaluate "
+        "other data on purpose, any data.* override skips this check, e.g. "
+        f"data.val_fraction={cfg.data.get('val_fraction')})"
+    )
 
 
 _ERRORS = (

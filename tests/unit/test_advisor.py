@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -293,6 +294,27 @@ def test_a_run_logging_every_few_steps_is_measured_per_step(tmp_path):
     assert "not measured yet (it needs step records of consecutive steps" in render(
         adv.advise(s, 3600.0)
     )
+
+
+def test_saves_and_evals_inside_logged_gaps_are_not_step_time():
+    """log_every=10 with every_steps=10: every gap holds a 2 s save (and every other one a
+    1 s eval); the step time was 0.3 s where the steps took 0.1 s."""
+    recs, t = [], 0.0
+    for n in range(1, 201):
+        t += 0.1
+        if n % 10:
+            continue
+        recs.append({"kind": "step", "step": n, "time": t})
+        if n % 20 == 0:
+            t += 1.0
+            recs.append({"kind": "eval", "step": n, "val_loss": 1.0, "time": t})
+        t += 2.0
+        recs.append({"kind": "save_started", "step": n, "blocking_s": 2.0, "time": t})
+    assert statistics.median(adv._step_deltas(recs)) == pytest.approx(0.1)
+    for r in recs:  # an eval not right after its step's record cannot be timed
+        if r["kind"] == "save_started":
+            del r["blocking_s"]
+    assert statistics.median(adv._step_deltas(recs)) > 0.2  # the only gaps there are
 
 
 def _stalled_records(t0: float = 100.0, eval_s: float = 0.0) -> list[dict]:

@@ -295,3 +295,30 @@ def test_a_run_directory_whose_checkpoints_went_elsewhere_names_them(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"saved its checkpoints to {ck}: pass that"):
         readonly.read_subtree(run)
     assert readonly.read_subtree(ck)[0] == 4  # where it was named
+
+
+def test_the_recorded_alpha_counts_only_where_lora_was_on():
+    """The default model.lora.alpha=16 of a run without LoRA refused --lora-alpha for a
+    custom model's own adapters."""
+    from ftrain.ckpt.export import recorded_alpha
+
+    lora = lambda **kw: {"config": {"model": {"lora": kw}}}  # noqa: E731
+    assert recorded_alpha(lora(rank=4, alpha=8)) == 8.0
+    assert recorded_alpha(lora(rank=0, alpha=16)) is None
+    assert recorded_alpha(lora(alpha=16)) is None and recorded_alpha({}) is None
+
+
+def test_no_hint_names_the_directory_given_or_one_gone(tmp_path, monkeypatch):
+    """checkpoint.dir = run.dir given relative: the hint told to pass what was passed."""
+    run = tmp_path / "run"
+    w = ftrain.metrics.MetricsWriter(run)
+    w.write("start", step=0, checkpoint_dirs=[str(run)])
+    w.close()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no committed checkpoints$"):
+        readonly.read_subtree("run")
+    w = ftrain.metrics.MetricsWriter(run)
+    w.write("start", step=0, checkpoint_dirs=[str(tmp_path / "deleted")])
+    w.close()
+    with pytest.raises(FileNotFoundError, match=r"no committed checkpoints$"):
+        readonly.read_subtree("run")

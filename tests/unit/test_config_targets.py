@@ -1,6 +1,7 @@
 """Options built by ``_target_``, user config directories, hydra.* overrides, sweep plans,
 and old checkpoints (recorded before options had targets) still comparing equal."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,26 @@ def test_a_sigterm_then_one_sigint_is_not_a_second_sigint():
         signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGINT)  # would os._exit(130) the test process before
         assert flag.requested and flag.reason == "SIGTERM"
+
+
+def test_eval_names_the_way_out_for_a_val_split_that_differs():
+    """A relative data.path is told to run from the run's directory; an absolute one (or
+    data=stdlib) that the data changed: the directory advice was wrong there."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.evaluate import _check_same_val
+
+    val, attrs = SimpleNamespace(fingerprint="text:new"), {"val_fingerprint": "text:old"}
+    for path, said in (
+        ("mydata", "read from"),
+        ("/abs/data", "data.path='/abs/data' gives text:new here: the data changed"),
+        (None, "data.name='stdlib' gives text:new here: the data changed"),
+    ):
+        cfg = OmegaConf.create({"data": {"name": "stdlib", "path": path, "val_fraction": 0.1}})
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            _check_same_val(val, attrs, cfg, "step 4")
+    cfg = OmegaConf.create({"data": {"name": "text", "path": "mydata"}})
+    _check_same_val(SimpleNamespace(fingerprint="text:old"), attrs, cfg, "step 4")  # the same
+    _check_same_val(val, {}, cfg, "step 4")  # recorded before val fingerprints: not checked

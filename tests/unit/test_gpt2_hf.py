@@ -134,6 +134,9 @@ def test_refusals_name_the_problem(tmp_path):
         ({"n_embd": 64.9}, "n_embd=64.9 is not a whole number"),
         ({"n_layer": "2"}, "n_layer='2' is not a whole number"),
         ({"n_head": True}, "n_head=True is not a whole number"),
+        ({"n_layer": float("inf")}, "n_layer=inf is not a whole number"),
+        ({"n_embd": float("nan")}, "n_embd=nan is not a whole number"),
+        ({"layer_norm_epsilon": float("nan")}, "layer_norm_epsilon=nan is not a number"),
         ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon='1e-5' is not a number"),
     ):
         with pytest.raises(gpt2_hf.HFFormatError, match=re.escape(said)):

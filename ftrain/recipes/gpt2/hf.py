@@ -95,13 +95,18 @@ def to_hf_names(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (t.t() if _is_conv1d(k) else t).contiguous() for k, t in params.items()}
 
 
+def _finite(value) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value)
+
+
 def _count(hf: dict, key: str, default: int) -> int:
     """A size of config.json: a whole number (``64.9`` or ``"64"`` is a damaged file, not
     a size to round)."""
     value = hf.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if not _finite(value) or value != int(value):  # NaN/Infinity: Python's JSON reads them
         raise HFFormatError(f"config.json: {key}={value!r} is not a whole number")
     return int(value)
 
@@ -110,7 +115,7 @@ def _real(hf: dict, key: str, default: float) -> float:
     value = hf.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _finite(value):
         raise HFFormatError(f"config.json: {key}={value!r} is not a number")
     return float(value)
 
