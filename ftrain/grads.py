@@ -21,7 +21,16 @@ from torch.func import functional_call
 from ftrain.nn import use_generator
 from ftrain.state.tree import Key
 
-__all__ = ["Bound", "Grads", "LossFn", "loss_and_aux", "merge_aux", "named_leaves", "train_mode"]
+__all__ = [
+    "Bound",
+    "Grads",
+    "LossFn",
+    "loss_and_aux",
+    "merge_aux",
+    "kept_modes",
+    "named_leaves",
+    "train_mode",
+]
 
 LossFn = Callable[[nn.Module, TensorDictBase], "torch.Tensor | tuple[torch.Tensor, Mapping]"]
 
@@ -180,17 +189,29 @@ class Grads:
 
 @contextlib.contextmanager
 def train_mode(modules: tuple[nn.Module, ...]):
-    """Train mode for the block, then the modes as they were (``modules[0]`` is the root).
+    """Train mode for the block (``modules[0]`` is the root, ``modules`` all of its modules),
+    then every module's mode as it was.
 
-    ``Module.train`` walks and sets every submodule (~0.2 ms at GPT-2 tiny size, twice per
-    step), so it only runs when some submodule is not already training.
+    A root in train mode runs as the user set it: a submodule put in eval mode (a frozen
+    BatchNorm: ``model.train(); model.bn.eval()``) stays so. A root in eval mode (the
+    model was last evaluated) trains whole for the step. ``Module.train`` walks every
+    submodule (~0.2 ms at GPT-2 tiny size), so nothing is walked while the root trains.
     """
-    if all(m.training for m in modules):
+    if modules[0].training:
         yield
         return
-    was_training = modules[0].training
-    modules[0].train()
+    with kept_modes(modules):
+        modules[0].train()
+        yield
+
+
+@contextlib.contextmanager
+def kept_modes(modules):
+    """Every module's ``training`` flag restored on exit (``Module.train(mode)`` on the
+    root would set them all alike: a user's frozen submodule was switched back)."""
+    modes = [(m, m.training) for m in modules]
     try:
         yield
     finally:
-        modules[0].train(was_training)
+        for m, mode in modes:
+            m.training = mode

@@ -43,7 +43,7 @@ from torch.func import functional_call
 
 from ftrain import rng
 from ftrain.apply import update_and_apply
-from ftrain.grads import Bound, Grads, LossFn, loss_and_aux, merge_aux, named_leaves
+from ftrain.grads import Bound, Grads, LossFn, kept_modes, loss_and_aux, merge_aux, named_leaves
 from ftrain.optim.base import Trainable, flat_update, leaf_get, per_structure, pick
 from ftrain.optim.bucketed import prepare_of
 from ftrain.optim.partition import learning_rates, learning_rates_in
@@ -498,22 +498,19 @@ def make_eval_step(model: nn.Module, loss_fn: LossFn, *, precision: str = "fp32"
         pkeys, params = flatten(state["params"])
         bkeys, buffers = flatten(state["buffers"])
         named = named_leaves("model.", pkeys, params) | named_leaves("model.", bkeys, buffers)
-        was_training = model.training
-        model.eval()
-        try:
-            with (
-                torch.no_grad(),
-                torch.autocast(
-                    params[0].device.type,
-                    dtype=autocast or torch.float32,
-                    enabled=autocast is not None,
-                ),
-            ):
-                loss, aux = loss_and_aux(
-                    functional_call(bound, named, (micro[0],), tie_weights=True, strict=False)
-                )
-        finally:
-            model.train(was_training)
+        with (
+            kept_modes(tuple(model.modules())),  # a frozen submodule stays as the user set it
+            torch.no_grad(),
+            torch.autocast(
+                params[0].device.type,
+                dtype=autocast or torch.float32,
+                enabled=autocast is not None,
+            ),
+        ):
+            model.eval()
+            loss, aux = loss_and_aux(
+                functional_call(bound, named, (micro[0],), tie_weights=True, strict=False)
+            )
         aux_total: dict[str, torch.Tensor] = {}
         merge_aux(aux_total, aux, 1)
         return _metrics(loss.float(), None, {}, micro, aux_total)

@@ -439,3 +439,22 @@ def test_swapped_or_foreign_arguments_are_named():
         ftrain.make_step(model, lambda m, b: m(b).sum(), sgd)
     with pytest.raises(TypeError, match="loss_fn must be callable, got None"):
         ftrain.make_step(model, None, tx)
+
+
+def test_a_submodule_the_user_put_in_eval_mode_stays_so():
+    """model.train(); bn.eval() (frozen BatchNorm statistics): the step set every module to
+    the root's mode afterwards, and ran BN on batch statistics, updating them."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    model.train()
+    model[1].eval()
+    tx = ftrain.optim.sgd(0.1)
+    state = init_state(model, tx, seed=0)
+    loss = lambda m, b: (m(b["x"]) - b["y"]).pow(2).mean()  # noqa: E731
+    batch = {"x": torch.randn(16, 4) * 3 + 5, "y": torch.zeros(16, 1)}
+    new, _ = make_step(model, loss, tx)(state, batch)
+    assert model.training and not model[1].training
+    assert torch.equal(new["buffers", "1", "running_mean"], state["buffers", "1", "running_mean"])
+    ftrain.make_eval_step(model, loss)(state, batch)
+    assert model.training and not model[1].training  # eval restores each module's mode
