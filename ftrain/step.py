@@ -242,16 +242,24 @@ def _group_labels(paths: list[str]) -> list[str]:
 
 
 def _metrics(loss, grad_norm, lrs, micro, aux) -> TensorDict:
-    samples = sum(_leading(mb) for mb in micro)
-    out = {"loss": loss, "grad_norm": grad_norm, "samples": torch.tensor(samples)}
+    samples = aux.get("samples")  # the loss's own count wins (a batch of its own shape)
+    if samples is None:
+        samples = torch.tensor(sum(_leading(mb) for mb in micro))
+    out = {"loss": loss, "grad_norm": grad_norm, "samples": samples}
     out = {k: v for k, v in out.items() if v is not None} | (lrs or {})
     out.update({k: v for k, v in aux.items() if k not in out})
     return new_td(out)
 
 
 def _leading(mb: TensorDictBase) -> int:
-    leaves = flatten(mb)[1]
-    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 1
+    """Samples in a batch: the leading dim its tensors share, 0-d leaves (a temperature, a
+    flag) left out; where they disagree, the most common (then the largest). The first
+    leaf in key order was taken: a 0-d ``alpha`` made every batch one sample, and
+    ``evaluate`` weighted its batches by that."""
+    dims = [int(t.shape[0]) for t in flatten(mb)[1] if t.dim()]
+    if not dims:
+        return 1
+    return max(set(dims), key=lambda d: (dims.count(d), d))
 
 
 def make_step(

@@ -458,3 +458,19 @@ def test_a_submodule_the_user_put_in_eval_mode_stays_so():
     assert torch.equal(new["buffers", "1", "running_mean"], state["buffers", "1", "running_mean"])
     ftrain.make_eval_step(model, loss)(state, batch)
     assert model.training and not model[1].training  # eval restores each module's mode
+
+
+def test_samples_is_the_leading_dim_the_batch_shares_not_the_first_leaf():
+    """A 0-d "alpha" (first in key order) made every batch one sample: evaluate weighted
+    its batches by it. A loss that counts its own samples is taken at its word."""
+    model = torch.nn.Linear(2, 1)
+    loss = lambda m, b: (m(b["x"]) * b["alpha"]).pow(2).mean()  # noqa: E731
+    state = init_state(model, ftrain.optim.sgd(0.1), seed=0)
+    ev = ftrain.make_eval_step(model, loss)
+    batch = {"alpha": torch.tensor(2.0), "a_ids": torch.arange(4), "x": torch.ones(32, 2)}
+    batch |= {"y": torch.ones(32)}
+    assert int(ev(state, batch)["samples"]) == 32
+    own = lambda m, b: (loss(m, b), {"samples": torch.tensor(7)})  # noqa: E731
+    assert int(ftrain.make_eval_step(model, own)(state, batch)["samples"]) == 7
+    step = make_step(model, loss, ftrain.optim.sgd(0.1))
+    assert int(step(state, batch)[1]["samples"]) == 32
