@@ -251,13 +251,13 @@ def replace(tree: TensorDictBase, **subtrees: TensorDictBase | torch.Tensor) -> 
 
 
 def cast(tree: TensorDictBase, dtype: torch.dtype, *, floating_only: bool = True) -> TensorDict:
-    """Cast leaves to ``dtype`` (by default only floating-point leaves; ints, bools, keys stay)."""
+    """Cast leaves to ``dtype`` (by default only floating-point leaves; ints, bools, keys
+    stay), keeping the tree's structure (empty sub-trees, the lock): a cast state steps."""
 
     def _cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if (t.is_floating_point() or not floating_only) else t
 
-    keys, leaves = flatten(tree)
-    return unflatten(keys, [_cast(t) for t in leaves])
+    return map_leaves(_cast, tree)
 
 
 def count_params(tree: TensorDictBase) -> int:
@@ -317,6 +317,9 @@ def tree_equal(a: TensorDictBase, b: TensorDictBase) -> bool:
 
 
 def map_leaves(fn: Callable[[torch.Tensor], torch.Tensor], tree: TensorDictBase) -> TensorDict:
-    """Apply ``fn`` to every leaf, returning a new tree."""
-    keys, leaves = flatten(tree)
-    return unflatten(keys, [fn(t) for t in leaves])
+    """Apply ``fn`` to every leaf, returning a new tree of the same structure: empty
+    sub-trees kept (a state's ``buffers: {}``, a stateless transform's ``{}``: the step
+    needs them) and locked if ``tree`` was."""
+    layout, leaves = structure(tree)
+    out = rebuild(layout, [fn(t) for t in leaves])
+    return out.lock_() if tree.is_locked else out

@@ -101,6 +101,15 @@ def test_replace_cast_count():
     assert half["weight"].dtype == torch.bfloat16
     assert cast(state, torch.float16)["step"].dtype == torch.int64
     assert count_params(state["params"]) == 8
+    # the structure is kept: empty sub-trees (buffers, a stateless transform's {}), the lock
+    tx = ftrain.optim.adamw(1e-3, weight_decay=0.1)
+    full = init_state(torch.nn.Linear(2, 1), tx, seed=0)
+    wide = cast(full, torch.float64)
+    assert set(wide.keys(True)) == set(full.keys(True)) and wide.is_locked
+    step = ftrain.make_step(torch.nn.Linear(2, 1).double(), lambda m, b: m(b["x"]).sum(), tx)
+    assert step(wide, {"x": torch.ones(4, 2, dtype=torch.float64)})[0][
+        "params", "weight"
+    ].dtype == (torch.float64)
 
 
 def test_place_moves_floats_keeps_integer_bookkeeping_and_layout():
