@@ -64,6 +64,7 @@ from ftrain.ckpt.policies import (
     SavePolicy,
     StepInfo,
     best_policies,
+    check_policy,
     newest_finite,
 )
 from ftrain.ckpt.reader import read_tree, specs_of
@@ -163,6 +164,8 @@ class CheckpointManager:
                 f"{directory} under another spelling; point the fallback at another disk or "
                 "bucket, or leave it unset"
             )
+        check_policy(save_policy, "should_save", "save_policy")
+        check_policy(keep_policy, "keep", "keep_policy")
         self.save_policy = save_policy
         self.keep_policy = keep_policy or KeepAll()
         self.async_save = async_save
@@ -629,8 +632,10 @@ class CheckpointManager:
                 self._retain(step, final, total)
             # committed: nothing to undo or retry (a newer format's step beside this run's:
             # retention judges nothing it cannot read)
-            except (OSError, CorruptCheckpointError, CheckpointFormatError) as e:
-                msg = f"[step={step}] committed, but retention or the index failed: {e}"
+            # a keep policy of the user's that raises is reported the same way: the step is
+            # committed, and failing the next save over it would lose that one
+            except Exception as e:
+                msg = f"[step={step}] committed, but retention or the index failed: {e!r}"
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
 

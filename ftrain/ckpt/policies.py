@@ -72,6 +72,39 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be positive, got {name}={value!r}")
 
 
+def _count(name: str, value: int) -> None:
+    """A number of steps or checkpoints: a whole number > 0 (1.5 was accepted)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a whole number, got {name}={value!r}")
+    _positive(name, value)
+
+
+_SAVE_POLICIES = "EveryNSteps, EveryNSeconds, AnyOf of them, or an object with should_save(ctx)"
+_KEEP_POLICIES = (
+    "LatestN, EveryKSteps, BestN, YoungerThan, KeepAll, AnyOf of them, "
+    "or an object with keep(infos, now)"
+)
+
+
+def check_policy(policy: object, method: str, arg: str) -> None:
+    """``policy`` (and each member of an ``AnyOf``) has ``method``: a keep policy passed as
+    the save policy (``EveryNSteps`` for ``EveryKSteps``) failed only at the first save or,
+    worse, in the background after the first commit.
+
+    Raises:
+        TypeError: naming the policy and what ``arg`` takes.
+    """
+    if policy is None:
+        return
+    members = policy.policies if isinstance(policy, AnyOf) else (policy,)
+    for p in members:
+        if isinstance(p, AnyOf):
+            check_policy(p, method, arg)
+        elif not callable(getattr(p, method, None)):
+            takes = _SAVE_POLICIES if method == "should_save" else _KEEP_POLICIES
+            raise TypeError(f"{arg}={p!r} has no {method}(): {arg} takes {takes}")
+
+
 @dataclass(frozen=True)
 class EveryNSteps:
     """Save when ``step % n == 0``. Example: ``EveryNSteps(100)``."""
@@ -79,7 +112,7 @@ class EveryNSteps:
     n: int
 
     def __post_init__(self) -> None:
-        _positive("n", self.n)
+        _count("n", self.n)
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.n == 0
@@ -105,7 +138,7 @@ class LatestN:
     n: int
 
     def __post_init__(self) -> None:
-        _positive("n", self.n)
+        _count("n", self.n)
 
     def keep(self, infos: list[StepInfo], now: float) -> set[int]:
         return {i.step for i in sorted(infos, key=lambda i: i.step)[-self.n :]}
@@ -118,7 +151,7 @@ class EveryKSteps:
     k: int
 
     def __post_init__(self) -> None:
-        _positive("k", self.k)
+        _count("k", self.k)
 
     def keep(self, infos: list[StepInfo], now: float) -> set[int]:
         return {i.step for i in infos if i.step % self.k == 0}
@@ -136,7 +169,7 @@ class BestN:
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
-        _positive("n", self.n)
+        _count("n", self.n)
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got mode={self.mode!r}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ftrain.ckpt.policies import (
@@ -65,8 +67,44 @@ def test_keep_policies():
         (lambda: EveryNSeconds(0), "seconds=0"),
         (lambda: BestN("x", 1, mode="avg"), "mode='avg'"),
         (lambda: AnyOf(), "at least one"),
+        (lambda: LatestN(1.5), "must be a whole number, got n=1.5"),
+        (lambda: EveryKSteps(True), "must be a whole number"),
     ],
 )
 def test_bad_arguments_name_the_value(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_a_policy_in_the_wrong_place_is_refused_at_the_manager(tmp_path):
+    """EveryNSteps as the keep policy (for EveryKSteps) committed step 1, then failed in
+    the background, and the next save raised over a committed step."""
+    from ftrain.ckpt import CheckpointManager
+
+    for kw, said in (
+        ({"keep_policy": EveryNSteps(2)}, "keep_policy=EveryNSteps(n=2) has no keep()"),
+        ({"save_policy": LatestN(2)}, "save_policy=LatestN(n=2) has no should_save()"),
+        ({"keep_policy": AnyOf(LatestN(1), EveryNSteps(2))}, "EveryNSteps(n=2) has no keep()"),
+    ):
+        with pytest.raises(TypeError, match=re.escape(said)):
+            CheckpointManager(tmp_path / "ck", **kw)
+    CheckpointManager(tmp_path / "ck", keep_policy=AnyOf(LatestN(1), EveryKSteps(2))).close()
+
+
+def test_a_keep_policy_that_raises_is_a_warning_not_a_lost_save(tmp_path):
+    """The step is committed; the next save must not fail over retention."""
+    import torch
+    from tensordict import TensorDict
+
+    from ftrain.ckpt import CheckpointManager
+
+    class Broken:
+        def keep(self, infos, now):
+            raise TypeError("my policy's bug")
+
+    with CheckpointManager(tmp_path / "ck", keep_policy=Broken(), async_save=True) as m:
+        with pytest.warns(RuntimeWarning, match="retention or the index failed: .*my policy's bug"):
+            for step in (1, 2):
+                m.save(TensorDict(step=torch.tensor(step), w=torch.ones(3)), force=True)
+            m.wait()
+        assert m.all_steps() == [1, 2]
