@@ -65,7 +65,7 @@ def groups_and_arrays(td: TensorDictBase) -> tuple[list[str], dict[str, torch.Te
 
     Raises:
         ValueError: a key that cannot be a Zarr node name (contains ``/``, is empty, starts
-            with ``__`` or is reserved), or a leaf that is not a tensor.
+            with ``__`` or is reserved), or a leaf that is not a dense tensor with data.
     """
     nodes, keys, values = nodes_and_leaves(td)
     for path in nodes[1:] + keys:
@@ -74,8 +74,20 @@ def groups_and_arrays(td: TensorDictBase) -> tuple[list[str], dict[str, torch.Te
     for key, value in zip(keys, values, strict=True):
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"leaf {'/'.join(key)!r} is a {type(value).__name__}, not a tensor")
+        _check_storable("/".join(key), value)
         arrays["/".join(key)] = value
     return ["/".join(n) for n in nodes], arrays
+
+
+def _check_storable(key: str, t: torch.Tensor) -> None:
+    """A dense tensor with its data: a quantized one committed without its scale and
+    zero point, a sparse one failed in the background writer, a meta one deep in torch."""
+    if t.is_quantized:
+        raise ValueError(f"leaf {key!r} is quantized ({t.dtype}); save t.dequantize()")
+    if t.layout != torch.strided:
+        raise ValueError(f"leaf {key!r} is {t.layout}, not dense; save t.to_dense()")
+    if t.device.type == "meta":
+        raise ValueError(f"leaf {key!r} is on the meta device: it has no data to save")
 
 
 def _check_name(path: tuple[str, ...]) -> None:
@@ -83,7 +95,7 @@ def _check_name(path: tuple[str, ...]) -> None:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.startswith("__"):
         raise ValueError(
             f"key {name!r} under {prefix or '/'!r} is not a valid node name: use "
-            "letters, digits, '_', '-' and '.' (not first), no '/'"
+            "letters, digits, '_', '-' and '.' (not first), no '/', not starting with '__'"
         )
     if name in RESERVED or (not prefix and name in ROOT_RESERVED):
         raise ValueError(f"key {name!r} is reserved by the checkpoint format; rename it")

@@ -100,6 +100,16 @@ def test_a_step_lists_its_nodes_in_the_trees_one_sorted_walk_whatever_the_insert
         groups_and_arrays(TensorDict({"a": {"manifest.json": leaf}, "zarr.json": leaf}, []))
     with pytest.raises(ValueError, match="leaf 'a/s' is a NonTensorData, not a tensor"):
         groups_and_arrays(TensorDict({"a": {"s": "text"}, "b": leaf}, []))
+    # leaves a store cannot hold: refused up front, named, with the fix (a quantized one
+    # committed without its scale; a sparse one failed in the background writer)
+    q = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    for bad, said in (
+        (q, "leaf 'w' is quantized (torch.qint8); save t.dequantize()"),
+        (torch.eye(3).to_sparse(), "leaf 'w' is torch.sparse_coo, not dense; save t.to_dense()"),
+        (torch.empty(3, device="meta"), "leaf 'w' is on the meta device"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            groups_and_arrays(TensorDict({"w": bad}, []))
 
 
 @settings(max_examples=25, deadline=None)
