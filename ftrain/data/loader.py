@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -35,6 +36,26 @@ class _Stop:
         self.error = error
 
 
+def _produce(read, cursor: TensorDict, out: queue.Queue, stop: threading.Event) -> None:
+    """The prefetch thread: batches from ``cursor`` into ``out`` until ``stop``."""
+    try:
+        while not stop.is_set():
+            batch = read(cursor)
+            cursor = batch["cursor"]
+            _put(out, batch, stop)
+    except BaseException as e:  # surfaced to the consumer on its next() call
+        _put(out, _Stop(e), stop)
+
+
+def _put(out: queue.Queue, item, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_POLL_S)
+            return
+        except queue.Full:
+            continue
+
+
 class LoaderIterator(Iterator[TensorDict]):
     """An endless stream of batches from one starting cursor. ``close()`` joins its thread."""
 
@@ -46,33 +67,17 @@ class LoaderIterator(Iterator[TensorDict]):
         if loader.prefetch > 0:
             self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch)
             self._stop = threading.Event()
+            # the thread holds the queue, the event and the loader's reader, never this
+            # iterator: one dropped without close() (a `break` out of a for loop) is
+            # collected, and collecting it stops the thread (it polled forever before)
             self._thread = threading.Thread(
-                target=self._produce, name="ftrain-data-prefetch", daemon=True
+                target=_produce,
+                args=(loader._read, self._cursor, self._queue, self._stop),
+                name="ftrain-data-prefetch",
+                daemon=True,
             )
+            weakref.finalize(self, self._stop.set)
             self._thread.start()
-
-    def _produce(self) -> None:
-        cursor = self._cursor
-        try:
-            while not self._stop.is_set():
-                batch = self._loader._read(cursor)
-                cursor = batch["cursor"]
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(batch, timeout=_POLL_S)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as e:  # surfaced to the consumer on its next() call
-            self._put_final(_Stop(e))
-
-    def _put_final(self, item: _Stop) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_POLL_S)
-                return
-            except queue.Full:
-                continue
 
     def __next__(self) -> TensorDict:
         if self._closed:
@@ -114,10 +119,6 @@ class LoaderIterator(Iterator[TensorDict]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None:
-            self._stop.set()
 
 
 class Loader:
@@ -175,7 +176,9 @@ class Loader:
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self._pin = self.device.type == "cuda"
-        self._active: LoaderIterator | None = None
+        # held weakly: the prefetch thread holds this loader (its reader), so a strong
+        # reference here kept a dropped iterator, and its thread, alive for good
+        self._active: weakref.ref[LoaderIterator] | None = None
         # validate the arguments now rather than in the producer thread
         sample(init_cursor(), self.key, **self._sample_kwargs())
 
@@ -220,17 +223,19 @@ class Loader:
         ``[global_batch // world, block_size]`` and ``cursor`` the cursor after this batch.
         """
         self.close()
-        self._active = LoaderIterator(self, init_cursor() if cursor is None else cursor)
-        return self._active
+        stream = LoaderIterator(self, init_cursor() if cursor is None else cursor)
+        self._active = weakref.ref(stream)
+        return stream
 
     def __iter__(self) -> LoaderIterator:
         return self.iter_from(None)
 
     def close(self) -> None:
         """Close the active stream (joins its prefetch thread)."""
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+        stream = self._active() if self._active is not None else None
+        if stream is not None:
+            stream.close()
+        self._active = None
 
     def __enter__(self) -> Loader:
         return self

@@ -192,3 +192,30 @@ def test_ignored_targets_pass_the_vocabulary_check():
 
     x, y = torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, -100]])
     check_token_ids(TensorSource(torch.arange(9), block_size=BLOCK), x, y, 256, "here")
+
+
+def test_a_stream_dropped_without_close_stops_its_thread():
+    """``for batch in loader: ... break`` in a function: the thread held the iterator (and
+    the loader held it too), so every such loop left a thread polling for good."""
+    import gc
+    import time
+
+    def first_batches():
+        loader = Loader(
+            TensorSource(torch.arange(10_000), block_size=8), global_batch=4, key=key(0)
+        )
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+
+    before = {t for t in threading.enumerate() if t.name == "ftrain-data-prefetch"}
+    for _ in range(3):
+        first_batches()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = {t for t in threading.enumerate() if t.name == "ftrain-data-prefetch"}
+        if not alive - before:
+            break
+        time.sleep(0.05)
+    assert not alive - before, f"{len(alive - before)} prefetch threads left running"
