@@ -66,15 +66,41 @@ def _problems(module: nn.Module, given: dict, strict: bool) -> tuple[list[str], 
     return problems, copies
 
 
-def load_params(module: nn.Module, params, *, strict: bool = True) -> nn.Module:
-    """Copy ``params`` into ``module``'s existing Parameters in place (ties kept).
+def _buffer_problems(module: nn.Module, given: dict, strict: bool) -> tuple[list[str], list]:
+    """(problems, [(buffer, source tensor)]) for ``given`` against the module's buffers
+    (``strict``: every persistent one, the ones a state holds, must be given)."""
+    from ftrain.state.init import _is_persistent
+
+    by_name = dict(module.named_buffers())
+    problems = [f"not a buffer of the module: {k}" for k in sorted(set(given) - set(by_name))]
+    if strict:
+        wanted = {n for n in by_name if _is_persistent(module, n)}
+        problems += [f"missing buffer: {n}" for n in sorted(wanted - set(given))]
+    copies = []
+    for name in sorted(set(given) & set(by_name)):
+        src, b = given[name], by_name[name]
+        if tuple(src.shape) != tuple(b.shape) or src.dtype != b.dtype:
+            problems.append(
+                f"{name}: given {src.dtype}{tuple(src.shape)}, module {b.dtype}{tuple(b.shape)}"
+            )
+        else:
+            copies.append((b, src))
+    return problems, copies
+
+
+def load_params(module: nn.Module, params, *, buffers=None, strict: bool = True) -> nn.Module:
+    """Copy ``params`` (and ``buffers``) into ``module``'s existing tensors in place (ties
+    kept).
 
     Args:
         module: the module to load into; its Parameter objects stay the same.
         params: ``state["params"]`` (a nested TensorDict) or ``{dotted name: tensor}``.
             A tied Parameter may be given under any of its names, or under several with
             equal values (``TensorDict.from_module`` lists every alias).
-        strict: every Parameter must be given (``False``: the others keep their values).
+        buffers: ``state["buffers"]`` (a BatchNorm's running statistics: without them the
+            module computes with its initial ones), or ``None`` to leave buffers as they are.
+        strict: every Parameter (and, with ``buffers``, every persistent buffer) must be
+            given (``False``: the others keep their values).
 
     Returns:
         ``module``.
@@ -91,9 +117,16 @@ def load_params(module: nn.Module, params, *, strict: bool = True) -> nn.Module:
         >>> w = m.weight
         >>> load_params(m, state["params"].apply(torch.zeros_like)).weight is w
         True
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> s = ftrain.init_state(bn, ftrain.optim.sgd(0.1), seed=0)
+        >>> stats = s["buffers"].apply(lambda t: t + 1)
+        >>> float(load_params(bn, s["params"], buffers=stats).running_var[0])
+        2.0
     """
-    given = _flat(params)
-    problems, copies = _problems(module, given, strict)
+    problems, copies = _problems(module, _flat(params), strict)
+    if buffers is not None:
+        more, buffer_copies = _buffer_problems(module, _flat(buffers), strict)
+        problems, copies = problems + more, copies + buffer_copies
     if problems:
         shown = "; ".join(problems[:6]) + (
             f"; ... ({len(problems)} in all)" if len(problems) > 6 else ""

@@ -84,3 +84,24 @@ def test_strict_checks_report_everything_and_copy_nothing():
     )
     with pytest.raises(TypeError, match="TensorDict or"):
         ftrain.load_params(model, [1])
+
+
+def test_buffers_are_loaded_too_so_the_module_computes_as_the_state():
+    """docs/custom-step.md §5 sends module users to load_params: a BatchNorm kept its
+    initial running statistics (no way to load state["buffers"])."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    tx = ftrain.optim.sgd(0.1)
+    state = ftrain.init_state(model, tx, seed=0)
+    loss = lambda m, b: m(b["x"]).pow(2).mean()  # noqa: E731
+    batch = {"x": torch.randn(16, 3) * 4 + 3}
+    state, _ = ftrain.make_step(model, loss, tx)(state, batch)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).eval()
+    ftrain.load_params(fresh, state["params"], buffers=state["buffers"])
+    want = ftrain.make_eval_step(model, loss)(state, batch)["loss"]
+    with torch.no_grad():
+        assert float(loss(fresh, batch)) == pytest.approx(float(want), rel=1e-6)
+    with pytest.raises(ValueError, match="missing buffer: 1.running_mean"):
+        ftrain.load_params(fresh, state["params"], buffers={})
+    with pytest.raises(ValueError, match="not a buffer of the module: 1.nope"):
+        ftrain.load_params(fresh, state["params"], buffers={"1.nope": torch.zeros(1)}, strict=False)
