@@ -281,8 +281,9 @@ def _leaf_difference(path: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 
 def _bits(flat: torch.Tensor) -> torch.Tensor:
-    """Raw bytes of a 1-d tensor, so comparisons are bitwise (NaN == NaN, -0.0 != 0.0)."""
-    return flat.contiguous().view(torch.uint8)
+    """Raw bytes of a 1-d tensor, so comparisons are bitwise (NaN == NaN, -0.0 != 0.0);
+    a conjugate or negative view is resolved first (``view`` refuses those)."""
+    return flat.resolve_conj().resolve_neg().contiguous().view(torch.uint8)
 
 
 def first_difference(a: TensorDictBase, b: TensorDictBase) -> str | None:
@@ -299,9 +300,12 @@ def first_difference(a: TensorDictBase, b: TensorDictBase) -> str | None:
     kb, lb = flatten(b)
     only_a, only_b = set(ka) - set(kb), set(kb) - set(ka)
     if only_a or only_b:
+        name = path_str  # dotted, unless that reads the same for both ("a.b" vs a/b)
+        if {path_str(k) for k in only_a} & {path_str(k) for k in only_b}:
+            name = "/".join
         return (
-            f"keys differ: only in first {sorted(map(path_str, only_a))}, "
-            f"only in second {sorted(map(path_str, only_b))}"
+            f"keys differ: only in first {sorted(map(name, only_a))}, "
+            f"only in second {sorted(map(name, only_b))}"
         )
     b_by_key = dict(zip(kb, lb, strict=True))
     for k, t in zip(ka, la, strict=True):

@@ -88,6 +88,16 @@ def test_first_difference_reports_keys_shapes_and_bits():
     assert first_difference(a, neg) == "y: values differ at flat index 1 (0.0 vs -0.0)"
     nan = TensorDict(x=torch.tensor(float("nan")))
     assert tree_equal(nan, nan.clone())
+    # "a.b" beside a nested a/b read the same when dotted: shown by path then
+    dotted, nested = TensorDict({"a.b": torch.ones(1)}), TensorDict({"a": {"b": torch.ones(1)}})
+    assert (
+        first_difference(dotted, nested)
+        == "keys differ: only in first ['a.b'], only in second ['a/b']"
+    )
+    # conjugate and negative views compare by their values (view() refused them)
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert tree_equal(TensorDict(z=z.conj()), TensorDict(z=z.conj().resolve_conj()))
+    assert tree_equal(TensorDict(z=torch._neg_view(z)), TensorDict(z=-z))
 
 
 def test_replace_cast_count():
