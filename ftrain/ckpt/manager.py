@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 import warnings
@@ -800,6 +801,7 @@ class CheckpointManager:
             CheckpointNotFoundError: nothing committed, or nothing that verifies.
             ValueError: the checkpoint does not match ``target``, or ``only`` names no key.
         """
+        step = _as_step(step)
         self.wait()
         _check_mmap(mmap, rows, self._dirs)
         only_t = (only,) if isinstance(only, str) else tuple(only) if only is not None else None
@@ -944,6 +946,19 @@ def _newest_copy_first(paths: list) -> list:
         return float(when) if isinstance(when, (int, float)) else float("-inf")
 
     return sorted(paths, key=saved_at, reverse=True)  # stable: primary first on a tie
+
+
+def _as_step(step) -> int | None:
+    """``step`` as an int (a numpy or 0-d integer tensor too); "5" matched nothing ("no
+    step 5; available: [4, 5]") and True was step 1."""
+    if step is None:
+        return None
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        return operator.index(step)
+    except TypeError:
+        raise TypeError(f"restore(step={step!r}): a step is an int (or None: the newest)") from None
 
 
 def _check_mmap(mmap: bool, rows, dirs: list) -> None:

@@ -166,6 +166,10 @@ def test_restore_only_and_target_validation(tmp_path):
     )
     with pytest.raises(CheckpointNotFoundError, match="step 99"):
         m.restore(99)
+    for wrong in ("3", True, 3.0):  # "3" was "no step 3; available: [.., 3]", True step 1
+        with pytest.raises(TypeError, match=r"restore\(step=.*\): a step is an int"):
+            m.restore(wrong)
+    assert same(m.restore(torch.tensor(3))["params"], make_state(3)["params"])  # an int tensor
 
 
 def test_async_error_surfaces_on_next_call_and_wait(tmp_path, monkeypatch):
