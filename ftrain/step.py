@@ -131,6 +131,22 @@ def _loss_scale(opt_flat: tuple[Structure, list], precision: str, clip: float | 
     return scale
 
 
+def _warn_requires_grad(model: nn.Module) -> None:
+    """PyTorch freezes with ``requires_grad=False``; ftrain freezes through the optimizer
+    (the step differentiates the state's params, not the module's flags): say so rather
+    than train parameters their owner believes frozen."""
+    off = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if off:
+        shown = ", ".join(off[:4]) + (f", ... ({len(off)} in all)" if len(off) > 4 else "")
+        warnings.warn(
+            f"make_step: {shown} have requires_grad=False, which ftrain does not read: they "
+            "train unless the optimizer freezes them (multi_transform with a frozen() label, "
+            "docs/optim.md 'Parameter groups and frozen leaves')",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _check_args(grad_accum: int, precision: str, clip: float | None) -> None:
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum=}")
@@ -331,6 +347,7 @@ def make_step(
     if not callable(loss_fn):
         raise TypeError(f"make_step(model, loss_fn, tx): loss_fn must be callable, got {loss_fn!r}")
     _check_args(grad_accum, precision, clip)
+    _warn_requires_grad(model)
     rank, dp = _default_rank_world(dp)
     sharder = _sharder(shard, compile=compile, donate=donate, precision=precision, clip=clip)
     if compile:

@@ -474,3 +474,11 @@ def test_samples_is_the_leading_dim_the_batch_shares_not_the_first_leaf():
     assert int(ftrain.make_eval_step(model, own)(state, batch)["samples"]) == 7
     step = make_step(model, loss, ftrain.optim.sgd(0.1))
     assert int(step(state, batch)[1]["samples"]) == 32
+
+
+def test_requires_grad_false_is_said_to_be_ignored():
+    """A PyTorch user's freeze (requires_grad=False) was trained without a word."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].weight.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"0\.weight have requires_grad=False.*frozen\(\) label"):
+        make_step(model, lambda m, b: m(b["x"]).sum(), ftrain.optim.sgd(0.1))
