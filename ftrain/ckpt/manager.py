@@ -130,8 +130,13 @@ class CheckpointManager:
             credentials, access denied).
 
     Example:
-        >>> mgr = CheckpointManager(tmp_path, async_save=False)  # doctest: +SKIP
-        >>> mgr.save(state)
+        >>> import tempfile
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from ftrain.ckpt import CheckpointManager
+        >>> state = TensorDict({"step": torch.tensor(1), "w": torch.ones(2)})
+        >>> with tempfile.TemporaryDirectory() as d, CheckpointManager(d, async_save=False) as mgr:
+        ...     mgr.save(state)
         True
     """
 

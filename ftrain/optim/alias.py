@@ -48,6 +48,7 @@ def sgd(
         ValueError: for out-of-range hyper-parameters.
 
     Example:
+        >>> from ftrain.optim import sgd
         >>> tx = sgd(0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     """
     if nesterov and momentum == 0.0:
@@ -88,6 +89,7 @@ def adam(
         ValueError: for out-of-range hyper-parameters.
 
     Example:
+        >>> from ftrain.optim import adam
         >>> tx = adam(3e-4, b2=0.95)
     """
     return chain(scale_by_adam(b1, b2, eps, fused), scale_by_learning_rate(lr), name="adam")
@@ -129,6 +131,7 @@ def adamw(
         ValueError: for out-of-range hyper-parameters.
 
     Example:
+        >>> from ftrain.optim import adamw, masks, schedule
         >>> tx = adamw(schedule.warmup_cosine(6e-4, 2000, 600_000, end=6e-5),
         ...            b2=0.95, weight_decay=0.1, mask=masks.ndim_at_least(2))
     """

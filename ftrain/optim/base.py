@@ -72,6 +72,7 @@ class GradientTransformation(NamedTuple):
     Example:
         >>> import torch
         >>> from tensordict import TensorDict
+        >>> from ftrain.optim import adamw
         >>> tx = adamw(1e-3)
         >>> params = TensorDict({"w": torch.ones(2)}, batch_size=[])
         >>> state = tx.init(params)
@@ -159,6 +160,9 @@ def tree_get(tree: TensorDictBase, name: str | Path, default=_MISSING):
         ValueError: more than one entry matches (the message lists them).
 
     Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from ftrain.optim import adamw, tree_get
         >>> tx = adamw(1e-3)
         >>> float(tree_get(tx.init(TensorDict({"w": torch.ones(2)})), "learning_rate"))
         0.001
@@ -177,6 +181,10 @@ def leaf_get(
     same match, errors and default, without walking the tree again.
 
     Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from ftrain.optim import adamw, flatten
+        >>> from ftrain.optim.base import leaf_get
         >>> keys, leaves = flatten(adamw(1e-3).init(TensorDict({"w": torch.ones(2)})))
         >>> float(leaf_get(keys, leaves, "learning_rate"))
         0.001
@@ -291,6 +299,9 @@ def make_transform(
         The transform; its ``update`` is a :class:`FlatUpdate`.
 
     Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from ftrain.optim import make_transform
         >>> def flat(keys, u, state, params):
         ...     return torch._foreach_neg(u), state
         >>> negate = make_transform("negate", lambda params: TensorDict(), flat)
@@ -310,7 +321,9 @@ def refresh_hyperparams(tx: GradientTransformation, state: TensorDictBase) -> Te
     the same schedule the values are bit-identical.
 
     Example:
-        >>> from ftrain.optim import adamw, schedule
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from ftrain.optim import adamw, refresh_hyperparams, schedule, tree_get
         >>> params = TensorDict({"w": torch.ones(2)}, batch_size=[])
         >>> old = adamw(schedule.warmup_cosine(1e-3, 10, 100)).init(params)
         >>> new_tx = adamw(schedule.warmup_cosine(1e-3, 0, 100))
@@ -475,6 +488,10 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> GradientT
         TypeError: if a member is not a GradientTransformation.
 
     Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from ftrain.optim import chain, clip_by_global_norm, scale_by_adam
+        >>> from ftrain.optim import scale_by_learning_rate
         >>> tx = chain(clip_by_global_norm(1.0), scale_by_adam(), scale_by_learning_rate(1e-3))
         >>> list(tx.init(TensorDict({"w": torch.ones(2)})).keys())
         ['clip_by_global_norm', 'scale_by_adam', 'scale_by_learning_rate']

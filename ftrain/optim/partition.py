@@ -85,6 +85,7 @@ def frozen() -> GradientTransformation:
         A stateless :class:`GradientTransformation` named ``frozen``.
 
     Example:
+        >>> from ftrain.optim import adamw, frozen, masks, multi_transform
         >>> tx = multi_transform({"train": adamw(1e-3), "frozen": frozen()},
         ...                      {"frozen": masks.glob("wte.*"), "train": None})
     """
@@ -194,6 +195,7 @@ def multi_transform(
         TypeError: a transform that is not a GradientTransformation.
 
     Example:
+        >>> from ftrain.optim import adamw, masks, multi_transform
         >>> tx = multi_transform({"head": adamw(1e-3), "body": adamw(1e-4)},
         ...                      {"head": masks.glob("lm_head.*"), "body": None})
     """
@@ -300,6 +302,9 @@ def learning_rates(opt: TensorDictBase) -> dict[str, torch.Tensor]:
     has a learning rate (``{"multi_transform.head....learning_rate": ...}``).
 
     Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from ftrain.optim import adamw, learning_rates
         >>> list(learning_rates(adamw(1e-3).init(TensorDict({"w": torch.ones(2)}))))
         ['scale_by_learning_rate.learning_rate']
     """

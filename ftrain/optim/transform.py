@@ -140,6 +140,7 @@ def scale_by_adam(
         ValueError: if a hyper-parameter is out of range.
 
     Example:
+        >>> from ftrain.optim import chain, scale_by_adam, scale_by_learning_rate
         >>> tx = chain(scale_by_adam(b2=0.95), scale_by_learning_rate(3e-4))
     """
     b1 = _number("scale_by_adam", "b1", b1, low=0.0, high=1.0)
@@ -217,6 +218,7 @@ def add_decayed_weights(
             ``params`` is missing.
 
     Example:
+        >>> from ftrain.optim import add_decayed_weights, masks
         >>> tx = add_decayed_weights(0.1, mask=masks.ndim_at_least(2))
     """
     wd = _number("add_decayed_weights", "weight_decay", weight_decay, low=0.0)
@@ -279,6 +281,8 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         TypeError: if ``learning_rate`` is neither a number nor callable.
 
     Example:
+        >>> from tensordict import TensorDict
+        >>> from ftrain.optim import scale_by_learning_rate, schedule
         >>> tx = scale_by_learning_rate(schedule.warmup_cosine(6e-4, 100, 5000))
         >>> float(tx.init(TensorDict())["learning_rate"])
         0.0
@@ -327,6 +331,7 @@ def scale(factor: float) -> GradientTransformation:
         ValueError: if ``factor`` is not finite.
 
     Example:
+        >>> from ftrain.optim import chain, scale, scale_by_adam
         >>> tx = chain(scale_by_adam(), scale(-1e-3))  # plain Adam with a fixed rate
     """
     factor = _number("scale", "factor", factor)
@@ -360,6 +365,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         ValueError: for a negative or non-finite ``decay``, or ``nesterov`` with zero decay.
 
     Example:
+        >>> from ftrain.optim import chain, scale_by_learning_rate, trace
         >>> tx = chain(trace(0.9, nesterov=True), scale_by_learning_rate(0.1))
     """
     decay = _number("trace", "decay", decay, low=0.0)
