@@ -80,14 +80,13 @@ def groups_and_arrays(td: TensorDictBase) -> tuple[list[str], dict[str, torch.Te
 
 
 def _check_storable(key: str, t: torch.Tensor) -> None:
-    """A dense tensor with its data: a quantized one committed without its scale and
-    zero point, a sparse one failed in the background writer, a meta one deep in torch."""
+    """A dense tensor: a quantized one committed without its scale and zero point, a
+    sparse one failed in the background writer. (Meta tensors pass: the incremental
+    save's host snapshot uses them as shape-only placeholders of linked device leaves.)"""
     if t.is_quantized:
         raise ValueError(f"leaf {key!r} is quantized ({t.dtype}); save t.dequantize()")
     if t.layout != torch.strided:
         raise ValueError(f"leaf {key!r} is {t.layout}, not dense; save t.to_dense()")
-    if t.device.type == "meta":
-        raise ValueError(f"leaf {key!r} is on the meta device: it has no data to save")
 
 
 def _check_name(path: tuple[str, ...]) -> None:
