@@ -5,6 +5,7 @@ import importlib
 import io
 import pkgutil
 import random
+import tempfile
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def _modules() -> list[str]:
 
 
 @pytest.mark.parametrize("name", _modules())
-def test_docstring_examples(name, tmp_path, monkeypatch):
+def test_docstring_examples(name, tmp_path, tmp_path_factory, monkeypatch):
     try:
         module = importlib.import_module(name)
     except ImportError as e:
@@ -33,6 +34,8 @@ def test_docstring_examples(name, tmp_path, monkeypatch):
             raise  # a broken import inside ftrain, not a missing optional extra
         pytest.skip(f"{name} needs an optional extra that is not installed: {e}")
     monkeypatch.chdir(tmp_path)  # an example that writes a file writes it here
+    # examples make their directories with tempfile.mkdtemp(): under pytest's tmp, not /tmp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("mkdtemp")))
     runner = doctest.DocTestRunner(optionflags=FLAGS)
     out = io.StringIO()
     with _global_rngs_kept():  # hostrng's example seeds them: later tests see them as before
