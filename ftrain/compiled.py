@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 
 import torch
-from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.utils import counters
 from torch._inductor.exc import InductorError
 from torch.func import functional_call, grad_and_value
 
@@ -147,42 +148,48 @@ class CompiledCore:
             p, b, opt_flat or structure(opt), micro, scale, in_place, keep
         )
         fn = self.cache.get(key)
-        t0 = time.perf_counter()
+        t0, graphs = time.perf_counter(), _graphs()
         # one graph: it may write the donated buffers anywhere; the mark comes first
         undo = before_write() if before_write is not None else None
-        with train_mode(self._modules_now()), use_generator(gen):
-            # the first call of a layout compiles, inside the call
-            first = fn is None
-            out = self._first_call(key, (p, b, layout), args, undo) if first else fn(*args)
+        written = _versions(args) if undo is not None else None
+        try:
+            with train_mode(self._modules_now()), use_generator(gen):
+                # the first call of a layout compiles, inside the call
+                first = fn is None
+                out = self._first_call(key, (p, b, layout), args) if first else fn(*args)
+        except BaseException:
+            # a failure while tracing (the user's loss raising on a new layout, a compile
+            # error) ran no kernel: the donated state is whole, so the loop's emergency
+            # save may still write it. Any in-place write bumps a leaf's version.
+            if undo is not None and _versions(args) == written:
+                undo()
+            raise
         new_t, new_b, new_o, loss, norm, aux = out
-        if first:
-            self._report(time.perf_counter() - t0, aux)
+        compiled = _graphs() != graphs
+        if first or compiled:  # a later compile: a guard failed mid-run
+            self._report(time.perf_counter() - t0, aux, first, compiled)
         new_p = carry_frozen(p[1], keep, new_t)
         return new_p, new_b, rebuild(layout, new_o), loss, norm, aux
 
-    def _first_call(self, key, parts, args, undo):
+    def _first_call(self, key, parts, args):
         """Compile and run a new layout: with the C++ wrapper first if asked, then Python's
-        if it cannot emit a kernel (torch 2.13: the fp16 unscale's list-returning op).
-
-        A compile failure is raised before any kernel ran (the state's writes come last in
-        the graph): a donated state is then whole, so its mark is undone and the loop's
-        emergency save still writes it."""
+        if it cannot emit a kernel (torch 2.13: the fp16 unscale's list-returning op)."""
         p = parts[0]
         cpp = CPP_WRAPPER and all(t.device.type == "cpu" for t in p[1])
         wrappers = [True, False] if cpp else [False]
         compile_started()  # the hang watchdog allows this wait its first-step allowance
+        self._warm_caches(key, p[0], parts[2], args)
         while True:
             wrapper = wrappers.pop(0)
             fn = self.cache[key] = _compile(self._pure(key, *parts), wrapper)
             try:
                 return fn(*args)
-            except TorchDynamoException as e:
+            except BaseException as e:
                 if wrappers and isinstance(e, InductorError):
                     _note(f"the C++ wrapper failed ({str(e).splitlines()[0][:160]}); Python's")
                     continue
-                del self.cache[key]  # nothing compiled: the next call tries again
-                if undo is not None:
-                    undo()
+                # nothing compiled (or the loss raised while tracing): the next call retries
+                del self.cache[key]
                 raise
 
     def explain(self, p, b, opt, micro, scale=None, in_place: bool = False, keep=None):
@@ -220,12 +227,28 @@ class CompiledCore:
         targets = [next(dst_o) if t.ndim > 0 else t for t in oleaves]
         return self.pool.destinations((key, "params"), trained), targets
 
+    def _warm_caches(self, key, pkeys, layout, args) -> None:
+        """Run ``tx.update`` once on meta tensors (no memory, no kernels) before Dynamo
+        traces it: the optimizer's per-structure caches (weight-decay masks, labels) are
+        then full, so the graph does not guard on an empty cache and compile a second
+        time, unreported, at the next step. An update meta tensors cannot run (a mask
+        that reads values) is left to that recompile, which :meth:`_report` names."""
+        tkeys = _trained_keys(key, pkeys)
+        params, oleaves = ([t.to("meta") for t in ts] for ts in (args[0], args[3]))
+        try:
+            with torch.no_grad():
+                self.update(
+                    tkeys, [torch.zeros_like(t) for t in params], rebuild(layout, oleaves), params
+                )
+        except Exception:  # noqa: BLE001 -- only a cache warm-up; the compile is the judge
+            pass
+
     def _pure(self, key, p, b, layout):
-        keep = key[8]
         pkeys = p[0]
-        tkeys = pkeys if keep is None else pick(list(keep), pkeys)
+        keep = key[8]
         fkeys = [] if keep is None else [k for i, k in enumerate(pkeys) if i not in set(keep)]
-        return _core(self, (tkeys, fkeys), b[0], layout, list(key[3]), key[6])
+        keys = (_trained_keys(key, pkeys), fkeys)
+        return _own_code(_core(self, keys, b[0], layout, list(key[3]), key[6]))
 
     def _modules_now(self) -> tuple:
         mods = tuple(self.bound.modules())[1:]  # the model's, without the Bound wrapper
@@ -233,11 +256,41 @@ class CompiledCore:
             self._modules = mods
         return self._modules
 
-    def _report(self, seconds: float, aux: dict) -> None:
+    def _report(self, seconds: float, aux: dict, first: bool, compiled: bool) -> None:
         self.compile_seconds += seconds
         self.compiles += 1
         aux["compile_s"] = torch.tensor(seconds, dtype=torch.float64)
-        print(f"ftrain: compiled the step in {seconds:.1f} s", file=sys.stderr, flush=True)
+        if not compiled:  # e.g. TORCHDYNAMO_DISABLE=1, or Dynamo gave up on this frame
+            msg = "Dynamo compiled no graph for this step: it ran eagerly (set TORCH_LOGS=recompiles to see why)"
+        elif first:
+            msg = f"compiled the step in {seconds:.1f} s"
+        else:
+            msg = f"recompiled the step in {seconds:.1f} s (a guard failed: TORCH_LOGS=recompiles names it)"
+        print(f"ftrain: {msg}", file=sys.stderr, flush=True)
+
+
+def _trained_keys(key: tuple, pkeys: list[Key]) -> list[Key]:
+    keep = key[8]
+    return pkeys if keep is None else pick(list(keep), pkeys)
+
+
+def _graphs() -> int:
+    """How many graphs Dynamo has compiled in this process."""
+    return counters["stats"]["unique_graphs"]
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, and counts
+    recompiles against its limit (8), per code object; every core is the same nested
+    function, so a sweep's ninth compiled job (or layout) would silently run eager."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _versions(args) -> list[int]:
+    """The version counters of the leaves a donated call writes (trained params and the
+    optimizer's leaves): unchanged after a failure means nothing was written."""
+    return [t._version for t in (*args[0], *args[3])]
 
 
 def _compile(core, cpp_wrapper: bool):
@@ -264,10 +317,13 @@ def _core(cc: CompiledCore, keys: tuple, bkeys: list[Key], layout, mkeys, in_pla
     def core(params, frozen, buffers, oleaves, micro, scale, dst=None):
         buffers = [t.clone() for t in buffers]  # a forward may update buffers in place
         k = len(micro)
-        constant = dict(zip(fnames, frozen, strict=True)) | dict(zip(bnames, buffers, strict=True))
+        constant = dict(zip(fnames, frozen, strict=True))
 
-        def loss_of(ps, mb):
+        # the buffers are an input of the transformed function, not captured: a forward
+        # that updates them in place (BatchNorm's running stats) may only write its inputs
+        def loss_of(ps, bs, mb):
             named = dict(zip(pnames, ps, strict=True)) | constant
+            named |= dict(zip(bnames, bs, strict=True))
             device = ps[0].device.type
             with torch.autocast(device, dtype=autocast or torch.float32, enabled=bool(autocast)):
                 out = functional_call(bound, named, (mb,), tie_weights=True, strict=False)
@@ -278,7 +334,7 @@ def _core(cc: CompiledCore, keys: tuple, bkeys: list[Key], layout, mkeys, in_pla
         grads, loss_sum, aux_total = None, None, {}
         for leaves in micro:
             batch = unflatten(mkeys, leaves)
-            g, (_, (loss, aux)) = grad_and_value(loss_of, has_aux=True)(params, batch)
+            g, (_, (loss, aux)) = grad_and_value(loss_of, has_aux=True)(params, buffers, batch)
             grads = list(g) if grads is None else torch._foreach_add(grads, list(g))
             loss_sum = loss if loss_sum is None else loss_sum + loss
             merge_aux(aux_total, aux, k)

@@ -427,7 +427,8 @@ def check_trainer(t: DictConfig) -> None:
 def _check_fault_keys(t: DictConfig) -> None:
     """``trainer.compile``, ``trainer.on_nonfinite`` and ``trainer.hang_timeout_s`` (see
     docs/configuration.md, docs/fault-tolerance.md)."""
-    if t.compile not in (True, False, "auto"):  # auto: ftrain.compiled.should_compile
+    # 1 == True: an int would pass `in (True, False)` and then fail every `is True` test
+    if not (isinstance(t.compile, bool) or t.compile == "auto"):  # ftrain.compiled.should_compile
         raise ConfigError(f"trainer.compile must be true, false or auto, got {t.compile!r}")
     if t.on_nonfinite not in ("stop", "skip", "continue"):
         raise ConfigError(

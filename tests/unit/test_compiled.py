@@ -172,6 +172,25 @@ def test_keyed_dropout_still_runs_compiled_with_the_eager_masks():
     assert _max_diff(a, b) < 1e-5  # the same keyed masks: only rounding differs
 
 
+def test_batchnorm_running_stats_update_in_the_compiled_graph_as_in_eager():
+    """A forward that writes its buffers in place crashed the compiled step with a
+    452-line trace from torch.func: the buffers now enter the transform as inputs."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(
+        MLP(8, 16, 16, generator=gen), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1)
+    )
+    tx = ftrain.optim.sgd(0.05, 0.9)  # Adam would amplify the rounding of b2's zero gradient
+    eager = ftrain.make_step(model, mse_loss, tx)
+    compiled = ftrain.make_step(model, mse_loss, tx, compile=True)
+    a = b = ftrain.init_state(model, tx, seed=0)
+    for i in range(2):
+        a, _ = eager(a, make_data(16, seed=i))
+        b, _ = compiled(b, make_data(16, seed=i))
+    assert int(b["buffers", "1", "num_batches_tracked"]) == 2
+    assert not torch.equal(b["buffers", "1", "running_mean"], torch.zeros(16))
+    assert _max_diff(a, b) < 1e-5
+
+
 def test_compile_refuses_what_it_cannot_put_in_one_graph():
     model, tx = _mlp(), _tx()
     with pytest.raises(ValueError, match="compile=True"):
@@ -258,6 +277,83 @@ def test_a_donated_state_whose_compile_failed_is_still_whole(monkeypatch):
     assert ftrain.state.tree_equal(saved["emergency"], state)
     new, _ = step(state, make_data(16, seed=0))  # compiles for real this time
     assert int(new["step"]) == 1 and ftrain.state.is_donated(state)
+
+
+def test_a_loss_raising_while_a_new_layout_is_traced_leaves_the_donated_state_whole():
+    """The user's loss raising while Dynamo traces a new batch shape ran no kernel: the
+    donated state is not marked, so the loop's emergency save still writes it."""
+
+    def strict_loss(model, batch):
+        if batch["x"].shape[0] != 16:
+            raise ValueError("a partial batch")
+        return mse_loss(model, batch)
+
+    model, tx = _mlp(), _tx()
+    step = ftrain.make_step(model, strict_loss, tx, compile=True, donate=True)
+    saved = {}
+
+    def save(s, metrics, *, force, reason):
+        if force:
+            saved[reason] = (s.clone(), ftrain.state.is_donated(s))
+        return force
+
+    batches = [make_data(16, seed=0), make_data(16, seed=1), make_data(8, seed=2)]
+    with pytest.raises(ValueError, match="a partial batch"):
+        ftrain.train_loop(
+            ftrain.init_state(model, tx, seed=0),
+            step,
+            iter(batches),
+            max_steps=3,
+            save=save,
+            donate=True,
+        )
+    state, donated = saved["emergency"]
+    assert not donated and int(state["step"]) == 2
+    twin = ftrain.init_state(model, tx, seed=0)
+    for batch in batches[:2]:
+        twin, _ = ftrain.make_step(model, strict_loss, tx)(twin, batch)
+    assert _max_diff(state, twin) < 1e-5
+
+
+def test_each_compiled_step_has_its_own_recompile_budget(monkeypatch, capsys):
+    """Every core was one nested function, so Dynamo counted all compiled steps (a sweep's
+    jobs) against one recompile limit: past it they ran eagerly, logged as compiled."""
+    model, tx = _mlp(), _tx()
+    for seed in range(2):
+        before = counters["stats"]["unique_graphs"]
+        step = ftrain.make_step(model, mse_loss, tx, compile=True)
+        with torch._dynamo.config.patch(recompile_limit=1):
+            step(ftrain.init_state(model, tx, seed=seed), make_data(16, seed=seed))
+        assert counters["stats"]["unique_graphs"] == before + 1, f"step {seed} ran eagerly"
+    assert "ran eagerly" not in capsys.readouterr().err
+    monkeypatch.setattr(ftrain.compiled, "_compile", lambda core, cpp_wrapper: core)  # no graph
+    step = ftrain.make_step(model, mse_loss, tx, compile=True)
+    step(ftrain.init_state(model, tx, seed=0), make_data(16, seed=0))
+    assert "Dynamo compiled no graph for this step: it ran eagerly" in capsys.readouterr().err
+
+
+def test_masked_weight_decay_compiles_once_and_a_later_recompile_is_reported(capsys):
+    """The weight-decay mask's per-structure cache was empty when first traced: Dynamo
+    guarded on it and compiled again at step 2, in no log and no compile_s."""
+    peak = {"lr": 1e-2}  # a Python value the schedule reads: changing it fails a guard
+
+    def schedule(count):
+        return peak["lr"] / (1.0 + count)
+
+    tx = ftrain.optim.adamw(schedule, weight_decay=0.1, mask=lambda path, t: t.ndim >= 2)
+    model = _mlp()
+    step = ftrain.make_step(model, mse_loss, tx, compile=True)
+    state = ftrain.init_state(model, tx, seed=0)
+    before = counters["stats"]["unique_graphs"]
+    for i in range(3):
+        state, metrics = step(state, make_data(16, seed=i))
+        assert ("compile_s" in metrics.keys()) == (i == 0)
+    assert counters["stats"]["unique_graphs"] == before + 1
+    peak["lr"] = 5e-3
+    state, metrics = step(state, make_data(16, seed=3))
+    assert "compile_s" in metrics.keys() and step.core.compiles == 2
+    err = capsys.readouterr().err
+    assert err.count("ftrain: compiled the step in") == 1 and "recompiled the step in" in err
 
 
 def test_the_start_refuses_compile_true_on_several_ranks_naming_the_fixes():
