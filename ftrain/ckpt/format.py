@@ -182,12 +182,16 @@ class ArraySpec:
         parts = ["c", str(i)] + ["0"] * (len(self.shape) - 1)
         return self.separator.join(parts) if self.shape else "c"
 
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (index of the first dimension); 0 for an array with no rows."""
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
+
     def chunk_span(self, i: int) -> tuple[int, int]:
         """Byte range ``[start, stop)`` of chunk ``i``'s real payload in the flat tensor."""
         if not self.shape:
             return 0, self.nbytes
-        row = self.nbytes // self.shape[0]
-        start = i * self.chunk_shape[0] * row
+        start = i * self.chunk_shape[0] * self.row_nbytes
         return start, min(start + self.chunk_nbytes, self.nbytes)
 
     def to_json(self) -> dict:

@@ -263,7 +263,7 @@ def download_owned(
     specs = selected_specs(manifest, only)
     owned = {k: owner.owned_rows(k, s.shape) for k, s in specs.items()}
     whole = {k: s for k, s in specs.items() if owned[k] is None}
-    row_bytes = sum(r[1] * (specs[k].nbytes // specs[k].shape[0]) for k, r in owned.items() if r)
+    row_bytes = sum(r[1] * specs[k].row_nbytes for k, r in owned.items() if r)
     check_memory(step, whole, extra_bytes=row_bytes)  # before anything is allocated
     _check_objects(step, specs)
     out, tensors = allocate_tree(manifest, whole, only)

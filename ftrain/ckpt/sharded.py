@@ -87,7 +87,9 @@ def _shard_rows(n: int, world: int) -> int:
 def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compression) -> ArraySpec:
     """The spec of one leaf: global shape; for a row-sharded DTensor chunk rows that divide
     the shard rows (so no chunk spans two ranks), as close to ``chunk_bytes`` as that allows."""
-    if not _is_row_sharded(t) or t.shape[0] == 0:
+    if t.numel() == 0:  # the global shape: a sharded (4, 0) leaf is (2, 0) on each rank
+        return plan_array(key, torch.empty(t.shape, dtype=t.dtype, device="meta"), 1, compression)
+    if not _is_row_sharded(t):
         local = t.to_local() if isinstance(t, DTensor) else t
         return plan_array(key, local, chunk_bytes, compression)
     c = _shard_rows(t.shape[0], world)
@@ -442,9 +444,7 @@ def read_owned(
     )
     check_no_links(root)  # first: nothing is opened, not even for a hint, through a link
     with prefetching(chunk_files(root, whole) + mine):
-        local_bytes = sum(
-            r[1] * (specs[k].nbytes // specs[k].shape[0]) for k in sharded if (r := owned[k])
-        )
+        local_bytes = sum(r[1] * specs[k].row_nbytes for k in sharded if (r := owned[k]))
         check_sizes(root, whole, extra_bytes=local_bytes)  # before anything is allocated
         out, tensors = allocate_tree(manifest, whole, only)
         read_jobs(

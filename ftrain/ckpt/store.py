@@ -44,6 +44,7 @@ from ftrain.ckpt.format import (
     FORMAT_VERSION,
     NAME_RE,
     ArraySpec,
+    CorruptCheckpointError,
     json_bytes,
     plan_array,
     write_json,
@@ -409,6 +410,10 @@ def _check_complete(manifest: dict) -> None:
                     f"array {name!r}: no rank wrote chunk(s) {holes[:5]} (its {field} is "
                     "missing); the ranks' shardings do not cover the array"
                 )
+        try:  # the reader's own check: never commit a step no restore would accept
+            ArraySpec.from_json(name, spec)
+        except CorruptCheckpointError as e:
+            raise ValueError(f"the merged manifest is not one a restore accepts: {e}") from e
 
 
 def _load_syncfs():

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node=N reshard_worker.py save DIR         # each rank writes its rows
     torchrun --nproc-per-node=M reshard_worker.py load OUT DIR...  # each rank reads its rows
     torchrun --nproc-per-node=2 reshard_worker.py overlap DIR OUT  # async save + training
+    torchrun --nproc-per-node=2 reshard_worker.py empty DIR OUT    # leaves with no elements
 
 ``save`` trains GPT-2 tiny for two AdamW steps (so the moments are not zeros) once per shard
 mode into ``DIR/<mode>``: sharded with ``save_sharded`` on N > 1 ranks, whole with ``save``
@@ -137,6 +138,40 @@ def overlap(where: str, out: Path) -> None:
         out.write_text(json.dumps({"steps": mgr.all_steps(), "ranks": every}))
 
 
+def empty_leaves(where: str, out: Path) -> None:
+    """Sharded leaves with no elements, saved twice (keep 1) and restored whole and by
+    rows: ``(4*world, 0)`` planned a zero chunk dimension (a step no reader accepts was
+    committed and retention deleted the good one), and a 0-row leaf divided by its 0 rows
+    on a rows restore. Rank 0 writes what it found to ``out``."""
+    from tensordict import TensorDict
+
+    from ftrain.ckpt.policies import LatestN
+
+    world, sharder = dist.get_world_size(), sharding.Sharder()
+    w = torch.arange(4 * world * 3, dtype=torch.float32).reshape(4 * world, 3)
+    leaves = {"w": w, "cols0": torch.zeros(4 * world, 0), "rows0": torch.zeros(0, 3)}
+    manager = CheckpointManager(where, async_save=False, keep_policy=LatestN(1))
+    for step in (1, 2):
+        opt = {k: sharder.shard(v.clone()) for k, v in leaves.items()}
+        state = TensorDict(
+            {"step": torch.tensor(step), "params": {"w": w.clone()}, "opt": opt}, batch_size=[]
+        )
+        manager.save_sharded(state)
+    back = CheckpointManager(where, async_save=False)
+    whole, rows = back.restore(), back.restore(rows=sharder)
+    mine = {
+        "steps": manager.all_steps(),
+        "whole": all(torch.equal(whole["opt", k], v) for k, v in leaves.items()),
+        "rows": all(
+            torch.equal(rows["opt", k].to_local(), sharder.shard(v).to_local())
+            for k, v in leaves.items()
+        ),
+    }
+    every = gather_json(mine)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(every))
+
+
 if __name__ == "__main__":
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
@@ -144,6 +179,8 @@ if __name__ == "__main__":
         save(sys.argv[2])  # a directory or an s3:// URL
     elif sys.argv[1] == "overlap":
         overlap(sys.argv[2], Path(sys.argv[3]))
+    elif sys.argv[1] == "empty":
+        empty_leaves(sys.argv[2], Path(sys.argv[3]))
     else:
         load(Path(sys.argv[2]), sys.argv[3:])
     if dist.is_initialized():

@@ -288,6 +288,26 @@ def test_an_async_sharded_save_runs_beside_the_training_on_every_rank(tmp_path):
     assert all(not r["differ"] for r in got["ranks"]), got
 
 
+def check_empty_leaves(where: str, out: Path) -> None:
+    """Sharded leaves with no elements save, keep and restore (whole and by rows) on 2
+    ranks at ``where`` (also run by tests/s3 with an ``s3://`` location)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run(
+        [*run, str(RESHARD), "empty", where, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text()) == [{"steps": [2], "whole": True, "rows": True}] * 2
+
+
+def test_sharded_leaves_with_no_elements_save_and_restore(tmp_path):
+    check_empty_leaves(str(tmp_path / "ck"), tmp_path / "out.json")
+
+
 def check_row_restore(one: str, two: str, out: Path, nproc: int) -> None:
     """Save at ``one`` (in this process) and ``two`` (2 ranks), restore both on ``nproc``
     ranks reading rows only, and check what every rank got and read (also run by

@@ -10,7 +10,7 @@ import pytest
 from ftrain.ckpt import CheckpointManager
 
 from ..integration.conftest import cache_dir  # noqa: F401 - fixture
-from ..integration.test_sharding import _common, _torchrun, check_row_restore
+from ..integration.test_sharding import _common, _torchrun, check_empty_leaves, check_row_restore
 from .conftest import objects
 
 
@@ -23,6 +23,12 @@ def test_ranks_upload_their_own_rows_and_restore_downloads_only_theirs(bucket, t
     for mode in ("optimizer", "full"):
         mgr = CheckpointManager(f"{url}/two/{mode}")
         assert mgr.all_steps() == [2] and not mgr.invalid_steps()
+
+
+@pytest.mark.slow  # one 2-rank run, ~10 s
+def test_sharded_leaves_with_no_elements_upload_and_download(bucket, tmp_path):
+    """A (4*world, 0) leaf's chunk plan and a 0-row leaf's rows download (ZeroDivisionError)."""
+    check_empty_leaves(f"s3://{bucket}/empty", tmp_path / "out.json")
 
 
 @pytest.mark.slow  # three 2-rank CLI runs: ~60 s on 2 shared cores
