@@ -135,6 +135,7 @@ def parse_location(value: str | Path, storage: Mapping | None = None):
             raise CheckpointLocationError(
                 f"checkpoint location {value!r} names no bucket; write {scheme}://BUCKET/PREFIX"
             )
+        _check_object_path(value, scheme, rest.rstrip("/"))
         try:
             from ftrain.ckpt.objstore import ObjectRoot
         except ImportError as e:
@@ -150,6 +151,32 @@ def parse_location(value: str | Path, storage: Mapping | None = None):
             f"object storage, or ./{value} if you really mean a local directory"
         )
     return Path(value)
+
+
+def _check_object_path(value: str, scheme: str, rest: str) -> None:
+    """Refuse the spellings a store would read as another place than the text says: the
+    URL parser drops a ``?query`` or ``#fragment``, decodes ``%xx`` and removes ``.``/``..``
+    segments, so ``s3://b/ck#fallback`` was the primary's own prefix (every commit then
+    set its own step aside as "another copy") and ``s3://b/a/../ck`` was ``s3://b/ck``.
+
+    Raises:
+        CheckpointLocationError: naming the value, the character or segment, and the fix.
+    """
+    for char, what in (("?", "a query"), ("#", "a fragment"), ("%", "a percent-escape")):
+        if char in rest:
+            raise CheckpointLocationError(
+                f"checkpoint location {value!r} holds {char!r} ({what}): the store's URL "
+                "parser would not keep it in the object key, so the checkpoints would land "
+                f"elsewhere; use letters, digits and - _ . / in {scheme}://BUCKET/PREFIX"
+            )
+    bad = [seg for seg in rest.split("/")[1:] if seg in ("", ".", "..")]
+    if bad:
+        what = f"a {bad[0]!r}" if bad[0] else "an empty"
+        raise CheckpointLocationError(
+            f"checkpoint location {value!r} has {what} path segment, which "
+            f"the store would collapse or resolve away; write {scheme}://BUCKET/PREFIX with "
+            "plain segments (no //, ./ or ../)"
+        )
 
 
 def open_store(url: str, storage: Mapping | None = None):

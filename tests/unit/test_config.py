@@ -109,6 +109,31 @@ def test_storage_options_split_into_store_and_client_keys():
         split_storage_options({"region": ["us-east-1"]})
 
 
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("s3://b/ck#fallback", "holds '#' (a fragment)"),
+        ("s3://b/ck?versionId=3", "holds '?' (a query)"),
+        ("gs://b/run%2F1", "holds '%' (a percent-escape)"),
+        ("s3://b/old/../ck", "has a '..' path segment"),
+        ("s3://b/./ck", "has a '.' path segment"),
+        ("az://b//ck", "has an empty path segment"),
+    ],
+)
+def test_object_urls_the_store_would_read_as_another_place_are_refused(url, needle):
+    """obstore dropped ``#...``/``?...``, decoded ``%xx`` and resolved ``..``: a fallback
+    at ``s3://b/ck#fallback`` was the primary's own prefix, and every commit set its own
+    step aside (all_steps stayed empty)."""
+    from ftrain.ckpt import CheckpointManager
+    from ftrain.ckpt.location import CheckpointLocationError, parse_location
+
+    with pytest.raises(CheckpointLocationError, match=re.escape(needle)) as e:
+        parse_location(url)
+    assert repr(url) in str(e.value) and "BUCKET/PREFIX" in str(e.value)
+    with pytest.raises(CheckpointLocationError, match=re.escape(needle)):
+        CheckpointManager("s3://b/ck", fallback_directory=url)
+
+
 class _Samples:
     def __len__(self):
         return 100
