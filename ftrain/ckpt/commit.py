@@ -113,6 +113,13 @@ _ASIDE_RE = re.compile(r"^step_(\d{8,})\.(replaced|superseded|unreadable)-[0-9a-
 fault_hook: Callable[[str], None] | None = None
 
 
+class StepTakenError(FileExistsError):
+    """Another writer committed this step at this location first (an object store's
+    create-only put of the manifest or marker lost). Its objects are the winner's: the
+    loser deletes nothing and does not try the fallback location (whose commit would set
+    the winner's step aside as a replaced copy)."""
+
+
 def _phase(name: str) -> None:
     if fault_hook is not None:
         fault_hook(name)

@@ -545,6 +545,14 @@ class CheckpointManager:
         for i, root in enumerate(self._dirs):
             try:
                 return write(root)
+            except protocol.StepTakenError as e:
+                # another writer committed this step here first: the fallback would then
+                # set the winner's step aside as "a replaced copy"
+                raise CheckpointSaveError(
+                    f"[step={step}] {what} to {root} lost to another writer, which committed "
+                    f"step {step} there first ({e}); nothing was moved aside. Two runs write "
+                    "this location: give each its own checkpoint directory"
+                ) from e
             except OSError as e:
                 errors.append(f"{root}: {e}")
                 if i + 1 < len(self._dirs):

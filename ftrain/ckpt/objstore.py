@@ -422,15 +422,16 @@ class ObjectRoot:
         from ftrain.ckpt.objio import upload_tree
 
         key = self.begin_step(step)
-        committed = False
         try:
             manifest = upload_tree(key, state, attributes, chunk_bytes, compression, reuse=reuse)
-            manifest = self.commit_step(key, step, manifest, marker_extra)
-            committed = True
-        finally:
-            if not committed:
-                self.abort_step(key)
-        return key, manifest
+            return key, self.commit_step(key, step, manifest, marker_extra)
+        except protocol.StepTakenError:
+            # lost to another writer: the objects under the prefix are the winner's now
+            # (its marker may still be on its way): deleting them would unmake its commit
+            raise
+        except BaseException:
+            self.abort_step(key)
+            raise
 
     def begin_step(self, step: int) -> ObjectKey:
         """Step 1 of the protocol: clear the way; returns the step's prefix to upload to."""
@@ -477,7 +478,9 @@ async def _put_create(store, key: str, data: bytes) -> None:
         # object holds these very bytes (a marker's times make another writer's differ)
         if await _bytes_of(store, key) == data:
             return
-        raise FileExistsError(f"{key} already exists: another writer of this step was first") from e
+        raise protocol.StepTakenError(
+            f"{key} already exists: another writer of this step was first"
+        ) from e
     except obstore.exceptions.NotSupportedError:
         log.warning("the store has no conditional put; writing %s unconditionally", key)
         await obstore.put_async(store, key, data)

@@ -271,6 +271,10 @@ class _LocalTarget:
     def abort(self, staging) -> None:
         protocol.abort(staging)
 
+    def abandon(self, staging) -> None:
+        """After losing the commit to another writer: the staging directory is ours alone."""
+        protocol.abort(staging)
+
 
 class _ObjectTarget(_LocalTarget):
     """The same steps on an object store: the step's final prefix, the marker put last."""
@@ -298,6 +302,10 @@ class _ObjectTarget(_LocalTarget):
 
     def abort(self, key) -> None:
         self.root.abort_step(key)
+
+    def abandon(self, key) -> None:
+        """After losing the commit to another writer: the objects under the step's prefix
+        are the winner's (its marker may still be on its way), so nothing is deleted."""
 
 
 def save_all_ranks(
@@ -332,12 +340,13 @@ def save_all_ranks(
         report = {"ok": False, "error": f"rank {rank}: {why}"}
     parts = gather_json(report, group)
     final = _commit(target, handle, step, parts, marker_extra) if rank == 0 else None
-    ok = broadcast_int(1 if final is not None else 0, group=group)
-    if not ok:
+    lost = bool(parts) and any(p.get("lost") for p in parts)
+    ok = broadcast_int(1 if final is not None else 2 if lost else 0, group=group)
+    if ok != 1:
         errors = [p["error"] for p in parts if not p["ok"]] if parts else []
-        raise OSError(
-            broadcast_json("; ".join(errors) or "the commit failed on rank 0", group=group)
-        )
+        why = broadcast_json("; ".join(errors) or "the commit failed on rank 0", group=group)
+        # every rank raises the same: a lost commit is no reason to try the fallback
+        raise protocol.StepTakenError(why) if ok == 2 else OSError(why)
     broadcast_json(None, group=group)  # keeps every rank's collective sequence the same on success
     return final
 
@@ -355,6 +364,10 @@ def _commit(target, handle, step: int, parts: list[dict], marker_extra) -> tuple
         return None
     try:
         return target.commit(handle, step, manifest, marker_extra)
+    except protocol.StepTakenError as e:  # another writer committed the step first
+        parts.append({"ok": False, "error": f"rank 0: {e}", "lost": True})
+        target.abandon(handle)
+        return None
     except OSError:
         target.abort(handle)
         return None

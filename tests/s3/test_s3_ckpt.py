@@ -181,6 +181,56 @@ def test_a_second_writer_of_a_step_cannot_unseal_the_first_ones_commit(bucket, m
     assert first_difference(fresh.restore(3), make_state(3, seed=100)) is None
 
 
+def test_the_loser_of_a_commit_race_deletes_nothing_and_skips_its_fallback(
+    bucket, monkeypatch, tmp_path
+):
+    """B has put step 3's manifest and not yet its marker when A's create-only manifest
+    put loses. A's abort deleted every object under the prefix (B's chunks and manifest):
+    B's marker then sealed a step with nothing in it. And A's lost put (an OSError) sent
+    A's save to its fallback, whose commit set B's step aside. Now A deletes nothing, does
+    not try the fallback, and says why; B's step 3 restores."""
+    import threading
+
+    from ftrain.ckpt import CheckpointSaveError
+    from ftrain.ckpt import commit as protocol
+
+    url = f"s3://{bucket}/ck"
+    CheckpointManager(url, async_save=False).save(make_state(2))
+    a = CheckpointManager(url, async_save=False, fallback_directory=tmp_path / "fallback")
+    b = CheckpointManager(url, async_save=False)
+    a.restore()
+    b.restore()
+    a_ready, b_manifest_in, a_result = threading.Event(), threading.Event(), {}
+
+    def interleave(phase):
+        if threading.current_thread().name == "A" and phase == "data_written":
+            a_ready.set()
+            assert b_manifest_in.wait(60)
+        elif threading.current_thread().name != "A" and phase == "manifest_written":
+            b_manifest_in.set()
+            thread.join(60)  # A loses its put and gives up before B's marker goes in
+
+    def save_a():
+        try:
+            a_result["saved"] = a.save(make_state(3))
+        except Exception as e:  # noqa: BLE001 - the test checks it
+            a_result["error"] = e
+
+    monkeypatch.setattr(protocol, "fault_hook", interleave)
+    thread = threading.Thread(target=save_a, name="A")
+    thread.start()
+    assert a_ready.wait(60)
+    assert b.save(make_state(3, seed=100))
+    monkeypatch.setattr(protocol, "fault_hook", None)
+    error = a_result.get("error")
+    assert isinstance(error, CheckpointSaveError), a_result
+    assert "lost to another writer" in str(error) and "nothing was moved aside" in str(error)
+    assert not (tmp_path / "fallback").exists() or not list((tmp_path / "fallback").iterdir())
+    fresh = CheckpointManager(url, async_save=False)
+    assert fresh.all_steps() == [2, 3] and not fresh.invalid_steps()
+    assert first_difference(fresh.restore(3), make_state(3, seed=100)) is None
+
+
 def test_an_archived_step_is_invalid_and_the_others_still_restore(bucket, s3):
     """A lifecycle rule moved the oldest step to GLACIER (its GETs answer InvalidObjectState):
     every restart failed listing the location, naming no step. Now that step is listed as
