@@ -161,6 +161,11 @@ def export_params(
     if lora_alpha is not None and not merge_lora:
         raise ExportError("--lora-alpha applies only with --merge-lora (nothing is merged)")
     save_file = _safetensors()
+    if format == "safetensors" and str(out).endswith(("/", os.sep)):  # Path() drops the "/"
+        raise ExportError(
+            f"{out} names a directory, but a safetensors export is one file: give a file "
+            f"path such as {Path(out) / 'model.safetensors'}, or --format hf for a directory"
+        )
     out = Path(out)
     if out.exists():
         raise ExportError(f"{out} exists; export never overwrites, pick another path")

@@ -94,9 +94,9 @@ def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compre
         return plan_array(key, local, chunk_bytes, compression)
     c = _shard_rows(t.shape[0], world)
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
-    # chunks per shard, at least; one row per chunk where a row is wider than chunk_bytes
+    # chunks per shard; one row per chunk where a row is wider than chunk_bytes
     wanted = min(c, max(1, math.ceil(c * row_bytes / chunk_bytes)))
-    per_shard = next(d for d in range(wanted, c + 1) if c % d == 0)
+    per_shard = _chunks_per_shard(c, wanted)
     return ArraySpec(
         key,
         dtype_name(t.dtype),
@@ -105,6 +105,28 @@ def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compre
         compression=compression,
         separator=".",
     )
+
+
+def _chunks_per_shard(rows: int, wanted: int) -> int:
+    """Chunks per shard: the first divisor of ``rows`` at or above ``wanted`` (chunks at
+    most ``chunk_bytes``), unless that makes chunks under half the size asked for; then
+    the divisor nearest ``wanted`` by ratio.
+
+    Chunk rows must divide a shard's rows so no chunk spans two ranks. With the first
+    rule alone a prime row count (GPT-2's 50,257-row embedding on 2 ranks: 25,129 rows
+    each) gave one-row chunks: 25,129 files of 3 KiB per rank for one moment. One chunk
+    per shard, somewhat above ``chunk_bytes``, costs far less.
+
+    Example:
+        >>> _chunks_per_shard(25129, 3), _chunks_per_shard(24, 5), _chunks_per_shard(7, 7)
+        (1, 6, 7)
+    """
+    small = [d for d in range(1, math.isqrt(rows) + 1) if rows % d == 0]
+    divisors = sorted({*small, *(rows // d for d in small)})
+    above = next(d for d in divisors if d >= wanted)
+    if above <= 2 * wanted:
+        return above
+    return min(divisors, key=lambda d: (abs(math.log(d / wanted)), d))
 
 
 def own_slices(spec: ArraySpec, t: torch.Tensor, rank: int, world: int) -> list[tuple]:

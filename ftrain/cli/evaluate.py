@@ -75,8 +75,12 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
                 f"(got {recorded.get(group)!r:.60}): it cannot be evaluated from its record"
             )
     recorded = check_recorded_targets(recorded)  # only ftrain's built-in options' targets
+    # Hydra's "+key=value" / "++key=value" spellings mean the same here: every allowed key
+    # exists already (given unstripped, "+trainer.eval_batches" was a new top-level key
+    # that nothing read: the evaluation ran with the recorded value and exited 0)
+    overrides = [item.lstrip("+") for item in overrides]
     for item in overrides:
-        key = item.split("=", 1)[0].lstrip("+")
+        key = item.split("=", 1)[0]
         if "=" not in item or not key.startswith(ALLOWED) or key in _SOURCE_KEYS:
             raise ConfigError(
                 f"ftrain.eval override {item!r}: only data.* (but the source: data.name and "

@@ -12,7 +12,7 @@ from ftrain.ckpt.owner import OWNER
 from ftrain.cli.errors import ResumeError
 from ftrain.runlock import LOCK_NAME
 
-__all__ = ["RUN_RECORDS", "move_aside", "move_run_aside"]
+__all__ = ["LOGGER_PLACES", "RUN_RECORDS", "logger_places", "move_aside", "move_run_aside"]
 
 
 def move_aside(directory: Path) -> Path | None:
@@ -67,6 +67,7 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
         for path in sorted(run_dir.glob(pattern)):
             moved |= _move_into(path, aside / path.name)
     here = run_dir.resolve()
+    moved |= _move_logger_places(cfg, run_dir, aside)
     for d in places:
         there = d.resolve()
         if there == here:  # checkpoints in run.dir itself: its entries go, the lock stays
@@ -77,6 +78,42 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
         else:
             print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
     return aside if moved else None
+
+
+# a logger entry's keys that name where it writes (ftrain/conf/logger: csv.path,
+# tensorboard.log_dir, wandb.dir: W&B keeps the run id a resume continues under it)
+LOGGER_PLACES = ("path", "log_dir", "dir")
+
+
+def logger_places(cfg: DictConfig) -> dict[str, str]:
+    """Where each configured logger writes: ``{"logger.csv.path": "...", ...}``."""
+    out = {}
+    for name, entry in (cfg.get("logger") or {}).items():
+        if isinstance(entry, DictConfig):
+            out |= {f"logger.{name}.{k}": str(v) for k in LOGGER_PLACES if (v := entry.get(k))}
+    return out
+
+
+def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path) -> bool:
+    """The loggers' files at places of the user's (``logger.csv.path=/data/m.csv``): into
+    ``aside`` when inside run.dir, else renamed beside themselves. Left in place, the new
+    run's CSV appended to the old run's rows, whose later steps then counted as the new
+    run's. A place that holds run.dir itself (``wandb.dir=${run.dir}``) is not moved."""
+    here, moved = run_dir.resolve(), False
+    for key, place in logger_places(cfg).items():
+        path = Path(place)
+        if is_object_url(place) or not path.exists():
+            continue
+        there = path.resolve()
+        if here.is_relative_to(there):
+            continue  # run.dir or above it: its own records moved with RUN_RECORDS
+        if there.is_relative_to(here):
+            moved |= _move_into(path, aside / there.relative_to(here))
+        else:
+            target = _free(path.with_name(f"{path.name}.overwritten-{_stamp()}"))
+            path.rename(target)
+            print(f"run.overwrite=true: moved {key}={path} to {target}")
+    return moved
 
 
 def _local_checkpoint_dirs(cfg: DictConfig, run_dir: Path) -> list[Path]:

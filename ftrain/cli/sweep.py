@@ -28,8 +28,9 @@ from hydra._internal.config_loader_impl import get_overrides_dirname
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ftrain.cli.overwrite import logger_places
 from ftrain.config import ConfigError
 from ftrain.config.compose import (
     check_hydra_overrides,
@@ -99,18 +100,27 @@ def plan_jobs(overrides: list[str], *, config_name: str = "config") -> list[Job]
         )
     check_hydra_overrides(overrides, multirun=True)
     _refuse_fixed_dirs(overrides)
-    jobs = [_job(n, o, config_name) for n, o in enumerate(expand(overrides))]
+    jobs: list[Job] = []
+    sweep_dir = None  # resolved once, for the whole sweep, as Hydra does
+    for n, o in enumerate(expand(overrides)):
+        job, sweep_dir = _job(n, o, config_name, sweep_dir)
+        jobs.append(job)
     _check_distinct(jobs)
     return jobs
 
 
-def _job(num: int, overrides: list[str], config_name: str) -> Job:
+def _job(num: int, overrides: list[str], config_name: str, sweep_dir: str | None):
+    """``(job, its sweep directory)``; ``sweep_dir``: the one job 0's config resolved
+    (per job, ``hydra.sweep.dir=multirun/${now:%H-%M-%S}`` spread one sweep over
+    several directories as the clock ticked between the jobs' composes)."""
     raw = compose_raw(overrides, config_name=config_name)
     with open_dict(raw):
         raw.hydra.job.num = num
         raw.hydra.job.id = str(num)
+        raw.hydra.sweep.dir = sweep_dir or _resolved(raw, "dir", num)
         names = _dirname_candidates(raw, overrides, config_name)
         raw.hydra.job.override_dirname = names[0]
+        _name_wandb_run(raw, num)
         job_dir = _job_dir(raw, num)
         for earlier in names[1:]:
             if job_dir.exists():
@@ -121,7 +131,20 @@ def _job(num: int, overrides: list[str], config_name: str) -> Job:
                 print(f"[sweep] job {num}: resuming in {there} (named by an earlier rule)")
                 job_dir = there
         raw.run.dir = str(job_dir)
-    return Job(num, overrides, finish_config(raw, overrides))
+    return Job(num, overrides, finish_config(raw, overrides)), str(raw.hydra.sweep.dir)
+
+
+def _name_wandb_run(raw: DictConfig, num: int) -> None:
+    """A W&B logger left at its defaults (name ``${run.name}``, no group) names each job's
+    run after the job and groups them by the sweep's ``run.name``: every job was a run
+    named "default", told apart only by its random id."""
+    entry = (raw.get("logger") or {}).get("wandb")
+    if not isinstance(entry, DictConfig):
+        return
+    if OmegaConf.to_container(entry, resolve=False).get("name") == "${run.name}":
+        entry.name = f"{raw.run.name}/{raw.hydra.job.override_dirname or f'job{num}'}"
+    if entry.get("group") is None:
+        entry.group = str(raw.run.name)
 
 
 # exclude_keys of ftrain <= 2026-12-03, matched exactly as Hydra does: the names of the
@@ -193,10 +216,14 @@ def _chosen_anyway(raw: DictConfig, pairs, overrides: list[str], config_name: st
 
 
 def _job_dir(raw: DictConfig, num: int) -> Path:
+    return Path(_resolved(raw, "dir", num)) / _resolved(raw, "subdir", num)
+
+
+def _resolved(raw: DictConfig, key: str, num: int) -> str:
     try:
-        return Path(str(raw.hydra.sweep.dir)) / str(raw.hydra.sweep.subdir)
+        return str(raw.hydra.sweep[key])
     except Exception as err:  # an interpolation in hydra.sweep.* that does not resolve
-        raise ConfigError(f"hydra.sweep.dir/subdir do not resolve for job {num}: {err}") from None
+        raise ConfigError(f"hydra.sweep.{key} does not resolve for job {num}: {err}") from None
 
 
 def _under_any(key: str, prefixes) -> bool:
@@ -233,11 +260,6 @@ def _sharing_fix(key: str) -> str:
     )
 
 
-# a logger entry's keys that name where it writes (ftrain/conf/logger: csv.path,
-# tensorboard.log_dir, wandb.dir: W&B keeps the run id a resume continues under it)
-_LOGGER_PLACES = ("path", "log_dir", "dir")
-
-
 def _places(cfg: DictConfig) -> list[tuple[str, str]]:
     """Where a job writes, as ``(key, path)``: each distinct path once."""
     places = {
@@ -245,9 +267,7 @@ def _places(cfg: DictConfig) -> list[tuple[str, str]]:
         "checkpoint.dir": cfg.checkpoint.dir,
         "checkpoint.fallback_dir": cfg.checkpoint.get("fallback_dir"),
     }
-    for name, entry in (cfg.get("logger") or {}).items():
-        if isinstance(entry, DictConfig):
-            places |= {f"logger.{name}.{k}": entry.get(k) for k in _LOGGER_PLACES}
+    places |= logger_places(cfg)
     out: dict[str, tuple[str, str]] = {}
     for key, place in places.items():
         if place:

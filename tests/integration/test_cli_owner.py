@@ -100,3 +100,34 @@ def test_run_overwrite_keeps_the_claim_of_checkpoints_inside_run_dir(tmp_path):
         assert aside is not None and not (ckpt / "step_00000002").exists()
         assert json.loads((ckpt / OWNER).read_text())["token"] == c.record["token"]
         c.release()
+
+
+def test_run_overwrite_moves_logger_files_at_the_users_own_places(tmp_path):
+    """logger.csv.path outside run.dir stayed: the new run appended to the old run's rows,
+    whose later steps then counted as the new run's."""
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.overwrite import move_run_aside
+
+    run, elsewhere = tmp_path / "run", tmp_path / "logs"
+    (run / "logs").mkdir(parents=True)
+    elsewhere.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    (elsewhere / "m.csv").write_text("step,loss\n6,1.0\n")
+    (run / "logs" / "tb").mkdir()
+    cfg = OmegaConf.create(
+        {
+            "run": {"dir": str(run)},
+            "checkpoint": {"dir": str(run / "checkpoints"), "fallback_dir": None, "storage": None},
+            "logger": {
+                "csv": {"path": str(elsewhere / "m.csv")},
+                "tensorboard": {"log_dir": str(run / "logs" / "tb")},
+                "wandb": {"dir": str(run)},  # the run dir itself: stays
+            },
+        }
+    )
+    aside = move_run_aside(cfg)
+    assert not (elsewhere / "m.csv").exists() and run.is_dir()
+    (moved,) = elsewhere.glob("m.csv.overwritten-*")
+    assert moved.read_text() == "step,loss\n6,1.0\n"
+    assert (aside / "logs" / "tb").is_dir() and (aside / "metrics.jsonl").exists()

@@ -47,6 +47,14 @@ def test_export_writes_the_buffers_so_a_strict_load_gives_the_same_model(tmp_pat
     assert torch.equal(fresh(x), model(x))
 
 
+def test_a_safetensors_export_to_a_directory_path_is_refused_not_written_as_a_file(tmp_path):
+    """``export RUN out/`` wrote a file named ``out`` and reported ``-> out/``."""
+    _, ck = _saved(tmp_path)
+    with pytest.raises(ExportError, match="names a directory.*model.safetensors.*--format hf"):
+        export_params(ck, f"{tmp_path}/out/")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_files_get_the_umask_mode_and_never_replace_one_made_meanwhile(
     tmp_path, monkeypatch
 ):

@@ -192,7 +192,9 @@ def _part(crcs, arrays=("w",)):
         "documents": {},
         "nbytes": 8,
         "linked_bytes": 0,
-        "arrays": {a: {"crc32c": list(crcs), "stored_nbytes": [4 if c else None for c in crcs]}
+        "arrays": {a: {"dtype": "float32", "shape": [len(crcs)], "chunk_shape": [1],
+                       "crc32c": list(crcs), "stored_nbytes": [4 if c else None for c in crcs],
+                       "compression": "zstd:3"}
                    for a in arrays},
     }  # fmt: skip
 
@@ -204,6 +206,10 @@ def test_a_sharded_manifest_with_a_chunk_no_rank_wrote_is_refused():
         merge_manifests([_part([1, None]), _part([None, None])])
     with pytest.raises(ValueError, match="different arrays"):
         merge_manifests([_part([1]), _part([2], arrays=("w", "v"))])
+    zero = _part([])  # a (4, 0) leaf once planned a zero chunk dimension: never committed
+    zero["arrays"]["w"] |= {"shape": [4, 0], "chunk_shape": [2, 0]}
+    with pytest.raises(ValueError, match="not one a restore accepts.*chunk_shape holds 0"):
+        merge_manifests([zero, zero])
 
 
 @pytest.mark.parametrize("async_save", [False, True])

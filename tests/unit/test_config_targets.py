@@ -180,6 +180,18 @@ def test_sweep_expansion_and_job_dirs():
         ["optim.lr=1e-3,2e-3", "hydra.sweep.dir=/tmp/s", "hydra.sweep.subdir=${hydra.job.num}"]
     )
     assert [j.cfg.run.dir for j in custom] == ["/tmp/s/0", "/tmp/s/1"]
+    # ${now:...} is read once per sweep, as Hydra does: per job, the clock ticking between
+    # two jobs' composes spread one sweep over several directories
+    timed = plan_jobs(["trainer.seed=range(3)", "hydra.sweep.dir=/tmp/s/${now:%H-%M-%S-%f}"])
+    assert len({str(Path(j.cfg.run.dir).parent) for j in timed}) == 1
+    # W&B at its defaults: one run name per job, grouped by the sweep (all were "default")
+    wandb = [j.cfg.logger.wandb for j in plan_jobs(["optim.lr=1e-3,2e-3", "logger=[wandb]"])]
+    assert [(w.name, w.group) for w in wandb] == [
+        ("default/optim.lr=0.001", "default"),
+        ("default/optim.lr=0.002", "default"),
+    ]
+    mine = plan_jobs(["optim.lr=1e-3,2e-3", "logger=[wandb]", "logger.wandb.group=g"])
+    assert [j.cfg.logger.wandb.group for j in mine] == ["g", "g"]
 
 
 def test_sweep_refusals():

@@ -129,5 +129,8 @@ def test_eval_checks_what_evaluation_uses_not_the_runs_training_keys():
 
     recorded = to_plain(load_config(["trainer.grad_accum=4", "trainer.eval_every=0"]))
     assert eval_config(recorded, ["trainer.batch_size=6"]).trainer.batch_size == 6
+    # Hydra's "+key" spelling: it was accepted, then ignored (the recorded value, exit 0)
+    cfg = eval_config(recorded, ["+trainer.eval_batches=2", "++data.val_fraction=0.5"])
+    assert cfg.trainer.eval_batches == 2 and cfg.data.val_fraction == 0.5
     with pytest.raises(ConfigError, match="trainer.precision must be fp32, bf16 or fp16"):
         eval_config(recorded, ["trainer.precision=fp64"])
