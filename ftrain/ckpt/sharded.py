@@ -109,22 +109,22 @@ def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compre
 
 def _chunks_per_shard(rows: int, wanted: int) -> int:
     """Chunks per shard: the first divisor of ``rows`` at or above ``wanted`` (chunks at
-    most ``chunk_bytes``), unless that makes chunks under half the size asked for; then
-    the divisor nearest ``wanted`` by ratio.
+    most ``chunk_bytes``), unless that makes chunks under 1/16 of the size asked for;
+    then the divisor nearest ``wanted`` by ratio.
 
     Chunk rows must divide a shard's rows so no chunk spans two ranks. With the first
-    rule alone a prime row count (GPT-2's 50,257-row embedding on 2 ranks: 25,129 rows
-    each) gave one-row chunks: 25,129 files of 3 KiB per rank for one moment. One chunk
-    per shard, somewhat above ``chunk_bytes``, costs far less.
+    rule alone a prime row count (a 50,254-row, 768-wide embedding on 2 ranks: 25,127
+    rows each) gave one-row chunks: 25,127 files of 3 KiB per rank for one moment. One
+    chunk per shard, above ``chunk_bytes``, costs far less.
 
     Example:
-        >>> _chunks_per_shard(25129, 3), _chunks_per_shard(24, 5), _chunks_per_shard(7, 7)
-        (1, 6, 7)
+        >>> _chunks_per_shard(25127, 3), _chunks_per_shard(25129, 3), _chunks_per_shard(24, 5)
+        (1, 13, 6)
     """
     small = [d for d in range(1, math.isqrt(rows) + 1) if rows % d == 0]
     divisors = sorted({*small, *(rows // d for d in small)})
     above = next(d for d in divisors if d >= wanted)
-    if above <= 2 * wanted:
+    if above <= 16 * wanted:
         return above
     return min(divisors, key=lambda d: (abs(math.log(d / wanted)), d))
 
