@@ -150,8 +150,8 @@ class CompiledCore:
         fn = self.cache.get(key)
         t0, graphs = time.perf_counter(), _graphs()
         # one graph: it may write the donated buffers anywhere; the mark comes first
+        written = _versions(args) if before_write is not None else None
         undo = before_write() if before_write is not None else None
-        written = _versions(args) if undo is not None else None
         try:
             with train_mode(self._modules_now()), use_generator(gen):
                 # the first call of a layout compiles, inside the call
@@ -161,7 +161,7 @@ class CompiledCore:
             # a failure while tracing (the user's loss raising on a new layout, a compile
             # error) ran no kernel: the donated state is whole, so the loop's emergency
             # save may still write it. Any in-place write bumps a leaf's version.
-            if undo is not None and _versions(args) == written:
+            if undo is not None and written is not None and _versions(args) == written:
                 undo()
             raise
         new_t, new_b, new_o, loss, norm, aux = out
@@ -261,7 +261,10 @@ class CompiledCore:
         self.compiles += 1
         aux["compile_s"] = torch.tensor(seconds, dtype=torch.float64)
         if not compiled:  # e.g. TORCHDYNAMO_DISABLE=1, or Dynamo gave up on this frame
-            msg = "Dynamo compiled no graph for this step: it ran eagerly (set TORCH_LOGS=recompiles to see why)"
+            msg = (
+                "Dynamo compiled no new graph for this step: it runs eagerly or on graphs "
+                "cached for another step (TORCH_LOGS=graph_breaks,recompiles says which)"
+            )
         elif first:
             msg = f"compiled the step in {seconds:.1f} s"
         else:
@@ -287,10 +290,14 @@ def _own_code(fn):
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _versions(args) -> list[int]:
+def _versions(args) -> list[int] | None:
     """The version counters of the leaves a donated call writes (trained params and the
-    optimizer's leaves): unchanged after a failure means nothing was written."""
-    return [t._version for t in (*args[0], *args[3])]
+    optimizer's leaves): unchanged after a failure means nothing was written. ``None``
+    for inference tensors, which keep none (such a state stays marked after a failure)."""
+    leaves = (*args[0], *args[3])
+    if any(t.is_inference() for t in leaves):
+        return None
+    return [t._version for t in leaves]
 
 
 def _compile(core, cpp_wrapper: bool):

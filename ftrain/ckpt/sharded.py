@@ -96,7 +96,8 @@ def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compre
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
     # chunks per shard; one row per chunk where a row is wider than chunk_bytes
     wanted = min(c, max(1, math.ceil(c * row_bytes / chunk_bytes)))
-    per_shard = _chunks_per_shard(c, wanted)
+    fewest = math.ceil(c * row_bytes / min(4 * chunk_bytes, MAX_SHARD_CHUNK_BYTES))
+    per_shard = _chunks_per_shard(c, wanted, min(wanted, fewest))
     return ArraySpec(
         key,
         dtype_name(t.dtype),
@@ -107,10 +108,16 @@ def plan_sharded(key: str, t: torch.Tensor, world: int, chunk_bytes: int, compre
     )
 
 
-def _chunks_per_shard(rows: int, wanted: int) -> int:
+# a sharded chunk larger than chunk_bytes (see _chunks_per_shard) stays under this: Blosc
+# refuses buffers over 2 GiB, and a restore holds a whole chunk at once
+MAX_SHARD_CHUNK_BYTES = 1 << 30
+
+
+def _chunks_per_shard(rows: int, wanted: int, fewest: int) -> int:
     """Chunks per shard: the first divisor of ``rows`` at or above ``wanted`` (chunks at
     most ``chunk_bytes``), unless that makes chunks under 1/16 of the size asked for;
-    then the divisor nearest ``wanted`` by ratio.
+    then the divisor nearest ``wanted`` by ratio among those of at least ``fewest``
+    chunks (chunks at most 4 x ``chunk_bytes`` and :data:`MAX_SHARD_CHUNK_BYTES`).
 
     Chunk rows must divide a shard's rows so no chunk spans two ranks. With the first
     rule alone a prime row count (a 50,254-row, 768-wide embedding on 2 ranks: 25,127
@@ -118,15 +125,18 @@ def _chunks_per_shard(rows: int, wanted: int) -> int:
     chunk per shard, above ``chunk_bytes``, costs far less.
 
     Example:
-        >>> _chunks_per_shard(25127, 3), _chunks_per_shard(25129, 3), _chunks_per_shard(24, 5)
-        (1, 13, 6)
+        >>> _chunks_per_shard(25127, 3, 1), _chunks_per_shard(25129, 3, 1)
+        (1, 13)
+        >>> _chunks_per_shard(64007, 71, 18)  # a prime 2.2 GiB shard: never one chunk
+        64007
     """
     small = [d for d in range(1, math.isqrt(rows) + 1) if rows % d == 0]
     divisors = sorted({*small, *(rows // d for d in small)})
     above = next(d for d in divisors if d >= wanted)
     if above <= 16 * wanted:
         return above
-    return min(divisors, key=lambda d: (abs(math.log(d / wanted)), d))
+    fits = [d for d in divisors if d >= fewest]
+    return min(fits, key=lambda d: (abs(math.log(d / wanted)), d))
 
 
 def own_slices(spec: ArraySpec, t: torch.Tensor, rank: int, world: int) -> list[tuple]:

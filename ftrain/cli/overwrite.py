@@ -67,7 +67,7 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
         for path in sorted(run_dir.glob(pattern)):
             moved |= _move_into(path, aside / path.name)
     here = run_dir.resolve()
-    moved |= _move_logger_places(cfg, run_dir, aside)
+    moved |= _move_logger_places(cfg, run_dir, aside, places)
     for d in places:
         there = d.resolve()
         if there == here:  # checkpoints in run.dir itself: its entries go, the lock stays
@@ -94,19 +94,21 @@ def logger_places(cfg: DictConfig) -> dict[str, str]:
     return out
 
 
-def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path) -> bool:
+def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path, ckpts: list[Path]) -> bool:
     """The loggers' files at places of the user's (``logger.csv.path=/data/m.csv``): into
     ``aside`` when inside run.dir, else renamed beside themselves. Left in place, the new
     run's CSV appended to the old run's rows, whose later steps then counted as the new
-    run's. A place that holds run.dir itself (``wandb.dir=${run.dir}``) is not moved."""
+    run's. A place that holds run.dir (``wandb.dir=${run.dir}``) or a checkpoint directory
+    ``ckpts`` is not moved: those move as such, with this run's claim kept in place."""
     here, moved = run_dir.resolve(), False
+    holds = [here, *(d.resolve() for d in ckpts)]
     for key, place in logger_places(cfg).items():
         path = Path(place)
         if is_object_url(place) or not path.exists():
             continue
         there = path.resolve()
-        if here.is_relative_to(there):
-            continue  # run.dir or above it: its own records moved with RUN_RECORDS
+        if any(inner.is_relative_to(there) for inner in holds):
+            continue  # run.dir, a checkpoint dir or above one: moved as such
         if there.is_relative_to(here):
             moved |= _move_into(path, aside / there.relative_to(here))
         else:

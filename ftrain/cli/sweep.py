@@ -36,6 +36,7 @@ from ftrain.config.compose import (
     check_hydra_overrides,
     compose_raw,
     finish_config,
+    frozen_now,
     hydra_session,
 )
 from ftrain.signals import EXIT_ERROR, EXIT_FORCED, EXIT_OK, EXIT_PREEMPTED, take_received
@@ -100,24 +101,17 @@ def plan_jobs(overrides: list[str], *, config_name: str = "config") -> list[Job]
         )
     check_hydra_overrides(overrides, multirun=True)
     _refuse_fixed_dirs(overrides)
-    jobs: list[Job] = []
-    sweep_dir = None  # resolved once, for the whole sweep, as Hydra does
-    for n, o in enumerate(expand(overrides)):
-        job, sweep_dir = _job(n, o, config_name, sweep_dir)
-        jobs.append(job)
+    with frozen_now():  # one ${now:...} for every job, as Hydra's one sweep.dir
+        jobs = [_job(n, o, config_name) for n, o in enumerate(expand(overrides))]
     _check_distinct(jobs)
     return jobs
 
 
-def _job(num: int, overrides: list[str], config_name: str, sweep_dir: str | None):
-    """``(job, its sweep directory)``; ``sweep_dir``: the one job 0's config resolved
-    (per job, ``hydra.sweep.dir=multirun/${now:%H-%M-%S}`` spread one sweep over
-    several directories as the clock ticked between the jobs' composes)."""
+def _job(num: int, overrides: list[str], config_name: str) -> Job:
     raw = compose_raw(overrides, config_name=config_name)
     with open_dict(raw):
         raw.hydra.job.num = num
         raw.hydra.job.id = str(num)
-        raw.hydra.sweep.dir = sweep_dir or _resolved(raw, "dir", num)
         names = _dirname_candidates(raw, overrides, config_name)
         raw.hydra.job.override_dirname = names[0]
         _name_wandb_run(raw, num)
@@ -131,7 +125,7 @@ def _job(num: int, overrides: list[str], config_name: str, sweep_dir: str | None
                 print(f"[sweep] job {num}: resuming in {there} (named by an earlier rule)")
                 job_dir = there
         raw.run.dir = str(job_dir)
-    return Job(num, overrides, finish_config(raw, overrides)), str(raw.hydra.sweep.dir)
+    return Job(num, overrides, finish_config(raw, overrides))
 
 
 def _name_wandb_run(raw: DictConfig, num: int) -> None:

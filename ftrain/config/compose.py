@@ -17,6 +17,7 @@ import math
 import re
 from contextlib import contextmanager
 from dataclasses import fields
+from datetime import datetime
 from importlib import resources
 
 import torch
@@ -63,6 +64,31 @@ def register_all() -> None:
     """ftrain's schemas in Hydra's ConfigStore and its resolvers (idempotent)."""
     register_configs()
     _register_resolvers()
+
+
+# set by frozen_now(): the one time ${now:...} reads while a sweep is planned
+_FROZEN_NOW: list[datetime] = []
+
+
+@contextmanager
+def frozen_now():
+    """``${now:...}`` reads one time inside the block: a sweep's planning composes every job,
+    and Hydra resolves ``hydra.sweep.dir`` once per sweep (per job, the clock ticking
+    between two composes spread ``multirun/${now:%H-%M-%S}`` over several directories)."""
+    _FROZEN_NOW.append(datetime.now())
+    try:
+        yield
+    finally:
+        _FROZEN_NOW.clear()
+        setup_globals()  # Hydra's own resolver again
+
+
+def _freeze_now() -> None:
+    """Inside :func:`frozen_now`: ``${now:...}`` is its time (Hydra's start re-registers
+    its own resolver, so this follows every initialisation)."""
+    if _FROZEN_NOW:
+        at = _FROZEN_NOW[0]
+        OmegaConf.register_new_resolver("now", at.strftime, use_cache=True, replace=True)
 
 
 def _register_resolvers() -> None:
@@ -124,6 +150,7 @@ def hydra_session(overrides=()):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="ftrain.conf", version_base="1.3"):
+            _freeze_now()
             yield
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err, overrides)) from None

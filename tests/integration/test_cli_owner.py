@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ftrain.ckpt import CheckpointManager
 from ftrain.ckpt.owner import OWNER
 
@@ -131,3 +133,34 @@ def test_run_overwrite_moves_logger_files_at_the_users_own_places(tmp_path):
     (moved,) = elsewhere.glob("m.csv.overwritten-*")
     assert moved.read_text() == "step,loss\n6,1.0\n"
     assert (aside / "logs" / "tb").is_dir() and (aside / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_run_overwrite_leaves_a_logger_place_holding_the_checkpoints_to_their_move(
+    tmp_path, inside
+):
+    """A TensorBoard log_dir holding checkpoint.dir was moved first and took the steps
+    along: a FileNotFoundError halfway (inside run.dir), or this run's claim lost with
+    the old steps (outside)."""
+    from omegaconf import OmegaConf
+
+    from ftrain.ckpt.owner import claim
+    from ftrain.cli.overwrite import move_run_aside
+
+    run = tmp_path / "run"
+    tb = run / "out" if inside else tmp_path / "exp"
+    ckpt = tb / "ckpt"
+    c = claim(ckpt, run)
+    (ckpt / "step_00000010").mkdir(parents=True)
+    (tb / "events.out.tfevents.1").write_text("old")
+    cfg = OmegaConf.create(
+        {
+            "run": {"dir": str(run)},
+            "checkpoint": {"dir": str(ckpt), "fallback_dir": None, "storage": None},
+            "logger": {"tensorboard": {"log_dir": str(tb)}},
+        }
+    )
+    assert move_run_aside(cfg) is not None or not inside
+    assert not (ckpt / "step_00000010").exists()
+    assert json.loads((ckpt / OWNER).read_text())["token"] == c.record["token"]
+    c.release()

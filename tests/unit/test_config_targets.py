@@ -184,6 +184,13 @@ def test_sweep_expansion_and_job_dirs():
     # two jobs' composes spread one sweep over several directories
     timed = plan_jobs(["trainer.seed=range(3)", "hydra.sweep.dir=/tmp/s/${now:%H-%M-%S-%f}"])
     assert len({str(Path(j.cfg.run.dir).parent) for j in timed}) == 1
+    # only the clock is frozen: a sweep dir that names a swept key still follows it
+    assert [j.cfg.run.dir for j in plan_jobs(["run.name=a,b"])] == [
+        "runs/a/multirun",
+        "runs/b/multirun",
+    ]
+    by_lr = plan_jobs(["optim.lr=0.1,0.01", "hydra.sweep.dir=out/lr${optim.lr}"])
+    assert [j.cfg.run.dir for j in by_lr] == ["out/lr0.1/optim.lr=0.1", "out/lr0.01/optim.lr=0.01"]
     # W&B at its defaults: one run name per job, grouped by the sweep (all were "default")
     wandb = [j.cfg.logger.wandb for j in plan_jobs(["optim.lr=1e-3,2e-3", "logger=[wandb]"])]
     assert [(w.name, w.group) for w in wandb] == [
