@@ -95,8 +95,12 @@ def _kaiming_uniform(t: torch.Tensor, generator: torch.Generator) -> None:
 def _check(rank: int, alpha: float, targets: Sequence[str], dropout: float) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank must be a positive int, got rank={rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
-        raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}")
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, int | float)
+        or not (math.isfinite(alpha) and alpha > 0)  # inf: B = 0 times inf is NaN
+    ):
+        raise ValueError(f"LoRA alpha must be a finite positive number, got alpha={alpha!r}")
     if (
         isinstance(targets, str)
         or not targets

@@ -240,6 +240,7 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     except (FileNotFoundError, CorruptCheckpointError, ValueError) as err:
         raise ConfigError(f"{what}: {err}") from None
     table = dict(zip(*_named(loaded["params"]), strict=True))
+    _check_same_function(cfg, attrs, what)
     _check_adapter_alpha(cfg, table, attrs, what)
     state, fresh_only = load_into(cfg, fresh, table, what)
     state, n_buffers = _load_buffers(state, loaded, what)
@@ -250,12 +251,38 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     return state, line
 
 
+# model keys that change what the params compute without changing any shape: the heads
+# split n_embd differently (a base of n_head=4 loaded into n_head=16 loads "fine")
+_SHAPELESS_MODEL_KEYS = ("n_head",)
+
+
+def _check_same_function(cfg: DictConfig, attrs: dict, what: str) -> None:
+    """The base run's recorded model keys no shape shows must be this run's."""
+    recorded = (attrs.get("config") or {}).get("model")
+    if not isinstance(recorded, dict):
+        return  # a state saved by other code: its shapes are all there is to check
+    wrong = {
+        k: recorded[k]
+        for k in _SHAPELESS_MODEL_KEYS
+        if k in recorded and k in cfg.model and recorded[k] != cfg.model[k]
+    }
+    if wrong:
+        got = ", ".join(f"model.{k}={cfg.model[k]} (base run: {v})" for k, v in wrong.items())
+        fix = " ".join(f"model.{k}={v}" for k, v in wrong.items())
+        raise ConfigError(
+            f"{what} was trained as another model with the same shapes: {got}; its params "
+            f"would compute something else here. Build the base's model with: {fix}"
+        )
+
+
 def _check_adapter_alpha(cfg: DictConfig, table: dict, attrs: dict, what: str) -> None:
     """Adapters loaded into a run of another ``model.lora.alpha`` would be scaled by the
     new ``alpha / rank``: step 0 would be neither the base nor the LoRA run."""
     from ftrain.ckpt.export import recorded_alpha
 
     theirs = recorded_alpha(attrs)
+    if not lora_enabled(cfg):  # no adapters here: _check_fit names what to do instead
+        return
     ours = cfg.model.get("lora", {}).get("alpha")
     adapters = any(name.endswith(".lora_A") for name in table)
     if adapters and theirs is not None and ours is not None and float(ours) != theirs:
@@ -336,6 +363,11 @@ def _check_fit(cfg: DictConfig, loaded: dict, model: dict, what: str) -> None:
     problems = []
     if unknown:
         problems.append(f"parameters the model does not have: {_sample(unknown)}")
+    if any(p.endswith((".lora_A", ".lora_B")) for p in unknown):
+        problems.append(
+            "the base run trained LoRA adapters: set model.lora.rank (and alpha, targets) "
+            "as it did, or export it with --merge-lora --format hf and use init.from_hf"
+        )
     if wrong:
         problems.append("shape/dtype mismatches: " + "; ".join(wrong[:3]))
     if random_frozen:

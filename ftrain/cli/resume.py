@@ -235,7 +235,22 @@ def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
         if a.get(key) != b.get(key) and not _same_place(key, a.get(key), b.get(key)):
             line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
             (safe if key.startswith(SAFE_PREFIXES) else bad).append(line)
+    bad += _group_order_change(saved, current)
     return bad, safe
+
+
+def _group_order_change(saved: dict, current: dict) -> list[str]:
+    """``optim.groups`` given in another order: the first matching group takes a parameter,
+    so the order is part of the optimizer's layout (compared as mappings, a reorder was no
+    change, and the restore then failed with dozens of "missing in checkpoint" lines)."""
+    orders = []
+    for config in (saved, current):
+        groups = (config.get("optim") or {}).get("groups") if isinstance(config, dict) else None
+        orders.append(list(groups) if isinstance(groups, dict) else [])
+    old, new = orders
+    if old == new or sorted(old) != sorted(new):
+        return []  # no reorder (an added or removed group shows as its own key)
+    return [f"optim.groups order: {old} -> {new} (the first matching group takes a parameter)"]
 
 
 # where the run's own files are: a relative and an absolute spelling of one place are no

@@ -588,8 +588,8 @@ def _check_lora(lora) -> None:
         return
     if lora.rank < 0:
         raise _bad("model.lora.rank", lora.rank, "must be >= 0", "0 turns LoRA off")
-    if not lora.alpha > 0:
-        raise _bad("model.lora.alpha", lora.alpha, "must be > 0")
+    if not (math.isfinite(lora.alpha) and lora.alpha > 0):  # inf: 0 * inf, NaN at step 1
+        raise _bad("model.lora.alpha", lora.alpha, "must be a finite number > 0")
     if not 0 <= lora.dropout < 1:
         raise _bad("model.lora.dropout", lora.dropout, "must be in [0, 1)")
     if not lora.targets or not all(isinstance(t, str) and t for t in lora.targets):

@@ -68,6 +68,14 @@ def test_compat_diff_separates_safe_and_unsafe_changes():
     assert bad == [] and safe == ["trainer.compile: False -> True"]
     # resume=N says which step this start restores: not a change to the run
     assert compat_diff(a, to_plain(load_config(["resume=4"]))) == ([], [])
+    # groups in another order: the first matching group takes a parameter (a reorder
+    # compared as no change, then failed the restore with dozens of layout lines)
+    a_, b_ = "+optim.groups.a.params=[h.*.attn.*]", "+optim.groups.b.params=[h.3.*]"
+    x, y = (to_plain(load_config(g)) for g in ([a_, b_], [b_, a_]))
+    assert compat_diff(x, y)[0] == [
+        "optim.groups order: ['a', 'b'] -> ['b', 'a'] (the first matching group takes a parameter)"
+    ]
+    assert compat_diff(x, x) == ([], [])
     # one place spelled relative or absolute is no change; another place is
     rel, absolute = (
         to_plain(load_config(["run.dir=runs/x"])),

@@ -37,6 +37,7 @@ from ftrain.config import ConfigError, load_config
         ("+trainer.max_step=10", ["trainer.max_step", "max_steps"]),
         ("trainer.compile=sometimes", ["trainer.compile must be true, false or auto"]),
         ("trainer.compile=1", ["trainer.compile must be true, false or auto, got 1"]),
+        ("model.lora.alpha=inf", ["model.lora.alpha", "finite"]),
         ("trainer.compile=0", ["trainer.compile must be true, false or auto, got 0"]),
         ("+checkpoint.evry_steps=3", ["checkpoint.evry_steps"]),
         ("+model.n_layers=2", ["model.n_layers"]),

@@ -256,6 +256,28 @@ def test_init_from_takes_the_base_runs_buffers_too(tmp_path):
         init_from(cfg, other)
 
 
+def test_init_from_refuses_a_base_of_another_function_and_names_the_adapter_fix():
+    """A base of n_head=4 loaded into an n_head=16 model without a word (no shape shows
+    the heads); a plain run started from a LoRA run was told to set model.lora.alpha,
+    which led only to "parameters the model does not have"."""
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.finetune import _check_adapter_alpha, _check_fit, _check_same_function
+    from ftrain.config import ConfigError
+
+    cfg = OmegaConf.create({"model": {"n_head": 16, "lora": {"rank": 0, "alpha": 16}}})
+    attrs = {"config": {"model": {"n_head": 4, "lora": {"rank": 4, "alpha": 8}}}}
+    with pytest.raises(ConfigError, match=r"model.n_head=16 \(base run: 4\).* model.n_head=4"):
+        _check_same_function(cfg, attrs, "init.from='base'")
+    _check_same_function(cfg, {"config": {"model": {"n_head": 16}}}, "init.from='base'")
+    _check_same_function(cfg, {}, "init.from='base'")  # saved by other code: shapes decide
+    adapters = {"h.0.attn.lora_A": torch.zeros(2, 4), "h.0.attn.w": torch.zeros(4, 4)}
+    _check_adapter_alpha(cfg, adapters, attrs, "init.from='base'")  # LoRA off: not the issue
+    cfg = OmegaConf.merge(cfg, {"optim": {"groups": {}, "freeze": []}})
+    with pytest.raises(ConfigError, match="trained LoRA adapters: set model.lora.rank"):
+        _check_fit(cfg, adapters, {"h.0.attn.w": torch.zeros(4, 4)}, "init.from='base'")
+
+
 def test_a_config_that_trains_nothing_or_an_empty_group_is_refused_at_start():
     """Every parameter frozen failed at step 1 after an emergency save (which then refused
     the corrected config); a group whose parameters optim.freeze (or an earlier group) also
