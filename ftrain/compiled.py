@@ -290,14 +290,15 @@ def _own_code(fn):
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _versions(args) -> list[int] | None:
-    """The version counters of the leaves a donated call writes (trained params and the
-    optimizer's leaves): unchanged after a failure means nothing was written. ``None``
-    for inference tensors, which keep none (such a state stays marked after a failure)."""
-    leaves = (*args[0], *args[3])
-    if any(t.is_inference() for t in leaves):
-        return None
-    return [t._version for t in leaves]
+def _versions(args) -> int | None:
+    """The version counter of the first trained parameter: unchanged after a failure means
+    the donated call wrote nothing. One leaf tells: the graph's in-place writes begin with
+    every parameter at once (AOTAutograd bumps each mutated input before its first kernel;
+    eagerly, one ``_foreach_add_`` over the params comes first), and reading all ~160 leaves
+    of GPT-2 tiny cost 27 us a step. ``None`` for an inference tensor, which keeps no
+    counter (such a state stays marked after a failure)."""
+    first = args[0][0] if args[0] else None
+    return None if first is None or first.is_inference() else first._version
 
 
 def _compile(core, cpp_wrapper: bool):
