@@ -6,7 +6,7 @@ installed packages do not change it), sorted by relative path, joins them with t
 byte tokenizer's EOT (NUL), and caches the tokens in ``<cache>/corpus/`` (see
 :func:`~ftrain.data.fingerprint.cache_dir`: argument > ``FTRAIN_CACHE_DIR`` >
 ``~/.cache/ftrain``). On CPython 3.11 that is about 1,800 files and 31 M byte tokens,
-tokenized in about a second on the first start and memory-mapped afterwards. The
+tokenized in about a second on the first start and read from the cache afterwards. The
 fingerprint differs between Python versions, since their stdlib sources differ.
 """
 

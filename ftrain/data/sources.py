@@ -10,7 +10,7 @@ token of the split exactly once and ``len = (num_tokens - 1) // block_size``.
 Sources here:
 
 - :class:`TokenFileSource` — a flat token file (nanoGPT's ``train.bin``/``val.bin``),
-  memory-mapped; a directory holds one file per split, a single file is split by
+  read window by window; a directory holds one file per split, a single file is split by
   token range (the last ``val_fraction`` of tokens is ``val``).
 - :class:`~ftrain.data.text.TextCorpusSource` (``text.py``) — a directory/glob of text
   files tokenized once by the byte-level tokenizer into a cached token file.
@@ -27,6 +27,7 @@ import hashlib
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,15 @@ def _windows_to_td(w: np.ndarray | torch.Tensor) -> TensorDict:
     return TensorDict({"x": x, "y": y}, batch_size=[w.shape[0]])
 
 
+def _open_tokens(owner: object, file: Path) -> int:
+    """A read descriptor on ``file``, closed when ``owner`` is collected."""
+    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    weakref.finalize(owner, os.close, fd)
+    return fd
+
+
 class TokenFileSource(Source):
-    """Non-overlapping ``block_size + 1`` windows over a flat, memory-mapped token file.
+    """Non-overlapping ``block_size + 1`` windows over a flat token file.
 
     Args:
         path: a directory holding ``<split>.bin`` (nanoGPT layout), or one token file
@@ -211,7 +219,7 @@ class TokenFileSource(Source):
                 f"than block_size + 1 = {block_size + 1} needed for one sample; lower "
                 "block_size, add data, or change val_fraction"
             )
-        self._mm = np.memmap(self.file, dtype=self.dtype, mode="r")
+        self._fd = _open_tokens(self, self.file)
         self._content = _content_digest
         self._fingerprint: str | None = None
 
@@ -231,7 +239,27 @@ class TokenFileSource(Source):
     def get(self, indices: torch.Tensor | Sequence[int]) -> TensorDict:
         idx = _check_indices(indices, len(self))
         starts = self.lo + idx * self.block_size
-        return _windows_to_td(self._mm[starts[:, None] + np.arange(self.block_size + 1)])
+        return _windows_to_td(self._read_windows(starts.tolist()))
+
+    def _read_windows(self, starts: list[int]) -> np.ndarray:
+        """One ``pread`` per window. Not a memory map: a token file truncated in place
+        while the run reads it (a dataset being regenerated) would kill the process with
+        ``SIGBUS`` on the next touch, skipping the emergency save; a short read is an
+        error that names the file. A file replaced by a rename keeps being read from the
+        one opened here, as the run's fingerprint recorded."""
+        out = np.empty((len(starts), self.block_size + 1), dtype=self.dtype)
+        size = self.dtype.itemsize
+        for row, start in zip(out, starts, strict=True):
+            got = os.preadv(self._fd, [row], start * size)
+            if got != row.nbytes:
+                raise DataFormatError(
+                    f"token file {str(self.file)!r} shrank while the run read it: window at "
+                    f"token {start} read {got} of {row.nbytes} bytes (the file now has "
+                    f"{os.fstat(self._fd).st_size} bytes, {self.hi * size} at the start); "
+                    "write a new data set to a new file (or rename it into place) instead of "
+                    "rewriting the one a run reads, then resume"
+                )
+        return out
 
     @property
     def fingerprint(self) -> str:

@@ -1,4 +1,4 @@
-"""Text corpora: files tokenized once by the byte-level tokenizer, cached, memory-mapped.
+"""Text corpora: files tokenized once by the byte-level tokenizer, cached, read by window.
 
 The corpus's files (sorted) are joined by the tokenizer's EOT byte (NUL) and written to
 ``<cache>/corpus/<key>.u8`` with a JSON sidecar written last (its presence marks the
@@ -189,7 +189,7 @@ def _stat(f: Path) -> list:
 
 
 class TextCorpusSource(TokenFileSource):
-    """Text files tokenized once by the byte-level tokenizer (vocab 256), then memory-mapped.
+    """Text files tokenized once by the byte-level tokenizer (vocab 256), then read by window.
 
     Args:
         path: a directory, a file, a glob, or a list of them (see ``resolve_text_files``).

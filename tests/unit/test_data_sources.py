@@ -90,6 +90,47 @@ def test_truncated_file_is_a_clear_error(tmp_path):
         TokenFileSource(tmp_path, block_size=4)
 
 
+_TRUNCATE_WHILE_READING = """
+import os, sys, numpy as np
+from ftrain.data import DataFormatError, TokenFileSource
+f = os.path.join(sys.argv[1], "train.bin")
+np.arange(100_000, dtype=np.uint16).tofile(f)
+src = TokenFileSource(sys.argv[1], block_size=100)
+assert src.get([5])["x"][0, 0].item() == 500
+os.truncate(f, 4096)  # regenerated in place while the run reads it
+try:
+    src.get([len(src) - 1])
+except DataFormatError as e:
+    print(e)
+"""
+
+
+def test_token_file_truncated_while_read_is_an_error_not_sigbus(tmp_path):
+    # in a child: a memory-mapped file cut short killed the process with SIGBUS, which
+    # skips the loop's emergency save
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE_WHILE_READING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "train.bin' shrank while the run read it" in proc.stdout
+    assert "4096 bytes, 200000 at the start" in proc.stdout
+    assert "rename it into place" in proc.stdout
+
+
+def test_token_file_replaced_by_rename_keeps_the_file_opened(tmp_path):
+    write_tokens(tmp_path / "train.bin", 101)
+    src = TokenFileSource(tmp_path, block_size=10)
+    np.full(101, 7, dtype=np.uint16).tofile(tmp_path / "new.bin")
+    os.replace(tmp_path / "new.bin", tmp_path / "train.bin")
+    assert src.get([2])["x"][0].tolist() == list(range(20, 30))  # what the fingerprint saw
+
+
 def test_too_small_for_one_block(tmp_path):
     write_tokens(tmp_path / "train.bin", 8)
     with pytest.raises(DataFormatError, match="fewer than block_size"):
