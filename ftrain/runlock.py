@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftrain import _json
+
 __all__ = [
     "LOCK_NAME",
     "RunDirError",
@@ -116,7 +118,7 @@ def _holder(fd: int) -> dict:
     """The JSON record in the lock file, ``{}`` if empty or unreadable (a torn write)."""
     try:
         raw = os.pread(fd, 65536, 0)
-        value = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        value = _json.loads(raw.decode("utf-8")) if raw.strip() else {}
     except (OSError, ValueError):
         return {"unreadable": True}
     return value if isinstance(value, dict) else {"unreadable": True}

@@ -47,7 +47,12 @@ from ftrain.grads import Bound, Grads, LossFn, kept_modes, loss_and_aux, merge_a
 from ftrain.optim.base import Trainable, flat_update, leaf_get, per_structure, pick
 from ftrain.optim.bucketed import prepare_of
 from ftrain.optim.partition import learning_rates, learning_rates_in
-from ftrain.optim.processing import clip_by_global_norm_torch, global_norm_of, mean_across_ranks
+from ftrain.optim.processing import (
+    clip_by_global_norm_torch,
+    global_norm_of,
+    mean_across_ranks,
+    remembered_norms,
+)
 from ftrain.state.init import check_model_and_tx, check_usable, is_pinned, mark_donated
 from ftrain.state.tree import Key, Structure, flatten, new_td, structure, unflatten
 
@@ -441,7 +446,7 @@ class _EagerCore:
         tkeys, tparams = (
             (pkeys, params) if keep is None else (pick(keep, pkeys), pick(keep, params))
         )
-        with torch.no_grad():
+        with torch.no_grad(), remembered_norms():  # the metric's norm is the clip's
             if self.sharder is not None:
                 grads = self.sharder.reduce_scatter_mean(grads)
                 own = held if keep is None else pick(keep, held)

@@ -79,11 +79,15 @@ def _pick(roots, step: int | None) -> tuple[int, Path]:
     return step, steps[step]
 
 
-def _summary(path: Path) -> tuple[int, str]:
-    """(bytes, metrics JSON) of a committed step, or raises CorruptCheckpointError."""
+def _summary(path: Path) -> tuple[str, str]:
+    """(bytes, metrics JSON) of a committed step, or raises CorruptCheckpointError. The
+    marker's ``bytes`` is a figure for people, under no checksum: anything but a count
+    shows as ``?`` (a list or 1e400 there stopped the listing)."""
     marker, manifest = protocol.read_committed(path)
     attrs = read_root_attributes(path, manifest)
-    return int(marker.get("bytes") or 0), json.dumps(attrs.get("metrics", {}))
+    nbytes = marker.get("bytes", 0)
+    shown = f"{nbytes:,}" if type(nbytes) is int and nbytes >= 0 else "?"
+    return shown, json.dumps(attrs.get("metrics", {}))
 
 
 def cmd_list(root: Path, _: list[int]) -> int:
@@ -96,7 +100,7 @@ def cmd_list(root: Path, _: list[int]) -> int:
     for step, path in steps.items():
         try:
             nbytes, metrics = _summary(path)
-            print(f"{step:>10}  {nbytes:>14,}  {metrics}")
+            print(f"{step:>10}  {nbytes:>14}  {metrics}")
         except CorruptCheckpointError as e:
             if _deleted_meanwhile(root, step):
                 print(f"{step:>10}  {'deleted':>14}  (by the run's retention while listing)")

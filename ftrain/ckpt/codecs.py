@@ -59,8 +59,10 @@ class Codec:
     def encode(self, data: memoryview, itemsize: int) -> bytes:
         """Compress one full-size chunk (releases the GIL)."""
         arr = np.frombuffer(data, dtype=np.uint8)
-        if self.name != "zstd" and itemsize > 1 and len(arr) % itemsize == 0:
-            arr = arr.view(f"u{itemsize}")  # so blosc shuffles by the element size
+        if self.name != "zstd" and itemsize in (2, 4, 8) and len(arr) % itemsize == 0:
+            # so blosc shuffles by the element size (complex128's 16 bytes have no unsigned
+            # type; the codec's own typesize shuffles those)
+            arr = arr.view(f"u{itemsize}")
         return bytes(self._impl(itemsize).encode(arr))
 
     def decode_into(self, data: bytes | memoryview, out: memoryview, itemsize: int) -> None:

@@ -58,7 +58,6 @@ location or a step accepts its ``ObjectRoot`` / ``ObjectKey`` too and hands it o
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import re
@@ -72,6 +71,7 @@ from pathlib import Path
 
 import crc32c
 
+from ftrain import _json
 from ftrain.ckpt.format import (
     FORMAT_VERSION,
     READABLE_FORMATS,
@@ -322,7 +322,7 @@ def _sealed_format(marker: dict, raw: bytes | None) -> object:
     if raw is None or not _seals(marker, raw):
         return None
     try:
-        return json.loads(raw).get("format_version")
+        return _json.loads(raw).get("format_version")
     except (ValueError, AttributeError):  # not JSON, or not an object
         return None
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import crc32c
 import torch
 
+from ftrain import _json
 from ftrain.ckpt.codecs import Codec, parse_compression
 from ftrain.ckpt.zdtype import ZDTYPES
 
@@ -90,6 +91,19 @@ _NATIVE = {
 _RAW_BITS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 # torch's names are the ml_dtypes / tensorstore names: bfloat16, float8_e4m3fn, float8_e5m2
 _ML_FLOATS = {getattr(torch, z._zarr_v3_name): z._zarr_v3_name for z in ZDTYPES}
+# Stored as raw bits of their itemsize: dtypes whose every element is itemsize whole bytes.
+_RAW_DTYPES = (
+    "complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+    "bits8", "bits16",
+)  # fmt: skip
+# Every dtype a checkpoint may hold, by name. A name read from metadata is looked up here,
+# never with getattr(torch, name): a packed dtype (quint4x2, two values a byte) sized the
+# restore's buffer at half its bytes and the chunk read overran the heap; a quantized one
+# cannot be stored; and torch's lazy attributes import modules or call functions.
+STORABLE_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in [*_NATIVE, *_ML_FLOATS, *(getattr(torch, n) for n in _RAW_DTYPES if hasattr(torch, n))]
+}
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -110,10 +124,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; raises ``CorruptCheckpointError`` if unknown."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in checkpoint metadata")
+    """``"bfloat16"`` -> ``torch.bfloat16``; raises ``CorruptCheckpointError`` for a name
+    that is not one of :data:`STORABLE_DTYPES`."""
+    dtype = STORABLE_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CorruptCheckpointError(
+            f"unknown dtype {name!r} in checkpoint metadata (not one a checkpoint holds)"
+        )
     return dtype
 
 
@@ -129,10 +146,12 @@ def zarr_dtype(dtype: torch.dtype, fmt: int = FORMAT_VERSION) -> str:
         return _NATIVE[dtype]
     if dtype in _ML_FLOATS and fmt > 1:
         return _ML_FLOATS[dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if itemsize not in _RAW_BITS:
-        raise TypeError(f"cannot store dtype {dtype} (itemsize {itemsize}) in a checkpoint")
-    return _RAW_BITS[itemsize]
+    if dtype not in STORABLE_DTYPES.values():
+        raise TypeError(
+            f"cannot store dtype {dtype} in a checkpoint (packed, quantized or sub-byte); "
+            f"convert the leaf to one of: {', '.join(sorted(STORABLE_DTYPES))}"
+        )
+    return _RAW_BITS[torch.empty((), dtype=dtype).element_size()]
 
 
 @dataclass(frozen=True)
@@ -469,7 +488,7 @@ def parse_json(raw: bytes | None, where: object, *, checksum: list | None = None
     if checksum is not None and [crc32c.crc32c(raw), len(raw)] != list(checksum):
         raise CorruptCheckpointError(f"{where}: does not match its checksum in the manifest")
     try:
-        doc = json.loads(raw)
+        doc = _json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: unreadable metadata ({e})") from e
     if not isinstance(doc, dict):

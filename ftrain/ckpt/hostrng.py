@@ -88,29 +88,29 @@ def restore(states: dict) -> None:
     """
     try:
         if "python" in states:
-            p = states["python"]
-            random.setstate((int(p["version"]), tuple(int(x) for x in p["state"]), p["gauss"]))
+            random.setstate(_python_state(states["python"]))
         if "numpy" in states:
             import numpy as np
 
-            n = states["numpy"]
-            keys = np.asarray(n["keys"], dtype=np.uint32)
-            np.random.set_state(
-                (
-                    str(n["name"]),
-                    keys,
-                    int(n["pos"]),
-                    int(n["has_gauss"]),
-                    float(n["cached_gaussian"]),
-                )
-            )
+            np.random.set_state(_numpy_state(states["numpy"]))
         if "torch_cpu" in states:
             torch.set_rng_state(_unb64(states["torch_cpu"]))
         if "cuda" in states and torch.cuda.is_available():
             for i, s in enumerate(states["cuda"][: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(_unb64(s), i)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise ValueError(f"cannot restore host RNG states: {e!r}") from e
+
+
+def _python_state(p: dict) -> tuple:
+    return (int(p["version"]), tuple(int(x) for x in p["state"]), p["gauss"])
+
+
+def _numpy_state(n: dict) -> tuple:
+    import numpy as np
+
+    keys = np.asarray(n["keys"], dtype=np.uint32)
+    return (str(n["name"]), keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"]))
 
 
 def _check(cond: bool, what: str) -> None:
@@ -179,7 +179,28 @@ def validate(states: object) -> dict:
         _check(isinstance(cuda, list), "cuda is not a list")
         for s in cuda:
             _check_b64(s, None, "cuda")
+    _try_on_fresh_generators(states)
     return states
+
+
+def _try_on_fresh_generators(states: dict) -> None:
+    """Set each state on a generator of its own, never the process's: a state of the
+    right shape can still be refused (an unknown Python version, an all-zero Mersenne
+    Twister, a ``has_gauss`` past C long), and :func:`restore` must not meet that after
+    it set the generators before it (a resume that half-applied and then crashed)."""
+    try:
+        if "python" in states:
+            random.Random().setstate(_python_state(states["python"]))
+        if "numpy" in states:
+            import numpy as np
+
+            np.random.RandomState().set_state(_numpy_state(states["numpy"]))
+        if "torch_cpu" in states:
+            torch.Generator().set_state(_unb64(states["torch_cpu"]))
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise CorruptCheckpointError(f"host RNG state refused by its generator: {e}") from None
+    except ImportError:
+        pass
 
 
 def for_rank(attributes: dict, rank: int) -> dict | None:

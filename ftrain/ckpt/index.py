@@ -18,10 +18,11 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+from ftrain import _json
 from ftrain.ckpt.commit import read_committed
 from ftrain.ckpt.format import CorruptCheckpointError, read_bytes_nofollow
 from ftrain.ckpt.meta import read_root_attributes
-from ftrain.ckpt.policies import BestN, StepInfo
+from ftrain.ckpt.policies import BestN, StepInfo, finite_number
 
 __all__ = ["INDEX", "entry_for", "load_or_rebuild", "mark_best", "reuse_or_read", "write_index"]
 
@@ -65,7 +66,7 @@ def load_or_rebuild(
     that very copy of the step), else read from the step (unreadable steps left out)."""
     try:  # locally never through a link nor blocking on a FIFO in its place
         raw = read_bytes_nofollow(index_path) if isinstance(index_path, Path) else None
-        doc = json.loads(raw if raw is not None else index_path.read_bytes())
+        doc = _json.loads(raw if raw is not None else index_path.read_bytes())
         current = doc.get("version") == INDEX_VERSION
         cached = {int(e["step"]): e for e in doc["entries"]} if current else {}
     except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError):
@@ -78,7 +79,7 @@ def _well_formed(entry: object) -> bool:
     ``time`` or with ``metrics`` not an object failed every later save): else re-read."""
     return (
         isinstance(entry, dict)
-        and isinstance(entry.get("time"), int | float)
+        and finite_number(entry.get("time")) is not None
         and isinstance(entry.get("metrics"), dict)
         and isinstance(entry.get("best", {}), dict)
     )

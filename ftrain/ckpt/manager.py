@@ -46,6 +46,7 @@ from ftrain.ckpt.format import (
     FORMAT_VERSION,
     CheckpointFormatError,
     CorruptCheckpointError,
+    zarr_dtype,
 )
 from ftrain.ckpt.index import (
     INDEX,
@@ -175,8 +176,8 @@ class CheckpointManager:
         self.save_policy = save_policy
         self.keep_policy = keep_policy or KeepAll()
         self.async_save = async_save
-        self.chunk_bytes = chunk_bytes
-        self.io_workers = io_workers
+        self.chunk_bytes = _positive_int("chunk_bytes", chunk_bytes, DEFAULT_CHUNK_BYTES)
+        self.io_workers = _positive_int("io_workers", io_workers, DEFAULT_WORKERS)
         self.incremental = incremental
         # the step this manager last committed, its leaves' identities and entries: set
         # only after a commit succeeds, so a failed save never makes the next one link to
@@ -342,6 +343,7 @@ class CheckpointManager:
         self.wait()  # at most one save in flight
         attrs = self._attributes(step, metrics, metadata, host_rng)
         _, leaves = groups_and_arrays(state)  # raises ValueError now, not in the background
+        _check_leaves(leaves)
         plan = (
             incr.plan_save(self._last_commit, leaves, self.chunk_bytes, self.compression)
             if self.incremental
@@ -972,6 +974,35 @@ def _as_step(step) -> int | None:
         return operator.index(step)
     except TypeError:
         raise TypeError(f"restore(step={step!r}): a step is an int (or None: the newest)") from None
+
+
+def _positive_int(name: str, value, default: int) -> int:
+    """A size or count argument: an ``int`` of at least 1 (0 divided by zero at the first
+    save, a float or a negative one planned nonsense chunks)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"CheckpointManager({name}={value!r}): expected a whole number of at least 1 "
+            f"(the default is {default})"
+        )
+    return value
+
+
+def _check_leaves(leaves: dict[str, torch.Tensor]) -> None:
+    """What can only fail in the (background) writer fails here, naming the leaf: a dtype
+    the format cannot hold, a meta leaf (a shape and no values)."""
+    for k, t in leaves.items():
+        try:
+            zarr_dtype(t.dtype)
+        except TypeError as e:
+            raise ValueError(f"leaf {k!r}: {e}") from None
+    meta = [k for k, t in leaves.items() if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:5]) + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
+        raise ValueError(
+            f"cannot save leaves on the meta device (a shape, no values): {shown}; "
+            "materialize them before saving (module.to_empty(device=...) and initialise, "
+            "or load their weights)"
+        )
 
 
 def _check_mmap(mmap: bool, rows, dirs: list) -> None:

@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftrain import _json
 from ftrain.ckpt.format import CorruptCheckpointError, read_bytes_nofollow
 from ftrain.runlock import RunDirError
 
@@ -256,7 +257,7 @@ def _read(location) -> dict | None:
         if raw is None:
             return None
     try:
-        held = json.loads(raw)
+        held = _json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"not JSON ({e})") from None
     if not isinstance(held, dict) or not isinstance(held.get("run_dir"), str):

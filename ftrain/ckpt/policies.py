@@ -177,13 +177,25 @@ class BestN:
         """Steps with a finite value of the metric, best first (ties: newer first)."""
         scored = []
         for i in infos:
-            v = i.metrics.get(self.metric)
-            if isinstance(v, int | float) and math.isfinite(v):
+            v = finite_number(i.metrics.get(self.metric))
+            if v is not None:
                 scored.append((v if self.mode == "min" else -v, -i.step))
         return [-s for _, s in sorted(scored)]
 
     def keep(self, infos: list[StepInfo], now: float) -> set[int]:
         return set(self.ranked(infos)[: self.n])
+
+
+def finite_number(v: object) -> float | None:
+    """``v`` as a finite float, else ``None`` (a 400-digit integer in a hand-edited index
+    overflowed ``math.isfinite`` and stopped every start that keeps the best steps)."""
+    if not isinstance(v, int | float):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,22 @@ def check_only(manifest: dict, only: tuple[str, ...] | None) -> None:
     if only is None:
         return
     names = set(manifest["arrays"]) | set(manifest["groups"])
+    top = sorted({n.split("/")[0] for n in names if n})
+    if not only:  # an empty selection restored an empty tree
+        raise ValueError(
+            f"only={only!r} names no key; pass only=None for everything, or key paths among "
+            f"the top-level keys {top}"
+        )
     for p in only:
         if not any(n == p or n.startswith(p + "/") for n in names):
-            top = sorted({n.split("/")[0] for n in names if n})
             raise ValueError(f"only={p!r} matches nothing in the checkpoint; top-level keys: {top}")
 
 
 def match_target(
     td: TensorDictBase, target: TensorDictBase, only: tuple[str, ...] | None
 ) -> TensorDictBase:
-    """Validate ``td`` against ``target`` (all differences at once) and move to its devices."""
+    """Validate ``td`` against ``target`` (all differences at once) and move to its devices
+    (a leaf whose target is on the meta device stays on the CPU: meta holds no values)."""
     groups_c, got = groups_and_arrays(td)
     groups_t, want = groups_and_arrays(target)
     if only is not None:
@@ -46,6 +52,6 @@ def match_target(
             + "\n  ".join(diffs)
         )
     for k, t in want.items():
-        if t.device != got[k].device:
+        if t.device != got[k].device and not t.is_meta:  # a meta template: shapes only
             td[tuple(k.split("/"))] = got[k].to(t.device)
     return td

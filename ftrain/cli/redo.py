@@ -15,9 +15,9 @@ advisory, so this is best effort, but it must not under- or over-state:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ftrain import _json
 from ftrain.metrics import read_records
 
 __all__ = ["last_run_ended", "reached_steps", "redo_range"]
@@ -92,7 +92,7 @@ def _heartbeat(path: Path) -> dict | None:
     """The heartbeat's record if it is readable and names a step (advisory, like the
     records: anything else is ignored)."""
     try:
-        beat = json.loads(path.read_bytes())
+        beat = _json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
     return beat if isinstance(beat, dict) and _is_step(beat.get("step")) else None

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ftrain import _json
 from ftrain.ckpt import CheckpointManager, CheckpointSaveError, hostrng
 from ftrain.ckpt.commit import MARKER, step_dirname
 from ftrain.cli.build import model_vocab
@@ -463,10 +464,8 @@ class Session:
 def _save_bytes(marker_path) -> dict:
     """``bytes`` / ``written_bytes`` / ``linked_bytes`` from a marker (JSON; advisory: an
     unreadable marker gives none, the commit stands on its own checks)."""
-    import json
-
     try:
-        marker = json.loads(marker_path.read_bytes())
+        marker = _json.loads(marker_path.read_bytes())
     except (OSError, ValueError):
         return {}
     keys = ("bytes", "written_bytes", "linked_bytes")

@@ -30,6 +30,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from ftrain import _json
+
 __all__ = [
     "DataFingerprintError",
     "cache_dir",
@@ -151,7 +153,7 @@ def file_digest(path: str | os.PathLike, *, cache: str | os.PathLike | None = No
         )
         return _full_digest(path)
     try:
-        entry = json.loads(entry_file.read_text())
+        entry = _json.loads(entry_file.read_text())
     except (OSError, ValueError):
         entry = None
     key = {"v": _CACHE_VERSION, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}

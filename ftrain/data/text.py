@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ftrain import _json
 from ftrain.data.fingerprint import (
     _probe_digest,
     _write_json_atomic,
@@ -160,7 +161,7 @@ def tokenize_corpus(
         ) from None
     token_file, meta_file = folder / f"{key}.u8", folder / f"{key}.json"
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = _json.loads(meta_file.read_text())
         size = token_file.stat().st_size
         if size == meta["num_tokens"] and _probe_digest(token_file, size) == meta["probe"]:
             return token_file, meta, False

@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ftrain import _json
+
 __all__ = ["Heartbeat", "MetricsWriter", "read_records"]
 
 log = logging.getLogger(__name__)
@@ -146,7 +148,7 @@ def read_records(run_dir: str | os.PathLike) -> Iterator[dict]:
 def _parse(raw: bytes) -> dict | None:
     """One line as a record, or None if it is not a UTF-8 JSON object."""
     try:
-        value = json.loads(raw.decode("utf-8"))
+        value = _json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return None
     return value if isinstance(value, dict) else None

@@ -119,6 +119,23 @@ def check_keys(expected: list[Path], got: list[Path], what: str) -> None:
     )
 
 
+def check_shapes(keys: list[Path], updates: list[torch.Tensor], params: list[torch.Tensor]):
+    """Raise ``ValueError`` naming the first leaf whose update is not its parameter's shape
+    or dtype (a 0-d or ``(1, n)`` gradient would otherwise broadcast into the moments and
+    params; a float16 gradient of a float32 parameter failed deep in a kernel)."""
+    for k, u, p in zip(keys, updates, params, strict=True):
+        if u.shape != p.shape or u.dtype != p.dtype:
+            raise ValueError(
+                f"the update of {path_str(k)!r} is {_kind(u)}, its parameter {_kind(p)}; "
+                "pass gradients of the same tree, shapes and dtypes as params (e.g. "
+                "torch.func.grad of the loss over params)"
+            )
+
+
+def _kind(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+
+
 def empty_state() -> TensorDict:
     """A fresh, empty state TensorDict (the state of a stateless transform)."""
     return TensorDict(batch_size=[])
@@ -255,11 +272,17 @@ class FlatUpdate:
         state: TensorDictBase,
         params: TensorDictBase | None = None,
     ) -> tuple[TensorDictBase, TensorDictBase]:
+        if not isinstance(state, TensorDictBase):
+            raise TypeError(
+                f"{self.name}.update needs the optimizer state as its second argument, got "
+                f"{type(state).__name__}; pass the TensorDict that init(params) returned"
+            )
         keys, leaves = flatten(updates)
         plist = None
         if params is not None:
             pkeys, plist = flatten(params)
             check_keys(keys, pkeys, "params")
+            check_shapes(keys, leaves, plist)
         with torch.no_grad():
             out, new_state = self.flat(keys, leaves, state, plist)
         return unflatten(keys, out, device=updates.device), new_state

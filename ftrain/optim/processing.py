@@ -12,9 +12,11 @@ are promoted to the widest one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -71,7 +73,10 @@ class _LastNorm:
     The step reports the gradients' norm and ``clip_by_global_norm`` then needs the norm of
     the very same tensors: remembering it saves a full read of the gradients (~5 % of an
     MLP step on a CPU). Weak references (nothing is kept alive) plus each tensor's version
-    counter (bumped by every in-place op) make a hit mean "the same values".
+    counter (bumped by every in-place op) make a hit mean "the same values" — but only
+    where nothing writes the tensors behind autograd's back (``.data``, ``.numpy()``,
+    ``dist.all_reduce`` bump no counter), so it is armed only inside
+    :func:`remembered_norms`, around the library's own step.
     """
 
     def __init__(self) -> None:
@@ -97,6 +102,21 @@ class _LastNorm:
 _LAST_NORM = threading.local()
 
 
+@contextlib.contextmanager
+def remembered_norms() -> Iterator[None]:
+    """Within: :func:`global_norm_of` remembers the norm of the last tensors it was asked
+    for. The library's step opens it from its gradient-norm metric to the end of its
+    update, where nothing but ``tx`` touches the gradients. Outside, every call reads the
+    tensors: a user's step may write gradients in place without bumping their version
+    counters (an in-place ``dist.all_reduce`` between logging the norm and clipping), and
+    a remembered norm would then clip by the old one."""
+    _LAST_NORM.memo = _LastNorm()
+    try:
+        yield
+    finally:
+        _LAST_NORM.memo = None
+
+
 def global_norm_of(leaves: Leaves) -> torch.Tensor:
     """The L2 norm of a list of tensors taken together, in their (widest) dtype, no host sync."""
     if not leaves:
@@ -105,8 +125,9 @@ def global_norm_of(leaves: Leaves) -> torch.Tensor:
         return _norm(leaves)
     if any(t.is_inference() for t in leaves):  # no version counters to trust
         return _norm(leaves)
-    memo = getattr(_LAST_NORM, "memo", None) or _LastNorm()
-    _LAST_NORM.memo = memo
+    memo = getattr(_LAST_NORM, "memo", None)
+    if memo is None:  # outside the library's step (see remembered_norms)
+        return _norm(leaves)
     hit = memo.get(leaves)
     return hit if hit is not None else memo.put(leaves, _norm(leaves))
 

@@ -17,6 +17,8 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from ftrain.state.tree import same_bits
+
 __all__ = ["load_params"]
 
 
@@ -55,7 +57,7 @@ def _problems(module: nn.Module, given: dict, strict: bool) -> tuple[list[str], 
                 f"{present[0]}: given {src.dtype}{tuple(src.shape)}, module {p.dtype}{tuple(p.shape)}"
             )
             continue
-        differing = [n for n in present[1:] if not torch.equal(given[n].to(src.device), src)]
+        differing = [n for n in present[1:] if not same_bits(given[n], src)]  # NaN == NaN
         if differing:
             problems.append(
                 f"tied parameters given different values: {present[0]} vs {', '.join(differing)} "

@@ -280,6 +280,12 @@ def _leaf_difference(path: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
     return f"{path}: values differ at flat index {idx} ({a_c[idx].item()} vs {b_c[idx].item()})"
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits on any devices (NaN equals an identical NaN; -0.0 is not
+    0.0): what "the same tensor" means for tied weights and checkpoints."""
+    return _leaf_difference("", a, b) is None
+
+
 def _bits(flat: torch.Tensor) -> torch.Tensor:
     """Raw bytes of a 1-d tensor, so comparisons are bitwise (NaN == NaN, -0.0 != 0.0);
     a conjugate or negative view is resolved first (``view`` refuses those)."""

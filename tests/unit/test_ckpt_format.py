@@ -26,7 +26,7 @@ from ftrain.state.tree import flatten, nodes_and_leaves
 DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
-    torch.float8_e5m2, torch.uint16, torch.uint32,
+    torch.float8_e5m2, torch.uint16, torch.uint32, torch.complex128,
 ]  # fmt: skip
 
 
@@ -299,3 +299,27 @@ def test_a_flipped_byte_anywhere_in_a_padded_chunk_is_caught(tmp_path, where):
     chunks[-1].write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match="crc32c mismatch"):
         read_tree(final, manifest)
+
+
+@pytest.mark.parametrize(
+    "name", ["quint4x2", "qint8", "uint4", "has_cudnn", "_inductor", "Tensor", 3]
+)
+def test_a_dtype_name_from_metadata_is_only_ever_a_storable_dtype(name):
+    # never getattr(torch, name): a packed dtype sized the restore's buffer at half its
+    # bytes (a heap overrun), and torch's lazy attributes import modules
+    from ftrain.ckpt.format import STORABLE_DTYPES, parse_dtype
+
+    with pytest.raises(CorruptCheckpointError, match="unknown dtype"):
+        parse_dtype(name)
+    assert all(parse_dtype(n) is d for n, d in STORABLE_DTYPES.items())
+    assert set(DTYPES) <= set(STORABLE_DTYPES.values())
+
+
+def test_a_dtype_the_format_cannot_hold_is_refused_at_save(tmp_path):
+    from ftrain.ckpt import CheckpointManager
+
+    state = TensorDict({"step": torch.tensor(1), "w": torch.zeros(4, dtype=torch.uint4)}, [])
+    with CheckpointManager(tmp_path) as m:  # async: refused in save(), not in the writer
+        with pytest.raises(ValueError, match="leaf 'w': cannot store dtype torch.uint4"):
+            m.save(state)
+        assert m.all_steps() == []

@@ -8,9 +8,11 @@ newest finite step; host RNG states come back per rank on request.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
+import re
 import warnings
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import crc32c
 import pytest
 import torch
 
-from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, LatestN, hostrng
+from ftrain.ckpt import BestN, CheckpointManager, CheckpointNotFoundError, LatestN, hostrng
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
 
 from .test_ckpt_commit import as_format
@@ -143,6 +145,17 @@ CRAFTED = {
     "float in shape": lambda m: m["arrays"]["params/w"].update(shape=[64.0, 8]),
     "crc list short": lambda m: m["arrays"]["params/w"].update(crc32c=[]),
     "unknown dtype": lambda m: m["arrays"]["params/w"].update(dtype="Tensor"),
+    # two values a byte: the same 2 KiB as 64 x 64 quint4x2 overran a 1 KiB buffer
+    "packed dtype": lambda m: m["arrays"]["params/w"].update(
+        dtype="quint4x2", shape=[64, 64], chunk_shape=[64, 64]
+    ),
+    "quantized dtype": lambda m: m["arrays"]["params/w"].update(
+        dtype="qint8", shape=[64, 32], chunk_shape=[64, 32]
+    ),
+    "torch attribute, not a dtype": lambda m: m["arrays"]["params/w"].update(dtype="has_cudnn"),
+    "sub-byte dtype": lambda m: m["arrays"]["params/w"].update(
+        dtype="uint4", shape=[64, 32], chunk_shape=[64, 32]
+    ),
     "unknown codec": lambda m: m["arrays"]["params/w"].update(
         compression="lzma", stored_nbytes=[1]
     ),
@@ -177,7 +190,25 @@ def test_a_step_whose_root_attributes_have_wrong_types_falls_back(tmp_path):
     restore_falls_back(tmp_path, 1)
 
 
-def test_garbage_host_rng_is_corruption_when_asked_for(tmp_path):
+def _zero_torch_state(states: dict) -> None:
+    states["torch_cpu"] = base64.b64encode(
+        bytes(len(base64.b64decode(states["torch_cpu"])))
+    ).decode()
+
+
+GARBAGE_HOST_RNG = {
+    "python state short": lambda s: s["python"].update(state=[1, 2, 3]),
+    # the right shapes, refused only by the generators themselves: these half-applied
+    # the states and then raised out of restore (no fallback)
+    "python version 99": lambda s: s["python"].update(version=99),
+    "numpy has_gauss past C long": lambda s: s["numpy"].update(has_gauss=2**70),
+    "numpy cached_gaussian past float": lambda s: s["numpy"].update(cached_gaussian=10**400),
+    "torch state all zero": _zero_torch_state,
+}
+
+
+@pytest.mark.parametrize("how", sorted(GARBAGE_HOST_RNG))
+def test_garbage_host_rng_is_corruption_when_asked_for(tmp_path, how):
     mgr = CheckpointManager(tmp_path, async_save=False)
     random.seed(42)
     mgr.save(make_state(1), force=True)  # records the state right after seed(42)
@@ -185,7 +216,7 @@ def test_garbage_host_rng_is_corruption_when_asked_for(tmp_path):
     mgr.save(make_state(2), force=True)
     step = tmp_path / "step_00000002"
     doc = json.loads((step / "zarr.json").read_text())
-    doc["attributes"]["host_rng"]["0"]["python"]["state"] = [1, 2, 3]
+    GARBAGE_HOST_RNG[how](doc["attributes"]["host_rng"]["0"])
     raw = json.dumps(doc).encode()
     (step / "zarr.json").write_bytes(raw)
     rewrite_manifest(
@@ -383,3 +414,64 @@ def test_verify_of_a_live_run_does_not_call_retentions_deletes_corruption(
     flip_first_chunk(tmp_path / "step_00000002")  # real damage is still BAD
     assert cli.main(["verify", str(tmp_path)]) == 1
     assert "BAD  step 2:" in capsys.readouterr().out
+
+
+# ---- damaged advisory files: JSON nested past the recursion limit, numbers past float --
+DEEP = b"[" * 200_000  # RecursionError is no ValueError: it went past every handler
+
+
+def test_a_deeply_nested_index_is_rebuilt(tmp_path):
+    saved(tmp_path, 1, 2).close()
+    (tmp_path / "checkpoints.json").write_bytes(DEEP)
+    assert int(CheckpointManager(tmp_path, async_save=False).restore()["step"]) == 2
+
+
+def test_a_newer_format_marker_sealing_a_deeply_nested_manifest_is_a_format_error(tmp_path, capsys):
+    # the marker names format 99; the manifest it seals is read to tell a damaged marker
+    # from a newer writer, and its RecursionError stopped list, show, verify and restore
+    saved(tmp_path, 1).close()
+    step = tmp_path / "step_00000002"
+    step.mkdir()
+    (step / "manifest.json").write_bytes(DEEP)
+    marker = {"format_version": 99, "manifest_crc32c": crc32c.crc32c(DEEP)}
+    (step / "COMMITTED").write_text(json.dumps(marker | {"manifest_bytes": len(DEEP)}))
+    with pytest.raises(CheckpointFormatError, match="format 99"):
+        CheckpointManager(tmp_path, async_save=False).restore()
+    rc, out = ckpt_cli(capsys, "list", tmp_path)
+    assert rc == 2 and "format 99" in out and "Recursion" not in out
+
+
+def test_a_huge_integer_metric_or_time_in_the_index_does_not_stop_a_best_n_start(tmp_path):
+    saved(tmp_path, 1, 2).close()
+    idx = json.loads((tmp_path / "checkpoints.json").read_text())
+    idx["entries"][0]["metrics"]["loss"] = 10**400
+    idx["entries"][1]["time"] = 10**400
+    (tmp_path / "checkpoints.json").write_text(json.dumps(idx))
+    mgr = CheckpointManager(tmp_path, async_save=False, keep_policy=BestN("loss", 1))
+    mgr.save(make_state(3), metrics={"loss": 0.5})
+    assert 3 in mgr.all_steps()
+
+
+@pytest.mark.parametrize("value", [[1], "x", 1e400, -5])
+def test_ckpt_list_shows_a_marker_byte_count_that_is_not_one_as_unknown(tmp_path, capsys, value):
+    saved(tmp_path, 1).close()
+    marker = tmp_path / "step_00000001" / "COMMITTED"
+    doc = json.loads(marker.read_text())
+    doc["bytes"] = value  # under no checksum: a figure for people
+    marker.write_text(json.dumps(doc))
+    rc, out = ckpt_cli(capsys, "list", tmp_path)
+    assert rc == 0 and re.search(r"^\s+1\s+\?\s+\{\"loss\": 1.0\}$", out, re.M), out
+
+
+def test_deeply_nested_owner_metrics_and_heartbeat_records_are_unreadable_not_fatal(tmp_path):
+    from ftrain.ckpt.owner import claim
+    from ftrain.cli.redo import _heartbeat
+    from ftrain.metrics.jsonl import _parse
+
+    loc = tmp_path / "ckpt"
+    loc.mkdir()
+    (loc / ".owner.json").write_bytes(DEEP)
+    assert claim(loc, tmp_path / "run").taken_from is None  # taken over, with a warning
+    assert _parse(DEEP) is None
+    (tmp_path / "heartbeat.json").write_bytes(DEEP)
+    assert _heartbeat(tmp_path / "heartbeat.json") is None

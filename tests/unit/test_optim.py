@@ -250,6 +250,22 @@ def test_clip_then_adamw_matches_clip_grad_norm(dtype):
     assert_matches_torch(ours, theirs)
 
 
+@pytest.mark.parametrize("write", ["data", "numpy"])
+def test_clip_reads_gradients_written_behind_autograd(write):
+    # a user's step logs the norm, then sums gradients in place the way dist.all_reduce
+    # does (no version bump); the clip must see the new values, not a remembered norm
+    g = TensorDict({"w": torch.full((4,), 1.0)}, batch_size=[])
+    assert float(optim.global_norm(g)) == 2.0
+    if write == "data":
+        g["w"].data.mul_(10.0)
+    else:
+        g["w"].numpy()[:] = 10.0
+    assert float(optim.global_norm(g)) == 20.0
+    tx = optim.clip_by_global_norm(1.0)
+    u, _ = tx.update(g, tx.init(g))
+    assert u["w"].norm().item() == pytest.approx(1.0)
+
+
 @DTYPES
 @pytest.mark.parametrize(
     "kwargs",

@@ -206,19 +206,23 @@ def test_bad_types():
 
 
 def test_the_norm_of_the_same_unmodified_tensors_is_computed_once(monkeypatch):
-    from ftrain.optim.processing import global_norm_of
+    from ftrain.optim.processing import global_norm_of, remembered_norms
 
     calls = []
     real = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     grads = [torch.full((3,), 2.0), torch.ones(4)]
-    first = global_norm_of(grads)  # e.g. the step's grad_norm metric
-    tx = optim.clip_by_global_norm(1.0)
-    keys = [("a",), ("b",)]
-    out, _ = tx.update.flat(keys, grads, tx.init(TensorDict()), None)
-    assert len(calls) == 1 and float(first) == 4.0
-    assert torch.equal(out[0], grads[0] / 4.0)
-    grads[0].mul_(2)  # modified in place: computed again
-    assert float(global_norm_of(grads)) == pytest.approx(52**0.5) and len(calls) == 2
-    assert float(global_norm_of([t.clone() for t in grads])) == pytest.approx(52**0.5)
-    assert len(calls) == 3  # other tensors, same values: no identity, no reuse
+    with remembered_norms():  # the library's step, from its metric to its update
+        first = global_norm_of(grads)  # e.g. the step's grad_norm metric
+        tx = optim.clip_by_global_norm(1.0)
+        keys = [("a",), ("b",)]
+        out, _ = tx.update.flat(keys, grads, tx.init(TensorDict()), None)
+        assert len(calls) == 1 and float(first) == 4.0
+        assert torch.equal(out[0], grads[0] / 4.0)
+        grads[0].mul_(2)  # modified in place: computed again
+        assert float(global_norm_of(grads)) == pytest.approx(52**0.5) and len(calls) == 2
+        assert float(global_norm_of([t.clone() for t in grads])) == pytest.approx(52**0.5)
+        assert len(calls) == 3  # other tensors, same values: no identity, no reuse
+    global_norm_of(grads)
+    global_norm_of(grads)
+    assert len(calls) == 5  # outside the step nothing is remembered (.data writes, all_reduce)

@@ -57,6 +57,17 @@ def test_every_alias_given_with_equal_values_is_fine_different_ones_are_not():
         ftrain.load_params(model, params)
 
 
+def test_tied_aliases_holding_nan_are_the_same_tensor():
+    # a diverged run's tied weights: NaN != NaN by value, the same bits all the same
+    shared = torch.nn.Linear(2, 2, bias=False)
+    model = torch.nn.Sequential(shared, shared)
+    w = torch.tensor([[float("nan"), 1.0], [2.0, 3.0]])
+    ftrain.load_params(model, {"0.weight": w, "1.weight": w.clone()})
+    assert torch.equal(model[0].weight.isnan(), w.isnan())
+    with pytest.raises(ValueError, match="tied parameters given different values"):
+        ftrain.load_params(model, {"0.weight": w, "1.weight": w.nan_to_num()})
+
+
 def test_strict_checks_report_everything_and_copy_nothing():
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,68 @@
+"""Misuse of the library API gets a clear error naming the value and the fix (or, where
+the input has a sensible meaning, that meaning) — never a torch or zarr trace, never a
+silently wrong result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from ftrain import optim
+from ftrain.ckpt import CheckpointManager
+
+
+def _state(step: int = 1) -> TensorDict:
+    return TensorDict({"step": torch.tensor(step), "w": torch.arange(6.0).reshape(2, 3)}, [])
+
+
+@pytest.mark.parametrize("name", ["chunk_bytes", "io_workers"])
+@pytest.mark.parametrize("value", [0, -1, 10.5, True])
+def test_manager_sizes_are_whole_positive_numbers(tmp_path, name, value):
+    # chunk_bytes=0 used to divide by zero inside the first save
+    with pytest.raises(ValueError, match=rf"{name}={value!r}\): expected a whole number"):
+        CheckpointManager(tmp_path, **{name: value})
+
+
+def test_a_meta_leaf_is_refused_at_save_naming_it(tmp_path):
+    state = _state().set("lazy", torch.empty(4, device="meta"))
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        with pytest.raises(ValueError, match=r"meta device .*: lazy; materialize them"):
+            m.save(state)
+        assert m.save(_state()) and m.all_steps() == [1]  # nothing half-done
+
+
+def test_a_meta_template_restores_values_on_the_cpu(tmp_path):
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(_state())
+        template = _state(0).to("meta")
+        got = m.restore(target=template)
+    assert got["w"].device.type == "cpu" and torch.equal(got["w"], _state()["w"])
+
+
+@pytest.mark.parametrize("only", [(), []])
+def test_an_empty_only_is_refused(tmp_path, only):
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(_state())
+        with pytest.raises(ValueError, match=r"names no key; pass only=None .*'step', 'w'"):
+            m.restore(only=only)
+
+
+@pytest.mark.parametrize(
+    "grad", [torch.ones(()), torch.ones(1, 3), torch.ones(3, 2), torch.ones(2, 3).half()]
+)
+@pytest.mark.parametrize("make", [lambda: optim.sgd(0.1), lambda: optim.adamw(0.1)])
+def test_an_update_of_another_shape_or_dtype_is_refused(make, grad):
+    # a 0-d or (1, 3) gradient broadcast silently into the update and the moments
+    params = TensorDict({"w": torch.ones(2, 3)}, [])
+    tx = make()
+    with pytest.raises(
+        ValueError, match=r"the update of 'w' is .*, its parameter float32 \(2, 3\)"
+    ):
+        tx.update(TensorDict({"w": grad}, []), tx.init(params), params)
+
+
+def test_update_without_a_state_names_the_argument():
+    params = TensorDict({"w": torch.ones(2)}, [])
+    with pytest.raises(TypeError, match=r"adamw.update needs the optimizer state .* NoneType"):
+        optim.adamw(0.1).update(params.clone(), None, params)
