@@ -104,10 +104,14 @@ __all__ = [
 
 MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-_TMP_RE = re.compile(r"^step_\d{8,}\.tmp-[0-9a-z-]+$")
-_DEL_RE = re.compile(r"^step_\d{8,}\.del-[0-9a-f]+$")
-_ASIDE_RE = re.compile(r"^step_(\d{8,})\.(replaced|superseded|unreadable)-[0-9a-f]+$")
+# The step number exactly as step_dirname writes it: ASCII digits, 8 of them or more
+# without a leading zero. "step_000000002" or Unicode digits matched too, as a second
+# step 2 that listings hid behind the first and retention of the first brought back.
+_NUM = r"([0-9]{8}|[1-9][0-9]{8,})"
+_STEP_RE = re.compile(rf"^step_{_NUM}$")
+_TMP_RE = re.compile(rf"^step_{_NUM}\.tmp-[0-9a-z-]+$")
+_DEL_RE = re.compile(rf"^step_{_NUM}\.del-[0-9a-f]+$")
+_ASIDE_RE = re.compile(rf"^step_{_NUM}\.(replaced|superseded|unreadable)-[0-9a-f]+$")
 
 # Fault-injection seam for tests: called with a phase name at each protocol step.
 fault_hook: Callable[[str], None] | None = None

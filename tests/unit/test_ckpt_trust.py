@@ -475,3 +475,22 @@ def test_deeply_nested_owner_metrics_and_heartbeat_records_are_unreadable_not_fa
     assert _parse(DEEP) is None
     (tmp_path / "heartbeat.json").write_bytes(DEEP)
     assert _heartbeat(tmp_path / "heartbeat.json") is None
+
+
+@pytest.mark.parametrize("name", ["step_000000002", "step_0000000\u0662"])
+def test_a_step_name_step_dirname_would_not_write_is_no_step(tmp_path, name):
+    # a second spelling of step 2 counted as step 2: listings showed one of the two, and
+    # setting the listed one aside brought the other back
+    import shutil
+
+    from ftrain.ckpt import commit as protocol
+
+    saved(tmp_path, 1, 2).close()
+    shutil.copytree(tmp_path / "step_00000002", tmp_path / name)
+    seen = []
+    steps = protocol.committed_steps(tmp_path, on_valid=lambda p, m: seen.append(p.name))
+    assert steps == {1: tmp_path / "step_00000001", 2: tmp_path / "step_00000002"}
+    assert sorted(seen) == ["step_00000001", "step_00000002"]
+    aside = f"{name}.replaced-ab"
+    (tmp_path / name).rename(tmp_path / aside)
+    assert CheckpointManager(tmp_path, async_save=False).set_aside_steps() == {}
