@@ -17,7 +17,8 @@ with full avalanche. With ``m = mix64``::
     split(k, n)[i] = m(k + m(i XOR SPLIT_DOMAIN))
 
 For a fixed ``k`` each map is injective in ``d`` (composition of bijections),
-so two different integers folded into one key never collide, and the two
+so two integers folded into one key collide only if they are equal modulo 2**64 (``-1``
+is ``2**64 - 1``, as JAX's ``uint32`` data wraps), and the two
 domain constants keep ``split`` children apart from ``fold_in`` children.
 Strings are folded in through their BLAKE2b-64 digest.
 
@@ -29,6 +30,7 @@ uninterrupted run drew (see :func:`step_key`).
 from __future__ import annotations
 
 import hashlib
+import operator
 
 import torch
 
@@ -146,7 +148,15 @@ def step_key(base: torch.Tensor, step: int, stream: int | str, rank: int = 0) ->
     ``fold_in(fold_in(fold_in(base, step), rank), stream)`` — so recomputing a step
     from the same state draws the same randomness, whatever ran before.
     """
-    return fold_in(fold_in(fold_in(base, int(step)), int(rank)), stream)
+    return fold_in(fold_in(fold_in(base, _whole("step", step)), _whole("rank", rank)), stream)
+
+
+def _whole(name: str, value) -> int:
+    """An int or an integer tensor (``int(1.7)`` made step 1.7 draw step 1's keys)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"step_key needs an integer {name}, got {name}={value!r}") from None
 
 
 def generator(k: torch.Tensor, device: str | torch.device = "cpu") -> torch.Generator:

@@ -859,6 +859,10 @@ class CheckpointManager:
                 self._committed_last = (s, self._committed_last[1])
                 if self._restored_from is None and not self._written:
                     self._restored_from = s  # the branch point: the resume, not a later look
+                    # a time policy counts from the resume: the restored step is the last
+                    # save (EveryNSeconds saved again at the first step of every restart)
+                    self._last_time = time.monotonic()
+                    self._committed_last = (s, self._last_time)
                 if rows is None:  # a sharded save rewrites every row: nothing to link
                     self._remember_restored(s, path, manifest, out)
             return out

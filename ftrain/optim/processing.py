@@ -325,6 +325,23 @@ def _select_finite(found_inf, u, out, old_inner, new_inner, new_ls):
     return out, new_td({"loss_scale": new_ls, "inner": rebuild(layout, kept)})
 
 
+def _scale_rule(fn: str, growth: float, backoff: float, interval: int) -> tuple:
+    """GradScaler's own bounds: a scale that grows after finite steps and shrinks after
+    a non-finite one, every ``interval`` (a whole number) steps."""
+    growth, backoff = (
+        _positive(fn, "growth_factor", growth),
+        _positive(fn, "backoff_factor", backoff),
+    )
+    if growth <= 1.0 or backoff >= 1.0:
+        raise ValueError(
+            f"{fn} needs growth_factor > 1 and backoff_factor < 1 (as GradScaler), got "
+            f"growth_factor={growth!r}, backoff_factor={backoff!r}"
+        )
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"{fn} needs a whole growth_interval >= 1, got {interval=}")
+    return growth, backoff, interval
+
+
 def dynamic_loss_scale(
     inner: GradientTransformation,
     *,
@@ -365,11 +382,7 @@ def dynamic_loss_scale(
     """
     fn = "dynamic_loss_scale"
     init_scale = _positive(fn, "init_scale", init_scale)
-    rule = (
-        _positive(fn, "growth_factor", growth_factor),
-        _positive(fn, "backoff_factor", backoff_factor),
-        int(_positive(fn, "growth_interval", growth_interval)),
-    )
+    rule = _scale_rule(fn, growth_factor, backoff_factor, growth_interval)
     inner_flat = flat_update(inner)
 
     def init(params: TensorDictBase) -> TensorDictBase:

@@ -66,3 +66,18 @@ def test_update_without_a_state_names_the_argument():
     params = TensorDict({"w": torch.ones(2)}, [])
     with pytest.raises(TypeError, match=r"adamw.update needs the optimizer state .* NoneType"):
         optim.adamw(0.1).update(params.clone(), None, params)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"growth_factor": 0.5},
+        {"backoff_factor": 2.0},
+        {"growth_interval": 2.5},
+        {"growth_interval": 0},
+    ],
+)
+def test_loss_scale_rules_are_gradscalers(kw):
+    # growth_interval=2.5 ran as 2; a growth_factor below 1 shrank the scale on success
+    with pytest.raises(ValueError, match="dynamic_loss_scale needs"):
+        optim.dynamic_loss_scale(optim.sgd(0.1), **kw)

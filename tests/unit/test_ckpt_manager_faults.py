@@ -571,3 +571,22 @@ def test_a_replaced_copy_that_cannot_move_does_not_stop_retention(tmp_path, monk
         assert m.save(make_state(5), force=True)
     assert (primary / "step_00000005" / "COMMITTED").exists()
     assert not (fallback / "step_00000003").exists()  # retention ran: LatestN(1)
+
+
+def test_a_time_policy_counts_from_the_resume(tmp_path, monkeypatch):
+    # the restored step is the last save: a 60 s policy saved again at the first step of
+    # every restart (an unplanned full checkpoint per restart, pushing out kept steps)
+    mono = [50.0]
+    fake = types.SimpleNamespace(
+        time=time.time, monotonic=lambda: mono[0], perf_counter=time.perf_counter
+    )
+    monkeypatch.setattr(manager, "time", fake)
+    with CheckpointManager(tmp_path, async_save=False, save_policy=EveryNSeconds(60)) as m:
+        assert m.save(make_state(1))
+    m = CheckpointManager(tmp_path, async_save=False, save_policy=EveryNSeconds(60))
+    assert int(m.restore()["step"]) == 1
+    saved = []
+    for s in range(2, 5):
+        mono[0] += 30
+        saved.append(m.save(make_state(s)))
+    assert saved == [False, True, False] and m.all_steps() == [1, 3]

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -77,3 +78,12 @@ def test_bad_inputs_name_the_value():
         rng.key(1.5)
     with pytest.raises(ValueError, match="n=-1"):
         rng.split(rng.key(0), -1)
+
+
+def test_step_key_takes_integer_steps_only():
+    from ftrain.rng import key, step_key
+
+    k = key(0)
+    assert torch.equal(step_key(k, torch.tensor(3), "x"), step_key(k, 3, "x"))
+    with pytest.raises(TypeError, match=r"integer step, got step=1.7"):
+        step_key(k, 1.7, "x")  # drew step 1's keys
