@@ -90,6 +90,7 @@ class ResumeReport:
     restore_s: float | None = None
     checkpoint_bytes: int | None = None
     horizon: int | None = None
+    compiled: bool | None = None  # the step was compiled (recorded; None: not recorded)
     # committed steps newer than the restored one that did not verify: {step: why}
     skipped: dict[int, str] = field(default_factory=dict)
     # committed steps newer than an explicit resume=N: the history this run leaves
@@ -466,6 +467,7 @@ _RUN_METADATA = {
     "world_size": int,
     "layout": str,
     "schedule_horizon": int,
+    "step_compiled": bool,  # what trainer.compile=auto chose at the run's first start
 }
 
 
@@ -655,6 +657,7 @@ def start_state(
         changes=changes,
         restore_s=restore_s,
         horizon=meta.get("schedule_horizon"),
+        compiled=meta.get("step_compiled"),
         checkpoint_bytes=(meta.get("save") or {}).get("bytes"),
         skipped=skipped,
         left_behind=left,
@@ -684,6 +687,22 @@ def val_change_note(meta: dict, val_fp: str | None) -> list[str]:
         f"the val split changed since the checkpoint (fingerprint {saved} -> {val_fp}): val_* "
         "metrics before and after this resume measure different data, and "
         "checkpoint.keep_best ranks across both"
+    ]
+
+
+def eval_change_note(meta: dict, cfg: DictConfig) -> list[str]:
+    """A resume that evaluates on another set of val samples (``trainer.eval_batches`` x
+    ``trainer.batch_size`` of them, spread over the split): said, as for a changed split."""
+    saved = (meta.get("config") or {}).get("trainer") or {}
+    before = (saved.get("eval_batches"), saved.get("batch_size"))
+    now = (cfg.trainer.eval_batches, cfg.trainer.batch_size)
+    if not all(type(v) is int for v in before) or before[0] * before[1] == now[0] * now[1]:
+        return []
+    return [
+        f"evaluation now reads {now[0] * now[1]} val samples (trainer.eval_batches x "
+        f"batch_size = {now[0]} x {now[1]}), the checkpoint's run {before[0] * before[1]} "
+        f"({before[0]} x {before[1]}): val_* metrics before and after this resume measure "
+        "different samples, and checkpoint.keep_best ranks across both"
     ]
 
 

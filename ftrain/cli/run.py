@@ -55,6 +55,7 @@ from ftrain.cli.resume import (
     ResumeError,
     ResumeReport,
     checkpoint_metadata,
+    eval_change_note,
     move_run_aside,
     saved_horizon,
     schedule_line,
@@ -62,7 +63,7 @@ from ftrain.cli.resume import (
     val_change_note,
 )
 from ftrain.cli.session import Session
-from ftrain.compiled import cxx_compiler_problem, should_compile
+from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.data.sampler import rank_starts
@@ -221,6 +222,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
             cfg, manager, fresh, world, tx, train_src.fingerprint, sharder=sharder
         )
         report.notes += val_change_note(meta, _val_fp(val_src))
+        report.notes += eval_change_note(meta, cfg) if evaluates(cfg, val_src) else []
         report.notes[:0] = [restart_note] if restart_note else []
         if _horizon_differs(cfg, report, horizon):  # read from a step the restore skipped
             horizon = saved = report.horizon
@@ -296,9 +298,21 @@ def _horizon_differs(cfg: DictConfig, report: ResumeReport, horizon: int) -> boo
 
 def _compile(t: DictConfig, p: _Parts, world: World, device) -> bool:
     """``trainer.compile`` for this start; ``auto`` says what it chose and why. It decides on
-    the run's length, not on the steps left: a resumed run makes its start's choice, so its
-    numbers (compiled and eager differ by ~1e-6) do not depend on where it stopped."""
+    the run's length, not on the steps left, and a resume keeps the choice its checkpoint
+    recorded, so the numbers (compiled and eager differ by ~1e-6) depend neither on where
+    the run stopped nor on a ``max_steps`` raised at a resume."""
     chosen, why = should_compile(t.compile, t.max_steps, world.size, p.shard, device.type)
+    recorded = p.report.compiled if p.report.resumed else None
+    if t.compile == "auto" and recorded is not None and recorded != chosen:
+        # the run's earlier start chose: a resume that raised trainer.max_steps past the
+        # threshold switched to compiled mid-run (numbers ~1e-6 off an unbroken run)
+        can, _ = should_compile("auto", AUTO_MIN_STEPS, world.size, p.shard, device.type)
+        if can or not recorded:
+            chosen = recorded
+            why = (
+                f"{'compiling the step' if chosen else 'eager'}, as this run's first start "
+                "chose (recorded with its checkpoints; trainer.compile=true or false changes it)"
+            )
     if t.compile == "auto" and world.is_coordinator:
         print(f"ftrain: trainer.compile=auto: {why}", file=sys.stderr, flush=True)
     return chosen
@@ -327,9 +341,10 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
         if early.requested:  # received during start-up: stop at the first step boundary
             stop.request(early.reason)
         session.resumed(p.report)
+        compiled = _compile(t, p, world, device)
         session.metadata = checkpoint_metadata(
             cfg, p.train.fingerprint, p.train.describe(), world, p.horizon, _val_fp(p.val)
-        )
+        ) | {"step_compiled": compiled}
         state = place(p.state, device)
         step = make_step(
             p.model,
@@ -338,7 +353,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             grad_accum=t.grad_accum,
             precision=t.precision,
             donate=t.donate,
-            compile=_compile(t, p, world, device),
+            compile=compiled,
             shard=p.shard,
         )
         if step.sharder is not None:  # a fresh state's rows (a resumed one holds them already)

@@ -469,3 +469,16 @@ def test_a_resume_says_when_the_val_split_changed(cli, tmp_path):
     np.full(1_000, 7, dtype=np.uint16).tofile(data / "val.bin")
     out = cli(run, *args, "trainer.max_steps=4", check=0)
     assert "the val split changed since the checkpoint (fingerprint" in out.stdout, out.stdout
+
+
+def test_a_resume_says_when_evaluation_reads_other_val_samples(cli, tmp_path):
+    """trainer.eval_batches (or batch_size) changed at a resume: val_loss before and after
+    measured other samples while keep_best ranked across both, unsaid."""
+    run = tmp_path / "run"
+    args = ["checkpoint.every_steps=2", "trainer.eval_every=2"]
+    cli(run, *args, "trainer.max_steps=2", "trainer.eval_batches=2", check=0)
+    out = cli(run, *args, "trainer.max_steps=3", "trainer.eval_batches=2", check=0)
+    assert "evaluation now reads" not in out.stdout
+    out = cli(run, *args, "trainer.max_steps=4", "trainer.eval_batches=3", check=0)
+    assert "evaluation now reads" in out.stdout and "= 3 x" in out.stdout, out.stdout
+    assert "checkpoint.keep_best ranks across both" in out.stdout

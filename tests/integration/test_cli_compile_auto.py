@@ -46,3 +46,21 @@ def test_no_cpp_compiler_refuses_compile_true_at_start_and_auto_stays_eager(cach
     rest = auto.communicate(timeout=120)[1]
     assert "trainer.compile=auto: eager: No working C++ compiler" in chose, chose + rest
     assert auto.returncode == 3 and "Traceback" not in rest and "compiled the step" not in rest
+
+
+def test_a_resume_keeps_what_auto_chose_at_the_first_start(cli, popen_cli, tmp_path):
+    """A resume that raises ``trainer.max_steps`` past the threshold switched a run that
+    started eager to compiled mid-run (numbers ~1e-6 off the unbroken run): the choice is
+    recorded with the checkpoints and kept."""
+    from ftrain.ckpt import CheckpointManager
+
+    run = tmp_path / "run"
+    cli(run, "trainer.compile=auto", "trainer.max_steps=3", check=0)
+    with CheckpointManager(run / "checkpoints") as m:
+        assert m.metadata(3)["step_compiled"] is False
+    longer = popen_cli(run, "trainer.compile=auto", "trainer.max_steps=6000")
+    chose = next(line for line in longer.stdout if "trainer.compile=auto" in line)
+    longer.terminate()  # SIGTERM: the step finishes, is saved, exit 3
+    rest = longer.communicate(timeout=120)[0]
+    assert "eager, as this run's first start chose" in chose, chose + rest
+    assert longer.returncode == 3 and "compiled the step" not in rest, rest
