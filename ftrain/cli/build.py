@@ -309,19 +309,28 @@ def check_batch(trainer, source: Source, world_size: int = 1) -> None:
             f"trainer.batch_size={batch} is larger than the training split ({n:,} "
             f"samples of data.block_size tokens); use trainer.batch_size={n} or less, or more data"
         )
+    # a resume keeps its checkpoint's batch size (a change is refused as a config change):
+    # each message also names the fix that keeps it
     if batch % world_size:
+        ranks = _largest_divisor(batch, world_size)
         raise ConfigError(
             f"trainer.batch_size={batch} (the global batch) does not split over {world_size} "
             f"ranks; use a multiple of {world_size}, e.g. trainer.batch_size="
-            f"{max(world_size, batch - batch % world_size)}"
+            f"{max(world_size, batch - batch % world_size)}, or, to keep this batch size (a "
+            f"resume), launch {ranks} rank{'s' * (ranks > 1)} (a divisor of {batch})"
         )
-    if (batch // world_size) % accum:
+    share = batch // world_size
+    if share % accum:
         raise ConfigError(
-            f"trainer.batch_size={batch} gives each of the {world_size} ranks "
-            f"{batch // world_size} samples, not divisible by trainer.grad_accum={accum}; use "
-            f"a trainer.batch_size that is a multiple of {world_size * accum} (ranks x "
-            "grad_accum)"
+            f"trainer.batch_size={batch} gives each of the {world_size} ranks {share} "
+            f"samples, not divisible by trainer.grad_accum={accum}; use a trainer.batch_size "
+            f"that is a multiple of {world_size * accum} (ranks x grad_accum), or, to keep "
+            f"this batch size (a resume), trainer.grad_accum={_largest_divisor(share, accum)}"
         )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
 def model_vocab(model_cfg) -> int | None:

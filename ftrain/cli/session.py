@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from ftrain import _json
@@ -45,8 +46,28 @@ __all__ = ["Session"]
 
 _LOCAL_REASONS = ("emergency", "hang")
 _FAILED = 2  # the save verdict broadcast when the coordinator's background save failed
-# per-rank throughput: the run's is the sum over ranks
+# per-rank throughput and counts: the run's are the sums over ranks
 _THROUGHPUT = ("tokens_per_s", "samples_per_s")
+_COUNTS = ("samples", "tokens")
+
+
+def _run_wide(fields: dict, world: World, keys) -> dict:
+    """``fields`` as the run sees them, not this rank's share: each of ``keys`` averaged
+    over the ranks, counts and throughput summed. A collective: every rank calls it, with
+    the same keys (the same step function made them)."""
+    shared = all_mean({k: float(fields[k]) for k in keys if k in fields})
+    out = dict(fields)
+    for k, v in shared.items():
+        out[k] = (
+            round(v * world.size) if k in _COUNTS else v * world.size if k in _THROUGHPUT else v
+        )
+    return out
+
+
+def _is_scalar(v: object) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1 and not v.is_complex()
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 class Session:
@@ -173,8 +194,7 @@ class Session:
         """A step record as the run sees it: the global mean loss and the summed throughput
         in a data-parallel run (not this rank's share), plus this process's peak memory."""
         if self.world.active:
-            shared = all_mean({k: fields[k] for k in ("loss", *_THROUGHPUT) if k in fields})
-            fields |= {k: v * self.world.size if k in _THROUGHPUT else v for k, v in shared.items()}
+            fields = _run_wide(fields, self.world, ("loss", *_COUNTS, *_THROUGHPUT))
         return fields | {k: round(v, 1) for k, v in memory_fields(self.device).items()}
 
     # -- saving and evaluating ---------------------------------------------------
@@ -201,6 +221,11 @@ class Session:
             if not verdict:
                 return False
             force = True  # decided above for every rank: the save below must not re-decide
+            # what the checkpoint records and keep_best ranks: the run's loss, not rank 0's
+            # half of the batch (keep_best=loss kept the wrong steps on 2 ranks)
+            metrics = _run_wide(
+                metrics, self.world, sorted(k for k, v in metrics.items() if _is_scalar(v))
+            )
             gathered = gather_json(hostrng.capture())
             host_rng = dict(enumerate(gathered)) if gathered is not None else None
             if self.sharded:  # every rank writes its own rows into one store

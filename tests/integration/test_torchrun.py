@@ -105,6 +105,13 @@ def test_two_ranks_train_and_resume_on_one_rank_with_the_same_global_order(
     assert torch.equal(a["data"]["position"], b["data"]["position"])
     # Same samples in the same global order: only the all-reduce rounding differs.
     torch.testing.assert_close(a["params"], b["params"], rtol=1e-4, atol=1e-4)
+    # the metrics a checkpoint records (and keep_best ranks) are the run's, as on one rank:
+    # rank 0's own half-batch loss and counts were stored
+    ma, mb = (CheckpointManager(r / "checkpoints").metadata(6)["metrics"] for r in (two, elastic))
+    assert ma["samples"] == mb["samples"] and ma["tokens"] == mb["tokens"], (ma, mb)
+    assert abs(ma["loss"] - mb["loss"]) < 1e-4, (ma, mb)
+    sa, sb = (records(r, "step")[-1] for r in (two, elastic))
+    assert sa["samples"] == sb["samples"] and sa["step"] == sb["step"] == 6, (sa, sb)
 
 
 def test_a_rank_that_cannot_read_the_chosen_step_stops_every_rank_with_its_reason(

@@ -153,6 +153,10 @@ class _Samples:
         (101, 1, 1, "trainer.batch_size=101 is larger than the training split (100 samples"),
         (3, 1, 2, "trainer.batch_size=3 (the global batch) does not split over 2 ranks; use a"),
         (4, 4, 2, "gives each of the 2 ranks 2 samples, not divisible by trainer.grad_accum=4"),
+        # a resume keeps its batch size: the fix that keeps it is named too
+        (9, 1, 4, "to keep this batch size (a resume), launch 3 ranks (a divisor of 9)"),
+        (3, 1, 2, "launch 1 rank (a divisor of 3)"),
+        (12, 4, 2, "to keep this batch size (a resume), trainer.grad_accum=3"),
     ],
 )
 def test_a_batch_the_data_or_the_ranks_cannot_take_is_refused(batch, accum, world, needle):
