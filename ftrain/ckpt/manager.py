@@ -461,7 +461,10 @@ class CheckpointManager:
         if not isinstance(state, TensorDictBase) or "step" not in state.keys():
             raise ValueError("save() needs a TensorDict with a 0-d integer 'step' entry")
         s = state["step"]
-        if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.is_floating_point():
+        integer = isinstance(s, torch.Tensor) and not (
+            s.is_floating_point() or s.is_complex() or s.dtype == torch.bool
+        )  # torch.tensor(True) was step 1
+        if not integer or s.dim() != 0:
             raise ValueError(f"state['step'] must be a 0-d integer tensor, got {s!r}")
         step = int(s.item())
         if step < 0:  # here, not in the background write (it failed a later call before)
@@ -485,7 +488,7 @@ class CheckpointManager:
             "format_version": FORMAT_VERSION,
             "step": step,
             "time": time.time(),  # wall clock, for people and keep policies
-            "metrics": {str(k): json_scalar(v) for k, v in (metrics or {}).items()},
+            "metrics": {str(k): _metric_json(k, v) for k, v in (metrics or {}).items()},
             "versions": versions(),
             "host_rng": {
                 str(r): v for r, v in (host_rng or {self.rank: hostrng.capture()}).items()
@@ -978,6 +981,13 @@ def _as_step(step) -> int | None:
         return operator.index(step)
     except TypeError:
         raise TypeError(f"restore(step={step!r}): a step is an int (or None: the newest)") from None
+
+
+def _metric_json(name: object, value: object) -> object:
+    try:
+        return json_scalar(value)
+    except ValueError as e:
+        raise ValueError(f"metric {name!r}: {e}") from None
 
 
 def _positive_int(name: str, value, default: int) -> int:

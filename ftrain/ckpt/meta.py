@@ -70,6 +70,11 @@ def read_root_attributes(step_dir: Path, manifest: dict) -> dict:
 def json_scalar(v: object) -> object:
     """A metric value as JSON (a 0-d tensor as its number; non-finite as a string)."""
     if isinstance(v, torch.Tensor):
+        if v.numel() != 1:  # .item() raised a bare RuntimeError from the background writer
+            raise ValueError(
+                f"a metric must be a number or a one-element tensor, got shape {tuple(v.shape)}"
+                "; log its mean (or each element under a name of its own)"
+            )
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # "nan" / "inf": JSON has no non-finite numbers

@@ -81,3 +81,20 @@ def test_loss_scale_rules_are_gradscalers(kw):
     # growth_interval=2.5 ran as 2; a growth_factor below 1 shrank the scale on success
     with pytest.raises(ValueError, match="dynamic_loss_scale needs"):
         optim.dynamic_loss_scale(optim.sgd(0.1), **kw)
+
+
+@pytest.mark.parametrize(
+    "step", [torch.tensor(True), torch.tensor([3]), torch.tensor(2.0), torch.tensor(1j)]
+)
+def test_a_step_that_is_not_a_0d_integer_is_refused(tmp_path, step):
+    # torch.tensor(True) was saved as step 1, a (1,)-shaped step as a step of its own
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        with pytest.raises(ValueError, match=r"state\['step'\] must be a 0-d integer tensor"):
+            m.save(TensorDict({"step": step, "w": torch.ones(2)}, []))
+
+
+def test_a_metric_of_several_elements_is_named(tmp_path):
+    with CheckpointManager(tmp_path) as m:  # async: refused in save(), not in the writer
+        with pytest.raises(ValueError, match=r"metric 'acc': .*shape \(2,\); log its mean"):
+            m.save(_state(), metrics={"loss": 1.0, "acc": torch.tensor([0.5, 0.7])})
+        assert m.save(_state(), metrics={"acc": torch.tensor([0.6])})
