@@ -88,9 +88,10 @@ def test_loss_scale_rules_are_gradscalers(kw):
 )
 def test_a_step_that_is_not_a_0d_integer_is_refused(tmp_path, step):
     # torch.tensor(True) was saved as step 1, a (1,)-shaped step as a step of its own
-    with CheckpointManager(tmp_path, async_save=False) as m:
-        with pytest.raises(ValueError, match=r"state\['step'\] must be a 0-d integer tensor"):
-            m.save(TensorDict({"step": step, "w": torch.ones(2)}, []))
+    m = CheckpointManager(tmp_path, async_save=False)
+    with pytest.raises(ValueError, match=r"state\['step'\] must be a 0-d integer tensor"):
+        m.save(TensorDict({"step": step, "w": torch.ones(2)}, []))
+    m.close()
 
 
 def test_a_metric_of_several_elements_is_named(tmp_path):
