@@ -154,6 +154,8 @@ def step_key(base: torch.Tensor, step: int, stream: int | str, rank: int = 0) ->
 def _whole(name: str, value) -> int:
     """An int or an integer tensor (``int(1.7)`` made step 1.7 draw step 1's keys)."""
     try:
+        if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+            raise TypeError
         return operator.index(value)
     except TypeError:
         raise TypeError(f"step_key needs an integer {name}, got {name}={value!r}") from None

@@ -113,6 +113,11 @@ def _numpy_state(n: dict) -> tuple:
     return (str(n["name"]), keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"]))
 
 
+# a CUDA generator's state: its Philox seed and offset, 8 bytes each (what
+# torch.cuda.get_rng_state() returns; set_rng_state refuses any other length)
+CUDA_STATE_BYTES = 16
+
+
 def _check(cond: bool, what: str) -> None:
     if not cond:
         raise CorruptCheckpointError(f"host RNG state: {what}")
@@ -177,8 +182,8 @@ def validate(states: object) -> dict:
     if "cuda" in states:
         cuda = states["cuda"]
         _check(isinstance(cuda, list), "cuda is not a list")
-        for s in cuda:
-            _check_b64(s, None, "cuda")
+        for s in cuda:  # checked here: restore sets the CUDA generators last
+            _check_b64(s, CUDA_STATE_BYTES, "cuda")
     _try_on_fresh_generators(states)
     return states
 

@@ -44,7 +44,7 @@ def entry_for(step: int, path: Path, *, save_seconds: float | None = None) -> di
             "path": str(path),
             "time": float(attrs.get("time", marker.get("time", 0.0))),
             "metrics": attrs.get("metrics", {}),
-            "bytes": int(marker.get("bytes", 0)),
+            "bytes": _count(marker.get("bytes", 0)),
             "blocking_seconds": marker.get("blocking_seconds"),
             "save_seconds": save_seconds
             if save_seconds is not None
@@ -54,8 +54,14 @@ def entry_for(step: int, path: Path, *, save_seconds: float | None = None) -> di
             # (an old index written before a kill) must not lend it the old copy's metrics
             "seal": marker.get("manifest_crc32c"),
         }
-    except (TypeError, ValueError) as e:  # a marker field of the wrong type
+    except (TypeError, ValueError, OverflowError) as e:  # a marker field of the wrong type
         raise CorruptCheckpointError(f"{path}: unreadable marker field ({e})") from e
+
+
+def _count(value: object) -> int | None:
+    """The marker's byte count, a figure for people under no checksum: ``None`` unless a
+    count (``1e400`` there overflowed ``int()`` in every manager's constructor)."""
+    return value if type(value) is int and value >= 0 else None
 
 
 def load_or_rebuild(
@@ -69,7 +75,7 @@ def load_or_rebuild(
         doc = _json.loads(raw if raw is not None else index_path.read_bytes())
         current = doc.get("version") == INDEX_VERSION
         cached = {int(e["step"]): e for e in doc["entries"]} if current else {}
-    except (OSError, ValueError, KeyError, TypeError, CorruptCheckpointError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, CorruptCheckpointError):
         cached = {}
     return reuse_or_read(cached, steps, seals)
 

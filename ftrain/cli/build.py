@@ -312,7 +312,7 @@ def check_batch(trainer, source: Source, world_size: int = 1) -> None:
     # a resume keeps its checkpoint's batch size (a change is refused as a config change):
     # each message also names the fix that keeps it
     if batch % world_size:
-        ranks = _largest_divisor(batch, world_size)
+        ranks = _ranks_for(batch, accum, world_size)
         raise ConfigError(
             f"trainer.batch_size={batch} (the global batch) does not split over {world_size} "
             f"ranks; use a multiple of {world_size}, e.g. trainer.batch_size="
@@ -331,6 +331,13 @@ def check_batch(trainer, source: Source, world_size: int = 1) -> None:
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, at_most + 1) if n % d == 0)
+
+
+def _ranks_for(batch: int, accum: int, at_most: int) -> int:
+    """The most ranks (up to ``at_most``) that split ``batch`` into shares ``accum``
+    splits too (1 always does when ``accum`` divides ``batch``; else the fewest that fit)."""
+    fits = [d for d in range(1, at_most + 1) if batch % d == 0 and (batch // d) % accum == 0]
+    return max(fits) if fits else _largest_divisor(batch, at_most)
 
 
 def model_vocab(model_cfg) -> int | None:

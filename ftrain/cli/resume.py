@@ -658,7 +658,7 @@ def start_state(
         restore_s=restore_s,
         horizon=meta.get("schedule_horizon"),
         compiled=meta.get("step_compiled"),
-        checkpoint_bytes=(meta.get("save") or {}).get("bytes"),
+        checkpoint_bytes=_saved_bytes(meta),
         skipped=skipped,
         left_behind=left,
         ignored=ignored,
@@ -688,6 +688,13 @@ def val_change_note(meta: dict, val_fp: str | None) -> list[str]:
         "metrics before and after this resume measure different data, and "
         "checkpoint.keep_best ranks across both"
     ]
+
+
+def _saved_bytes(meta: dict) -> int | None:
+    """The step's recorded size if it is a count (a figure for the resume line)."""
+    save = meta.get("save")
+    n = save.get("bytes") if isinstance(save, dict) else None
+    return n if type(n) is int and n >= 0 else None
 
 
 def eval_change_note(meta: dict, cfg: DictConfig) -> list[str]:

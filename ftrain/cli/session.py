@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 from ftrain import _json
@@ -62,12 +61,6 @@ def _run_wide(fields: dict, world: World, keys) -> dict:
             round(v * world.size) if k in _COUNTS else v * world.size if k in _THROUGHPUT else v
         )
     return out
-
-
-def _is_scalar(v: object) -> bool:
-    if isinstance(v, torch.Tensor):
-        return v.numel() == 1 and not v.is_complex()
-    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 class Session:
@@ -223,9 +216,7 @@ class Session:
             force = True  # decided above for every rank: the save below must not re-decide
             # what the checkpoint records and keep_best ranks: the run's loss, not rank 0's
             # half of the batch (keep_best=loss kept the wrong steps on 2 ranks)
-            metrics = _run_wide(
-                metrics, self.world, sorted(k for k, v in metrics.items() if _is_scalar(v))
-            )
+            metrics = _run_wide(metrics, self.world, ("loss", *_COUNTS))
             gathered = gather_json(hostrng.capture())
             host_rng = dict(enumerate(gathered)) if gathered is not None else None
             if self.sharded:  # every rank writes its own rows into one store

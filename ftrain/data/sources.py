@@ -204,6 +204,9 @@ class TokenFileSource(Source):
             if split not in _SPLITS:
                 raise ValueError(f"a single token file has splits {_SPLITS}, got {split=}")
             self.file = root
+        # the size from the descriptor the windows are read from: a rename between a
+        # stat of the path and the open would size one file and read another
+        self._fd = _open_tokens(self, self.file)
         n_file = self._count_tokens()
         self.lo, self.hi = 0, n_file
         self.splits_by_range = not root.is_dir()  # train and val share one file
@@ -219,12 +222,11 @@ class TokenFileSource(Source):
                 f"than block_size + 1 = {block_size + 1} needed for one sample; lower "
                 "block_size, add data, or change val_fraction"
             )
-        self._fd = _open_tokens(self, self.file)
         self._content = _content_digest
         self._fingerprint: str | None = None
 
     def _count_tokens(self) -> int:
-        size = self.file.stat().st_size
+        size = os.fstat(self._fd).st_size
         if size == 0 or size % self.dtype.itemsize:
             raise DataFormatError(
                 f"token file {str(self.file)!r} is empty or truncated: {size} bytes is not a "

@@ -337,9 +337,12 @@ def _scale_rule(fn: str, growth: float, backoff: float, interval: int) -> tuple:
             f"{fn} needs growth_factor > 1 and backoff_factor < 1 (as GradScaler), got "
             f"growth_factor={growth!r}, backoff_factor={backoff!r}"
         )
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ValueError(f"{fn} needs a whole growth_interval >= 1, got {interval=}")
-    return growth, backoff, interval
+    whole = isinstance(interval, int) or (isinstance(interval, float) and interval.is_integer())
+    if isinstance(interval, bool) or not whole or interval < 1:
+        raise ValueError(
+            f"{fn} needs a whole growth_interval >= 1, got growth_interval={interval!r}"
+        )
+    return growth, backoff, int(interval)
 
 
 def dynamic_loss_scale(

@@ -57,7 +57,7 @@ def _problems(module: nn.Module, given: dict, strict: bool) -> tuple[list[str], 
                 f"{present[0]}: given {src.dtype}{tuple(src.shape)}, module {p.dtype}{tuple(p.shape)}"
             )
             continue
-        differing = [n for n in present[1:] if not same_bits(given[n], src)]  # NaN == NaN
+        differing = [n for n in present[1:] if not _same(given[n], src)]
         if differing:
             problems.append(
                 f"tied parameters given different values: {present[0]} vs {', '.join(differing)} "
@@ -66,6 +66,11 @@ def _problems(module: nn.Module, given: dict, strict: bool) -> tuple[list[str], 
             continue
         copies.append((p, src))
     return problems, copies
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (-0.0 == 0.0) or the same bits (a diverged run's NaN == NaN)."""
+    return torch.equal(a.to(b.device), b) or same_bits(a, b)
 
 
 def _buffer_problems(module: nn.Module, given: dict, strict: bool) -> tuple[list[str], list]:

@@ -81,6 +81,7 @@ def test_loss_scale_rules_are_gradscalers(kw):
     # growth_interval=2.5 ran as 2; a growth_factor below 1 shrank the scale on success
     with pytest.raises(ValueError, match="dynamic_loss_scale needs"):
         optim.dynamic_loss_scale(optim.sgd(0.1), **kw)
+    optim.dynamic_loss_scale(optim.sgd(0.1), growth_interval=2000.0)  # whole: fine
 
 
 @pytest.mark.parametrize(

@@ -204,6 +204,10 @@ GARBAGE_HOST_RNG = {
     "numpy has_gauss past C long": lambda s: s["numpy"].update(has_gauss=2**70),
     "numpy cached_gaussian past float": lambda s: s["numpy"].update(cached_gaussian=10**400),
     "torch state all zero": _zero_torch_state,
+    # set after the others on a GPU host, which it then refused: half-applied, no fallback
+    "cuda state of the wrong length": lambda s: s.update(
+        cuda=[base64.b64encode(b"x" * 8).decode()]
+    ),
 }
 
 
@@ -461,6 +465,17 @@ def test_ckpt_list_shows_a_marker_byte_count_that_is_not_one_as_unknown(tmp_path
     marker.write_text(json.dumps(doc))
     rc, out = ckpt_cli(capsys, "list", tmp_path)
     assert rc == 0 and re.search(r"^\s+1\s+\?\s+\{\"loss\": 1.0\}$", out, re.M), out
+    (tmp_path / "checkpoints.json").unlink()  # rebuilt from the markers (1e400 overflowed)
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    assert mgr.index()[0]["bytes"] is None and int(mgr.restore()["step"]) == 1
+
+
+def test_an_index_entry_with_a_step_past_int_is_rebuilt(tmp_path):
+    saved(tmp_path, 1, 2).close()
+    raw = (tmp_path / "checkpoints.json").read_text().replace('"step": 1', '"step": 1e400', 1)
+    (tmp_path / "checkpoints.json").write_text(raw)
+    mgr = CheckpointManager(tmp_path, async_save=False, keep_policy=BestN("loss", 1))
+    assert [e["step"] for e in mgr.index()] == [1, 2]
 
 
 def test_deeply_nested_owner_metrics_and_heartbeat_records_are_unreadable_not_fatal(tmp_path):

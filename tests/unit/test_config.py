@@ -157,6 +157,7 @@ class _Samples:
         (9, 1, 4, "to keep this batch size (a resume), launch 3 ranks (a divisor of 9)"),
         (3, 1, 2, "launch 1 rank (a divisor of 3)"),
         (12, 4, 2, "to keep this batch size (a resume), trainer.grad_accum=3"),
+        (12, 4, 8, "launch 3 ranks (a divisor of 12)"),  # 6 ranks: shares of 2, not by 4
     ],
 )
 def test_a_batch_the_data_or_the_ranks_cannot_take_is_refused(batch, accum, world, needle):

@@ -87,3 +87,6 @@ def test_step_key_takes_integer_steps_only():
     assert torch.equal(step_key(k, torch.tensor(3), "x"), step_key(k, 3, "x"))
     with pytest.raises(TypeError, match=r"integer step, got step=1.7"):
         step_key(k, 1.7, "x")  # drew step 1's keys
+    for flag in (True, torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"integer step"):
+            step_key(k, flag, "x")

@@ -66,6 +66,8 @@ def test_tied_aliases_holding_nan_are_the_same_tensor():
     assert torch.equal(model[0].weight.isnan(), w.isnan())
     with pytest.raises(ValueError, match="tied parameters given different values"):
         ftrain.load_params(model, {"0.weight": w, "1.weight": w.nan_to_num()})
+    zeros = torch.zeros(2, 2)
+    ftrain.load_params(model, {"0.weight": zeros, "1.weight": -zeros})  # -0.0 == 0.0
 
 
 def test_strict_checks_report_everything_and_copy_nothing():
