@@ -32,6 +32,7 @@ import torch
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
+from ftrain.ckpt.index import byte_count
 from ftrain.ckpt.location import (
     CheckpointLocationError,
     CheckpointStoreError,
@@ -85,8 +86,8 @@ def _summary(path: Path) -> tuple[str, str]:
     shows as ``?`` (a list or 1e400 there stopped the listing)."""
     marker, manifest = protocol.read_committed(path)
     attrs = read_root_attributes(path, manifest)
-    nbytes = marker.get("bytes", 0)
-    shown = f"{nbytes:,}" if type(nbytes) is int and nbytes >= 0 else "?"
+    nbytes = byte_count(marker.get("bytes", 0))
+    shown = "?" if nbytes is None else f"{nbytes:,}"
     return shown, json.dumps(attrs.get("metrics", {}))
 
 

@@ -44,7 +44,7 @@ def entry_for(step: int, path: Path, *, save_seconds: float | None = None) -> di
             "path": str(path),
             "time": float(attrs.get("time", marker.get("time", 0.0))),
             "metrics": attrs.get("metrics", {}),
-            "bytes": _count(marker.get("bytes", 0)),
+            "bytes": byte_count(marker.get("bytes", 0)),
             "blocking_seconds": marker.get("blocking_seconds"),
             "save_seconds": save_seconds
             if save_seconds is not None
@@ -58,7 +58,7 @@ def entry_for(step: int, path: Path, *, save_seconds: float | None = None) -> di
         raise CorruptCheckpointError(f"{path}: unreadable marker field ({e})") from e
 
 
-def _count(value: object) -> int | None:
+def byte_count(value: object) -> int | None:
     """The marker's byte count, a figure for people under no checksum: ``None`` unless a
     count (``1e400`` there overflowed ``int()`` in every manager's constructor)."""
     return value if type(value) is int and value >= 0 else None

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 
 from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
+from ftrain.ckpt.index import byte_count
 from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import mapped_bytes
 from ftrain.cli.errors import ResumeError
@@ -693,8 +694,7 @@ def val_change_note(meta: dict, val_fp: str | None) -> list[str]:
 def _saved_bytes(meta: dict) -> int | None:
     """The step's recorded size if it is a count (a figure for the resume line)."""
     save = meta.get("save")
-    n = save.get("bytes") if isinstance(save, dict) else None
-    return n if type(n) is int and n >= 0 else None
+    return byte_count(save.get("bytes")) if isinstance(save, dict) else None
 
 
 def eval_change_note(meta: dict, cfg: DictConfig) -> list[str]:
