@@ -27,7 +27,7 @@ from ftrain.cli.errors import ResumeError
 from ftrain.cli.overwrite import move_aside, move_run_aside
 from ftrain.cli.redo import last_run_ended, read_records, redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
-from ftrain.config import config_hash, to_plain
+from ftrain.config import config_hash, flat_config, recorded_config
 from ftrain.dist import World, broadcast_json, gather_json
 from ftrain.optim import refresh_hyperparams
 from ftrain.state.tree import replace
@@ -188,14 +188,6 @@ class ResumeReport:
         )
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        out |= _flat(v, key + ".") if isinstance(v, dict) else {key: v}
-    return out
-
-
 def _builtin(group: str, key: str = "_target_"):
     """What a built-in option of ``group`` (by its recorded ``name``) meant for ``key``
     before options named it: the value its YAML sets now."""
@@ -230,7 +222,7 @@ ADDED_KEYS = {
 
 def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(incompatible, safe) differences between a checkpoint's config and the current one."""
-    a, b = _flat(saved), _flat(current)
+    a, b = flat_config(saved), flat_config(current)
     a = {k: v(a) if callable(v) else v for k, v in ADDED_KEYS.items() if k in b} | a
     bad, safe = [], []
     for key in sorted((set(a) | set(b)) - {"resume"}):  # how a start picks its step
@@ -737,14 +729,6 @@ def _mmap_notes(cfg: DictConfig, sharder) -> list[str]:
     return [
         "checkpoint.mmap_restore=true does not apply to a sharded resume: each rank read its rows"
     ]
-
-
-def recorded_config(cfg: DictConfig) -> dict:
-    """The config a checkpoint records: all of it but ``logger`` (where this start's metrics
-    are shown is not part of the run, and checkpoint metadata then names no logger code)."""
-    plain = to_plain(cfg)
-    plain.pop("logger", None)
-    return plain
 
 
 def checkpoint_metadata(

@@ -63,6 +63,7 @@ from ftrain.cli.resume import (
     val_change_note,
 )
 from ftrain.cli.session import Session
+from ftrain.cli.startup import same_config_on_every_rank
 from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
@@ -153,6 +154,7 @@ def train_from_config(cfg: DictConfig) -> int:
     early = StopFlag().install((signal.SIGTERM, signal.SIGUSR1))
     try:
         try:
+            same_config_on_every_rank(cfg, world)  # before any rank acts on its own config
             lock = claim_run_dir(cfg, world)  # before anything is built or moved
             parts = _setup(cfg, device, world)
         except _STARTUP_ERRORS as err:

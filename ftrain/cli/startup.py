@@ -1,4 +1,5 @@
-"""What a start says and sets up besides the state: the LR schedule's horizon, the host RNGs."""
+"""What a start checks, says and sets up besides the state: one config on every rank, the
+LR schedule's horizon, the host RNGs."""
 
 from __future__ import annotations
 
@@ -7,9 +8,51 @@ import sys
 from omegaconf import DictConfig
 
 from ftrain.ckpt import CorruptCheckpointError
-from ftrain.dist import World
+from ftrain.config import ConfigError, flat_config, recorded_config
+from ftrain.dist import World, broadcast_json, gather_json
 
-__all__ = ["host_rng_start", "schedule_line"]
+__all__ = ["host_rng_start", "same_config_on_every_rank", "schedule_line"]
+
+_SHOWN_KEYS = 5  # differing keys a refusal lists (the rest are counted)
+_ABSENT = "<absent>"
+
+
+def same_config_on_every_rank(cfg: DictConfig, world: World) -> None:
+    """Refuse a multi-rank start whose ranks composed different configs.
+
+    torchrun starts one command on every rank, but a value can still differ per rank: an
+    ``${oc.env:...}`` or ``${now:...}`` interpolation, a config file edited between two
+    hosts' starts. Such a run trains silently wrong (each rank steps with its own
+    ``optim.lr``, reads its own data, writes its own ``run.dir``), and the checkpoints
+    record rank 0's config only. Collective: every rank calls it at start; rank 0 compares
+    the configs a checkpoint would record (``logger`` aside: only rank 0 logs) and every
+    rank raises the same :class:`ConfigError`, naming the keys and each rank's value.
+    """
+    if not world.active:
+        return
+    every = gather_json(flat_config(recorded_config(cfg)))
+    verdict = broadcast_json(_config_differences(every) if world.is_coordinator else None)
+    if verdict:
+        raise ConfigError(verdict)
+
+
+def _config_differences(per_rank: list[dict]) -> str | None:
+    keys = sorted(set().union(*per_rank))
+    differ = [k for k in keys if len({repr(c.get(k, _ABSENT)) for c in per_rank}) > 1]
+    if not differ:
+        return None
+    lines = [
+        f"{k}: " + ", ".join(f"{c.get(k, _ABSENT)!r} on rank {r}" for r, c in enumerate(per_rank))
+        for k in differ[:_SHOWN_KEYS]
+    ]
+    if len(differ) > _SHOWN_KEYS:
+        lines.append(f"and {len(differ) - _SHOWN_KEYS} more key(s)")
+    return (
+        f"the {len(per_rank)} ranks were started with different configs ("
+        + "; ".join(lines)
+        + "). Start every rank with the same overrides and config files; a value that "
+        "differs per rank usually comes from an ${oc.env:...} or ${now:...} interpolation"
+    )
 
 
 def host_rng_start(cfg: DictConfig, world: World, meta: dict | None) -> str:

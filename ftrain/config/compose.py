@@ -35,6 +35,8 @@ __all__ = [
     "check_hydra_overrides",
     "compose_raw",
     "config_hash",
+    "flat_config",
+    "recorded_config",
     "finish_config",
     "group_options",
     "hydra_session",
@@ -694,6 +696,23 @@ def to_plain(cfg: DictConfig) -> dict:
 
 # storage option names that hold credentials: never recorded (access key ids included)
 _SECRET_RE = re.compile(r"secret|token|password|key|credential|sas", re.IGNORECASE)
+
+
+def recorded_config(cfg: DictConfig) -> dict:
+    """The config a checkpoint records: all of it but ``logger`` (where this start's metrics
+    are shown is not part of the run, and checkpoint metadata then names no logger code)."""
+    plain = to_plain(cfg)
+    plain.pop("logger", None)
+    return plain
+
+
+def flat_config(plain: dict, prefix: str = "") -> dict[str, object]:
+    """A plain config as ``{"optim.lr": 0.001, ...}``: dotted keys to leaf values."""
+    out: dict[str, object] = {}
+    for k, v in plain.items():
+        key = f"{prefix}{k}"
+        out |= flat_config(v, key + ".") if isinstance(v, dict) else {key: v}
+    return out
 
 
 def config_hash(plain: dict) -> str:

@@ -155,6 +155,24 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_at_start(cache_dir, tm
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
 
 
+def test_ranks_started_with_different_configs_are_refused_before_anything_is_written(
+    cache_dir, tmp_path
+):
+    """A value that differs per rank (here an ${oc.env:LOCAL_RANK} interpolation) trained
+    each rank with its own config while the checkpoints recorded rank 0's: now every rank
+    stops at start (exit 2) with the keys and each rank's value, before claiming the run
+    directory."""
+    run = tmp_path / "run"
+    proc = _torchrun(run, cache_dir, "trainer.max_steps=2", "trainer.seed=${oc.env:LOCAL_RANK}")
+    rc, out = _finish(proc)
+    assert rc != 0, out
+    assert "the 2 ranks were started with different configs (trainer.seed: 0 on rank 0, " in out
+    assert "1 on rank 1)" in out, out
+    assert "Start every rank with the same overrides" in out, out
+    assert "ftrain/cli/" not in out, out  # torchrun's agent prints its own traceback only
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
+
+
 def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_path):
     run = tmp_path / "run"
     proc = _torchrun(

@@ -222,3 +222,18 @@ def test_a_device_ftrain_does_not_train_on_is_a_clear_error():
                        ("gpu0", "is not a device")):  # fmt: skip
         with pytest.raises(ConfigError, match=said):
             pick_device(name)
+
+
+def test_config_differences_name_each_key_with_every_ranks_value():
+    """The multi-rank start check (integration: tests/integration/test_torchrun.py) lists
+    at most five differing keys, with each rank's value, and a key one rank lacks."""
+    from ftrain.cli.startup import _config_differences
+
+    same = {"optim.lr": 0.001, "trainer.seed": 0}
+    assert _config_differences([same, dict(same)]) is None
+    msg = _config_differences([same, {"optim.lr": 0.01}])
+    assert "the 2 ranks were started with different configs" in msg, msg
+    assert "optim.lr: 0.001 on rank 0, 0.01 on rank 1" in msg, msg
+    assert "trainer.seed: 0 on rank 0, '<absent>' on rank 1" in msg, msg
+    many = [{f"k{i}": i for i in range(8)}, {f"k{i}": -i - 1 for i in range(8)}]
+    assert "and 3 more key(s)" in _config_differences(many)
