@@ -10,9 +10,10 @@ from omegaconf import DictConfig
 from ftrain.ckpt.location import is_object_url, parse_location
 from ftrain.ckpt.owner import OWNER
 from ftrain.cli.errors import ResumeError
+from ftrain.cli.places import RUN_FILES, logger_places
 from ftrain.runlock import LOCK_NAME
 
-__all__ = ["LOGGER_PLACES", "RUN_RECORDS", "logger_places", "move_aside", "move_run_aside"]
+__all__ = ["RUN_RECORDS", "move_aside", "move_run_aside"]
 
 
 def move_aside(directory: Path) -> Path | None:
@@ -38,11 +39,7 @@ def _claim_stays(moved: Path, directory: Path) -> None:
 
 # What a run writes into run.dir besides checkpoints: moved aside together on overwrite.
 RUN_RECORDS = (
-    "metrics.jsonl",
-    "heartbeat*.json",
-    "heartbeat*.json.tmp",
-    "training.png",
-    "hang-*",
+    *RUN_FILES,
     "metrics.csv",  # the default places of the logger group's files (ftrain/conf/logger)
     "tensorboard",
     "wandb",
@@ -82,18 +79,6 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
 
 # a logger entry's keys that name where it writes (ftrain/conf/logger: csv.path,
 # tensorboard.log_dir, wandb.dir: W&B keeps the run id a resume continues under it)
-LOGGER_PLACES = ("path", "log_dir", "dir")
-
-
-def logger_places(cfg: DictConfig) -> dict[str, str]:
-    """Where each configured logger writes: ``{"logger.csv.path": "...", ...}``."""
-    out = {}
-    for name, entry in (cfg.get("logger") or {}).items():
-        if isinstance(entry, DictConfig):
-            out |= {f"logger.{name}.{k}": str(v) for k in LOGGER_PLACES if (v := entry.get(k))}
-    return out
-
-
 def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path, ckpts: list[Path]) -> bool:
     """The loggers' files at places of the user's (``logger.csv.path=/data/m.csv``): into
     ``aside`` when inside run.dir, else renamed beside themselves. Left in place, the new

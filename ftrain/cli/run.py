@@ -49,6 +49,7 @@ from ftrain.cli.finetune import (
     init_from,
     unused_lora_settings,
 )
+from ftrain.cli.places import check_logger_places
 from ftrain.cli.pretrained import init_from_hf
 from ftrain.cli.restarts import continue_restarted_job
 from ftrain.cli.resume import (
@@ -199,6 +200,7 @@ class _Parts:
 def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     """Everything that can refuse to start: config-derived parts, data, resume decision."""
     check_loggers(cfg.logger)  # every rank, first: a missing extra stops all before anything
+    check_logger_places(cfg)  # a logger file at metrics.jsonl would set the run's records aside
     check_block_size(cfg)
     model, loss_fn = build_model(cfg)
     train_src, val_src = build_sources(cfg)

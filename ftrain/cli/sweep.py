@@ -30,7 +30,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ftrain.cli.overwrite import logger_places
+from ftrain.cli.places import logger_places
 from ftrain.config import ConfigError
 from ftrain.config.compose import (
     check_hydra_overrides,

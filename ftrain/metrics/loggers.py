@@ -249,20 +249,33 @@ class CsvLogger:
 
     def _existing_header(self) -> list[str]:
         """The header of the file this run appends to, its torn last row (a kill, a full
-        disk mid-write) cut off: appending after it glued the next row onto it. A file
-        that cannot be read as this logger's CSV (not UTF-8, a directory, a torn header)
-        is moved aside with a warning and a new one begun: the CSV mirrors
-        ``metrics.jsonl``, never a reason to refuse a restart."""
+        disk mid-write) cut off: appending after it glued the next row onto it. A CSV of
+        this logger's that cannot be read (not UTF-8, a torn header) is moved aside with a
+        warning and a new one begun: the CSV mirrors ``metrics.jsonl``, never a reason to
+        refuse a restart. A directory or a file that is not this logger's is refused, never
+        moved: it is someone else's (a data file, the run's records)."""
+        if self.path.is_dir():
+            raise LoggerError(
+                f"logger.csv.path={self.path} is a directory; point it at a file "
+                "(default ${run.dir}/metrics.csv)"
+            )
         try:
             raw = self.path.read_bytes()
-            if not raw:  # a start that ended before its first row
-                return []
-            header = raw.split(b"\n", 1)[0].decode("utf-8").rstrip("\r")
-            if b"\n" not in raw or not header.startswith("step,"):
-                raise ValueError("no complete header line")
         except FileNotFoundError:
             return []
-        except (OSError, ValueError) as err:
+        if not raw:  # a start that ended before its first row
+            return []
+        if not _starts_like_ours(raw):
+            raise LoggerError(
+                f"logger.csv.path={self.path} holds a file that is not a metrics CSV of "
+                f"ftrain's (its first line does not begin with 'step,'); it is left as it is. "
+                "Point logger.csv.path at a new file or move that file away"
+            )
+        try:
+            header = raw.split(b"\n", 1)[0].decode("utf-8").rstrip("\r")
+            if b"\n" not in raw:
+                raise ValueError("no complete header line")
+        except ValueError as err:
             return self._set_aside(err)
         if not raw.endswith(b"\n"):
             with open(self.path, "r+b") as f:
@@ -322,6 +335,12 @@ class CsvLogger:
 
 
 _EXTRA = "\0extra"  # DictReader's key for a row's cells past the header
+
+
+def _starts_like_ours(raw: bytes) -> bool:
+    """Whether ``raw`` begins as this logger's header does (``step,``), or is a torn
+    prefix of it (a kill while the header was written)."""
+    return raw.startswith(b"step,") or b"step,".startswith(raw)
 
 
 def _cell(value: Any) -> Any:
@@ -446,7 +465,7 @@ def build_loggers(node, run: RunInfo) -> LoggerSet:
             except LoggerError:
                 raise
             except Exception as err:
-                raise LoggerError(f"logger={name} could not start: {err!r}") from None
+                raise LoggerError(f"logger.{name} could not start: {err}") from None
     except BaseException:
         LoggerSet(built).close()
         raise

@@ -89,6 +89,15 @@ def test_a_missing_extra_or_an_unknown_logger_key_exits_2_before_training(cli, c
     bad = cli(run, "logger=csv", "+logger.csv.delimiter=x", check=2)
     assert "unknown key(s) logger.csv.delimiter: CsvLogger takes ['path']" in bad.stderr
     assert "Traceback" not in bad.stderr
+    # a CSV at the run's own metrics.jsonl set the run's records aside: refused, untouched
+    records_before = b'{"kind": "step", "step": 1, "loss": 4.0}\n'
+    (run / "metrics.jsonl").write_bytes(records_before)
+    clash = cli(run, "logger=csv", "logger.csv.path=${run.dir}/metrics.jsonl", check=2)
+    assert f"logger.csv.path={run}/metrics.jsonl would write into run.dir's metrics.jsonl" in (
+        clash.stderr
+    )
+    assert (run / "metrics.jsonl").read_bytes() == records_before
+    assert not list(run.glob("*.damaged-*")) and "Traceback" not in clash.stderr
 
 
 NO_TOKENS = """

@@ -120,16 +120,13 @@ def test_an_empty_csv_left_by_a_start_that_logged_nothing_is_not_damaged(tmp_pat
     assert not list(tmp_path.glob("metrics.csv.damaged-*")) and "CSV" not in caplog.text
 
 
-@pytest.mark.parametrize("damage", ["not utf-8", "torn header", "a directory"])
+@pytest.mark.parametrize("damage", ["not utf-8", "torn header"])
 def test_a_damaged_csv_is_set_aside_and_never_blocks_a_restart(tmp_path, damage, caplog):
     """Bytes that are not UTF-8 in the header refused the restart, exit 2, with 8 KiB of
     the file in the message and no path: the CSV mirrors metrics.jsonl, so a damaged one
     is moved aside, said once, and a new one begins."""
     path = tmp_path / "metrics.csv"
-    if damage == "a directory":
-        path.mkdir()
-    else:
-        path.write_bytes(b"\xff\xfe garbage\n1,2\n" if damage == "not utf-8" else b"step,ti")
+    path.write_bytes(b"step,ti\xff\xfe garbage\n1,2\n" if damage == "not utf-8" else b"step,ti")
     with caplog.at_level(logging.WARNING):
         again = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r", start_step=2, resumed=True))
     _log(again, {3: 3.25})
@@ -137,6 +134,77 @@ def test_a_damaged_csv_is_set_aside_and_never_blocks_a_restart(tmp_path, damage,
     assert _csv_rows(path) == [("3", "step", "3.25", None)]
     aside = list(tmp_path.glob("metrics.csv.damaged-*"))
     assert len(aside) == 1 and f"moved to {aside[0].name}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "place, expect",
+    [
+        ("a directory", "is a directory; point it at a file"),
+        ("a data file", "not a metrics CSV of ftrain's"),
+        ("binary bytes", "not a metrics CSV of ftrain's"),
+    ],
+)
+def test_a_place_that_is_not_this_loggers_csv_is_refused_and_left_untouched(
+    tmp_path, place, expect
+):
+    """A directory (run.dir, a data directory) or a user's own file at logger.csv.path was
+    renamed ``*.damaged-*``: the run's directory stranded, a data file gone from its
+    place. Only a CSV of this logger's is ever set aside; anything else is refused."""
+    path = tmp_path / "target"
+    if place == "a directory":
+        path.mkdir()
+        (path / "keep.txt").write_text("mine")
+    else:
+        path.write_bytes(b"\x00\x01\x02" if place == "binary bytes" else b"id,label\n1,cat\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    entry = {**CSV, "path": str(path)}
+    with pytest.raises(LoggerError, match=re.escape(expect)) as err:
+        build_loggers({"csv": entry}, RunInfo(tmp_path, "r"))
+    assert f"logger.csv.path={path}" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing moved
+    if place == "a data file":
+        assert path.read_bytes() == b"id,label\n1,cat\n"
+
+
+@pytest.mark.parametrize(
+    "overrides, clash",
+    [
+        (["logger.csv.path=/r/metrics.jsonl"], "run.dir's metrics.jsonl"),
+        (["logger.csv.path=/r/heartbeat.json"], "run.dir's heartbeat.json"),
+        (["logger.csv.path=/r"], "run.dir=/r"),
+        (["logger.csv.path=/"], "run.dir=/r"),
+        (["logger.csv.path=/r/checkpoints/m.csv"], "checkpoint.dir=/r/checkpoints"),
+        (["logger.csv.path=/r/checkpoints"], "checkpoint.dir=/r/checkpoints"),
+        (["checkpoint.fallback_dir=/fb", "logger.csv.path=/fb"], "checkpoint.fallback_dir=/fb"),
+        (["logger.tensorboard.log_dir=/r/checkpoints/tb"], "checkpoint.dir=/r/checkpoints"),
+        (["logger.csv.path=/r/tensorboard"], "logger.tensorboard.log_dir=/r/tensorboard"),
+    ],
+)
+def test_a_logger_place_that_is_one_of_the_runs_own_is_refused_at_start(overrides, clash):
+    from ftrain.cli.places import check_logger_places
+    from ftrain.config import ConfigError
+
+    base = ["run.dir=/r", "checkpoint.dir=/r/checkpoints", "logger=[jsonl,tensorboard,csv]"]
+    cfg = load_config(base + overrides)
+    with pytest.raises(ConfigError, match=re.escape(f"would write into {clash}")):
+        check_logger_places(cfg)
+
+
+def test_logger_places_of_their_own_pass():
+    from ftrain.cli.places import check_logger_places
+
+    check_logger_places(load_config(["run.dir=/r", "logger=[jsonl,tensorboard,csv,wandb]"]))
+    check_logger_places(load_config(["run.dir=/r", "logger=csv", "logger.csv.path=/data/m.csv"]))
+
+
+def test_a_logger_that_cannot_start_is_named_with_its_key_and_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    entry = {**CSV, "path": str(blocker / "metrics.csv")}  # its parent is a file
+    with pytest.raises(LoggerError) as err:
+        build_loggers({"csv": entry}, RunInfo(tmp_path, "r"))
+    assert str(err.value).startswith("logger.csv could not start: ")
+    assert str(blocker) in str(err.value)
 
 
 def _wandb_records(path: str):
