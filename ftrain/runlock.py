@@ -43,6 +43,7 @@ __all__ = [
     "RunLock",
     "RunLockError",
     "acquire",
+    "check_checkpoint_dirs",
     "check_writable",
     "claim_run_dir",
     "stale_note",
@@ -52,7 +53,14 @@ LOCK_NAME = ".lock"
 
 
 class RunDirError(RuntimeError):
-    """A run directory (or checkpoint directory) that a run cannot use (exit 2)."""
+    """A run directory (or checkpoint directory) that a run cannot use (exit 2).
+
+    ``reason`` is the operating system's word for it (``Read-only file system``), where
+    there is one."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RunLockError(RunDirError):
@@ -80,7 +88,8 @@ def check_writable(path: str | os.PathLike, what: str) -> Path:
             reason += " (a file is in the way of the directory)"
         raise RunDirError(
             f"{what}={str(path)!r} is not a writable directory: {reason}; "
-            f"point {what} at a directory this process can write"
+            f"point {what} at a directory this process can write",
+            reason,
         ) from None
     return path
 
@@ -278,6 +287,62 @@ def claim_checkpoint_locations(cfg) -> list:
     return claims
 
 
+def check_checkpoint_dirs(cfg) -> None:
+    """The local checkpoint directories can take a save: ``checkpoint.dir`` writable, or,
+    where it is not (a disk remounted read-only, full), ``checkpoint.fallback_dir`` —
+    what the fallback is for; the run then resumes from the primary's steps and saves to
+    the fallback, said once here. An object store is probed by the manager.
+
+    Raises:
+        RunDirError: the primary is not writable and there is no writable fallback (both
+            named), or a file stands where a directory is configured.
+    """
+    from ftrain.ckpt.location import parse_location
+
+    def local(key: str) -> bool:
+        d = cfg.checkpoint.get(key)
+        return bool(d) and isinstance(parse_location(d, cfg.checkpoint.storage), Path)
+
+    fallback = cfg.checkpoint.get("fallback_dir")
+    fallback_err = (
+        _unwritable(fallback, "checkpoint.fallback_dir") if local("fallback_dir") else None
+    )
+    if fallback_err is not None and _file_in_the_way(fallback):
+        raise fallback_err
+    primary_err = _unwritable(cfg.checkpoint.dir, "checkpoint.dir") if local("dir") else None
+    if primary_err is None:
+        if fallback_err is not None:
+            print(
+                f"ftrain: warning: {fallback_err} (it takes the saves that checkpoint.dir cannot)",
+                flush=True,
+            )
+        return
+    if not fallback or fallback_err is not None or _file_in_the_way(cfg.checkpoint.dir):
+        if fallback_err is not None:
+            raise RunDirError(f"{primary_err}; and {fallback_err}") from None
+        raise primary_err
+    print(
+        f"ftrain: warning: checkpoint.dir={str(cfg.checkpoint.dir)!r} is not writable "
+        f"({primary_err.reason}); saves go to checkpoint.fallback_dir={str(fallback)!r} "
+        "(the steps already in checkpoint.dir are still read)",
+        flush=True,
+    )
+
+
+def _unwritable(path, what: str) -> RunDirError | None:
+    try:
+        check_writable(path, what)
+    except RunDirError as err:
+        return err
+    return None
+
+
+def _file_in_the_way(path) -> bool:
+    """A file where a directory is configured: a config mistake, not a disk's state."""
+    p = Path(path)
+    return any(q.exists() and not q.is_dir() for q in (p, *p.parents))
+
+
 def claim_run_dir(cfg, world) -> RunLock:
     """At start, before anything is built: the coordinator checks that ``run.dir`` and
     ``checkpoint.dir`` are writable and takes the run lock; a refusal reaches every rank.
@@ -288,7 +353,6 @@ def claim_run_dir(cfg, world) -> RunLock:
         RunDirError / RunLockError: on the coordinator, with its reason; on the other ranks,
             one that points at the coordinator's message.
     """
-    from ftrain.ckpt.location import parse_location
     from ftrain.dist import agree_any
 
     lock, failed = RunLock(Path(cfg.run.dir) / LOCK_NAME, None), None
@@ -296,8 +360,7 @@ def claim_run_dir(cfg, world) -> RunLock:
         try:
             check_writable(cfg.run.dir, "run.dir")
             lock = acquire(cfg.run.dir)
-            if isinstance(parse_location(cfg.checkpoint.dir), Path):  # an object store:
-                check_writable(cfg.checkpoint.dir, "checkpoint.dir")  # the manager probes it
+            check_checkpoint_dirs(cfg)
             lock.claims = claim_checkpoint_locations(cfg)
         except BaseException as err:  # every rank must hear of it, whatever it is
             lock.release()

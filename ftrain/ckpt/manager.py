@@ -205,6 +205,7 @@ class CheckpointManager:
         # newest of them not after N (a look at an older step moves nothing back)
         self._rewinds: list[int] = []
         self._written: set[int] = set()
+        self._undeletable: set[str] = set()  # copies retention could not delete: warned once
         self._invalid: dict[Path, str] = {}
         self._seals: dict[str, object] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
@@ -670,10 +671,8 @@ class CheckpointManager:
         # is not the policy's to judge: deleting it could lose committed work.
         keep |= set(locations) - set(entries)
         for s in sorted(set(locations) - keep):
-            for p in locations[s]:
-                protocol.delete_step(p)
-                log.info("[step=%d] deleted by keep policy", s)
-            entries.pop(s, None)
+            if all([self._delete_or_warn(s, p) for p in locations[s]]):  # every copy tried
+                entries.pop(s, None)  # a copy left (a read-only disk) is still listed
         mark_best(entries, best_policies(self.keep_policy))
         self._entries = entries
         self._store_index()
@@ -716,6 +715,26 @@ class CheckpointManager:
             self._written = {w for w in self._written if w <= rewound}
             if self._restored_from is not None and rewound < self._restored_from:
                 self._restored_from = rewound  # the new common ancestor
+
+    def _delete_or_warn(self, step: int, path) -> bool:
+        """Delete a step the keep policy let go; one that cannot be deleted (a location
+        remounted read-only) is kept with a warning (once per copy), and retention goes on
+        at the other locations: the fallback that took the saves is still pruned."""
+        try:
+            protocol.delete_step(path)
+        except OSError as err:
+            level = logging.INFO if str(path) in self._undeletable else logging.WARNING
+            self._undeletable.add(str(path))
+            log.log(
+                level,
+                "[step=%d] %s could not be deleted by keep policy (%s); kept",
+                step,
+                path,
+                err,
+            )
+            return False
+        log.info("[step=%d] deleted by keep policy", step)
+        return True
 
     @staticmethod
     def _set_aside_or_warn(step: int, path, why: str) -> None:

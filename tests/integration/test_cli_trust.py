@@ -1,6 +1,7 @@
 """The real CLI never loses work silently: bad input is one message and exit 2, a damaged
 record file never blocks a resume, one run per run.dir, truthful save and resume records."""
 
+import contextlib
 import json
 import os
 import re
@@ -514,3 +515,53 @@ def test_a_console_that_goes_away_never_stops_training(cache_dir, tmp_path):
     assert CheckpointManager(run / "checkpoints", async_save=False).all_steps()[-1] == 60
     assert records(run, "end")[-1]["reason"] == "done"
     assert not records(run, "emergency_save")
+
+
+@contextlib.contextmanager
+def _read_only(path: Path):
+    """``path`` remounted read-only (a bind mount onto itself): a real EROFS, which root's
+    disregard of permission bits would not give."""
+    mount = subprocess.run(["mount", "--bind", path, path], capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"no bind mounts here: {mount.stderr.strip()}")
+    try:
+        ro = subprocess.run(["mount", "-o", "remount,ro,bind", path], capture_output=True)
+        if ro.returncode:
+            pytest.skip("no read-only remount here")
+        yield
+    finally:
+        subprocess.run(["umount", path], check=True)
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoint_dir_with_a_fallback_resumes_and_saves_to_the_fallback(
+    cli, tmp_path
+):
+    """checkpoint.dir remounted read-only (a disk error) is what checkpoint.fallback_dir is
+    for, yet the restart refused: exit 2 on 'not a writable directory', the run stranded.
+    Now it resumes from the primary's steps, saves to the fallback, and says so; with no
+    writable fallback either, the refusal names both."""
+    primary, fallback, run = tmp_path / "primary", tmp_path / "fallback", tmp_path / "run"
+    base = [f"checkpoint.dir={primary}", f"checkpoint.fallback_dir={fallback}"]
+    base += ["checkpoint.every_steps=2", "checkpoint.async_save=false", "trainer.eval_every=null"]
+    cli(run, *base, "trainer.max_steps=4", check=0)
+    assert sorted(p.name for p in primary.glob("step_*")) == ["step_00000002", "step_00000004"]
+    with _read_only(primary):
+        out = cli(run, *base, "trainer.max_steps=6", check=0)
+        assert (
+            f"checkpoint.dir={str(primary)!r} is not writable (Read-only file system); "
+            f"saves go to checkpoint.fallback_dir={str(fallback)!r}" in out.stdout
+        )
+        (resumed,) = records(run, "resume")
+        assert resumed["from_step"] == 4
+        assert sorted(p.name for p in fallback.glob("step_*")) == ["step_00000006"]
+        blocked = tmp_path / "blocked"
+        blocked.write_text("a file where the fallback directory goes")
+        refused = cli(run, *base[:1], f"checkpoint.fallback_dir={blocked}", check=2)
+        assert "checkpoint.fallback_dir=" in refused.stderr and "Traceback" not in refused.stderr
+        alone = cli(run, *base[:1], "checkpoint.fallback_dir=null", check=2)
+        assert f"checkpoint.dir='{primary}' is not a writable directory" in alone.stderr
+    assert (
+        CheckpointManager(primary, async_save=False, fallback_directory=fallback).all_steps()[-1]
+        == 6
+    )

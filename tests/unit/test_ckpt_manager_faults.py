@@ -177,12 +177,47 @@ def test_a_retention_failure_after_the_commit_is_a_warning_not_a_lost_save(tmp_p
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
     monkeypatch.setattr(protocol, "delete_step", read_only)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert m.save(make_state(2), force=True)
-    assert any("retention or the index failed" in str(w.message) for w in caught)
+    assert m.save(make_state(2), force=True)
     assert not m.save(make_state(2), force=True), "step 2 is saved: not offered again"
     assert m.all_steps() == [1, 2]
+
+
+def test_a_read_only_primary_does_not_stop_retention_at_the_fallback(tmp_path, monkeypatch, caplog):
+    """The primary remounted read-only: the first step it could not delete raised out of
+    retention, so the fallback that took every later save was never pruned (and the
+    index and best marks never written) until its disk filled too. Now each copy that
+    cannot be deleted is kept with a warning and retention goes on elsewhere."""
+    primary, fallback = tmp_path / "p", tmp_path / "f"
+    with CheckpointManager(primary, async_save=False, keep_policy=LatestN(2)) as m:
+        for s in (1, 2):
+            m.save(make_state(s), force=True)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    real_begin, real_delete = protocol.begin, protocol.delete_step
+    monkeypatch.setattr(
+        protocol,
+        "begin",
+        lambda root, step: read_only() if root == primary else real_begin(root, step),
+    )
+    monkeypatch.setattr(
+        protocol,
+        "delete_step",
+        lambda p: read_only() if p.parent == primary else real_delete(p),
+    )
+    m = CheckpointManager(
+        primary, async_save=False, fallback_directory=fallback, keep_policy=LatestN(2)
+    )
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the save's own "saving to fallback" warning
+        for s in (3, 4, 5):
+            assert m.save(make_state(s), force=True)
+    warned = [r for r in caplog.records if "could not be deleted by keep policy" in r.message]
+    assert len(warned) == 2, "once for each of the primary's copies, not at every save"
+    assert "Read-only file system" in warned[0].message
+    assert CheckpointManager(fallback).all_steps() == [4, 5]  # 3 pruned past the primary's
+    assert m.all_steps() == [1, 2, 4, 5]  # the primary's copies kept, still listed
 
 
 def _part(crcs, arrays=("w",)):
