@@ -112,7 +112,8 @@ class MetricsWriter:
 def read_records(run_dir: str | os.PathLike) -> Iterator[dict]:
     """Yield the JSON-object records of ``RUN_DIR/metrics.jsonl``.
 
-    Lines that are not UTF-8, not JSON, or not a JSON object are skipped; if any were
+    Lines that are not UTF-8, not JSON, not a JSON object, or a record whose ``kind``,
+    ``step``, times or ``checkpoint_dirs`` are of another type are skipped; if any were
     (a torn last line of a killed run does not count), one warning gives their number.
     A missing file yields nothing; one that cannot be read (a directory) warns and yields
     nothing.
@@ -136,7 +137,7 @@ def read_records(run_dir: str | os.PathLike) -> Iterator[dict]:
                 first_bad = first_bad or number
     if bad:
         log.warning(
-            "ftrain: %s: skipped %d unreadable line%s (first: line %d); run records are "
+            "ftrain: %s: skipped %d unreadable or malformed line%s (first: line %d); run records are "
             "advisory, training is not affected",
             path,
             bad,
@@ -146,12 +147,44 @@ def read_records(run_dir: str | os.PathLike) -> Iterator[dict]:
 
 
 def _parse(raw: bytes) -> dict | None:
-    """One line as a record, or None if it is not a UTF-8 JSON object."""
+    """One line as a record, or None if it is not a UTF-8 JSON object of the shape the
+    readers rely on (:func:`_well_formed`)."""
     try:
         value = _json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return None
-    return value if isinstance(value, dict) else None
+    return value if isinstance(value, dict) and _well_formed(value) else None
+
+
+# Kinds whose records always carry their step: resume, redo reports and the plot index them
+_STEP_KINDS = frozenset({"start", "resume", "step", "eval", "committed", "nonfinite"})
+_SECONDS = ("time", "restore_s", "blocking_s", "after_s")
+
+
+def _well_formed(record: dict) -> bool:
+    """Whether the fields the readers use have their types: a hand-edited or another
+    tool's line (``"kind": ["step"]``, ``"step": "7"``, a ``committed`` without a step,
+    ``"checkpoint_dirs": 5``) is skipped like an unreadable one, where it stopped every
+    restart with a ``TypeError`` or ``KeyError`` from deep in the resume check."""
+    kind = record.get("kind")
+    if not isinstance(kind, str):
+        return False
+    if kind in _STEP_KINDS and "step" not in record:
+        return False
+    if not all(_is_int(record[k]) for k in ("step", "from_step") if record.get(k) is not None):
+        return False
+    if not all(_is_number(record[k]) for k in _SECONDS if record.get(k) is not None):
+        return False
+    dirs = record.get("checkpoint_dirs")
+    return dirs is None or (isinstance(dirs, list) and all(isinstance(d, str) for d in dirs))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Heartbeat:

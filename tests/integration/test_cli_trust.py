@@ -56,11 +56,21 @@ def test_records_are_true_and_damage_or_overwrite_never_mix_or_block(cli, tmp_pa
     for r in records(run, "committed"):  # the marker's bytes: written + linked = the step's
         assert r["written_bytes"] + r["linked_bytes"] == r["bytes"] > 0, r
 
-    # a damaged metrics.jsonl: one 0xff byte, a line that is JSON but not an object
+    # a damaged metrics.jsonl: one 0xff byte, a line that is JSON but not an object, and
+    # objects whose fields have other types (each stopped the restart with a TypeError or
+    # KeyError from the resume check, the redo report or the location list)
+    malformed = [
+        {"kind": ["step"], "step": 3, "time": 1.0},
+        {"kind": "committed", "time": 1.0},
+        {"kind": "committed", "step": "4", "time": 1.0},
+        {"kind": "start", "step": 0, "time": 1.0, "checkpoint_dirs": 5},
+        {"kind": "resume", "step": 2, "from_step": [2], "time": 1.0, "restore_s": "slow"},
+    ]
     with open(run / "metrics.jsonl", "ab") as f:
-        f.write(b"\xff\n[1, 2]\n")
+        f.write(b"\xff\n[1, 2]\n" + b"".join(json.dumps(r).encode() + b"\n" for r in malformed))
     out = cli(run, "trainer.max_steps=6", "checkpoint.every_steps=2", check=0)
-    assert "metrics.jsonl: skipped 2 unreadable lines" in out.stderr
+    assert "metrics.jsonl: skipped 7 unreadable or malformed lines" in out.stderr
+    assert "Traceback" not in out.stderr
     assert records_tolerant(run, "resume")[-1]["from_step"] == 4
 
     # run.overwrite=true moves the whole old run aside: records and checkpoints together

@@ -38,7 +38,7 @@ def test_reader_skips_and_counts_bad_lines(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="ftrain.metrics.jsonl"):
         recs = list(read_records(tmp_path))
     assert [r["step"] for r in recs] == [1, 2, 3]
-    assert "skipped 4 unreadable lines (first: line 2)" in caplog.text
+    assert "skipped 4 unreadable or malformed lines (first: line 2)" in caplog.text
     assert redo_range(tmp_path, 1) == (2, 3), "the resume report reads around the damage"
 
 
@@ -231,3 +231,31 @@ def test_emergency_save_that_commits_says_so(tmp_path):
     assert [r["kind"] for r in recs] == ["save_started", "committed", "emergency_save"]
     assert recs[-1]["committed"] is True and recs[-1]["save_started"] is True
     assert recs[-1]["saved"] is True
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"kind": ["step"], "step": 1},
+        {"kind": None, "step": 1},
+        {"step": 1},
+        {"kind": "committed"},
+        {"kind": "committed", "step": "4"},
+        {"kind": "step", "step": True},
+        {"kind": "step", "step": 2.0},
+        {"kind": "resume", "step": 2, "from_step": [2]},
+        {"kind": "resume", "step": 2, "restore_s": "slow"},
+        {"kind": "save_started", "step": 2, "blocking_s": True},
+        {"kind": "step", "step": 2, "time": "noon"},
+        {"kind": "start", "step": 0, "checkpoint_dirs": 5},
+        {"kind": "start", "step": 0, "checkpoint_dirs": ["/a", 5]},
+    ],
+)
+def test_a_record_whose_fields_have_other_types_is_skipped_as_malformed(tmp_path, record, caplog):
+    good = {"kind": "committed", "step": 4, "time": 1.0, "checkpoint_dirs": ["/a"]}
+    lines = [json.dumps(r) for r in (good, record, {"kind": "hang", "time": 2.0})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING, logger="ftrain.metrics.jsonl"):
+        recs = list(read_records(tmp_path))
+    assert recs == [good, {"kind": "hang", "time": 2.0}]  # a kind without a step is fine
+    assert "skipped 1 unreadable or malformed line (first: line 2)" in caplog.text

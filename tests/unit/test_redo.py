@@ -103,7 +103,13 @@ def test_a_restart_continues_only_its_own_jobs_history_after_resume_n(tmp_path):
     job's, or commits before it, do not make it skip resume=3)."""
     from ftrain.cli.restarts import committed_since_going_back
 
-    yesterday = {"kind": "resume", "reason": "resume=3", "from_step": 3, "elastic_job": "h:1:x"}
+    yesterday = {
+        "kind": "resume",
+        "step": 3,
+        "reason": "resume=3",
+        "from_step": 3,
+        "elastic_job": "h:1:x",
+    }
     today = dict(yesterday, elastic_job="h:2:y")
     commit = [{"kind": "committed", "step": s} for s in (3, 6, 9)]
     _write(tmp_path, [yesterday, *commit])
