@@ -352,6 +352,7 @@ def _bad(key: str, value, rule: str, fix: str = "") -> ConfigError:
 
 def _check_values(cfg: DictConfig) -> None:
     """Values the schema's types allow but a run cannot use: one message naming key and fix."""
+    _check_finite(cfg)
     resume = cfg.resume
     step = isinstance(resume, int) and not isinstance(resume, bool) and resume >= 0
     if not (resume in ("latest", "none") or step):
@@ -369,6 +370,33 @@ def _check_values(cfg: DictConfig) -> None:
     check_data(cfg.data)
     _check_shard(cfg)
     _check_best_metric(cfg)
+
+
+def _check_finite(cfg: DictConfig) -> None:
+    """No NaN or infinity anywhere: the config is recorded as JSON in every checkpoint's
+    metadata, where they have no spelling, so ``trainer.hang_timeout_s=inf`` trained and
+    then failed every save (and ``optim.clip=inf`` crashed the first step)."""
+    found = next(_non_finite(OmegaConf.to_container(cfg, resolve=True)), None)
+    if found is not None:
+        key, value = found
+        raise ConfigError(
+            f"{key}={value} is not a finite number: the config is recorded as JSON in every "
+            "checkpoint, which has no inf or nan; use null where the key allows 'none' "
+            "(trainer.hang_timeout_s=null, optim.clip=null) or a large finite number"
+        )
+
+
+def _non_finite(node, prefix: str = ""):
+    """``(key, value)`` of each float leaf that is NaN or infinite (keys ``a.b``, ``a.t[1]``)."""
+    if isinstance(node, dict):
+        items = ((f"{prefix}.{k}" if prefix else str(k), v) for k, v in node.items())
+    else:
+        items = ((f"{prefix}[{i}]", v) for i, v in enumerate(node))
+    for key, v in items:
+        if isinstance(v, dict | list):
+            yield from _non_finite(v, key)
+        elif isinstance(v, float) and not math.isfinite(v):
+            yield key, v
 
 
 def _check_run(cfg: DictConfig) -> None:

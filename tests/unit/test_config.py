@@ -50,6 +50,11 @@ def test_recipe_overlay_and_builders():
         ("resume=sometimes", "resume must be"),
         ("trainer.precision=fp8", "fp32, bf16 or fp16"),
         ("trainer.grad_accum=3", "divisible"),
+        # JSON (every checkpoint's metadata) has no inf or nan: a run saved nothing
+        ("trainer.hang_timeout_s=inf", r"trainer.hang_timeout_s=inf is not a finite number"),
+        ("optim.clip=inf", r"optim.clip=inf is not a finite number"),
+        ("+mine.tags=[1,nan]", r"mine.tags\[1\]=nan is not a finite number"),
+        ("+mine.x=-inf", r"mine.x=-inf is not a finite number.*use null"),
     ],
 )
 def test_bad_config_is_one_clear_error(override, needle):
