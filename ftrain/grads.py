@@ -62,14 +62,40 @@ def loss_and_aux(out) -> tuple[torch.Tensor, Mapping]:
             f"loss_fn must return a scalar tensor or (scalar tensor, dict), got {type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
+    if not isinstance(aux, Mapping):
+        raise TypeError(
+            f"loss_fn's aux metrics must be a dict of name to scalar, got {type(aux).__name__}"
+        )
+    for name, value in aux.items():
+        _check_aux(name, value)
     return loss.reshape(()), aux
 
 
+def _check_aux(name, value) -> None:
+    """An aux metric is one number (it becomes a column of metrics.jsonl): a tensor of
+    several elements reached ``.item()`` in the loop, a traceback far from the loss."""
+    if not isinstance(name, str):
+        raise TypeError(f"loss_fn's aux metric names must be strings, got {name!r}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(
+                f"loss_fn's aux metric {name!r} has shape {tuple(value.shape)}: each aux "
+                "metric must be one number (reduce it, e.g. .mean(), or log its parts by name)"
+            )
+    elif not isinstance(value, int | float):  # bool is an int: a flag counts as 0/1
+        raise TypeError(
+            f"loss_fn's aux metric {name!r} is a {type(value).__name__}: each aux metric "
+            "must be a number or a one-element tensor"
+        )
+
+
 def merge_aux(total: dict[str, torch.Tensor], aux: Mapping, k: int) -> None:
-    """Sum integer aux metrics (counts) over micro-batches; average floating ones."""
+    """Sum integer aux metrics (counts) over micro-batches; average floating ones (float64
+    kept: cast to float32, a 1e300 became inf)."""
     for name, value in aux.items():
-        v = torch.as_tensor(value).detach()
-        v = v if not v.is_floating_point() else v.float() / k
+        v = torch.as_tensor(value).detach().reshape(())
+        if v.is_floating_point():
+            v = v.to(torch.promote_types(v.dtype, torch.float32)) / k
         total[name] = total[name] + v if name in total else v
 
 

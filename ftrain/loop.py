@@ -107,8 +107,12 @@ class _Meter:
 def _host(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
     out = {}
     for k, v in metrics.items():
-        v = v.item() if isinstance(v, torch.Tensor) else v
-        out[k] = v
+        if isinstance(v, torch.Tensor) and v.numel() != 1:  # a step of the user's own
+            raise TypeError(
+                f"the step's metric {k!r} has shape {tuple(v.shape)}: each metric must be one "
+                "number (reduce it in the step, e.g. .mean())"
+            )
+        out[k] = v.item() if isinstance(v, torch.Tensor) else v
     return out
 
 

@@ -435,3 +435,16 @@ def test_a_stop_before_the_first_step_saves_nothing():
     result = train_loop(state, step, _batches(), max_steps=10, save=saves, stop=stop)
     assert result.status == "stopped" and int(result.state["step"]) == 0
     assert saves.calls == []
+
+
+def test_a_metric_of_several_elements_from_a_users_step_is_named():
+    """A step of the user's own returning a per-sample metric failed at ``.item()`` with
+    'a Tensor with 4 elements cannot be converted to Scalar', naming no metric."""
+    state, step = _setup()
+
+    def per_sample(s, b):
+        new, metrics = step(s, b)
+        return new, {**metrics, "per_sample": torch.ones(4)}
+
+    with pytest.raises(TypeError, match=r"the step's metric 'per_sample' has shape \(4,\)"):
+        train_loop(state, per_sample, _batches(), max_steps=2)

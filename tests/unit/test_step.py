@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -482,3 +484,39 @@ def test_requires_grad_false_is_said_to_be_ignored():
     model[0].weight.requires_grad_(False)
     with pytest.warns(UserWarning, match=r"0\.weight have requires_grad=False.*frozen\(\) label"):
         make_step(model, lambda m, b: m(b["x"]).sum(), ftrain.optim.sgd(0.1))
+
+
+@pytest.mark.parametrize(
+    "aux, message",
+    [
+        ({"per_sample": torch.ones(8)}, "aux metric 'per_sample' has shape (8,)"),
+        ({"label": "cat"}, "aux metric 'label' is a str"),
+        ({3: torch.tensor(1.0)}, "aux metric names must be strings"),
+        ([torch.tensor(1.0)], "must be a dict of name to scalar, got list"),
+    ],
+)
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_an_aux_metric_that_is_not_one_number_is_named_at_the_loss(aux, message, grad_accum):
+    """A per-sample aux tensor trained and then failed at ``.item()`` in the loop, a
+    traceback far from the loss function; now the step names the metric and its shape."""
+    model = _model()
+
+    def loss(m, b):
+        return _mse(m, b), aux
+
+    step = make_step(model, loss, _tx(), grad_accum=grad_accum)
+    state = init_state(model, _tx(), seed=0)
+    with pytest.raises(TypeError, match=re.escape(message)):
+        step(state, _batch(0))
+
+
+def test_float64_aux_metrics_keep_their_precision_and_counts_sum():
+    model = _model()
+
+    def loss(m, b):
+        return _mse(m, b), {"big": torch.tensor(1e300, dtype=torch.float64), "n": len(b["x"])}
+
+    step = make_step(model, loss, _tx(), grad_accum=2)
+    _, metrics = step(init_state(model, _tx(), seed=0), _batch(0))
+    assert metrics["big"].dtype == torch.float64 and metrics["big"].item() == 1e300
+    assert int(metrics["n"]) == 8  # counts sum over micro-batches
