@@ -156,6 +156,10 @@ def hydra_session(overrides=()):
             yield
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err, overrides)) from None
+    except ValueError as err:  # Hydra's own, for a group set to null (model=null)
+        if isinstance(err, ConfigError) or "Config group override" not in str(err):
+            raise
+        raise ConfigError(_explain(err, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -296,6 +300,12 @@ def _explain(err: Exception, overrides) -> str:
             hint += (
                 f"; a list or mapping is written whole and quoted: '{key}=[a,b]', '{key}={{k: v}}'"
             )
+    elif "Config group override must be" in msg:  # model=null
+        nulls = [o for o in overrides if re.fullmatch(r"\+*[\w/]+=null", str(o))]
+        hint = (
+            f"{', '.join(nulls) or 'GROUP=null'}: a config group takes one of its options, never "
+            "null (`python -m ftrain --help` lists them; logger=jsonl is the logger group's none)"
+        )
     elif "Interpolation key 'model.block_size' not found" in msg:
         hint = (
             "the data option reads its sample length from model.block_size, which this model "
@@ -368,6 +378,7 @@ def _check_values(cfg: DictConfig) -> None:
     _check_init(cfg.get("init"))
     _check_schedule(cfg.schedule)
     check_data(cfg.data)
+    _check_dist(cfg.dist)
     _check_shard(cfg)
     _check_best_metric(cfg)
 
@@ -429,25 +440,6 @@ def _check_best_metric(cfg: DictConfig) -> None:
             + (" and a data.val_fraction above 0" if cfg.data.get("val_fraction") == 0 else "")
             + ", or rank by a step metric (checkpoint.best_metric=loss)",
         )
-
-
-def _check_option_names(cfg: DictConfig) -> None:
-    """A built-in option's ``_target_`` goes with its own ``name``: checkpoints record the
-    pair, and ``ftrain.eval`` rebuilds from it only when it is a built-in option's (a
-    renamed one, ``optim.name=bogus``, trained fine and could then not be evaluated)."""
-    from ftrain.cli.targets import BUILTIN_TARGETS  # the CLI layer owns the table
-
-    for group, table in BUILTIN_TARGETS.items():
-        node = cfg.get(group)
-        target = node.get("_target_") if node is not None else None
-        names = [n for n, t in table.items() if t == target]
-        if names and node.get("name") not in names:
-            raise _bad(
-                f"{group}.name",
-                node.get("name"),
-                f"{group}._target_={target} is the built-in option {names[0]!r}",
-                f"pick another option with {group}=NAME, not a {group}.name override",
-            )
 
 
 def check_precision(t: DictConfig) -> None:
@@ -653,6 +645,32 @@ def _check_init(init) -> None:
         raise ConfigError(
             f"init.from={value!r} and init.from_hf={hf!r} both give a fresh start its params; "
             "set only one (init.from=null or init.from_hf=null)"
+        )
+
+
+_BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def _check_dist(d: DictConfig) -> None:
+    """A misspelt backend (``dist.backend=glooo``) or a timeout of 0 failed only once
+    torchrun had started every rank, deep in ``init_process_group``."""
+    backend = d.get("backend")
+    spec = isinstance(backend, str) and ":" in backend  # "cpu:gloo,cuda:nccl"
+    if not (backend in _BACKENDS or spec):
+        raise _bad(
+            "dist.backend",
+            backend,
+            f"must be one of {', '.join(_BACKENDS)} or a device:backend list "
+            "('cpu:gloo,cuda:nccl')",
+            "dist.backend=auto picks nccl on CUDA, gloo otherwise",
+        )
+    timeout = d.get("timeout_s")
+    if not (isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0):
+        raise _bad(
+            "dist.timeout_s",
+            timeout,
+            "the collectives' timeout must be a number of seconds > 0",
+            "the default is 600",
         )
 
 

@@ -55,6 +55,9 @@ def test_recipe_overlay_and_builders():
         ("optim.clip=inf", r"optim.clip=inf is not a finite number"),
         ("+mine.tags=[1,nan]", r"mine.tags\[1\]=nan is not a finite number"),
         ("+mine.x=-inf", r"mine.x=-inf is not a finite number.*use null"),
+        ("dist.backend=glooo", r"dist.backend='glooo' is invalid: must be one of auto, gloo"),
+        ("dist.timeout_s=0", r"dist.timeout_s=0 is invalid: .* > 0"),
+        ("model=null", r"model=null: a config group takes one of its options, never null"),
     ],
 )
 def test_bad_config_is_one_clear_error(override, needle):
