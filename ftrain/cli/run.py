@@ -65,6 +65,7 @@ from ftrain.cli.resume import (
 )
 from ftrain.cli.session import Session
 from ftrain.cli.startup import same_config_on_every_rank
+from ftrain.cli.targets import unused_option_settings
 from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
@@ -249,6 +250,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     report.schedule = schedule_line(cfg, horizon, saved if report.resumed else None)
     groups = describe_labels(cfg, state["params"])
     report.notes += filter(None, [unused_lora_settings(cfg)])
+    report.notes += unused_option_settings(cfg)
     report.notes += [groups] if groups else []
     return _Parts(
         model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard

@@ -48,6 +48,7 @@ __all__ = [
     "instantiate_model",
     "resolve_loss",
     "sgd",
+    "unused_option_settings",
     "warmup_cosine",
 ]
 
@@ -209,6 +210,42 @@ def constant(lr: float, horizon: int, *, warmup_steps: int = 0, end_factor: floa
     do not apply)."""
     del horizon, warmup_steps, end_factor
     return optim.schedule.constant(lr)
+
+
+# The schema keys each built-in option takes but does not use (its signature has them so
+# the recorded config keeps every schema key), with the value its YAML or the schema gives
+# them: another value set there changes nothing.
+_UNUSED_BY = {
+    ("optim", "ftrain.cli.targets.adamw"): {"momentum": 0.0, "nesterov": False},
+    ("optim", "ftrain.cli.targets.sgd"): {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
+    ("schedule", "ftrain.cli.targets.constant"): {"warmup_steps": 0, "end_factor": 0.1},
+}
+
+
+def unused_option_settings(cfg: DictConfig) -> list[str]:
+    """Warnings for settings the chosen built-in option ignores, set away from their
+    default (``optim=adamw optim.momentum=0.9``, ``schedule=constant
+    schedule.warmup_steps=100``): they were dropped without a word.
+
+    Example:
+        >>> from ftrain.config import load_config
+        >>> unused_option_settings(load_config(["optim=sgd", "optim.b1=0.8"]))[0][:34]
+        'warning: optim.b1=0.8 is not used '
+    """
+    out = []
+    for (group, target), neutral in _UNUSED_BY.items():
+        node = cfg.get(group)
+        if node is None or node.get("_target_") != target:
+            continue
+        changed = [f"{group}.{k}={node[k]}" for k, v in neutral.items() if node.get(k, v) != v]
+        if changed:
+            one = len(changed) == 1
+            out.append(
+                f"warning: {', '.join(changed)} {'is' if one else 'are'} not used by "
+                f"{group}={node.get('name')} (settings of other options); pick the {group} "
+                f"option that uses {'it' if one else 'them'}"
+            )
+    return out
 
 
 def _spec(group: str, node: Mapping) -> dict:

@@ -177,6 +177,32 @@ def test_a_batch_the_data_or_the_ranks_cannot_take_is_refused(batch, accum, worl
     check_batch(OmegaConf.create({"batch_size": 8, "grad_accum": 2}), _Samples(), 2)  # fine
 
 
+@pytest.mark.parametrize(
+    "overrides, warned",
+    [
+        (["optim.momentum=0.9"], "optim.momentum=0.9 is not used by optim=adamw"),
+        (["optim=sgd", "optim.b1=0.8", "optim.eps=0.001"], "optim.b1=0.8, optim.eps=0.001 are"),
+        (["schedule=constant", "schedule.warmup_steps=100"], "schedule.warmup_steps=100 is"),
+        (["schedule=constant", "schedule.end_factor=0.5"], "by schedule=constant"),
+    ],
+)
+def test_a_setting_the_chosen_option_ignores_is_warned_about(overrides, warned):
+    """optim=adamw with optim.momentum=0.9 (or sgd with b1, constant with warmup) trained
+    as if the setting were not there, with no word."""
+    from ftrain.cli.targets import unused_option_settings
+
+    (line,) = unused_option_settings(load_config(overrides))
+    assert line.startswith("warning: ") and warned in line
+
+
+def test_settings_the_chosen_option_uses_are_not_warned_about():
+    from ftrain.cli.targets import unused_option_settings
+
+    for overrides in ([], ["optim=sgd", "optim.momentum=0.5"], ["schedule=constant"]):
+        assert unused_option_settings(load_config(overrides)) == []
+    assert unused_option_settings(load_config(["optim.b1=0.8", "schedule.warmup_steps=3"])) == []
+
+
 def test_lora_settings_without_a_rank_are_warned_about():
     """model.lora.targets/alpha with rank 0 ran a full fine-tune (optimizer state for every
     parameter) with no word; the start now says LoRA is off."""
