@@ -165,7 +165,8 @@ class ResumeReport:
                 "this rank's rows of the sharded leaves, the other leaves whole"
             )
         out += self.notes + rng_line + ignored
-        out += [f"accepted change: {c}" for c in self.changes]
+        shown = _first(self.changes, "accepted changes (all in metrics.jsonl's resume record)")
+        out += [f"accepted change: {c}" if i < _SHOWN else c for i, c in enumerate(shown)]
         return out
 
     def _redo_line(self) -> str:
@@ -571,6 +572,17 @@ def ignored_step_dirs(cfg: DictConfig) -> list[str]:
     return out
 
 
+_SHOWN = 10  # config differences listed in a message; a model swapped for another has hundreds
+
+
+def _first(lines: list[str], rest: str) -> list[str]:
+    """``lines`` up to ``_SHOWN``, then one line counting the others (``... and 378 more
+    REST``)."""
+    if len(lines) <= _SHOWN:
+        return lines
+    return [*lines[:_SHOWN], f"... and {len(lines) - _SHOWN} more {rest}"]
+
+
 def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     """The LR-schedule horizon recorded by the checkpoint a resume would start from."""
     if cfg.resume == "none":
@@ -587,9 +599,11 @@ def _check_compat(cfg: DictConfig, meta: dict) -> list[str]:
         return []
     bad, safe = compat_diff(saved, recorded_config(cfg))
     if bad and not cfg.run.allow_config_change:
+        step = meta.get("step")
+        where = f"python -m ftrain.ckpt show {cfg.checkpoint.dir} {step} prints the checkpoint's"
         raise ResumeError(
-            f"the config differs from step {meta.get('step')}'s checkpoint in ways that change what a step computes:\n    "
-            + "\n    ".join(bad)
+            f"the config differs from step {step}'s checkpoint in ways that change what a step computes:\n    "
+            + "\n    ".join(_first(bad, f"differences ({where} config)"))
             + "\n  resume with the checkpoint's values, start a new run (another run.name or resume=none "
             "run.overwrite=true), or accept the change with run.allow_config_change=true"
         )

@@ -139,7 +139,19 @@ def test_incompatible_config_is_refused_with_diff_and_override(cli, tmp_path):
     assert "optim.lr: 0.0006 -> 0.1" in refused.stderr
     assert "model.n_layer: 4 -> 2" in refused.stderr or "shape" in refused.stderr
     assert "run.allow_config_change=true" in refused.stderr
-    cli(run, "trainer.max_steps=4", "optim.lr=0.1", "run.allow_config_change=true", check=0)
+    # a structural change (a model swapped, a block of keys added) listed every key: the
+    # refusal and the accepted-change report show ten, then count the rest
+    many = "+extra={" + ", ".join(f"k{i:02d}: {i}" for i in range(14)) + "}"
+    refused = cli(run, "trainer.max_steps=4", "optim.lr=0.1", many, check=2)
+    assert "extra.k09: '<absent>' -> 9" in refused.stderr and "extra.k10" not in refused.stderr
+    show = f"python -m ftrain.ckpt show {run / 'checkpoints'} 2 prints the checkpoint's config"
+    assert f"... and 5 more differences ({show})" in refused.stderr
+    out = cli(run, "trainer.max_steps=4", "optim.lr=0.1", many, "run.allow_config_change=true",
+              check=0)  # fmt: skip
+    accepted = [line for line in out.stdout.splitlines() if "accepted change: " in line]
+    assert len(accepted) == 10 and "... and 8 more accepted changes (all in" in out.stdout
+    (resumed,) = records(run, "resume")
+    assert len(resumed["changes"]) == 18, "the record holds every change"
 
 
 def test_changed_data_is_refused_unless_allowed_and_then_recorded(cli, tmp_path):
