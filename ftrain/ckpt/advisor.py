@@ -81,6 +81,8 @@ def parse_duration(text: str) -> float:
         >>> parse_duration("6h")
         21600.0
     """
+    if re.fullmatch(r"\s*-.*", str(text)):
+        raise ValueError(f"a duration must be positive, got {text!r} (e.g. 90s, 30m, 6h, 2d)")
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(

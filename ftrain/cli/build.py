@@ -276,6 +276,24 @@ def evaluates(cfg: DictConfig, val: Source | None) -> bool:
     return val is not None and bool(cfg.trainer.eval_every)
 
 
+def eval_repeat_note(cfg: DictConfig, val: Source | None) -> str | None:
+    """A note when an evaluation asks for more samples than the val split holds
+    (``trainer.eval_batches`` x ``trainer.batch_size``): the batches wrap around, so
+    ``val_loss`` counts some samples twice and costs more than the split is worth."""
+    if not evaluates(cfg, val):
+        return None
+    t = cfg.trainer
+    want, have = t.eval_batches * t.batch_size, len(val)
+    if want <= have:
+        return None
+    return (
+        f"evaluation reads {want} val samples (trainer.eval_batches={t.eval_batches} x "
+        f"trainer.batch_size={t.batch_size}) but the val split holds {have}: samples repeat "
+        f"in every evaluation; trainer.eval_batches={max(1, have // t.batch_size)} reads "
+        "each at most once (or raise data.val_fraction)"
+    )
+
+
 def check_block_size(cfg) -> None:
     """``data.block_size`` against the model's context (``model.block_size``, where the
     model has one): a longer one passed the start and failed at step 1 with the model's

@@ -181,10 +181,11 @@ class ResumeReport:
                 f"step(s) {left} were committed in the history resume={self.step} leaves: "
                 "they are moved aside (superseded, not deleted) at this run's first commit"
             )
+        span, they = (f"step {a}", "it") if a == b else (f"steps {a}..{b}", "they")
         if not committed:
-            return f"steps {a}..{b} ran before but were not committed: they will be redone"
+            return f"{span} ran before but {'was' if a == b else 'were'} not committed: {they} will be redone"
         return (
-            f"steps {a}..{b} ran before and will be redone: {'; '.join(committed)}; any "
+            f"{span} ran before and will be redone: {'; '.join(committed)}; any "
             "others were never committed"
         )
 

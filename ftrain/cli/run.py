@@ -35,6 +35,7 @@ from ftrain.cli.build import (
     check_batch,
     check_block_size,
     check_vocab,
+    eval_repeat_note,
     evaluates,
     model_vocab,
     pick_device,
@@ -228,6 +229,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         )
         report.notes += val_change_note(meta, _val_fp(val_src))
         report.notes += eval_change_note(meta, cfg) if evaluates(cfg, val_src) else []
+        report.notes += filter(None, [eval_repeat_note(cfg, val_src)])
         report.notes[:0] = [restart_note] if restart_note else []
         if _horizon_differs(cfg, report, horizon):  # read from a step the restore skipped
             horizon = saved = report.horizon

@@ -209,6 +209,8 @@ def test_resume_report_names_a_world_size_change_and_skipped_steps():
     assert "were not committed: they will be redone" not in text
     assert "world size changed: checkpoint written by 2 rank(s), resumed on 1" in text
     assert "ignored /ck/step_00000061: no COMMITTED marker" in text
+    one = ResumeReport(True, step=6, reason="resume=latest", next_lr=1e-3, redo=(7, 7))
+    assert "step 7 ran before but was not committed: it will be redone" in one.lines()
     fresh = ResumeReport(False, reason="no checkpoint yet", ignored=["/ck/step_00000003: x"])
     assert fresh.lines() == ["starting fresh (no checkpoint yet)", "ignored /ck/step_00000003: x"]
 

@@ -70,7 +70,7 @@ def test_parse_duration(text, seconds):
     assert adv.parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["6", "6x", "", "h", "-1h", "six hours", "1e3s"])
+@pytest.mark.parametrize("text", ["6", "6x", "", "h", "six hours", "1e3s"])
 def test_parse_duration_refuses_unclear_values(text):
     with pytest.raises(ValueError, match="number and a unit"):
         adv.parse_duration(text)
@@ -79,6 +79,8 @@ def test_parse_duration_refuses_unclear_values(text):
 def test_parse_duration_refuses_zero_and_overflow():
     with pytest.raises(ValueError, match="must be positive"):
         adv.parse_duration("0h")
+    with pytest.raises(ValueError, match="must be positive, got '-5h'"):  # "cannot read" before
+        adv.parse_duration("-5h")
     with pytest.raises(ValueError, match="positive and finite"):  # was an OverflowError later
         adv.parse_duration("9" * 400 + "h")
 

@@ -271,3 +271,22 @@ def test_config_differences_name_each_key_with_every_ranks_value():
     assert "trainer.seed: 0 on rank 0, '<absent>' on rank 1" in msg, msg
     many = [{f"k{i}": i for i in range(8)}, {f"k{i}": -i - 1 for i in range(8)}]
     assert "and 3 more key(s)" in _config_differences(many)
+
+
+def test_an_evaluation_larger_than_the_val_split_is_noted_with_the_count_that_fits():
+    """eval_batches x batch_size past the val split wrapped around silently: val_loss
+    counted some samples twice at every evaluation."""
+    import torch
+
+    from ftrain.cli.build import eval_repeat_note
+    from ftrain.data.sources import TensorSource
+
+    val = TensorSource(torch.arange(30 * 8 + 1), block_size=8)  # 30 samples
+    assert len(val) == 30
+    cfg = load_config(["trainer.batch_size=4", "trainer.eval_every=10", "trainer.eval_batches=7"])
+    assert eval_repeat_note(cfg, val) is None  # 28 fit
+    cfg = load_config(["trainer.batch_size=4", "trainer.eval_every=10", "trainer.eval_batches=9"])
+    note = eval_repeat_note(cfg, val)
+    assert "evaluation reads 36 val samples" in note and "the val split holds 30" in note
+    assert "trainer.eval_batches=7 reads each at most once" in note
+    assert eval_repeat_note(load_config(["trainer.eval_every=null"]), val) is None
