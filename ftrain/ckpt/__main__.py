@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -321,6 +322,14 @@ def cmd_export(argv: list[str]) -> int:
         help="with --merge-lora: alpha for a run that recorded none (a recorded one is used)",
     )
     ns = p.parse_args(argv)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", ns.out) and not os.path.exists(ns.out):
+        # s3://b/x.safetensors wrote a local ./s3:/b/x.safetensors and said "exported"
+        print(
+            f"python -m ftrain.ckpt export: OUT={ns.out!r} looks like a URL; export writes a "
+            "local file or directory (copy it to object storage afterwards)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         done = export_params(
             _run_checkpoints(ns.directory),

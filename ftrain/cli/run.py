@@ -479,9 +479,18 @@ def _bad_batch(err: DataFormatError, manager: CheckpointManager) -> int:
     )
 
 
+def _newest_committed(manager: CheckpointManager) -> str:
+    """Where a re-run resumes, for the stop message: the location that just failed a
+    save (an object store gone) may not list either, which raised past the message."""
+    try:
+        latest = manager.latest_step()
+    except OSError as err:
+        return f"unknown (the checkpoint location cannot be listed: {err})"
+    return f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
+
+
 def _stopped(err: Exception, manager: CheckpointManager, fix: str) -> int:
-    latest = manager.latest_step()
-    where = f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
+    where = _newest_committed(manager)
     print(
         f"ftrain: {err}\nftrain: newest committed checkpoint: {where}; fix {fix} and re-run "
         "the same command to resume",
@@ -496,7 +505,6 @@ def _diverged(err: NonFiniteError, session: Session) -> int:
         session.wait_commits()  # (committed, or save_failed) as at any other end
     except CheckpointSaveError as failed:  # it did not commit: say so beside the divergence
         print(f"ftrain: {failed}", file=sys.stderr)
-    latest = session.manager.latest_step()
-    where = f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
+    where = _newest_committed(session.manager)
     print(f"ftrain: {err}\nftrain: newest committed checkpoint: {where}", file=sys.stderr)
     return EXIT_ERROR

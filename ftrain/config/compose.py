@@ -598,11 +598,15 @@ def _check_groups(o: DictConfig) -> None:
                 f"unknown setting(s) {unknown}; a group may set {list(_GROUP_KEYS)}",
             )
         _globs(f"{key}.params", group.params)
+        if not group.params:  # an empty list matched nothing and failed deep in the glob
+            raise _bad(f"{key}.params", [], "a group needs at least one glob", f"or drop {key}")
         merged = OmegaConf.merge(o, {k: v for k, v in group.items() if k != "params"})
         try:
             _check_optim(merged)
-        except ConfigError as err:
-            raise ConfigError(f"{key}: {err}") from None
+        except ConfigError as err:  # name the group's own key, not optim.X
+            own = [k for k in group if k != "params" and f"optim.{k}=" in str(err)]
+            text = str(err).replace(f"optim.{own[0]}", f"{key}.{own[0]}") if own else str(err)
+            raise ConfigError(text) from None
 
 
 def _check_lora(lora) -> None:

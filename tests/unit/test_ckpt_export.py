@@ -330,3 +330,30 @@ def test_no_hint_names_the_directory_given_or_one_gone(tmp_path, monkeypatch):
     w.close()
     with pytest.raises(FileNotFoundError, match=r"no committed checkpoints$"):
         readonly.read_subtree("run")
+
+
+def test_an_export_to_a_url_is_refused_not_written_as_a_local_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """``export DIR s3://b/x.safetensors`` wrote ``./s3:/b/x.safetensors`` and said
+    "exported ... -> s3://..."."""
+    from ftrain.ckpt.__main__ import cmd_export
+
+    monkeypatch.chdir(tmp_path)
+    assert cmd_export([str(tmp_path / "ck"), "s3://bkt/out.safetensors"]) == 2
+    assert "looks like a URL" in capsys.readouterr().err
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_the_stop_message_survives_a_location_that_cannot_be_listed(capsys):
+    """A store gone mid-run failed the save, then the listing in the stop message raised:
+    four chained tracebacks instead of the one-line stop."""
+    from ftrain.cli.run import _stopped
+
+    class Gone:
+        def latest_step(self):
+            raise OSError("error sending request")
+
+    assert _stopped(RuntimeError("save failed"), Gone(), "the store") == 1
+    err = capsys.readouterr().err
+    assert "newest committed checkpoint: unknown (the checkpoint location cannot be listed" in err

@@ -58,6 +58,7 @@ def test_recipe_overlay_and_builders():
         ("dist.backend=glooo", r"dist.backend='glooo' is invalid: must be one of auto, gloo"),
         ("dist.timeout_s=0", r"dist.timeout_s=0 is invalid: .* > 0"),
         ("model=null", r"model=null: a config group takes one of its options, never null"),
+        ("+optim.groups.top.params=[]", r"optim.groups.top.params=\[\] is invalid: .*one glob"),
     ],
 )
 def test_bad_config_is_one_clear_error(override, needle):
@@ -290,3 +291,9 @@ def test_an_evaluation_larger_than_the_val_split_is_noted_with_the_count_that_fi
     assert "evaluation reads 36 val samples" in note and "the val split holds 30" in note
     assert "trainer.eval_batches=7 reads each at most once" in note
     assert eval_repeat_note(load_config(["trainer.eval_every=null"]), val) is None
+
+
+def test_a_bad_group_setting_is_named_by_the_groups_own_key():
+    """+optim.groups.top.lr=0.0 was reported as optim.lr=0.0 with the fix 'set optim.lr'."""
+    with pytest.raises(ConfigError, match=r"^optim.groups.top.lr=0.0 is invalid"):
+        load_config(["+optim.groups.top.params=[a.*]", "+optim.groups.top.lr=0.0"])
