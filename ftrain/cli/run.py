@@ -214,12 +214,16 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_patterns(cfg, sorted(name for name, _ in model.named_parameters()))
     # resume=N / resume=none (run.overwrite): a torchrun restart continues the first attempt
     cfg, restart_note = continue_restarted_job(cfg, world)
+    early = None  # resume=none: the fresh start's checks (init.from, groups) before the move
+    if cfg.resume == "none":
+        tx = build_tx(cfg, schedule_horizon(cfg, None))
+        early = _initialised(cfg, _fresh(cfg, model, tx))
     _overwrite(cfg, world)  # once every check that needs no checkpoint has passed
     manager = build_manager(cfg)
     saved = saved_horizon(cfg, manager)
     horizon = schedule_horizon(cfg, saved)
     tx = build_tx(cfg, horizon)
-    fresh = init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
+    fresh = early[0] if early else _fresh(cfg, model, tx)
     shard = _shard_mode(cfg, world)
     # a sharded resume reads only this rank's rows, into DTensors on the sharder's mesh
     sharder = Sharder(full=shard == "full") if shard != "none" else None
@@ -236,13 +240,9 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
             tx = build_tx(cfg, horizon)
             state = replace(state, opt=refresh_hyperparams(tx, state["opt"]))
             report.next_lr = float(learning_rate_metrics(state["opt"])["lr"])
-        if not report.resumed and (cfg.init["from"] or cfg.init["from_hf"]):  # a resume
-            # continues its own params
-            state, line = (init_from if cfg.init["from"] else init_from_hf)(cfg, state)
-            report.notes.append(line)
-        if not report.resumed:
-            check_labels(cfg, state["params"])
-            report.notes += filter(None, [frozen_at_random(cfg, state["params"])])
+        if not report.resumed:  # a resume continues its own params
+            state, notes = early or _initialised(cfg, state)
+            report.notes += notes
         else:  # where the next batch really begins (past a shrunk dataset's end: next epoch)
             _next_batch_starts(cfg, report, state, len(train_src), world.size)
         loggers = _loggers(cfg, world, report)
@@ -257,6 +257,22 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     return _Parts(
         model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard
     )
+
+
+def _fresh(cfg: DictConfig, model: nn.Module, tx) -> TensorDictBase:
+    return init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
+
+
+def _initialised(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, list[str]]:
+    """A fresh start's state and notes: params from ``init.from``/``init.from_hf``, then the
+    label checks (something trains, every group takes parameters)."""
+    notes = []
+    if cfg.init["from"] or cfg.init["from_hf"]:
+        fresh, line = (init_from if cfg.init["from"] else init_from_hf)(cfg, fresh)
+        notes.append(line)
+    check_labels(cfg, fresh["params"])
+    notes += filter(None, [frozen_at_random(cfg, fresh["params"])])
+    return fresh, notes
 
 
 def _val_fp(val: Source | None) -> str | None:

@@ -94,11 +94,17 @@ def test_resume_none_refuses_existing_run_unless_overwrite(cli, tmp_path):
     # a start refused for another reason (a typo'd data path) moves nothing aside
     typo = cli(run, "resume=none", "run.overwrite=true", "data.path=/nonexistent", check=2)
     assert "/nonexistent" in typo.stderr and "moved the old run" not in typo.stdout
-    typo = cli(run, "resume=none", "run.overwrite=true", "optim.freeze=[nosuch.*]", check=2)
-    assert "'nosuch.*' matches no parameter" in typo.stderr, typo.stderr
-    assert "moved the old run" not in typo.stdout
+    for bad, said in [  # the fine-tuning checks on the fresh state too (they ran after the move)
+        ("optim.freeze=[nosuch.*]", "'nosuch.*' matches no parameter"),
+        ("optim.freeze=[*]", "every parameter is frozen"),
+        (f"init.from={tmp_path / 'nosuch'}", "init.from="),
+    ]:
+        typo = cli(run, "resume=none", "run.overwrite=true", bad, check=2)
+        assert said in typo.stderr and "moved the old run" not in typo.stdout, typo.stderr
     assert not list(run.glob("overwritten-*")) and (run / "checkpoints" / "step_00000002").is_dir()
-    cli(run, "trainer.max_steps=2", "resume=none", "run.overwrite=true", check=0)
+    # starting over from the old run's own weights: read before the run is moved aside
+    out = cli(run, "trainer.max_steps=2", "resume=none", "run.overwrite=true", f"init.from={run}")
+    assert f"initialised params from {run / 'checkpoints'} step 2" in out.stdout, out.stdout
     assert list(run.glob("overwritten-*/checkpoints/step_*")), (
         "old checkpoints are moved aside (with the old run's records), never deleted"
     )
