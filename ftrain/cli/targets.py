@@ -237,14 +237,20 @@ def unused_option_settings(cfg: DictConfig) -> list[str]:
         node = cfg.get(group)
         if node is None or node.get("_target_") != target:
             continue
-        changed = [f"{group}.{k}={node[k]}" for k, v in neutral.items() if node.get(k, v) != v]
-        if changed:
-            one = len(changed) == 1
-            out.append(
-                f"warning: {', '.join(changed)} {'is' if one else 'are'} not used by "
-                f"{group}={node.get('name')} (settings of other options); pick the {group} "
-                f"option that uses {'it' if one else 'them'}"
-            )
+        places = [(group, node)]  # and each parameter group's own overrides
+        groups = (node.get("groups") or {}) if group == "optim" else {}
+        places += [(f"optim.groups.{n}", g) for n, g in groups.items()]
+        for where, settings in places:
+            changed = [
+                f"{where}.{k}={settings[k]}" for k, v in neutral.items() if settings.get(k, v) != v
+            ]
+            if changed:
+                one = len(changed) == 1
+                out.append(
+                    f"warning: {', '.join(changed)} {'is' if one else 'are'} not used by "
+                    f"{group}={node.get('name')} (settings of other options); pick the {group} "
+                    f"option that uses {'it' if one else 'them'}"
+                )
     return out
 
 
