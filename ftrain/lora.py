@@ -244,6 +244,13 @@ def merge(params: TensorDictBase, scaling: float | dict[str, float]) -> TensorDi
 
 def _merged(table: dict[str, torch.Tensor], module: str, scaling: float) -> torch.Tensor:
     missing = [f"{module}.{n}" for n in ("weight", *ADAPTER_NAMES) if f"{module}.{n}" not in table]
+    if missing == [f"{module}.weight"]:  # nanoGPT's lm_head.weight = wte.weight
+        raise ValueError(
+            f"cannot merge LoRA adapters of {module!r}: the params hold no {module}.weight; a "
+            "weight tied to another parameter is kept once, under the other name, and folding "
+            "the adapters into it would change that parameter too: keep the adapters separate "
+            "(export without --merge-lora) or put LoRA on layers whose weights are not tied"
+        )
     if missing:
         raise ValueError(f"cannot merge LoRA adapters of {module!r}: missing {missing}")
     w, a, b = (table[f"{module}.{n}"] for n in ("weight", *ADAPTER_NAMES))

@@ -120,7 +120,10 @@ def _params(location, step, merge_lora, lora_alpha, with_buffers: bool):
             raise ExportError(
                 f"--merge-lora: step {got} records no model.lora.alpha; pass --lora-alpha"
             )
-        params, merged = merge(params, scalings), sorted(scalings)
+        try:
+            params, merged = merge(params, scalings), sorted(scalings)
+        except ValueError as err:  # a tied or malformed adapter: named, not a traceback
+            raise ExportError(f"--merge-lora: step {got}: {err}") from None
     tensors = {}
     for tree_part in (params, tree.get("buffers")) if with_buffers else (params,):
         if tree_part is not None:

@@ -357,3 +357,34 @@ def test_the_stop_message_survives_a_location_that_cannot_be_listed(capsys):
     assert _stopped(RuntimeError("save failed"), Gone(), "the store") == 1
     err = capsys.readouterr().err
     assert "newest committed checkpoint: unknown (the checkpoint location cannot be listed" in err
+
+
+class _Tied(nn.Module):
+    """nanoGPT's tying: the head's weight is the embedding's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_merging_adapters_of_a_tied_weight_is_refused_naming_the_tie(tmp_path, capsys):
+    """LoRA on a head tied to the embedding: the weight is saved once, as emb.weight, and
+    ``export --merge-lora`` raised ``ValueError: ... missing ['head.weight']`` from deep
+    inside the merge."""
+    from ftrain import lora
+    from ftrain.ckpt.__main__ import cmd_export
+
+    model = _Tied()
+    lora.apply_lora(model, rank=2, alpha=4, targets=["head"], generator=torch.Generator())
+    state = ftrain.init_state(model, ftrain.optim.sgd(0.1), seed=0)
+    ftrain.CheckpointManager(tmp_path / "ck", async_save=False).save(state, force=True)
+    out = tmp_path / "merged.safetensors"
+    args = [str(tmp_path / "ck"), str(out), "--merge-lora", "--lora-alpha", "4"]
+    assert cmd_export(args) == 2
+    err = capsys.readouterr().err
+    assert "no head.weight" in err and "tied" in err and "without --merge-lora" in err, err
+    assert not out.exists()
+    assert cmd_export(args[:2]) == 0  # the adapters kept separate: exported
