@@ -306,6 +306,13 @@ def _train_job(train: Callable[[DictConfig], int], job: Job) -> int:
     exit 1 with its traceback, not the end of the whole sweep."""
     try:
         return train(job.cfg)
+    except KeyboardInterrupt:  # a Ctrl-C in a later job's start-up: the sweep's summary
+        # still says what the earlier jobs did (it ended with the single run's message)
+        print(
+            f"[sweep] job {job.num} interrupted (SIGINT) outside its training loop; nothing "
+            "was saved by it, its newest committed checkpoint is intact"
+        )
+        return EXIT_FORCED
     except Exception:
         traceback.print_exc()
         print(f"[sweep] job {job.num} failed with the error above (exit {EXIT_ERROR})")

@@ -379,3 +379,22 @@ def test_eval_names_the_way_out_for_a_val_split_that_differs():
     cfg = OmegaConf.create({"data": {"name": "text", "path": "mydata"}})
     _check_same_val(SimpleNamespace(fingerprint="text:old"), attrs, cfg, "step 4")  # the same
     _check_same_val(val, {}, cfg, "step 4")  # recorded before val fingerprints: not checked
+
+
+def test_a_ctrl_c_in_a_later_jobs_start_up_stops_the_sweep_with_its_summary(capsys):
+    """A SIGINT while job 1 was building or restoring escaped the sweep: the single run's
+    "nothing was saved by this run" and no word of job 0, which had finished."""
+    jobs = plan_jobs(["optim.lr=1e-3,2e-3,3e-3"])
+    ran = []
+
+    def train(cfg):
+        ran.append(cfg.optim.lr)
+        if len(ran) == 2:
+            raise KeyboardInterrupt
+        return 0
+
+    assert run_sweep(jobs, train) == 130
+    assert ran == [1e-3, 2e-3]
+    out = capsys.readouterr().out
+    assert "job 1 interrupted (SIGINT)" in out and "job 1 was stopped (exit 130)" in out
+    assert "job 0: ok" in out and "job 1: exit 130" in out and "job 2: not started" in out
