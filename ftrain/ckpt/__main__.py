@@ -364,20 +364,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("steps", type=int, nargs="*")
     p.add_argument("--mtbf", type=_duration, help="advise: mean time between failures (6h)")
     ns = p.parse_args(argv)
+    _check_step_count(p, ns)
     if ns.command == "advise":
-        if ns.steps:
-            p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
         return cmd_advise(Path(ns.directory), ns.mtbf)
     try:
         roots = _roots(ns.directory)
         if ns.command == "show":
             return cmd_show(roots, ns.steps)
-        if ns.command == "list":  # lists every step (step arguments are verify's)
+        if ns.command == "list":
             return _each_location(cmd_list, roots, [])
         return _each_location(cmd_verify, roots, ns.steps)
     except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:
         print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
         return 2
+
+
+def _check_step_count(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Steps only where the command reads them: ``show DIR 4 2`` showed step 4 and dropped
+    the 2 without a word, ``list DIR 4`` listed every step."""
+    if ns.command == "advise" and ns.steps:
+        p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
+    if ns.command == "list" and ns.steps:
+        p.error("list takes no step: it lists them all (show DIR STEP, verify DIR STEP...)")
+    if ns.command == "show" and len(ns.steps) > 1:
+        p.error(f"show takes one step, got {ns.steps}: run it once per step")
 
 
 def _main_to_a_pipe() -> int:

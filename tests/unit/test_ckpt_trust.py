@@ -334,6 +334,20 @@ def test_ckpt_tool_on_a_missing_or_empty_directory_exits_non_zero(tmp_path, caps
         assert rc == 1 and "no committed checkpoints" in out
 
 
+def test_ckpt_tool_refuses_steps_a_command_would_drop(tmp_path, capsys):
+    """``show DIR 4 2`` showed step 4 and dropped the 2; ``list DIR 4`` listed every step."""
+    saved(tmp_path, 1, 2)
+    for args, said in [
+        (("show", tmp_path, 1, 2), "show takes one step, got [1, 2]"),
+        (("list", tmp_path, 1), "list takes no step"),
+        (("advise", tmp_path, 1), "advise takes a run directory only"),
+    ]:
+        rc, out = ckpt_cli(capsys, *args)
+        assert rc == 2 and said in out, out
+    rc, out = ckpt_cli(capsys, "show", tmp_path, 2)
+    assert rc == 0 and "step_00000002" in out
+
+
 def test_ckpt_tool_reports_marker_less_and_crafted_steps(tmp_path, capsys):
     saved(tmp_path, 1, 2, 3)
     (tmp_path / "step_00000002" / "COMMITTED").unlink()
