@@ -335,10 +335,25 @@ class ObjectRoot:
         return dict(sorted(out.items()))
 
     def delete_step(self, step: ObjectKey) -> None:
-        """The marker first (the step leaves the listing), then every other object."""
+        """The marker first (the step leaves the listing), then every other object.
+
+        Raises:
+            CheckpointStoreError: only while the step is still committed (the marker's
+                delete failed). Once the marker is gone the step is deleted; objects a
+                failing store left are a warning, swept at a later start (a caller told
+                "kept" kept indexing a step that was no longer listed).
+        """
         self.delete([f"{step.key}/{protocol.MARKER}"])
         protocol._phase("delete_marker_removed")
-        self.delete([m["path"] for m in self.list(step.key + "/")])
+        try:
+            self.delete([m["path"] for m in self.list(step.key + "/")])
+        except CheckpointStoreError as err:
+            log.warning(
+                "%s: deleted (its marker is gone), but some of its objects were not (%s); a "
+                "later start's sweep removes them",
+                step,
+                err,
+            )
 
     def set_aside(self, step: ObjectKey, reason: str) -> ObjectKey:
         """Copy ``step`` to ``step_N.<reason>-<hex>/`` (marker last), then delete it."""

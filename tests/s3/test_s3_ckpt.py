@@ -437,6 +437,40 @@ def test_retention_deletes_the_marker_first(bucket, s3, monkeypatch):
     assert not objects(s3, bucket, "ck/step_00000001/")  # swept: older than the commit
 
 
+def test_a_retention_delete_failing_after_the_marker_is_a_delete_not_a_kept_step(
+    bucket, s3, monkeypatch, caplog
+):
+    """The store failing once the marker was gone: the log said "could not be deleted by
+    keep policy; kept" and the index went on listing a step that was no longer committed."""
+    from ftrain.ckpt import commit as protocol
+    from ftrain.ckpt.location import CheckpointStoreError
+
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False, keep_policy=LatestN(1))
+    m.save(make_state(1))
+    time.sleep(1.1)  # S3 times have one-second resolution: step 1 is older than step 2
+
+    def store_fails(phase):
+        if phase == "delete_marker_removed":
+            monkeypatch.setattr(objstore_mod.ObjectRoot, "delete", failing)
+
+    def failing(self, keys):
+        raise CheckpointStoreError(f"{url}: simulated: connection reset")
+
+    monkeypatch.setattr(protocol, "fault_hook", store_fails)
+    with caplog.at_level("INFO", logger="ftrain.ckpt"):
+        m.save(make_state(2))  # the save commits; retention's leftovers are a warning
+    monkeypatch.undo()
+    said = " ".join(r.getMessage() for r in caplog.records if r.name == "ftrain.ckpt")
+    assert "deleted (its marker is gone), but some of its objects were not" in said, said
+    assert "kept" not in said
+    assert m.all_steps() == [2] and CheckpointManager(url).all_steps() == [2]
+    assert "ck/step_00000001/COMMITTED" not in objects(s3, bucket, "ck/step_00000001/")
+    monkeypatch.setattr(objstore_mod, "SWEEP_MIN_AGE_S", 0.0)
+    CheckpointManager(url).all_steps()  # a later start sweeps the leftovers
+    assert not objects(s3, bucket, "ck/step_00000001/")
+
+
 def test_throttled_and_failing_requests_are_retried(bucket, flaky_endpoint):
     """503 SlowDown on some uploads and downloads: obstore retries with backoff, the save
     commits and the restore is bit-exact."""
