@@ -468,18 +468,23 @@ def sweep_stale(root: Path) -> list[Path]:
     return removed
 
 
-_INDEX_TMP_RE = re.compile(r"^\.checkpoints\.json\.(?:(\d+)-)?[0-9a-f]{8}$")
+# the temporary files of the index (``.checkpoints.json.<pid>-<hex>``) and of the owner
+# record (``.owner.<pid>-<mkstemp's 8>``, ftrain.ckpt.owner)
+_INDEX_TMP_RE = re.compile(
+    r"^\.(?:checkpoints\.json\.(?:(\d+)-)?[0-9a-f]{8}|owner\.(\d+)-[a-z0-9_]{8})$"
+)
 _INDEX_TMP_AGE_S = 60.0  # older than any index write in flight (one small JSON file)
 
 
 def _is_dead_index_tmp(path: Path) -> bool:
-    """A temporary file of an index write that a kill interrupted (``index.write_index``
-    writes ``.checkpoints.json.<pid>-<hex>`` and renames it over the index within
-    milliseconds): its writer is gone, or it is older than any write in flight."""
+    """A temporary file of an index or owner-record write that a kill interrupted (each is
+    written under a temporary name and renamed or linked into place within milliseconds):
+    its writer is gone, or it is older than any write in flight."""
     m = _INDEX_TMP_RE.match(path.name)
     if not m:
         return False
-    if m.group(1) and not _pid_alive(int(m.group(1))):
+    pid = m.group(1) or m.group(2)
+    if pid and not _pid_alive(int(pid)):
         return True
     try:
         return time.time() - os.lstat(path).st_mtime > _INDEX_TMP_AGE_S

@@ -224,7 +224,8 @@ def _write(location, record: dict, *, create: bool) -> bool:
             return False
         return True
     location.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".owner.", dir=location)
+    # the writer's pid in the name: a kill's leftover is swept (ftrain.ckpt.commit.sweep_stale)
+    fd, tmp = tempfile.mkstemp(prefix=f".owner.{os.getpid()}-", dir=location)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)

@@ -241,3 +241,23 @@ def test_sharded_save_spreads_only_identical_replicated_leaves():
         chunks[key] = [[i for i, *_ in own_slices(spec, t, r, 2)] for r in range(2)]
     assert chunks["params/w"] == chunks["opt/mu/w"] == [[0, 2], [1, 3]]
     assert chunks["buffers/running_mean"] == chunks["data/cursor"] == [[0, 1, 2, 3], []]
+
+
+def test_sweep_removes_an_owner_record_temp_a_kill_left_but_not_a_live_writers(tmp_path):
+    """A kill between writing the owner record's temporary file and linking it into place
+    left ``.owner.XXXXXXXX`` in the checkpoint directory for good."""
+    import subprocess
+    import sys
+
+    from ftrain.ckpt import owner
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], text=True,
+                          capture_output=True, check=True).stdout.strip()  # fmt: skip
+    dead = tmp_path / f".owner.{gone}-ab_cd123"
+    live = tmp_path / f".owner.{os.getpid()}-zz9_x0y1"
+    dead.write_text("{}")
+    live.write_text("{}")
+    assert {p.name for p in protocol.sweep_stale(tmp_path)} == {dead.name}
+    assert live.exists()
+    owner.claim(tmp_path, tmp_path / "run").release()  # its own temporary file is named so
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
