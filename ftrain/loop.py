@@ -61,8 +61,9 @@ SaveFn = Callable[..., bool]
 
 @dataclass
 class LoopResult:
-    """How the loop ended: ``finished`` (max_steps reached, ``reason="done"``) or ``stopped``
-    (a stop request; ``reason`` names it, e.g. ``"SIGTERM"``)."""
+    """How the loop ended: ``finished`` (max_steps reached, ``reason="done"``), ``stopped``
+    (a stop request; ``reason`` names it, e.g. ``"SIGTERM"``) or ``exhausted`` (a finite
+    ``batches`` ran out first; ``reason`` says at which step; the state was saved)."""
 
     state: TensorDictBase
     status: str
@@ -102,6 +103,9 @@ class _Meter:
             out[f"{self.unit}_per_s"] = float(self.count) / elapsed
         self.count, self.steps, self.t0 = 0, 0, now
         return out
+
+
+_END = object()  # next(batches, _END): the end of a finite iterable of batches
 
 
 def _host(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -180,6 +184,7 @@ def train_loop(
         ('finished', 3)
     """
     _check_mode(on_nonfinite, donate)
+    _check_counts(max_steps=max_steps, log_every=log_every, eval_every=eval_every)
     run = _Run(
         step=step,
         save=save or (lambda *a, **k: False),
@@ -207,6 +212,20 @@ def _check_mode(on_nonfinite: str, donate: bool) -> None:
             "on_nonfinite='skip' keeps the state before a bad step, but donate=True "
             "overwrites it in place; use donate=False or on_nonfinite='stop'"
         )
+
+
+def _check_counts(*, max_steps, log_every, eval_every) -> None:
+    """Step counts are whole numbers: ``log_every=0`` raised ZeroDivisionError after the
+    first step, ``max_steps="3"`` a comparison TypeError, ``max_steps=2.5`` ran 3 steps."""
+    for name, value, least in (
+        ("max_steps", max_steps, 0),
+        ("log_every", log_every, 1),
+        ("eval_every", eval_every, 1),
+    ):
+        if name == "eval_every" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
 
 
 class _NoWatchdog:
@@ -257,7 +276,9 @@ class _Run:
                         self.save(state, self.current, force=True, reason=reason)
                     return LoopResult(state, "stopped", reason, self.last, dict(self.current))
                 wd.phase("data", state, self.current, safe=True)
-                batch = next(it)
+                batch = next(it, _END)
+                if batch is _END:  # a finite iterable: the data's end, saved as an end
+                    return self._exhausted(state)
                 in_step = True
                 wd.phase("step", state, self.current, safe=not self.donate)
                 new, metrics = returned = self.step(state, batch)
@@ -282,6 +303,15 @@ class _Run:
                 _emergency_save(self.save, state, self.current, err, self.record)
             raise
         return LoopResult(state, "finished", "done", self.last, dict(self.current))
+
+    def _exhausted(self, state) -> LoopResult:
+        """``batches`` ran out before ``max_steps``: the state saved (``force``) and the
+        loop's end said so (a bare StopIteration escaped, after an "emergency" save)."""
+        n = int(state["step"])
+        reason = f"the batches ran out after step {n} (max_steps={self.max_steps})"
+        self.watchdog.phase("save", state, self.current, safe=True)
+        self.save(state, self.current, force=True, reason="exhausted")
+        return LoopResult(state, "exhausted", reason, self.last, dict(self.current))
 
     def _continue_from(self, state, new, metrics):
         """Check the step's metrics; returns the state to continue from (``new``, or

@@ -55,6 +55,47 @@ def test_finishes_and_forces_a_final_save():
     assert [f["step"] for k, f in records if k == "step"] == [2, 3]  # every log_every and the last
 
 
+def test_a_finite_list_of_batches_ends_the_loop_saved_and_says_so():
+    """Batches running out before max_steps raised a bare StopIteration after an
+    "emergency" save (inside a generator a RuntimeError; under map() it vanished)."""
+    state, step = _setup()
+    saves = Saves()
+    batches = [{"x": torch.ones(4, 2)}] * 3
+    result = train_loop(state, step, batches, max_steps=10, save=saves)
+    assert result.status == "exhausted" and int(result.state["step"]) == 3
+    assert result.reason == "the batches ran out after step 3 (max_steps=10)"
+    assert saves.calls[-1] == (3, True, "exhausted") and (3, True, "emergency") not in saves.calls
+    assert list(map(lambda n: train_loop(state, step, batches, max_steps=n).status, [5])) == [
+        "exhausted"
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"log_every": 0},
+        {"max_steps": "3"},
+        {"max_steps": None},
+        {"max_steps": 2.5},
+        {"max_steps": -1},
+        {"eval_every": -1},
+        {"max_steps": True},
+    ],
+)
+def test_step_counts_that_are_not_whole_numbers_are_refused_before_a_step(bad):
+    state, step = _setup()
+    ran = []
+
+    def counting(s, b):
+        ran.append(1)
+        return step(s, b)
+
+    (name, value), args = next(iter(bad.items())), {"max_steps": 3} | bad
+    with pytest.raises(ValueError, match=f"{name} must be a whole number >= .*got {value!r}"):
+        train_loop(state, counting, _batches(), **args)
+    assert ran == []
+
+
 def test_stop_flag_saves_at_the_step_boundary_and_stops():
     state, step = _setup()
     saves, stop = Saves(), StopFlag()
