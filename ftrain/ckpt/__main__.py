@@ -60,8 +60,14 @@ def _steps(root: Path, invalid: _Invalid | None = None) -> dict[int, Path]:
         root, on_invalid=invalid if invalid is not None else _Invalid()
     )
     if not steps and invalid is None:
-        raise SystemExit(f"{root}: no committed checkpoints")
+        raise SystemExit(_none_at(root))
     return steps
+
+
+def _none_at(root: Path) -> str:
+    """ "no committed checkpoints", with what to pass when ``root`` is one step's directory."""
+    hint = protocol.step_dir_hint(root)
+    return f"{root}: no committed checkpoints" + (f" ({hint})" if hint else "")
 
 
 def _pick(roots, step: int | None) -> tuple[int, Path]:
@@ -96,7 +102,7 @@ def cmd_list(root: Path, _: list[int]) -> int:
     invalid = _Invalid()
     steps = _steps(root, invalid)
     if not steps:
-        raise SystemExit(f"{root}: no committed checkpoints")
+        raise SystemExit(_none_at(root))
     print(f"{'step':>10}  {'bytes':>14}  metrics")
     bad = 0
     for step, path in steps.items():
@@ -135,7 +141,7 @@ def cmd_verify(root: Path, args: list[int]) -> int:
     invalid = _Invalid()
     steps = _steps(root, invalid)
     if not steps and not invalid:
-        raise SystemExit(f"{root}: no committed checkpoints")
+        raise SystemExit(_none_at(root))
     todo = {s: steps.get(s) for s in args} if args else steps
     bad = 0 if args else len(invalid)  # a step directory without a valid marker is BAD
     for step, path in todo.items():
@@ -322,6 +328,8 @@ def cmd_export(argv: list[str]) -> int:
         help="with --merge-lora: alpha for a run that recorded none (a recorded one is used)",
     )
     ns = p.parse_args(argv)
+    if not ns.out.strip():
+        p.error(f"OUT={ns.out!r} is empty: name the .safetensors file or (hf) directory to write")
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", ns.out) and not os.path.exists(ns.out):
         # s3://b/x.safetensors wrote a local ./s3:/b/x.safetensors and said "exported"
         print(
@@ -388,6 +396,10 @@ def _check_step_count(p: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
         p.error("list takes no step: it lists them all (show DIR STEP, verify DIR STEP...)")
     if ns.command == "show" and len(ns.steps) > 1:
         p.error(f"show takes one step, got {ns.steps}: run it once per step")
+    if ns.mtbf is not None and ns.command != "advise":
+        p.error(
+            f"--mtbf is advise's (python -m ftrain.ckpt advise RUN_DIR --mtbf=6h), not {ns.command}'s"
+        )
 
 
 def _main_to_a_pipe() -> int:

@@ -97,7 +97,9 @@ __all__ = [
     "marker_document",
     "read_committed",
     "set_aside",
+    "misplaced_location",
     "set_aside_steps",
+    "step_dir_hint",
     "step_dirname",
     "sweep_stale",
 ]
@@ -134,6 +136,29 @@ def step_dirname(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step=}")
     return f"step_{step:08d}"
+
+
+def misplaced_location(path: Path) -> str | None:
+    """Why a local ``path`` cannot be a checkpoint location one writes, or ``None``: a file
+    (or a path under one: the first save failed with ``File exists``), or a step's own
+    directory (a save wrote ``step_N/`` and an index inside a committed step)."""
+    there = path
+    while not os.path.lexists(there) and there != there.parent:
+        there = there.parent
+    if os.path.lexists(there) and not there.is_dir():
+        where = "is a file" if there == path else f"lies under {there}, which is a file"
+        return f"{path} {where}; a checkpoint location is a directory"
+    return step_dir_hint(path)
+
+
+def step_dir_hint(path: Path) -> str | None:
+    """``path`` is a step's own directory (it holds a marker or manifest): what to pass."""
+    if not isinstance(path, Path) or not any((path / n).is_file() for n in (MARKER, MANIFEST)):
+        return None
+    return (
+        f"{path} is the directory of one step, not a checkpoint location; pass its parent, "
+        f"{path.parent}"
+    )
 
 
 @dataclass

@@ -125,8 +125,9 @@ class CheckpointManager:
     Raises:
         CheckpointFormatError: a step under a directory was written in a format this
             ftrain cannot read (nothing is changed on disk).
-        CheckpointLocationError: ``directory`` is an unknown scheme or a URL-like path, or
-            ``fallback_directory`` is the same location under another spelling.
+        CheckpointLocationError: ``directory`` is an unknown scheme or a URL-like path, a
+            file (or under one), or one step's own directory; or ``fallback_directory`` is
+            the same location under another spelling.
         CheckpointStoreError: an object store refuses the location (no such bucket, bad
             credentials, access denied).
 
@@ -171,6 +172,13 @@ class CheckpointManager:
                 f"{directory} under another spelling; point the fallback at another disk or "
                 "bucket, or leave it unset"
             )
+        for key, d in (
+            ("directory", self.directory),
+            ("fallback_directory", self.fallback_directory),
+        ):
+            why = protocol.misplaced_location(d) if isinstance(d, Path) else None
+            if why:  # found at the first save before, as "File exists", or written into a step
+                raise CheckpointLocationError(f"{key}: {why}")
         check_policy(save_policy, "should_save", "save_policy")
         check_policy(keep_policy, "keep", "keep_policy")
         self.save_policy = save_policy
@@ -237,6 +245,19 @@ class CheckpointManager:
                 out.setdefault(s, []).append(p)
         self._invalid, self._seals = invalid, seals
         return {s: _newest_copy_first(ps) if len(ps) > 1 else ps for s, ps in sorted(out.items())}
+
+    def _why_not_listed(self, step: int | None) -> str:
+        """What a restore that found nothing can add: why the step's directory does not
+        count (a damaged marker), or where a run directory keeps its checkpoints."""
+        named = protocol.step_dirname(step) if step is not None else None
+        why = [
+            f"{p}: {r}" for p, r in self._invalid.items() if named and Path(str(p)).name == named
+        ]
+        for d in self._dirs:
+            below = d / "checkpoints" if isinstance(d, Path) else None
+            if below is not None and protocol.committed_steps(below):
+                why.append(f"{d} is a run directory: its checkpoints are in {below}, pass that")
+        return f" ({'; '.join(why)})" if why else ""
 
     def invalid_steps(self) -> dict[Path, str]:
         """``step_*`` directories that do not count as checkpoints, with the reason
@@ -479,6 +500,10 @@ class CheckpointManager:
         metadata: dict | None,
         host_rng: dict[int, dict] | None,
     ) -> dict:
+        for name, given in (("metrics", metrics), ("metadata", metadata)):
+            if given is not None and not isinstance(given, Mapping):
+                raise TypeError(f"{name} must be a dict, got {type(given).__name__}: {given!r}")
+        _string_keys(metadata or {}, "metadata")
         attrs = dict(metadata or {})
         clash = sorted(set(attrs) & set(_RESERVED_ATTRS))
         if clash:
@@ -498,7 +523,7 @@ class CheckpointManager:
         try:
             import json
 
-            json.dumps(attrs, allow_nan=False)
+            json.dumps(attrs, allow_nan=False, sort_keys=True)  # as the writer does
         except (TypeError, ValueError) as e:
             raise ValueError(f"metadata/metrics must be JSON-serialisable: {e}") from e
         return attrs
@@ -852,6 +877,7 @@ class CheckpointManager:
                 f"no committed checkpoint{'' if step is None else f' for step {step}'}"
                 f"{'' if copy is None else f' of copy {copy}'} in "
                 f"{[str(d) for d in self._dirs]}; available: {self.all_steps()}"
+                + self._why_not_listed(step)
             )
         problems = []
         for s, path in cands:
@@ -1000,6 +1026,25 @@ def _as_step(step) -> int | None:
         return operator.index(step)
     except TypeError:
         raise TypeError(f"restore(step={step!r}): a step is an int (or None: the newest)") from None
+
+
+def _string_keys(node, where: str) -> None:
+    """Metadata is JSON, written with sorted keys: ``{1: 1, "a": 2}`` passed ``save()`` and
+    failed in the background writer (str and int keys do not sort). Keys of one kind pass
+    (JSON writes ``1`` as ``"1"``, as a config's ``{1: a}`` always was)."""
+    if isinstance(node, Mapping):
+        kinds = {type(k).__name__ for k in node}
+        if len(kinds) > 1 and "str" in kinds:
+            odd = [k for k in node if not isinstance(k, str)]
+            raise ValueError(
+                f"{where} mixes string keys with {odd!r}: JSON metadata is written with sorted "
+                "keys; make them all strings"
+            )
+        for k, v in node.items():
+            _string_keys(v, f"{where}[{k!r}]")
+    elif isinstance(node, list | tuple):
+        for i, v in enumerate(node):
+            _string_keys(v, f"{where}[{i}]")
 
 
 def _metric_json(name: object, value: object) -> object:

@@ -166,7 +166,10 @@ def read_subtree(
     invalid: list[str] = []
     steps = committed_steps_at(location, storage, invalid)
     if not steps:  # a damaged marker hid the only step: say so, it is not "never saved"
-        why = f" ({'; '.join(invalid[:3])})" if invalid else ""
+        first = location[0] if isinstance(location, list) else location
+        hint = protocol.step_dir_hint(Path(first)) if isinstance(first, str | Path) else None
+        invalid = invalid[:3] + ([hint] if hint and "://" not in str(first) else [])
+        why = f" ({'; '.join(invalid)})" if invalid else ""
         raise FileNotFoundError(
             f"{name_of(location)}: no committed checkpoints{why}{_saved_elsewhere(location)}"
         )

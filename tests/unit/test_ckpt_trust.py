@@ -341,11 +341,18 @@ def test_ckpt_tool_refuses_steps_a_command_would_drop(tmp_path, capsys):
         (("show", tmp_path, 1, 2), "show takes one step, got [1, 2]"),
         (("list", tmp_path, 1), "list takes no step"),
         (("advise", tmp_path, 1), "advise takes a run directory only"),
+        (("list", tmp_path, "--mtbf", "5h"), "--mtbf is advise's"),
+        (("export", tmp_path, ""), "OUT='' is empty"),
     ]:
         rc, out = ckpt_cli(capsys, *args)
         assert rc == 2 and said in out, out
     rc, out = ckpt_cli(capsys, "show", tmp_path, 2)
     assert rc == 0 and "step_00000002" in out
+    for cmd in ("show", "list", "verify"):  # a step's own directory: what to pass instead
+        rc, out = ckpt_cli(capsys, cmd, tmp_path / "step_00000002")
+        assert (
+            rc == 1 and f"one step, not a checkpoint location; pass its parent, {tmp_path}" in out
+        )
 
 
 def test_ckpt_tool_reports_marker_less_and_crafted_steps(tmp_path, capsys):
@@ -523,3 +530,55 @@ def test_a_step_name_step_dirname_would_not_write_is_no_step(tmp_path, name):
     aside = f"{name}.replaced-ab"
     (tmp_path / name).rename(tmp_path / aside)
     assert CheckpointManager(tmp_path, async_save=False).set_aside_steps() == {}
+
+
+def test_a_file_or_a_steps_own_directory_is_refused_as_a_location(tmp_path):
+    """A file (or a path under one) passed as the location was accepted and the first save
+    failed in the background with ``File exists``; a committed step's own directory got
+    ``step_N/`` and an index written inside it."""
+    from ftrain.ckpt.location import CheckpointLocationError
+
+    (tmp_path / "afile").write_text("mine")
+    saved(tmp_path / "ck", 3)
+    for where, said in [
+        ({"directory": tmp_path / "afile"}, "directory: .*afile is a file"),
+        ({"directory": tmp_path / "afile" / "sub"}, "sub lies under .*afile, which is a file"),
+        (
+            {"directory": tmp_path / "ok", "fallback_directory": str(tmp_path / "afile")},
+            "fallback_directory: .*afile is a file",
+        ),
+        (
+            {"directory": tmp_path / "ck" / "step_00000003"},
+            "the directory of one step, not a checkpoint location; pass its parent",
+        ),
+    ]:
+        with pytest.raises(CheckpointLocationError, match=said):
+            CheckpointManager(**where, async_save=False)
+    assert (tmp_path / "afile").read_text() == "mine"
+    inside = [p.name for p in (tmp_path / "ck" / "step_00000003").iterdir()]
+    assert not [n for n in inside if n.startswith(("step_", "checkpoints", "."))], inside
+
+
+def test_a_restore_that_finds_nothing_says_why_the_step_or_directory_does_not_count(tmp_path):
+    run = tmp_path / "run"
+    saved(run / "checkpoints", 1, 3)
+    with pytest.raises(CheckpointNotFoundError, match="a run directory: its checkpoints are in"):
+        CheckpointManager(run, async_save=False).restore()
+    (run / "checkpoints" / "step_00000003" / "COMMITTED").write_text("")
+    with pytest.raises(CheckpointNotFoundError, match=r"for step 3 .*COMMITTED: unreadable"):
+        CheckpointManager(run / "checkpoints", async_save=False).restore(3)
+
+
+def test_metadata_is_checked_at_save_not_in_the_background_writer(tmp_path):
+    """``metadata={1: 1, "a": 2}`` passed save() and failed at the next wait() as a
+    TypeError naming no key; a list as metrics was an AttributeError."""
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    with pytest.raises(ValueError, match=r"metadata\['cfg'\] mixes string keys with \[1\]"):
+        mgr.save(make_state(1), metadata={"cfg": {1: 1, "a": 2}})
+    with pytest.raises(TypeError, match="metrics must be a dict, got list"):
+        mgr.save(make_state(1), metrics=[1])
+    with pytest.raises(TypeError, match="metadata must be a dict, got list"):
+        mgr.save(make_state(1), metadata=[1])
+    assert mgr.save(make_state(2), metadata={"tags": {1: "a", 2: "b"}})  # one kind: as JSON
+    mgr.wait()
+    assert mgr.metadata(2)["tags"] == {"1": "a", "2": "b"} and mgr.all_steps() == [2]
