@@ -352,6 +352,11 @@ def make_step(
     if not callable(loss_fn):
         raise TypeError(f"make_step(model, loss_fn, tx): loss_fn must be callable, got {loss_fn!r}")
     _check_args(grad_accum, precision, clip)
+    if next(iter(model.parameters()), None) is None:  # an IndexError at the first step
+        raise ValueError(
+            f"make_step: the model ({type(model).__name__}) has no parameters, so there is "
+            "nothing to train; pass the module that holds them"
+        )
     _warn_requires_grad(model)
     rank, dp = _default_rank_world(dp)
     sharder = _sharder(shard, compile=compile, donate=donate, precision=precision, clip=clip)

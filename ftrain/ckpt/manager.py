@@ -300,6 +300,9 @@ class CheckpointManager:
             CheckpointNotFoundError: ``step`` (that copy) is not committed.
             CorruptCheckpointError: its metadata does not verify.
         """
+        if step is None:  # restore(None) is the newest; metadata reads one named step
+            raise TypeError("metadata(step): name the step (latest_step() is the newest)")
+        step = _as_step(step, "metadata")
         paths = self._locations().get(step) or []
         if copy is not None:
             paths = [p for p in paths if self._seals.get(str(p)) == copy]
@@ -866,7 +869,12 @@ class CheckpointManager:
         step = _as_step(step)
         self.wait()
         _check_mmap(mmap, rows, self._dirs)
-        only_t = (only,) if isinstance(only, str) else tuple(only) if only is not None else None
+        only_t = _only_paths(only)
+        if target is not None and not isinstance(target, TensorDictBase):
+            raise TypeError(
+                f"restore(target=...) takes a TensorDict template (the fresh state, e.g. "
+                f"ftrain.init_state(...)), got {type(target).__name__}"
+            )
         cands = [(s, p) for s, ps in reversed(self._locations().items()) for p in ps]
         if step is not None:
             cands = [(s, p) for s, p in cands if s == step]
@@ -1015,7 +1023,7 @@ def _newest_copy_first(paths: list) -> list:
     return sorted(paths, key=saved_at, reverse=True)  # stable: primary first on a tie
 
 
-def _as_step(step) -> int | None:
+def _as_step(step, call: str = "restore") -> int | None:
     """``step`` as an int (a numpy or 0-d integer tensor too); "5" matched nothing ("no
     step 5; available: [4, 5]") and True was step 1."""
     if step is None:
@@ -1025,7 +1033,31 @@ def _as_step(step) -> int | None:
             raise TypeError
         return operator.index(step)
     except TypeError:
-        raise TypeError(f"restore(step={step!r}): a step is an int (or None: the newest)") from None
+        newest = " (or None: the newest)" if call == "restore" else ""
+        raise TypeError(f"{call}(step={step!r}): a step is an int{newest}") from None
+
+
+def _only_paths(only) -> tuple[str, ...] | None:
+    """``restore(only=...)`` as key path strings: ``"params"``, ``["params", "opt"]``, or
+    TensorDict-style tuple keys (``("opt", "scale_by_adam")`` is ``"opt/scale_by_adam"``)."""
+    if only is None:
+        return None
+    items = [only] if isinstance(only, str) else only
+    try:
+        items = list(items)
+    except TypeError:
+        items = [only]
+    out = []
+    for p in items:
+        if isinstance(p, tuple) and p and all(isinstance(x, str) for x in p):
+            p = "/".join(p)
+        if not isinstance(p, str):
+            raise TypeError(
+                f"restore(only={only!r}): a key path is a string ('params', 'opt/scale_by_adam') "
+                "or a tuple of strings; pass one or a list of them"
+            )
+        out.append(p)
+    return tuple(out)
 
 
 def _string_keys(node, where: str) -> None:

@@ -105,7 +105,7 @@ def flatten(tree: TensorDictBase) -> tuple[list[Path], list[torch.Tensor]]:
     """
     if not isinstance(tree, TensorDictBase):
         raise TypeError(
-            f"ftrain.optim works on tensordict.TensorDict pytrees, got {type(tree).__name__}; "
+            f"ftrain works on tensordict.TensorDict pytrees, got {type(tree).__name__}; "
             "wrap a dict with TensorDict(d, batch_size=[]) or use TensorDict.from_module(model)"
         )
     keys: list[Path] = []

@@ -582,3 +582,20 @@ def test_metadata_is_checked_at_save_not_in_the_background_writer(tmp_path):
     assert mgr.save(make_state(2), metadata={"tags": {1: "a", 2: "b"}})  # one kind: as JSON
     mgr.wait()
     assert mgr.metadata(2)["tags"] == {"1": "a", "2": "b"} and mgr.all_steps() == [2]
+
+
+def test_restore_and_metadata_arguments_of_the_wrong_kind_are_named(tmp_path):
+    """``only=5`` was "'int' object is not iterable"; a tuple key path a TypeError about
+    tuple concatenation; ``target={...}`` spoke of ftrain.optim; ``metadata(None)`` said
+    "step None is not committed"."""
+    mgr = saved(tmp_path, 1)
+    with pytest.raises(TypeError, match=r"restore\(only=5\): a key path is a string"):
+        mgr.restore(only=5)
+    by_tuple = mgr.restore(only=[("params",)])  # a TensorDict-style key path
+    assert same(by_tuple["params"], mgr.restore(only="params")["params"])
+    with pytest.raises(TypeError, match="takes a TensorDict template .*got dict"):
+        mgr.restore(target={"step": torch.tensor(1)})
+    with pytest.raises(TypeError, match=r"metadata\(step\): name the step"):
+        mgr.metadata(None)
+    with pytest.raises(TypeError, match=r"metadata\(step='1'\): a step is an int$"):
+        mgr.metadata("1")

@@ -441,6 +441,8 @@ def test_swapped_or_foreign_arguments_are_named():
         ftrain.make_step(model, lambda m, b: m(b).sum(), sgd)
     with pytest.raises(TypeError, match="loss_fn must be callable, got None"):
         ftrain.make_step(model, None, tx)
+    with pytest.raises(ValueError, match=r"the model \(ReLU\) has no parameters"):
+        ftrain.make_step(torch.nn.ReLU(), lambda m, b: m(b).sum(), tx)  # IndexError at step 1
 
 
 def test_a_submodule_the_user_put_in_eval_mode_stays_so():
