@@ -229,9 +229,10 @@ def test_fallback_directory(tmp_path, monkeypatch, how):
 
         monkeypatch.setattr(store, "write_chunk", full)
     else:
-        (tmp_path / "file").write_text("x")
         primary = tmp_path / "file" / "ckpt"  # mkdir fails with ENOTDIR even as root
     m = CheckpointManager(primary, fallback_directory=fallback, async_save=False)
+    if how == "not_a_directory":  # after the start (which refuses a file as a location)
+        (tmp_path / "file").write_text("x")
     with pytest.warns(RuntimeWarning, match="fallback"):
         assert m.save(make_state(5))
     assert (fallback / "step_00000005" / "COMMITTED").exists()
@@ -241,8 +242,8 @@ def test_fallback_directory(tmp_path, monkeypatch, how):
 
 
 def test_save_fails_everywhere_raises(tmp_path):
-    (tmp_path / "file").write_text("x")
     m = CheckpointManager(tmp_path / "file" / "a", async_save=False)
+    (tmp_path / "file").write_text("x")  # after the start, which refuses a file as a location
     with pytest.raises(CheckpointSaveError, match="every location"):
         m.save(make_state(1))
 
