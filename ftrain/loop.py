@@ -220,7 +220,7 @@ def _check_counts(*, max_steps, log_every, eval_every) -> None:
     for name, value, least in (
         ("max_steps", max_steps, 0),
         ("log_every", log_every, 1),
-        ("eval_every", eval_every, 1),
+        ("eval_every", eval_every, 0),  # 0 or None: no evaluation, as in the config
     ):
         if name == "eval_every" and value is None:
             continue

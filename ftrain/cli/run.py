@@ -424,7 +424,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
         except CheckpointSaveError as err:  # each rank said which step did not commit
             return _save_failed(err, p.manager)
         except DataFormatError as err:
-            return _bad_batch(err, p.manager)
+            return _bad_batch(err, session)
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
 
 
@@ -484,12 +484,15 @@ def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
     return _stopped(err, manager, "the cause (disk, permissions, the object store)")
 
 
-def _bad_batch(err: DataFormatError, manager: CheckpointManager) -> int:
+def _bad_batch(err: DataFormatError, session: Session) -> int:
     """Data that cannot be trained on, found in a batch (a token id the model has no row
-    for): the message names the data and the fix, exit 1 after the loop's emergency save."""
+    for): the message names the data and the fix, exit 1 after the loop's emergency save.
+    A policy save still in flight is waited for first: it said "none (a re-run starts
+    fresh)" while that step was committing."""
+    _settle(session)
     return _stopped(
         err,
-        manager,
+        session.manager,
         "the data or the config as the message says (fixed data has a new fingerprint: "
         "resume it with data.allow_changed=true)",
     )
@@ -515,12 +518,18 @@ def _stopped(err: Exception, manager: CheckpointManager, fix: str) -> int:
     return EXIT_ERROR
 
 
+def _settle(session: Session) -> None:
+    """Before saying where a re-run resumes: an earlier step may still be committing; its
+    outcome is recorded (committed, or save_failed) as at any other end."""
+    try:
+        session.wait_commits()
+    except CheckpointSaveError as failed:  # it did not commit: say so beside the stop
+        print(f"ftrain: {failed}", file=sys.stderr)
+
+
 def _diverged(err: NonFiniteError, session: Session) -> int:
     """One message for a stopped divergence: what went wrong and where a resume starts."""
-    try:  # an earlier (finite) step may still be committing: its outcome is recorded
-        session.wait_commits()  # (committed, or save_failed) as at any other end
-    except CheckpointSaveError as failed:  # it did not commit: say so beside the divergence
-        print(f"ftrain: {failed}", file=sys.stderr)
+    _settle(session)
     where = _newest_committed(session.manager)
     print(f"ftrain: {err}\nftrain: newest committed checkpoint: {where}", file=sys.stderr)
     return EXIT_ERROR

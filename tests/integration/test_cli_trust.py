@@ -577,3 +577,31 @@ def test_a_read_only_checkpoint_dir_with_a_fallback_resumes_and_saves_to_the_fal
         CheckpointManager(primary, async_save=False, fallback_directory=fallback).all_steps()[-1]
         == 6
     )
+
+
+def test_a_bad_batch_just_after_an_async_save_waits_for_that_commit(cli, tmp_path):
+    """Step 2's background save was still committing when step 3's batch held a token id
+    past the vocabulary: the stop said "newest committed checkpoint: none (a re-run starts
+    fresh)" while step 2 committed a moment later; a user may have deleted the run."""
+    import numpy as np
+
+    data = tmp_path / "tok"
+    data.mkdir()
+    train = (np.arange(20000) % 256).astype(np.uint16)
+    train[261] = 300  # read by step 3 (no shuffle; 4 samples of 33 tokens per step)
+    train.tofile(data / "train.bin")
+    (np.arange(3000) % 256).astype(np.uint16).tofile(data / "val.bin")
+    run = tmp_path / "run"
+    out = cli(run, "data=tokens", f"data.path={data}", "data.shuffle=false",
+              "trainer.eval_every=null", "trainer.max_steps=6", "checkpoint.every_steps=2",
+              "checkpoint.async_save=true", check=1)  # fmt: skip
+    assert "token id 300 is outside the model's vocabulary" in out.stderr, out.stderr
+    assert "newest committed checkpoint: step 2;" in out.stderr, out.stderr
+    assert [r["step"] for r in records(run, "committed")] == [2]  # its record, as at any end
+
+
+def test_eval_every_zero_trains_without_evaluation(cli, tmp_path):
+    """The config's own "0/null: no evaluation" (0 passed the start and then raised)."""
+    run = tmp_path / "run"
+    out = cli(run, "trainer.eval_every=0", "trainer.max_steps=2", check=0)
+    assert "Traceback" not in out.stderr and not records(run, "eval")

@@ -65,6 +65,7 @@ def test_a_finite_list_of_batches_ends_the_loop_saved_and_says_so():
     assert result.status == "exhausted" and int(result.state["step"]) == 3
     assert result.reason == "the batches ran out after step 3 (max_steps=10)"
     assert saves.calls[-1] == (3, True, "exhausted") and (3, True, "emergency") not in saves.calls
+    assert train_loop(state, step, batches, max_steps=2, eval_every=0).status == "finished"
     assert list(map(lambda n: train_loop(state, step, batches, max_steps=n).status, [5])) == [
         "exhausted"
     ]
@@ -83,6 +84,7 @@ def test_a_finite_list_of_batches_ends_the_loop_saved_and_says_so():
     ],
 )
 def test_step_counts_that_are_not_whole_numbers_are_refused_before_a_step(bad):
+    """(``eval_every=0`` is no evaluation, as ``trainer.eval_every=0`` is on the command line.)"""
     state, step = _setup()
     ran = []
 
