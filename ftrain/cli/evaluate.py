@@ -151,7 +151,7 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         raise ConfigError(f"step {got} of {name_of(where)}: {err}") from None
     data = OmegaConf.to_container(cfg.data, resolve=True)
     val = source_from_config(data, split="val")
-    if not any(o.lstrip("+").startswith("data.") for o in overrides):
+    if not _picks_other_data(overrides) and not cfg.data.allow_changed:
         _check_same_val(val, attrs, cfg, f"step {got} of {name_of(where)}")
     check_vocab(cfg.model, val)
     state = TensorDict(
@@ -184,6 +184,19 @@ def _perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
+# data.* keys that change how the data is read, never which data: they keep the check
+# (data.prefetch=0 skipped it, and an edited corpus's numbers came back as the run's)
+_SAME_DATA_KEYS = ("data.shuffle", "data.drop_last", "data.prefetch", "data.allow_changed",
+                   "data.cache_dir")  # fmt: skip
+
+
+def _picks_other_data(overrides) -> bool:
+    """Whether an override points the evaluation at other data (data.path, val_fraction,
+    block_size, dtype, a source's own keys): then the run's fingerprint does not apply."""
+    keys = [o.lstrip("+").split("=", 1)[0] for o in overrides]
+    return any(k.startswith("data.") and k not in _SAME_DATA_KEYS for k in keys)
+
+
 def _check_same_val(val, attrs: dict, cfg: DictConfig, what: str) -> None:
     """With no ``data.*`` override eval promises the run's own val split: one that differs
     from the fingerprint the checkpoint recorded (a relative ``data.path`` read from
@@ -202,8 +215,8 @@ def _check_same_val(val, attrs: dict, cfg: DictConfig, what: str) -> None:
         why = f"{where} gives {val.fingerprint} here: the data changed since the run"
     raise ConfigError(
         f"{what} was trained with a val split of fingerprint {saved}, but {why} (to evaluate "
-        "other data on purpose, any data.* override skips this check, e.g. "
-        f"data.val_fraction={cfg.data.get('val_fraction')})"
+        "other data on purpose: data.allow_changed=true, or an override that picks the data "
+        f"such as data.path=... or data.val_fraction={cfg.data.get('val_fraction')})"
     )
 
 

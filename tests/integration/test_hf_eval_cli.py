@@ -295,8 +295,13 @@ def test_eval_refuses_a_val_split_other_than_the_runs(cli, tool, env, tmp_path):
     out = tool("ftrain.eval", run, env=env)
     assert out.returncode == 2 and "was trained with a val split of fingerprint" in out.stderr
     assert "the data changed since the run" in out.stderr, out.stderr
+    # overrides of how the data is read keep the check (they skipped it, and the edited
+    # corpus's numbers came back as the run's val_loss)
+    out = tool("ftrain.eval", run, "data.prefetch=0", "data.allow_changed=false", env=env)
+    assert out.returncode == 2 and "the data changed since the run" in out.stderr, out.stderr
     on_purpose = tool("ftrain.eval", run, f"data.path={corpus}", env=env)  # other data, asked
     assert on_purpose.returncode == 0, on_purpose.stderr
+    assert tool("ftrain.eval", run, "data.allow_changed=true", env=env).returncode == 0
 
 
 def test_eval_of_a_diverged_step_says_nan_in_strict_json(cli, tool, env, tmp_path):
