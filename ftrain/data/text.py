@@ -106,15 +106,26 @@ def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
     """Write ``files`` as byte tokens joined by EOT into ``target`` (atomically; a killed or
     failed write leaves no temporary file behind)."""
     tok = ByteTokenizer()
-    h, n, t0 = hashlib.blake2b(digest_size=16), 0, time.perf_counter()
+    h, n, t0, binary = hashlib.blake2b(digest_size=16), 0, time.perf_counter(), []
     with unique_tmp(target) as tmp:
         with open(tmp, "wb") as out:
             for i, f in enumerate(files):
-                data = (bytes([tok.eot]) if i else b"") + _read(f)
+                text = _read(f)
+                if bytes([tok.eot]) in text:  # NUL: not text, and it reads as a document end
+                    binary.append(f)
+                data = (bytes([tok.eot]) if i else b"") + text
                 out.write(data)
                 h.update(data)
                 n += len(data)
         os.replace(tmp, target)
+    if binary:
+        log.warning(
+            "%d corpus file(s) hold NUL bytes, so they are not text (a binary file?) and "
+            "their NULs read as document ends: %s; leave them out with +data.exclude=[GLOB] or a "
+            "narrower data.path",
+            len(binary),
+            ", ".join(map(str, binary[:3])) + (", ..." if len(binary) > 3 else ""),
+        )
     log.info(
         "tokenized %d files (%d bytes) into %s in %.1fs",
         len(files),
@@ -237,7 +248,7 @@ class TextCorpusSource(TokenFileSource):
             )
         self.files = resolve_text_files(path, pattern=pattern, exclude=exclude)
         token_file, meta, self.tokenized = tokenize_corpus(self.files, cache=cache_dir)
-        if meta["num_tokens"] == 0:
+        if meta["num_tokens"] <= max(len(self.files) - 1, 0):  # only the files' separators
             raise DataFormatError(
                 f"text corpus {_shown(path)} holds no text ({len(self.files)} empty file(s)); "
                 "point data.path at the text to train on"

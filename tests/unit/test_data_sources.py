@@ -358,6 +358,29 @@ def test_a_text_corpus_too_small_or_empty_is_named_by_its_path_not_its_cache(tmp
     (root / "e.txt").write_text("")
     with pytest.raises(DataFormatError, match=f"text corpus '{root}' holds no text"):
         TextCorpusSource(root, block_size=16)
+    for i in range(300):  # many empty files: 299 separators were trained on as "text"
+        (root / f"e{i}.txt").write_text("")
+    with pytest.raises(DataFormatError, match=r"holds no text \(301 empty file"):
+        TextCorpusSource(root, block_size=16, cache_dir=tmp_path / "cache")
+    for p in root.glob("e*.txt"):
+        p.unlink()
     (root / "e.txt").write_text("abc")
     with pytest.raises(DataFormatError, match=f"split 'train' of text corpus '{root}' has 3"):
         TextCorpusSource(root, block_size=16)
+
+
+def test_a_binary_file_among_the_text_is_named_in_a_warning(tmp_path, caplog):
+    """An ELF binary in a text directory was trained on with no word; its NULs read as
+    document ends."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("plain text " * 100)
+    (root / "tool").write_bytes(b"\x7fELF\x00\x01" * 100)
+    with caplog.at_level("WARNING", logger="ftrain.data"):
+        TextCorpusSource(root, block_size=16, cache_dir=tmp_path / "cache")
+    assert "1 corpus file(s) hold NUL bytes" in caplog.text and str(root / "tool") in caplog.text
+    caplog.clear()
+    (root / "tool").unlink()
+    with caplog.at_level("WARNING", logger="ftrain.data"):
+        TextCorpusSource(root, block_size=16, cache_dir=tmp_path / "cache")
+    assert "NUL" not in caplog.text
