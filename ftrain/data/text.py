@@ -105,18 +105,26 @@ def _once_each(files: list[Path]) -> list[Path]:
 def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
     """Write ``files`` as byte tokens joined by EOT into ``target`` (atomically; a killed or
     failed write leaves no temporary file behind)."""
-    tok = ByteTokenizer()
+    eot = bytes([ByteTokenizer().eot])
     h, n, t0, binary = hashlib.blake2b(digest_size=16), 0, time.perf_counter(), []
     with unique_tmp(target) as tmp:
         with open(tmp, "wb") as out:
+
+            def write(piece: bytes) -> None:
+                nonlocal n
+                out.write(piece)
+                h.update(piece)
+                n += len(piece)
+
             for i, f in enumerate(files):
-                text = _read(f)
-                if bytes([tok.eot]) in text:  # NUL: not text, and it reads as a document end
+                if i:
+                    write(eot)
+                nul = False
+                for piece in _pieces(f):
+                    write(piece)
+                    nul = nul or eot in piece
+                if nul:  # not text, and its NULs read as document ends
                     binary.append(f)
-                data = (bytes([tok.eot]) if i else b"") + text
-                out.write(data)
-                h.update(data)
-                n += len(data)
         os.replace(tmp, target)
     if binary:
         log.warning(
@@ -136,10 +144,16 @@ def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
     return {"num_tokens": n, "digest": h.hexdigest(), "probe": _probe_digest(target, n)}
 
 
-def _read(f: Path) -> bytes:
-    """One corpus file's bytes; a file that cannot be read is a DataPathError."""
+_PIECE = 8 << 20  # a corpus file is copied this much at a time: a 5 GB file was read whole
+
+
+def _pieces(f: Path):
+    """One corpus file's bytes, a piece at a time; a file that cannot be read is a
+    DataPathError."""
     try:
-        return f.read_bytes()
+        with f.open("rb") as src:
+            while piece := src.read(_PIECE):
+                yield piece
     except OSError as err:
         raise DataPathError(f"text corpus file {str(f)!r} cannot be read ({err})") from None
 

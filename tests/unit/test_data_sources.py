@@ -322,7 +322,12 @@ def test_unreadable_corpus_files_are_a_clear_data_path_error(tmp_path, monkeypat
     with pytest.raises(DataPathError, match="cannot be read .*Permission denied"):
         text_mod.resolve_text_files(tmp_path / "other")
     monkeypatch.undo()
-    monkeypatch.setattr(type(corpus), "read_bytes", denied)
+    real_open = type(corpus).open
+    monkeypatch.setattr(  # the corpus file's read, not the cache's
+        type(corpus),
+        "open",
+        lambda self, *a, **k: denied(self) if self.name == "a.txt" else real_open(self, *a, **k),
+    )
     with pytest.raises(DataPathError, match=r"a\.txt' cannot be read"):
         text_mod.tokenize_corpus([corpus / "a.txt"], cache=tmp_path / "cache")
     assert not list((tmp_path / "cache").rglob("*.tmp-*")), "no partial token file is left"
@@ -384,3 +389,17 @@ def test_a_binary_file_among_the_text_is_named_in_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="ftrain.data"):
         TextCorpusSource(root, block_size=16, cache_dir=tmp_path / "cache")
     assert "NUL" not in caplog.text
+
+
+def test_a_corpus_file_is_copied_piece_by_piece_with_the_same_tokens(tmp_path, monkeypatch):
+    """Each file was read whole (a 533 MB one-line file peaked at 845 MB RSS): it is now
+    copied a piece at a time, the token file and digest unchanged; a NUL anywhere in a
+    later piece still names the file."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("the quick brown fox " * 50)
+    (root / "b.bin").write_bytes(b"x" * 95 + b"\x00")
+    whole, meta, _ = text_mod.tokenize_corpus(sorted(root.iterdir()), cache=tmp_path / "c1")
+    monkeypatch.setattr(text_mod, "_PIECE", 7)
+    pieces, meta7, _ = text_mod.tokenize_corpus(sorted(root.iterdir()), cache=tmp_path / "c2")
+    assert pieces.read_bytes() == whole.read_bytes() and meta7["digest"] == meta["digest"]
