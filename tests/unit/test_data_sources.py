@@ -391,7 +391,7 @@ def test_a_binary_file_among_the_text_is_named_in_a_warning(tmp_path, caplog):
     assert "NUL" not in caplog.text
 
 
-def test_a_corpus_file_is_copied_piece_by_piece_with_the_same_tokens(tmp_path, monkeypatch):
+def test_a_corpus_file_is_copied_piece_by_piece_with_the_same_tokens(tmp_path, monkeypatch, caplog):
     """Each file was read whole (a 533 MB one-line file peaked at 845 MB RSS): it is now
     copied a piece at a time, the token file and digest unchanged; a NUL anywhere in a
     later piece still names the file."""
@@ -401,5 +401,7 @@ def test_a_corpus_file_is_copied_piece_by_piece_with_the_same_tokens(tmp_path, m
     (root / "b.bin").write_bytes(b"x" * 95 + b"\x00")
     whole, meta, _ = text_mod.tokenize_corpus(sorted(root.iterdir()), cache=tmp_path / "c1")
     monkeypatch.setattr(text_mod, "_PIECE", 7)
-    pieces, meta7, _ = text_mod.tokenize_corpus(sorted(root.iterdir()), cache=tmp_path / "c2")
+    with caplog.at_level("WARNING", logger="ftrain.data"):
+        pieces, meta7, _ = text_mod.tokenize_corpus(sorted(root.iterdir()), cache=tmp_path / "c2")
     assert pieces.read_bytes() == whole.read_bytes() and meta7["digest"] == meta["digest"]
+    assert "1 corpus file(s) hold NUL bytes" in caplog.text and "b.bin" in caplog.text
