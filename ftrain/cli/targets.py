@@ -219,6 +219,9 @@ _UNUSED_BY = {
     ("optim", "ftrain.cli.targets.adamw"): {"momentum": 0.0, "nesterov": False},
     ("optim", "ftrain.cli.targets.sgd"): {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
     ("schedule", "ftrain.cli.targets.constant"): {"warmup_steps": 0, "end_factor": 0.1},
+    # byte-level text has no token dtype (data.dtype is the token files')
+    ("data", "ftrain.data.text.TextCorpusSource"): {"dtype": "uint16"},
+    ("data", "ftrain.data.corpus.stdlib_corpus"): {"dtype": "uint16"},
 }
 
 

@@ -185,6 +185,7 @@ def test_a_batch_the_data_or_the_ranks_cannot_take_is_refused(batch, accum, worl
         (["optim=sgd", "optim.b1=0.8", "optim.eps=0.001"], "optim.b1=0.8, optim.eps=0.001 are"),
         (["schedule=constant", "schedule.warmup_steps=100"], "schedule.warmup_steps=100 is"),
         (["schedule=constant", "schedule.end_factor=0.5"], "by schedule=constant"),
+        (["data=text", "data.path=/tmp", "data.dtype=uint32"], "data.dtype=uint32 is not used"),
         (  # a parameter group's own override, named by the group's key
             ["+optim.groups.top.params=[h.*]", "+optim.groups.top.momentum=0.9"],
             "optim.groups.top.momentum=0.9 is not used by optim=adamw",
@@ -206,6 +207,8 @@ def test_settings_the_chosen_option_uses_are_not_warned_about():
     for overrides in ([], ["optim=sgd", "optim.momentum=0.5"], ["schedule=constant"]):
         assert unused_option_settings(load_config(overrides)) == []
     assert unused_option_settings(load_config(["optim.b1=0.8", "schedule.warmup_steps=3"])) == []
+    tokens = ["data=tokens", "data.path=/tmp", "data.dtype=uint32"]
+    assert unused_option_settings(load_config(tokens)) == []
     group = ["optim=sgd", "+optim.groups.top.params=[h.*]", "+optim.groups.top.momentum=0.5"]
     assert unused_option_settings(load_config(group)) == []
 
