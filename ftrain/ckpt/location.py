@@ -146,8 +146,8 @@ def parse_location(value: str | Path, storage: Mapping | None = None):
     if _URLISH_RE.match(value):  # two or more letters: "C:" is not a scheme
         scheme = value.split(":")[0]
         raise CheckpointLocationError(
-            f"checkpoint location {value!r} looks like a URL but is not one (a local "
-            f"directory of that name would be created); write {scheme}://BUCKET/PREFIX for "
+            f"checkpoint location {value!r} looks like a URL but is not one (it would be "
+            f"a local directory of that name); write {scheme}://BUCKET/PREFIX for "
             f"object storage, or ./{value} if you really mean a local directory"
         )
     return Path(value)

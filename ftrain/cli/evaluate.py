@@ -134,6 +134,10 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         raise ConfigError(f"{run} names step {at} but --step {step}: give the step once")
     try:
         got, tree, attrs = read_model(where, step if step is not None else at)
+    except CheckpointLocationError as err:  # RUN that reads as a URL ("r1:abc")
+        tail = str(run).rsplit(":", 1)[-1]
+        hint = f"; RUN:STEP takes a step number, got {tail!r}" if "://" not in str(run) else ""
+        raise ConfigError(f"{err}{hint}") from None
     except ValueError as err:  # no params group: a state saved by other code
         raise ConfigError(f"{where}: {err}; ftrain.eval evaluates a model's params") from None
     recorded = attrs.get("config")
@@ -150,7 +154,11 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
     except ValueError as err:
         raise ConfigError(f"step {got} of {name_of(where)}: {err}") from None
     data = OmegaConf.to_container(cfg.data, resolve=True)
-    val = source_from_config(data, split="val")
+    try:
+        val = source_from_config(data, split="val")
+    except DataFormatError:  # an empty val split: say why when the run held none out
+        _check_held_out(recorded, overrides, f"step {got} of {name_of(where)}")
+        raise
     if not _picks_other_data(overrides) and not cfg.data.allow_changed:
         _check_same_val(val, attrs, cfg, f"step {got} of {name_of(where)}")
     check_vocab(cfg.model, val)
@@ -195,6 +203,19 @@ def _picks_other_data(overrides) -> bool:
     block_size, dtype, a source's own keys): then the run's fingerprint does not apply."""
     keys = [o.lstrip("+").split("=", 1)[0] for o in overrides]
     return any(k.startswith("data.") and k not in _SAME_DATA_KEYS for k in keys)
+
+
+def _check_held_out(recorded: dict, overrides, what: str) -> None:
+    """A run of ``data.val_fraction=0`` whose val split is a token range has none: said so,
+    not "split 'val' has 0 tokens ... change val_fraction" (whose fix evaluates tokens the
+    run trained on). A token directory's ``val.bin`` is read whatever the fraction."""
+    if recorded["data"].get("val_fraction") != 0 or _picks_other_data(overrides):
+        return
+    raise ConfigError(
+        f"{what} was trained with data.val_fraction=0: it held out no data, so there is no "
+        "val split to evaluate; point data.path at other data (data.val_fraction=F evaluates "
+        "the last F of the run's tokens, which it trained on)"
+    )
 
 
 def _check_same_val(val, attrs: dict, cfg: DictConfig, what: str) -> None:

@@ -113,6 +113,9 @@ def test_eval_errors_name_the_fix(tool, run8, env, tmp_path):
     assert out.returncode == 2 and "names step 4 but --step 8" in out.stderr
     out = tool("ftrain.eval", tmp_path / "absent", env=env)
     assert out.returncode == 1 and "no such checkpoint directory" in out.stderr
+    out = tool("ftrain.eval", "r1:abc", env=env)  # a step that is not a number
+    assert out.returncode == 2 and "RUN:STEP takes a step number, got 'abc'" in out.stderr
+    assert "evaluates a model's params" not in out.stderr, out.stderr
     # the value checks of a training start apply (they were tracebacks)
     for bad, needle in [
         ("trainer.precision=fp64", "trainer.precision must be fp32, bf16 or fp16"),
@@ -302,6 +305,17 @@ def test_eval_refuses_a_val_split_other_than_the_runs(cli, tool, env, tmp_path):
     on_purpose = tool("ftrain.eval", run, f"data.path={corpus}", env=env)  # other data, asked
     assert on_purpose.returncode == 0, on_purpose.stderr
     assert tool("ftrain.eval", run, "data.allow_changed=true", env=env).returncode == 0
+
+
+def test_eval_of_a_run_that_held_out_no_data_says_so(cli, tool, env, tmp_path):
+    """It said "split 'val' has 0 tokens ... change val_fraction", whose fix evaluates
+    tokens the run trained on."""
+    run = tmp_path / "run"
+    cli(run, "data.val_fraction=0", "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
+    out = tool("ftrain.eval", run, env=env)
+    assert out.returncode == 2 and "trained with data.val_fraction=0: it held out no data" in (
+        out.stderr
+    ), out.stderr
 
 
 def test_eval_of_a_diverged_step_says_nan_in_strict_json(cli, tool, env, tmp_path):
