@@ -411,15 +411,21 @@ def test_large_chunks_go_up_in_multipart_uploads(bucket):
     assert first_difference(CheckpointManager(url).restore(), state) is None
 
 
+def _one_step_kept_of(bucket) -> tuple[str, CheckpointManager]:
+    """A manager keeping one step, step 1 saved: the next save's retention deletes it."""
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False, keep_policy=LatestN(1))
+    m.save(make_state(1))
+    time.sleep(1.1)  # S3 times have one-second resolution: step 1 is older than step 2
+    return url, m
+
+
 def test_retention_deletes_the_marker_first(bucket, s3, monkeypatch):
     """A retention delete interrupted right after the marker went: the step is no longer
     listed (never half a checkpoint), and its leftovers are swept at a later start."""
     from ftrain.ckpt import commit as protocol
 
-    url = f"s3://{bucket}/ck"
-    m = CheckpointManager(url, async_save=False, keep_policy=LatestN(1))
-    m.save(make_state(1))
-    time.sleep(1.1)  # S3 times have one-second resolution: step 1 is older than step 2
+    url, m = _one_step_kept_of(bucket)
 
     def crash(phase):
         if phase == "delete_marker_removed":
@@ -445,10 +451,7 @@ def test_a_retention_delete_failing_after_the_marker_is_a_delete_not_a_kept_step
     from ftrain.ckpt import commit as protocol
     from ftrain.ckpt.location import CheckpointStoreError
 
-    url = f"s3://{bucket}/ck"
-    m = CheckpointManager(url, async_save=False, keep_policy=LatestN(1))
-    m.save(make_state(1))
-    time.sleep(1.1)  # S3 times have one-second resolution: step 1 is older than step 2
+    url, m = _one_step_kept_of(bucket)
 
     def store_fails(phase):
         if phase == "delete_marker_removed":
