@@ -7,9 +7,11 @@ advisory, so this is best effort, but it must not under- or over-state:
 - step records are written every ``trainer.log_every`` steps only, so every record that
   names a step the run reached counts (evaluations, saves, stops), and so does
   ``heartbeat.json``, rewritten after every step by the latest process;
-- a resume to an explicit step N that went back abandons the history after N: the steps
-  recorded before it beyond N are another history's, not this one's to redo (and its own
-  committed steps are moved aside, which the report says separately);
+- a resume to an explicit step N that went back abandons the history after N once it
+  commits (the commit moves the old history's steps aside): from then on the steps
+  recorded before it beyond N are another history's, not this one's to redo. Until then
+  the old history is still the listed one: a go-back killed (or Ctrl-C'd) before its first
+  commit leaves a plain re-run resuming the old newest step, whose later steps it redoes;
 - nothing past ``trainer.max_steps`` will run, so nothing past it is redone.
 """
 
@@ -54,13 +56,17 @@ def reached_steps(run_dir: Path) -> list[int]:
     """Steps the records show as reached in the history being continued (see the module
     doc), with the heartbeat's step if the latest process wrote one after it branched."""
     steps: list[int] = []
-    branched = None  # time of the last resume that went back to an explicit step
-    for r in read_records(run_dir):
+    branched = None  # time of the last go-back to an explicit step that committed
+    going_back = None  # (from_step, time, steps recorded before it) of a go-back not yet
+    for r in read_records(run_dir):  # committed, in the process that is writing records
         kind, s = r.get("kind"), r.get("step")
-        if kind == "resume" and _explicit(r):
-            steps = [x for x in steps if x <= r["from_step"]]
-            branched = r.get("time")
-        elif kind in _REACHED and _is_step(s):
+        if kind in ("start", "resume"):  # a new process: an uncommitted go-back never took
+            going_back = (r["from_step"], r.get("time"), len(steps)) if _explicit(r) else None
+        elif kind == "committed" and going_back is not None:  # the old history moved aside
+            frm, branched, before = going_back
+            steps = [x for x in steps[:before] if x <= frm] + steps[before:]
+            going_back = None
+        if kind in _REACHED and _is_step(s):
             steps.append(s)
     beat = _heartbeat(run_dir / "heartbeat.json")
     if beat is not None and _after(beat.get("time"), branched):

@@ -556,7 +556,24 @@ def skipped_newer(cfg: DictConfig, manager: CheckpointManager, step: int) -> dic
     """
     if cfg.resume != "latest":
         return {}
-    return {s: _SKIPPED.get(s, "it did not verify") for s in manager.all_steps() if s > step}
+    out = {s: _SKIPPED.get(s, "it did not verify") for s in manager.all_steps() if s > step}
+    for s in _unlisted_commits(cfg, manager):  # "never committed" is what the report said
+        if s > step:
+            out.setdefault(s, "its COMMITTED marker is missing or damaged")
+    return out
+
+
+def _unlisted_commits(cfg: DictConfig, manager: CheckpointManager) -> set[int]:
+    """Steps the run's records say committed whose directory is there but does not count
+    (its marker deleted or damaged)."""
+    invalid = {
+        m.group(1) for p in manager.invalid_steps() if (m := _STEP_DIR.match(Path(str(p)).name))
+    }
+    committed = {r["step"] for r in read_records(Path(cfg.run.dir)) if r.get("kind") == "committed"}
+    return {s for s in committed if isinstance(s, int) and f"{s:08d}" in invalid}
+
+
+_STEP_DIR = re.compile(r"^step_([0-9]{8,})$")
 
 
 def ignored_step_dirs(cfg: DictConfig) -> list[str]:

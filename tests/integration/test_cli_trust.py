@@ -605,3 +605,16 @@ def test_eval_every_zero_trains_without_evaluation(cli, tmp_path):
     run = tmp_path / "run"
     out = cli(run, "trainer.eval_every=0", "trainer.max_steps=2", check=0)
     assert "Traceback" not in out.stderr and not records(run, "eval")
+
+
+def test_a_committed_step_whose_marker_was_deleted_is_reported_as_committed(cli, tmp_path):
+    """A deleted COMMITTED marker: the report said "steps 5..6 ran before but were not
+    committed", while the run's records show step 6 committed."""
+    run = tmp_path / "run"
+    args = ["trainer.max_steps=6", "checkpoint.every_steps=2", "trainer.eval_every=null"]
+    cli(run, *args, check=0)
+    (run / "checkpoints" / "step_00000006" / "COMMITTED").unlink()
+    out = cli(run, *args, check=0)
+    assert "resumed from step 4" in out.stdout, out.stdout
+    assert "step(s) 6 were committed but are unreadable" in out.stdout, out.stdout
+    assert "were not committed" not in out.stdout

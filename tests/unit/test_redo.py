@@ -35,14 +35,15 @@ def test_a_resume_that_went_back_leaves_the_old_history_out(tmp_path):
     recs = [{"kind": "step", "step": s, "time": float(s)} for s in range(1, 13)]
     recs += [{"kind": "resume", "step": 4, "from_step": 4, "reason": "resume=4", "time": 100.0}]
     recs += [{"kind": "step", "step": s, "time": 100.0 + s} for s in (5, 6, 7, 8)]
+    recs += [{"kind": "committed", "step": 8, "time": 109.5}]
     recs += [{"kind": "end", "step": 8, "time": 110.0}]
     _write(tmp_path, recs, {"step": 8, "time": 109.0})
-    assert reached_steps(tmp_path) == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8]
+    assert reached_steps(tmp_path) == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8]
     assert redo_range(tmp_path, 8, until=20) is None
-    # a heartbeat from before the branch (its run was killed during the restore) is the old
-    # history's too
+    # killed during the restore, before any commit: the old history is still the listed
+    # one, and a start going back to 4 again redoes its steps 5..12 (as the first said)
     _write(tmp_path, recs[:13], {"step": 12, "time": 50.0})
-    assert redo_range(tmp_path, 4, until=20) is None
+    assert redo_range(tmp_path, 4, until=20) == (5, 12)
 
 
 def test_a_resume_of_the_latest_step_keeps_the_steps_it_redoes(tmp_path):
@@ -61,8 +62,27 @@ def test_an_explicit_resume_of_the_newest_commit_keeps_the_steps_it_redoes(tmp_p
     recs += [went | {"went_back": False}]
     _write(tmp_path, recs, {"step": 6, "time": 21.0})  # killed again at step 6
     assert redo_range(tmp_path, 5) == (6, 8)
-    _write(tmp_path, [*recs[:-1], went | {"went_back": True}], {"step": 6, "time": 21.0})
-    assert redo_range(tmp_path, 5) == (6, 6)  # it went back: 7 and 8 are another history's
+    back = [*recs[:-1], went | {"went_back": True}, {"kind": "committed", "step": 6}]
+    _write(tmp_path, back, {"step": 7, "time": 22.0})
+    assert redo_range(tmp_path, 6) == (7, 7)  # it went back: old 7 and 8 are another history's
+
+
+def test_a_go_back_that_never_committed_leaves_the_old_history_to_redo(tmp_path):
+    """resume=20 killed (or Ctrl-C'd) before its first commit moved nothing aside: a plain
+    re-run resumes the old newest commit (35) and redoes 36..43, which the first run had
+    reached; the report said nothing and the record had redo None."""
+    old = [{"kind": "start", "step": 0, "time": 0.0}]
+    old += [{"kind": "step", "step": s, "time": float(s)} for s in range(1, 44)]
+    old += [{"kind": "committed", "step": s, "time": s + 0.5} for s in (5, 35)]
+    back = [{"kind": "resume", "step": 20, "from_step": 20, "reason": "resume=20",
+             "went_back": True, "time": 100.0}]  # fmt: skip
+    back += [{"kind": "step", "step": s, "time": 100.0 + s} for s in (21, 22)]
+    again = [{"kind": "resume", "step": 35, "from_step": 35, "reason": "resume=latest",
+              "time": 200.0}]  # fmt: skip
+    _write(tmp_path, old + back + again, {"step": 35, "time": 201.0})
+    assert redo_range(tmp_path, 35, until=60) == (36, 43)
+    _write(tmp_path, old + back[:1] + again, {"step": 43, "time": 50.0})  # Ctrl-C at once
+    assert redo_range(tmp_path, 35, until=60) == (36, 43)
 
 
 def test_damaged_heartbeats_are_ignored(tmp_path):
