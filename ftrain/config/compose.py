@@ -452,8 +452,9 @@ def check_trainer(t: DictConfig) -> None:
     """The ``trainer`` group's values a run can use (``ConfigError`` naming key and fix)."""
     check_precision(t)
     for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
-        if getattr(t, name) < (0 if name == "max_steps" else 1):
-            raise ConfigError(f"trainer.{name} must be positive, got {getattr(t, name)}")
+        least = 0 if name == "max_steps" else 1  # max_steps=0: build, restore, train nothing
+        if getattr(t, name) < least:
+            raise ConfigError(f"trainer.{name} must be >= {least}, got {getattr(t, name)}")
     if not 0 <= t.seed < 2**64:
         raise _bad(
             "trainer.seed",

@@ -55,6 +55,8 @@ from ftrain.config import ConfigError, load_config
         ("trainer.seed=18446744073709551616", ["trainer.seed=18446744073709551616", "2**64"]),
         ("trainer.seed=-1", ["trainer.seed=-1"]),
         ("trainer.eval_batches=0", ["trainer.eval_batches=0", ">= 1"]),
+        ("trainer.max_steps=-3", ["trainer.max_steps must be >= 0, got -3"]),  # 0 is allowed
+        ("trainer.log_every=0", ["trainer.log_every must be >= 1, got 0"]),
         ("trainer.eval_batches=-1", ["trainer.eval_batches=-1"]),
         ("trainer.eval_every=-3", ["trainer.eval_every=-3", "null"]),
         ("resume=true", ["resume must be 'latest', 'none' or a step number", "resume=True"]),
