@@ -101,7 +101,7 @@ class Session:
         finally:
             if self.progress is not None:
                 self.progress.close()
-            self.loggers.close()
+            self.loggers.close(timeout_s=_logger_close_s(self.cfg))
             self.writer.close()
 
     def start_progress(self, start_step: int, device=None) -> None:
@@ -488,3 +488,13 @@ def _save_bytes(marker_path) -> dict:
     return {
         k: marker[k] for k in keys if isinstance(marker, dict) and isinstance(marker.get(k), int)
     }
+
+
+LOGGER_CLOSE_S = 60.0  # a logger's close at the end of a run, without a hang watchdog
+
+
+def _logger_close_s(cfg: DictConfig) -> float:
+    """How long the end of a run waits for each logger to close: the hang watchdog's
+    timeout where one is set (the run's own measure of "stuck"), else a minute."""
+    hang = cfg.trainer.get("hang_timeout_s")
+    return float(hang) if hang else LOGGER_CLOSE_S

@@ -34,6 +34,7 @@ import netrc
 import os
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -497,13 +498,35 @@ class LoggerSet:
                 with contextlib.suppress(Exception):
                     logger.close()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Close every logger; with ``timeout_s``, each close runs on a daemon thread and
+        one that has not returned by then is left behind with a warning: a close stuck
+        flushing (``wandb.finish()`` on a dead network) kept a finished run's process
+        alive for good, after its last commit, with no exit status for a supervisor."""
         for name, logger in self.loggers.items():
-            try:
-                logger.close()
-            except Exception as err:
-                log.warning("ftrain: logger %s did not close cleanly (%r)", name, err)
+            if timeout_s is None:
+                _close_one(name, logger)
+                continue
+            closing = threading.Thread(
+                target=_close_one, args=(name, logger), name=f"ftrain-close-{name}", daemon=True
+            )
+            closing.start()
+            closing.join(timeout_s)
+            if closing.is_alive():
+                log.warning(
+                    "ftrain: logger %s did not close within %gs; left behind (its last "
+                    "records may be missing there; metrics.jsonl has them all)",
+                    name,
+                    timeout_s,
+                )
         self.loggers = {}
+
+
+def _close_one(name: str, logger: Logger) -> None:
+    try:
+        logger.close()
+    except Exception as err:
+        log.warning("ftrain: logger %s did not close cleanly (%r)", name, err)
 
 
 _NOT_METRICS = ("step", "time", "kind")

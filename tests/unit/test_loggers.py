@@ -350,3 +350,38 @@ def test_a_users_own_target_gets_the_run_and_numbers_only_and_a_failing_one_is_d
     assert mine.seen[0] == ("step", 1, {"loss": 1.5}), "step/time/bools are not metrics"
     assert len(mine.seen) == 3 and built.names == ["mine"] and flaky.closed
     assert caplog.text.count("logger flaky failed") == 1 and "training goes on" in caplog.text
+
+
+class _StuckClose:
+    def __init__(self, release):
+        self.release, self.closed = release, False
+
+    def log_metrics(self, kind, step, values):
+        pass
+
+    def close(self):
+        self.release.wait(30)  # wandb.finish() on a dead network
+        self.closed = True
+
+
+class _Closes(_StuckClose):
+    def close(self):
+        self.closed = True
+
+
+def test_a_logger_whose_close_hangs_is_left_behind_after_the_timeout(caplog):
+    """A close stuck flushing kept a finished run's process alive with no exit status,
+    after its last commit; the hang watchdog does not cover the end."""
+    import threading
+    import time
+
+    release = threading.Event()
+    stuck, fine = _StuckClose(release), _Closes(release)
+    loggers = LoggerSet({"stuck": stuck, "fine": fine})
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="ftrain.metrics.loggers"):
+        loggers.close(timeout_s=0.3)
+    assert time.monotonic() - t0 < 5 and fine.closed and not stuck.closed
+    assert "logger stuck did not close within 0.3s; left behind" in caplog.text
+    assert loggers.names == []
+    release.set()
