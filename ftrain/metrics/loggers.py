@@ -305,6 +305,7 @@ class CsvLogger:
 
     def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
         row = {"step": step, "time": round(time.time(), 3), "kind": kind, **values}
+        self._begin_again_if_gone(step)
         new = [k for k in row if k not in self.columns]
         if new or not self.columns:
             self._widen(self.columns + new)
@@ -312,6 +313,26 @@ class CsvLogger:
             {k: _cell(v) for k, v in row.items()}
         )
         self._file.flush()
+
+    def _begin_again_if_gone(self, step: int) -> None:
+        """The file deleted or replaced mid-run (a cleanup, a log rotation): every later
+        row went into the unlinked file, silently. A new one begins, said once, as
+        metrics.jsonl does."""
+        try:
+            same = os.path.samestat(os.fstat(self._file.fileno()), os.stat(self.path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return
+        log.warning(
+            "ftrain: %s was removed or replaced during the run; a new one begins at step %d "
+            "(metrics.jsonl holds every record)",
+            self.path,
+            step,
+        )
+        self._file.close()
+        self.columns = []  # the next write widens an empty header: a new file, header first
+        self._file = open(self.path, "a", newline="")  # noqa: SIM115
 
     def _widen(self, columns: list[str]) -> None:
         """Rewrite the file with ``columns`` as its header (old rows keep their values)."""

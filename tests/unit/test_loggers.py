@@ -83,6 +83,24 @@ def test_csv_parses_back_widens_for_val_loss_and_appends_on_resume(tmp_path):
     ]
 
 
+def test_a_csv_removed_mid_run_begins_again_said_once(tmp_path, caplog):
+    """rm metrics.csv during a run: every later row went into the unlinked file, with no
+    word (metrics.jsonl begins a new file and says so)."""
+    loggers = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r"))
+    _log(loggers, {1: 4.0, 2: 3.5})
+    (tmp_path / "metrics.csv").unlink()
+    with caplog.at_level(logging.WARNING, logger="ftrain.metrics.loggers"):
+        _log(loggers, {3: 3.0, 4: 2.5})
+    loggers.close()
+    assert _csv_rows(tmp_path / "metrics.csv") == [
+        ("3", "step", "3.0", None),
+        ("4", "step", "2.5", None),
+    ]
+    assert (
+        caplog.text.count("was removed or replaced during the run; a new one begins at step 3") == 1
+    )
+
+
 def _csv_rows(path: Path) -> list[tuple]:
     with open(path, newline="") as f:
         return [(r["step"], r["kind"], r["loss"], r.get("val_loss")) for r in csv.DictReader(f)]
