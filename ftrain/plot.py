@@ -85,8 +85,12 @@ def segments(records: list[dict]) -> list[list[dict]]:
     return [s for s in out if s]
 
 
+_DRAWABLE = 1e300  # values (and steps) past this have no axis matplotlib can compute
+
+
 def _has_step(r: dict) -> bool:
-    return isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)
+    s = r.get("step")  # a step past float range (a hand-edited 10**400) cannot be drawn
+    return isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _DRAWABLE
 
 
 def commit_steps(records: list[dict]) -> list[int]:
@@ -101,7 +105,7 @@ def _number(value) -> float | None:
     """A metric's value: a number, or the text metrics.jsonl writes for NaN and inf (a
     diverged step must show as a gap, not vanish under a line drawn over it)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return value
+        return value if abs(value) <= _DRAWABLE else math.nan  # a gap: no axis spans 1e308
     return _NONFINITE.get(value) if isinstance(value, str) else None
 
 

@@ -222,7 +222,7 @@ class Watchdog:
             f"at step {step}, phase {phase!r}, pid {os.getpid()}"
         )
         self.dump_path = dump_stacks(self.run_dir / f"hang-{stamp}-pid{os.getpid()}.txt", header)
-        _say(f"ftrain: {header}; stacks in {self.dump_path}")
+        _say(f"{header}; stacks in {self.dump_path}")  # the header says "ftrain" once
         saved, error = self._final_save(state, metrics, can_save, pinned)
         info = {
             "step": step,
@@ -282,7 +282,10 @@ def _exit_message(step, phase: str, saved: bool, error: str | None, tried: bool)
     elif not tried:
         done = f"no final save (the state is not consistent during {phase!r})"
     else:
-        done = f"no new save of step {step} (already committed, or another rank writes it)"
+        done = (
+            f"no new save of step {step} (nothing trained since the run began or restored "
+            "it, it is already committed, or another rank writes it)"
+        )
     return f"ftrain: {done}; exiting with code {EXIT_HUNG} (hung) so a supervisor restarts the run"
 
 

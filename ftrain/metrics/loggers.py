@@ -111,6 +111,14 @@ class TensorBoardLogger:
     def __init__(self, *, run: RunInfo, log_dir: str | None = None, flush_secs: float = 30) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        if (
+            isinstance(flush_secs, bool)
+            or not isinstance(flush_secs, int | float)
+            or not (0 < flush_secs < math.inf)
+        ):  # "abc" failed in tensorboard's own thread, with a traceback; -1 was accepted
+            raise LoggerError(
+                f"logger.tensorboard.flush_secs={flush_secs!r} is invalid: seconds > 0, e.g. 30"
+            )
         self.log_dir = Path(log_dir) if log_dir else run.run_dir / "tensorboard"
         self.writer = SummaryWriter(
             str(self.log_dir), purge_step=run.start_step + 1, flush_secs=flush_secs
@@ -172,7 +180,7 @@ class WandbLogger:
             name=name or run.name,
             entity=entity,
             group=group,
-            tags=list(tags) or None,
+            tags=([tags] if isinstance(tags, str) else list(tags)) or None,  # "foo": f, o, o
             dir=str(root),
             id=_run_id(root / "wandb" / _RUN_ID_FILE, fresh=not run.resumed),
             resume="allow",

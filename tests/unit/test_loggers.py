@@ -403,3 +403,29 @@ def test_a_logger_whose_close_hangs_is_left_behind_after_the_timeout(caplog):
     assert "logger stuck did not close within 0.3s; left behind" in caplog.text
     assert loggers.names == []
     release.set()
+
+
+@pytest.mark.parametrize("flush", ["abc", -1, 0, True])
+def test_a_bad_tensorboard_flush_interval_is_one_clear_error(tmp_path, flush):
+    """flush_secs=abc failed inside tensorboard's own thread (a traceback after ftrain's
+    message); -1 was accepted."""
+    pytest.importorskip("tensorboard")
+    with pytest.raises(LoggerError, match=f"flush_secs={flush!r} is invalid"):
+        build_loggers({"tensorboard": {**TB, "flush_secs": flush}}, RunInfo(tmp_path, "r"))
+
+
+def test_a_single_wandb_tag_is_one_tag_not_its_letters(tmp_path, monkeypatch):
+    """logger.wandb.tags=foo ran with the tags f, o, o."""
+    wandb = pytest.importorskip("wandb")
+    seen = {}
+
+    class _Run:
+        def define_metric(self, *a, **k):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or _Run())
+    build_loggers({"wandb": {**WANDB, "tags": "foo"}}, RunInfo(tmp_path, "r")).close()
+    assert seen["tags"] == ["foo"]

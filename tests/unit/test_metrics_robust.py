@@ -122,6 +122,14 @@ def test_plot_survives_damage_and_marks_commits_only(tmp_path):
     recs = list(read_records(tmp_path))
     assert commit_steps(recs) == [2]
     assert plot_run(tmp_path).stat().st_size > 1000
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # values no axis spans (hand-edited,
+        for rec in (  # float64): an OverflowError traceback, "arange: cannot compute length"
+            {"kind": "step", "step": 10**400, "loss": 1.0},
+            {"kind": "step", "step": 5, "loss": 1e308, "lr": 1e308},
+            {"kind": "step", "step": 6, "loss": -1e308, "lr": -1e308},
+        ):
+            f.write(json.dumps(rec) + "\n")
+    assert plot_run(tmp_path).stat().st_size > 1000
 
 
 # -- truthful save records through the Session ------------------------------------------
