@@ -344,17 +344,25 @@ def _compile(t: DictConfig, p: _Parts, world: World, device) -> bool:
 
 def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
     """The ``logger=`` group's loggers, on the coordinator only (built from this start's
-    composed config, never from checkpoint metadata)."""
-    if not world.is_coordinator:
-        return LoggerSet()
-    info = RunInfo(
-        run_dir=Path(cfg.run.dir),
-        name=str(cfg.run.name),
-        start_step=int(report.step) if report.resumed else 0,
-        resumed=report.resumed,
-        config=to_plain(cfg),
-    )
-    return build_loggers(cfg.logger, info)
+    composed config, never from checkpoint metadata). Every rank learns whether they
+    started: one the coordinator could not build (a directory that cannot be made) left
+    the other ranks in the loop, to fail there with a collective's traceback."""
+    failed, loggers = None, LoggerSet()
+    if world.is_coordinator:
+        info = RunInfo(
+            run_dir=Path(cfg.run.dir),
+            name=str(cfg.run.name),
+            start_step=int(report.step) if report.resumed else 0,
+            resumed=report.resumed,
+            config=to_plain(cfg),
+        )
+        try:
+            loggers = build_loggers(cfg.logger, info)
+        except LoggerError as err:
+            failed = err
+    if agree_any(failed is not None):
+        raise failed or LoggerError("the loggers could not start on rank 0 (its message says why)")
+    return loggers
 
 
 def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> int:

@@ -155,6 +155,20 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_at_start(cache_dir, tm
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
 
 
+def test_a_logger_rank_0_cannot_build_stops_every_rank_at_start(cache_dir, tmp_path):
+    """Rank 0 said "cannot start" (exit 2); rank 1 had restored and entered the loop, and
+    died there in a collective with a 30-frame traceback and an emergency save."""
+    pytest.importorskip("tensorboard")
+    (tmp_path / "blocker").write_text("x")
+    bad_log = f"logger.tensorboard.log_dir={tmp_path / 'blocker' / 'tb'}"
+    run = tmp_path / "run"
+    proc = _torchrun(run, cache_dir, "trainer.max_steps=2", "logger=[jsonl,tensorboard]", bad_log)
+    rc, out = _finish(proc)
+    assert rc != 0 and "logger.tensorboard could not start" in out, out
+    assert "the loggers could not start on rank 0" in out, out  # rank 1's own line
+    assert "emergency_save" not in out and "all_reduce" not in out, out
+
+
 def test_ranks_started_with_different_configs_are_refused_before_anything_is_written(
     cache_dir, tmp_path
 ):
