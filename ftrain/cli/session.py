@@ -97,12 +97,27 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self.manager.close()
+            self._close_manager(propagating=exc[0] is not None)
         finally:
             if self.progress is not None:
                 self.progress.close()
             self.loggers.close(timeout_s=_logger_close_s(self.cfg))
             self.writer.close()
+
+    def _close_manager(self, *, propagating: bool) -> None:
+        """Close the manager (waits for the save in flight). While another error is already
+        ending the run (a peer died mid-collective), a failure of that save is one line
+        beside it: raised, it replaced the error that explains the end, in a chain of three
+        tracebacks."""
+        try:
+            self.manager.close()
+        except CheckpointSaveError as err:
+            if not propagating:
+                raise
+            said = bool(self._pending)  # a pending step's failure is said (and recorded)
+            self._failed(err)
+            if not said:
+                print(f"ftrain: also: {err}", file=sys.stderr)
 
     def start_progress(self, start_step: int, device=None) -> None:
         self.device = device  # whose peak memory the step records show

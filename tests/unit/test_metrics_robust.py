@@ -267,3 +267,20 @@ def test_a_record_whose_fields_have_other_types_is_skipped_as_malformed(tmp_path
         recs = list(read_records(tmp_path))
     assert recs == [good, {"kind": "hang", "time": 2.0}]  # a kind without a step is fine
     assert "skipped 1 unreadable or malformed line (first: line 2)" in caplog.text
+
+
+def test_a_save_failing_while_another_error_ends_the_run_does_not_replace_it(tmp_path):
+    """A peer died mid-collective while step 100's sharded save was in flight: the session's
+    close raised the save's failure in place of the error that ended the run (a chain of
+    three tracebacks). It is now recorded and said beside it; with no other error, the
+    failure is still raised."""
+    mgr = _FakeManager(tmp_path / "checkpoints")
+    with pytest.raises(RuntimeError, match="peer closed"), _session(tmp_path, mgr) as session:
+        assert session.save(_state(100), {}, force=True, reason="policy")
+        mgr.error = RuntimeError("sharded save failed: peer gone")
+        raise RuntimeError("Connection closed by peer closed")
+    assert _kinds(tmp_path)[-1] == ("save_failed", 100)
+    mgr = _FakeManager(tmp_path / "other")
+    with pytest.raises(CheckpointSaveError), _session(tmp_path, mgr) as session:
+        session.save(_state(2), {}, force=True, reason="policy")
+        mgr.error = OSError(28, "No space left on device")
