@@ -888,7 +888,7 @@ class CheckpointManager:
                 + self._why_not_listed(step)
             )
         problems = []
-        for s, path in cands:
+        for i, (s, path) in enumerate(cands):
             try:
                 marker, manifest = protocol.read_committed(path)
                 specs_of(manifest)  # every field validated before anything acts on it
@@ -900,7 +900,7 @@ class CheckpointManager:
                 rng_states = hostrng.for_rank(attrs, self.rank) if host_rng else None
             except CorruptCheckpointError as e:
                 problems.append(f"{path}: {e}")
-                msg = f"[step={s}] checkpoint {path} is corrupt ({e}); trying an older one"
+                msg = f"[step={s}] checkpoint {path} is corrupt ({e}){_next_try(cands[i + 1 :], s)}"
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
                 continue
@@ -1035,6 +1035,14 @@ def _as_step(step, call: str = "restore") -> int | None:
     except TypeError:
         newest = " (or None: the newest)" if call == "restore" else ""
         raise TypeError(f"{call}(step={step!r}): a step is an int{newest}") from None
+
+
+def _next_try(rest: list, step: int) -> str:
+    """What a restore does after a corrupt copy: an explicit step has no older one to try
+    (it said "trying an older one" and then stopped)."""
+    if not rest:
+        return "; no other copy to try"
+    return "; trying its other copy" if rest[0][0] == step else "; trying an older one"
 
 
 def _only_paths(only) -> tuple[str, ...] | None:

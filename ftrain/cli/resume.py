@@ -534,6 +534,7 @@ def _restore(
 # why each committed step was passed over by the last restore (from the manager's warnings)
 _SKIPPED: dict[int, str] = {}
 _STEP_WARNING = re.compile(r"^\[step=(\d+)\] (.*)$", re.S)
+_TRIES = re.compile(r"; (trying an older one|trying its other copy|no other copy to try)$")
 
 
 def _note_skipped(caught: list) -> None:
@@ -543,7 +544,7 @@ def _note_skipped(caught: list) -> None:
     for w in caught:
         m = _STEP_WARNING.match(str(w.message))
         if m and issubclass(w.category, RuntimeWarning):
-            _SKIPPED[int(m.group(1))] = m.group(2).replace("; trying an older one", "")
+            _SKIPPED[int(m.group(1))] = _TRIES.sub("", m.group(2))
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 

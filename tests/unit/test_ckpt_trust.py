@@ -599,3 +599,17 @@ def test_restore_and_metadata_arguments_of_the_wrong_kind_are_named(tmp_path):
         mgr.metadata(None)
     with pytest.raises(TypeError, match=r"metadata\(step='1'\): a step is an int$"):
         mgr.metadata("1")
+
+
+def test_a_corrupt_copy_says_what_the_restore_tries_next(tmp_path):
+    """restore(2) of a corrupt step 2 said "trying an older one" and then tried none."""
+    saved(tmp_path, 1, 2)
+    flip_first_chunk(tmp_path / "step_00000002")
+    with (
+        pytest.warns(RuntimeWarning, match=r"is corrupt .*; no other copy to try$"),
+        pytest.raises(CheckpointNotFoundError, match="no checkpoint verifies"),
+    ):
+        CheckpointManager(tmp_path, async_save=False).restore(2)
+    with pytest.warns(RuntimeWarning, match=r"is corrupt .*; trying an older one$"):
+        got = CheckpointManager(tmp_path, async_save=False).restore()
+    assert int(got["step"]) == 1
