@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +146,8 @@ def train_from_config(cfg: DictConfig) -> int:
     """Run (or resume) the training job described by ``cfg``."""
     try:
         device = local_device(pick_device(cfg.trainer.device))
-        world = init_world(cfg.dist.backend, cfg.dist.timeout_s, device)
+        with _stop_signals_end_the_wait():
+            world = init_world(cfg.dist.backend, cfg.dist.timeout_s, device)
     except ConfigError as err:
         print(f"ftrain: {err}", file=sys.stderr)
         return EXIT_CONFIG
@@ -169,6 +171,25 @@ def train_from_config(cfg: DictConfig) -> int:
         if lock is not None:
             lock.release()  # after the last commit: the next start finds the directory free
         shutdown()
+
+
+@contextlib.contextmanager
+def _stop_signals_end_the_wait():
+    """While joining the other ranks (nothing read or written yet), SIGTERM and SIGUSR1 end
+    the process at once: held for the first step boundary, they kept a rank whose peer had
+    already failed its config waiting in the rendezvous until torchrun's SIGKILL 30 s
+    later, on every restart attempt."""
+    main = threading.current_thread() is threading.main_thread()
+    held = {s: signal.signal(s, signal.SIG_DFL) for s in _WAIT_SIGNALS} if main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in held.items():
+            if handler is not None:  # None: set outside Python; SIG_DFL stays
+                signal.signal(sig, handler)
+
+
+_WAIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def _next_batch_starts(cfg, report, state, num_samples: int, world_size: int) -> None:

@@ -169,6 +169,21 @@ def test_a_logger_rank_0_cannot_build_stops_every_rank_at_start(cache_dir, tmp_p
     assert "emergency_save" not in out and "all_reduce" not in out, out
 
 
+def test_a_rank_waiting_for_a_peer_that_failed_its_config_ends_at_torchruns_sigterm(
+    cache_dir, tmp_path
+):
+    """Rank 0 refused its config (exit 2) before joining; rank 1, waiting in the rendezvous,
+    held torchrun's SIGTERM for a step boundary that never came and was SIGKILLed 30 s
+    later (on every restart attempt)."""
+    t0 = time.monotonic()
+    proc = _torchrun(tmp_path / "run", cache_dir, "trainer.max_steps=2",
+                     "trainer.grad_accum=${oc.env:RANK}")  # fmt: skip
+    rc, out = _finish(proc)
+    assert rc != 0 and "trainer.grad_accum must be >= 1, got 0" in out, out
+    assert "Unable to shutdown process" not in out, out  # SIGKILLed after 30 s before
+    assert time.monotonic() - t0 < 28, out
+
+
 def test_ranks_started_with_different_configs_are_refused_before_anything_is_written(
     cache_dir, tmp_path
 ):
