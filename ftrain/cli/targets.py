@@ -108,11 +108,18 @@ def check_recorded_targets(recorded: dict) -> dict:
                 raise ConfigError(
                     f"the run's recorded config names code ({group}.{key}={node[key]!r}, "
                     f"{group}.name={name!r}), not one of ftrain's built-in options; a "
-                    "checkpoint's metadata never decides what is imported: rebuild the model "
-                    "in Python (ftrain.make_eval_step, ftrain.evaluate)"
+                    "checkpoint's metadata never decides what is imported: "
+                    + _REBUILD.get(group, _REBUILD["model"])
                 )
     _refuse_nested_targets(out, "")
     return out
+
+
+# what to do instead, by the group whose recorded target is not a built-in's
+_REBUILD = {
+    "model": "rebuild the model in Python (ftrain.make_eval_step, ftrain.evaluate)",
+    "data": "build your data source in Python and evaluate with it (ftrain.evaluate)",
+}
 
 
 def _builtin_name(table: dict, node: dict) -> str | None:

@@ -303,6 +303,9 @@ def test_tools_rebuilding_from_a_checkpoint_accept_only_builtin_targets():
     ):
         with pytest.raises(ConfigError, match="names code"):
             check_recorded_targets(forged)
+    mine = {"data": {"name": "mine", "_target_": "mypkg.Source"}}  # the fix is the data's
+    with pytest.raises(ConfigError, match="build your data source in Python"):
+        check_recorded_targets(mine)
 
 
 def test_a_recorded_builtin_target_under_a_name_of_its_own_is_accepted():
