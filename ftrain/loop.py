@@ -278,7 +278,7 @@ class _Run:
                 wd.phase("data", state, self.current, safe=True)
                 batch = next(it, _END)
                 if batch is _END:  # a finite iterable: the data's end, saved as an end
-                    return self._exhausted(state)
+                    return self._exhausted(state, trained=int(state["step"]) > start)
                 in_step = True
                 wd.phase("step", state, self.current, safe=not self.donate)
                 new, metrics = returned = self.step(state, batch)
@@ -304,13 +304,15 @@ class _Run:
             raise
         return LoopResult(state, "finished", "done", self.last, dict(self.current))
 
-    def _exhausted(self, state) -> LoopResult:
-        """``batches`` ran out before ``max_steps``: the state saved (``force``) and the
+    def _exhausted(self, state, *, trained: bool) -> LoopResult:
+        """``batches`` ran out before ``max_steps``: the state saved (``force``; not when
+        nothing was trained: the start's state is fresh or committed already) and the
         loop's end said so (a bare StopIteration escaped, after an "emergency" save)."""
         n = int(state["step"])
         reason = f"the batches ran out after step {n} (max_steps={self.max_steps})"
-        self.watchdog.phase("save", state, self.current, safe=True)
-        self.save(state, self.current, force=True, reason="exhausted")
+        if trained:
+            self.watchdog.phase("save", state, self.current, safe=True)
+            self.save(state, self.current, force=True, reason="exhausted")
         return LoopResult(state, "exhausted", reason, self.last, dict(self.current))
 
     def _continue_from(self, state, new, metrics):

@@ -159,7 +159,7 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
     except DataFormatError:  # an empty val split: say why when the run held none out
         _check_held_out(recorded, overrides, f"step {got} of {name_of(where)}")
         raise
-    if not _picks_other_data(overrides) and not cfg.data.allow_changed:
+    if not _picks_other_data(overrides) and not _allowed_changed(overrides):
         _check_same_val(val, attrs, cfg, f"step {got} of {name_of(where)}")
     check_vocab(cfg.model, val)
     state = TensorDict(
@@ -203,6 +203,13 @@ def _picks_other_data(overrides) -> bool:
     block_size, dtype, a source's own keys): then the run's fingerprint does not apply."""
     keys = [o.lstrip("+").split("=", 1)[0] for o in overrides]
     return any(k.startswith("data.") and k not in _SAME_DATA_KEYS for k in keys)
+
+
+def _allowed_changed(overrides) -> bool:
+    """``data.allow_changed=true`` given to this evaluation: the run's own recorded value
+    (set once at a resume after fixing its data) would skip the check for good."""
+    given = OmegaConf.from_dotlist([o.lstrip("+") for o in overrides])
+    return bool(OmegaConf.select(given, "data.allow_changed", default=False))
 
 
 def _check_held_out(recorded: dict, overrides, what: str) -> None:

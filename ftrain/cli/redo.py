@@ -8,10 +8,11 @@ advisory, so this is best effort, but it must not under- or over-state:
   names a step the run reached counts (evaluations, saves, stops), and so does
   ``heartbeat.json``, rewritten after every step by the latest process;
 - a resume to an explicit step N that went back abandons the history after N once it
-  commits (the commit moves the old history's steps aside): from then on the steps
-  recorded before it beyond N are another history's, not this one's to redo. Until then
-  the old history is still the listed one: a go-back killed (or Ctrl-C'd) before its first
-  commit leaves a plain re-run resuming the old newest step, whose later steps it redoes;
+  starts its first save (the write moves the old history's steps aside): from then on the
+  steps recorded before it beyond N are another history's, not this one's to redo. Until
+  then the old history is still the listed one: a go-back killed (or Ctrl-C'd) before its
+  first save leaves a plain re-run resuming the old newest step, whose later steps it
+  redoes;
 - nothing past ``trainer.max_steps`` will run, so nothing past it is redone.
 """
 
@@ -40,6 +41,11 @@ _REACHED = frozenset(
 )
 
 
+# records of a save whose write has begun: the manager sets the history a go-back leaves
+# aside as the write starts (CheckpointManager._set_aside_old_history)
+_SETS_ASIDE = frozenset({"save_started", "committed"})
+
+
 def redo_range(
     run_dir: Path, step: int, also: list[int] = (), until: int | None = None
 ) -> tuple[int, int] | None:
@@ -57,12 +63,12 @@ def reached_steps(run_dir: Path) -> list[int]:
     doc), with the heartbeat's step if the latest process wrote one after it branched."""
     steps: list[int] = []
     branched = None  # time of the last go-back to an explicit step that committed
-    going_back = None  # (from_step, time, steps recorded before it) of a go-back not yet
-    for r in read_records(run_dir):  # committed, in the process that is writing records
+    going_back = None  # (from_step, time, steps recorded before it) of a go-back that has
+    for r in read_records(run_dir):  # not saved yet, in the process writing the records
         kind, s = r.get("kind"), r.get("step")
         if kind in ("start", "resume"):  # a new process: an uncommitted go-back never took
             going_back = (r["from_step"], r.get("time"), len(steps)) if _explicit(r) else None
-        elif kind == "committed" and going_back is not None:  # the old history moved aside
+        elif kind in _SETS_ASIDE and going_back is not None:  # the old history moved aside
             frm, branched, before = going_back
             steps = [x for x in steps[:before] if x <= frm] + steps[before:]
             going_back = None

@@ -379,8 +379,12 @@ def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
         )
         try:
             loggers = build_loggers(cfg.logger, info)
-        except LoggerError as err:
-            failed = err
+        except Exception as err:  # any kind: the other ranks must not wait in agree_any
+            failed = (
+                err
+                if isinstance(err, LoggerError)
+                else LoggerError(f"the loggers could not start: {err!r}")
+            )
     if agree_any(failed is not None):
         raise failed or LoggerError("the loggers could not start on rank 0 (its message says why)")
     return loggers

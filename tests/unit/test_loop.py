@@ -66,6 +66,9 @@ def test_a_finite_list_of_batches_ends_the_loop_saved_and_says_so():
     assert result.reason == "the batches ran out after step 3 (max_steps=10)"
     assert saves.calls[-1] == (3, True, "exhausted") and (3, True, "emergency") not in saves.calls
     assert train_loop(state, step, batches, max_steps=2, eval_every=0).status == "finished"
+    empty = Saves()  # nothing to train on: nothing saved (the start is fresh or committed)
+    assert train_loop(state, step, [], max_steps=5, save=empty).status == "exhausted"
+    assert empty.calls == []
     assert list(map(lambda n: train_loop(state, step, batches, max_steps=n).status, [5])) == [
         "exhausted"
     ]

@@ -83,6 +83,13 @@ def test_a_go_back_that_never_committed_leaves_the_old_history_to_redo(tmp_path)
     assert redo_range(tmp_path, 35, until=60) == (36, 43)
     _write(tmp_path, old + back[:1] + again, {"step": 43, "time": 50.0})  # Ctrl-C at once
     assert redo_range(tmp_path, 35, until=60) == (36, 43)
+    # its first save began (and failed: a full disk): the write had set the old history
+    # aside, so the re-run resumes 20 and redoes only what the go-back itself reached
+    saved = [{"kind": "step", "step": s, "time": 100.0 + s} for s in (23, 24, 25)]
+    saved += [{"kind": k, "step": 25, "time": 126.0} for k in ("save_started", "save_failed")]
+    again20 = [{**again[0], "step": 20, "from_step": 20}]
+    _write(tmp_path, old + back + saved + again20, {"step": 20, "time": 201.0})
+    assert redo_range(tmp_path, 20, until=60) == (21, 25)
 
 
 def test_damaged_heartbeats_are_ignored(tmp_path):
