@@ -63,7 +63,8 @@ SaveFn = Callable[..., bool]
 class LoopResult:
     """How the loop ended: ``finished`` (max_steps reached, ``reason="done"``), ``stopped``
     (a stop request; ``reason`` names it, e.g. ``"SIGTERM"``) or ``exhausted`` (a finite
-    ``batches`` ran out first; ``reason`` says at which step; the state was saved)."""
+    ``batches`` ran out first; ``reason`` says at which step; the state was saved if the
+    loop trained a step)."""
 
     state: TensorDictBase
     status: str
