@@ -35,13 +35,17 @@ The record. ``LOCATION/.owner.json``::
 
 The run removes its record when it ends (also on an error; not on SIGKILL nor on a forced
 exit: the hang watchdog's, a second Ctrl-C), only if the record is still its own (its
-``token``). The record is never inside a step: listings,
-restores and retention ignore it.
+``token``). On a local directory every change of the record (a claim, a take-over, a
+release's read-then-remove) holds an exclusive ``flock`` on the location's directory, so
+a run ending as another takes over cannot remove the new owner's record between reading
+it and removing it; an object store has no such lock (there the window is one round trip).
+The record is never inside a step: listings, restores and retention ignore it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -82,8 +86,9 @@ class Claim:
         if not self.held:
             return
         try:
-            if (_read(self.location) or {}).get("token") == self.record["token"]:
-                _delete(self.location)
+            with _changing(self.location, create=False):
+                if (_read(self.location) or {}).get("token") == self.record["token"]:
+                    _delete(self.location)
         except (OSError, ValueError) as e:
             log.warning("could not remove %s/%s: %s", self.location, OWNER, e)
 
@@ -121,23 +126,54 @@ def claim(location, run_dir: str | os.PathLike, *, take_over: bool = False) -> C
         "token": secrets.token_hex(8),
     }
     try:
-        # an object store is read first: one without conditional puts would let a create
-        # overwrite another run's record (the put falls back to a plain one)
-        first = isinstance(location, Path) or _held(location) is None
-        if first and _write(location, mine, create=True):
-            return Claim(location, mine)
-        held = _held(location)
-        other = held is not None and held.get("run_dir") != mine["run_dir"]
-        if other and _moved_here(location, held, mine):
-            log.warning("%s: its run directory moved here from %r", location, held["run_dir"])
-        elif other and not take_over:
-            raise CheckpointOwnerError(_refusal(location, held))
-        elif other:
-            log.warning("checkpoint.take_over=true: %s was %s", location, _describe(held))
-        _write(location, mine, create=False)
-        return Claim(location, mine, taken_from=held)
+        with _changing(location, create=True):
+            return _claim_held(location, mine, take_over)
     except OSError as e:  # a full or read-only location (what fallback_dir is there for)
         return _unwritten(location, mine, take_over, e)
+
+
+def _claim_held(location, mine: dict, take_over: bool) -> Claim:
+    """:func:`claim`'s decision, taken while the location's record cannot change."""
+    # an object store is read first: one without conditional puts would let a create
+    # overwrite another run's record (the put falls back to a plain one)
+    first = isinstance(location, Path) or _held(location) is None
+    if first and _write(location, mine, create=True):
+        return Claim(location, mine)
+    held = _held(location)
+    other = held is not None and held.get("run_dir") != mine["run_dir"]
+    if other and _moved_here(location, held, mine):
+        log.warning("%s: its run directory moved here from %r", location, held["run_dir"])
+    elif other and not take_over:
+        raise CheckpointOwnerError(_refusal(location, held))
+    elif other:
+        log.warning("checkpoint.take_over=true: %s was %s", location, _describe(held))
+    _write(location, mine, create=False)
+    return Claim(location, mine, taken_from=held)
+
+
+@contextlib.contextmanager
+def _changing(location, *, create: bool):
+    """Hold the location's directory ``flock`` while its record is read and changed (local
+    directories only; see the module docstring). ``create``: make the directory first; a
+    release of a directory that is gone has nothing to lock."""
+    if not isinstance(location, Path):
+        yield
+        return
+    if create:
+        location.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(location, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        # a file system without directory flocks (NFS emulates flock with write locks, which
+        # a read-only descriptor cannot take) goes on unlocked, as before the lock
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the flock
 
 
 def _moved_here(location, held: dict, mine: dict) -> bool:

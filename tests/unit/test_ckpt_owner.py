@@ -175,3 +175,33 @@ def test_a_moved_run_directory_takes_its_claim_along_but_a_copy_does_not(tmp_pat
     assert json.loads((b / "checkpoints" / OWNER).read_text())["run_dir"] == str(b.resolve())
     with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
         claim(b / "checkpoints", tmp_path / "elsewhere")  # not inside that run.dir
+
+
+def test_a_release_racing_a_take_over_leaves_the_new_owners_record(tmp_path, monkeypatch):
+    """Run a ends (reads its token) while run b takes over: a's remove must not land on b's
+    record, or a third run could then claim b's live location."""
+    from ftrain.ckpt import owner
+
+    ckpt = tmp_path / "shared"
+    a = claim(ckpt, tmp_path / "run-a")
+    real_read, got = owner._read, {}
+
+    def take_over_between_read_and_delete(location):
+        held = real_read(location)
+        if "b" not in got:  # only a's release: start b's take-over now and give it time
+            got["b"] = None
+            b = threading.Thread(
+                target=lambda: got.update(b=claim(ckpt, tmp_path / "run-b", take_over=True))
+            )
+            b.start()
+            b.join(0.5)  # blocked on the location's lock: it waits for a's release
+            got["thread"] = b
+        return held
+
+    monkeypatch.setattr(owner, "_read", take_over_between_read_and_delete)
+    a.release()
+    got["thread"].join(30)
+    monkeypatch.setattr(owner, "_read", real_read)
+    assert json.loads((ckpt / OWNER).read_text())["token"] == got["b"].record["token"]
+    with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
+        claim(ckpt, tmp_path / "run-c")
