@@ -12,6 +12,14 @@ step stays complete and self-contained (restore, ``verify``, retention and delet
 older step treat it like any other). Any reason a chunk cannot be reused (another file
 system, a vanished previous step, a refused copy) makes the writer write it normally.
 
+The previous step must still be the one this manager committed: another manager (or
+process) on the same location may have replaced it since (a redo of that step sets the
+old one aside and commits its own under the same name), and a chunk of the same size but
+other bytes would be linked under the old crc32c — a step committed already corrupt.
+So before writing, the writer reads the source step's sealed manifest once
+(:func:`confirm_sources`) and links or copies only leaves whose entry there is still the
+one recorded; the others are written from the caller's tensors, with a warning.
+
 Identity (captured synchronously in ``save``, from the caller's tensors): a weak reference
 to the tensor object plus its version counter (``t._version``, bumped by every in-place
 op PyTorch tracks), ``data_ptr``, shape, stride, storage offset, dtype and device. The
@@ -53,7 +61,9 @@ every save.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
+import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -63,7 +73,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ftrain.ckpt.chunkio import tensor_bytes
-from ftrain.ckpt.format import ArraySpec, plan_array
+from ftrain.ckpt.format import ArraySpec, CheckpointFormatError, CorruptCheckpointError, plan_array
 
 __all__ = [
     "AUDIT_FRACTION",
@@ -78,6 +88,7 @@ __all__ = [
     "NO_REUSE",
     "SavePlan",
     "check_unchanged",
+    "confirm_sources",
     "host_snapshot",
     "identify",
     "plan_reuse",
@@ -85,6 +96,8 @@ __all__ = [
     "remember",
     "sample_fingerprint",
 ]
+
+log = logging.getLogger("ftrain.ckpt")
 
 WINDOW = 4096  # bytes per fingerprint window
 WINDOWS = 8  # windows per leaf: leaves up to 32 KiB are fingerprinted whole
@@ -320,6 +333,51 @@ def plan_save(
     identities = identify(leaves)
     reuse = plan_reuse(last, leaves, identities, chunk_bytes, compression)
     return SavePlan(identities, reuse, check_unchanged(reuse, last))
+
+
+def confirm_sources(plan: SavePlan, read_committed) -> SavePlan:
+    """``plan`` with only the reuses whose source step still holds the recorded entry.
+
+    Args:
+        plan: what ``save`` decided.
+        read_committed: ``step -> (marker, manifest)``, cross-checked
+            (:func:`ftrain.ckpt.commit.read_committed`).
+
+    A reuse whose source step was replaced, removed or damaged since it was recorded
+    keeps its place in the plan with no source (its bytes come from the caller's tensor,
+    as for a chunk that cannot be linked), so what :func:`remember` records is unchanged.
+    """
+    if not plan.reuse:
+        return plan
+    confirmed: dict[str, Reuse] = {}
+    for source in {r.source for r in plan.reuse.values()}:
+        arrays = _arrays_of(source, read_committed)
+        for key, r in plan.reuse.items():
+            entry = arrays.get(key) if r.source == source else None
+            if entry is not None and ArraySpec.from_json(key, entry) == r.spec:
+                confirmed[key] = r
+    if len(confirmed) < len(plan.reuse):
+        where = sorted({str(r.source) for r in plan.reuse.values()})
+        log.warning(
+            "%s no longer holds what this CheckpointManager committed there (another "
+            "writer replaced, removed or damaged it): %d unchanged leaves are written "
+            "again instead of linked; keep other writers off this location",
+            ", ".join(where),
+            len(plan.reuse) - len(confirmed),
+        )
+    reuse = {
+        k: confirmed.get(k) or dataclasses.replace(r, source=None) for k, r in plan.reuse.items()
+    }
+    return dataclasses.replace(plan, reuse=reuse)
+
+
+def _arrays_of(source, read_committed) -> dict:
+    """The manifest's arrays of a committed step; ``{}`` if it cannot be read as one."""
+    try:
+        arrays = read_committed(source)[1].get("arrays")
+    except (OSError, CorruptCheckpointError, CheckpointFormatError):
+        return {}
+    return arrays if isinstance(arrays, dict) else {}
 
 
 def host_snapshot(

@@ -559,6 +559,7 @@ class CheckpointManager:
     ) -> None:
         with self._unsaved_on_failure(step, "save"):
             self._set_aside_old_history(step)
+            plan = incr.confirm_sources(plan, protocol.read_committed)  # still ours to link?
             final, manifest = self._write_first(snapshot, step, attrs, t0, blocking, plan)
         last, written = self._last_commit, groups_and_arrays(snapshot)[1]
         self._last_commit = incr.remember(last, step, final, manifest, written, plan)

@@ -131,3 +131,23 @@ def test_a_local_previous_step_is_not_copied_to_the_bucket(bucket, tmp_path, mon
         m.save(state_at(2, base))
     assert m.metadata(2)["save"]["linked_bytes"] == 0
     assert same(CheckpointManager(url).restore(2), state_at(2, base))
+
+
+def test_a_source_step_another_writer_replaced_is_uploaded_not_copied(bucket, s3, requests):
+    """Another manager redid step 1 on the prefix (same object sizes, other bytes): the
+    server-side copy took its objects under this manager's crc32c and committed a corrupt
+    step 2. The source's sealed manifest is read first now."""
+    url = f"s3://{bucket}/run/ckpt"
+    base = frozen_base()
+    a = CheckpointManager(url, chunk_bytes=CHUNK, async_save=False)
+    a.save(state_at(1, base))
+    other = state_at(1, frozen_base(seed=5))
+    CheckpointManager(url, chunk_bytes=CHUNK, async_save=False).save(other, force=True)
+    s2 = state_at(2, base)
+    copies = requests["copies"]
+    a.save(s2)
+    a.close()
+    assert requests["copies"] == copies  # nothing copied from the replaced step
+    m = CheckpointManager(url)
+    assert same(m.restore(2), s2) and same(m.restore(1), other)
+    verify_ok(url, 1, 2)

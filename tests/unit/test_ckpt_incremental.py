@@ -519,3 +519,27 @@ def test_a_donated_step_is_saved_every_step_and_restores(tmp_path, fused, async_
         saved[i + 1] = state.clone()
     for s, want in saved.items():
         assert tree_equal(m.restore(s), want), s
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_source_step_another_writer_replaced_is_not_linked(tmp_path, async_save, caplog):
+    """Manager B redid step 1 on A's location (A's step set aside, B's committed under the
+    same name, same sizes, other bytes): A's next save linked B's chunks under A's crc32c
+    and reported success — a step committed already corrupt, and A's work lost (restore
+    fell back to B's step). The source's sealed manifest is now read first: a leaf whose
+    entry there is not the one recorded is written again."""
+    base = frozen_base()
+    a = manager(tmp_path, async_save=async_save)
+    a.save(state_at(1, base))
+    a.wait()
+    other = state_at(1, frozen_base(seed=5))  # same shapes, other bytes
+    b = manager(tmp_path, async_save=False)
+    b.save(other, force=True)  # a redo: A's step 1 moves aside
+    s2 = state_at(2, base)
+    a.save(s2)
+    a.close()
+    assert "no longer holds what this CheckpointManager committed" in caplog.text
+    m = manager(tmp_path)
+    assert m.metadata(2)["save"]["linked_bytes"] == 0
+    assert same(m.restore(2), s2) and same(m.restore(1), other)
+    verify_ok(tmp_path / "ckpt")
