@@ -44,13 +44,14 @@ from torch.func import functional_call
 from ftrain import rng
 from ftrain.apply import update_and_apply
 from ftrain.grads import Bound, Grads, LossFn, kept_modes, loss_and_aux, merge_aux, named_leaves
-from ftrain.optim.base import Trainable, flat_update, leaf_get, per_structure, pick
+from ftrain.optim.base import Trainable, flat_update, per_structure, pick
 from ftrain.optim.bucketed import prepare_of
 from ftrain.optim.partition import learning_rates, learning_rates_in
 from ftrain.optim.processing import (
     clip_by_global_norm_torch,
     global_norm_of,
     mean_across_ranks,
+    outermost_loss_scale,
     remembered_norms,
 )
 from ftrain.state.init import check_model_and_tx, check_usable, is_pinned, mark_donated
@@ -122,7 +123,7 @@ def _deprecated_clip(clip: float | None):
 
 
 def _loss_scale(opt_flat: tuple[Structure, list], precision: str, clip: float | None):
-    scale = leaf_get(opt_flat[0].keys, opt_flat[1], ("loss_scale", "scale"), None)
+    scale = outermost_loss_scale(opt_flat[0].keys, opt_flat[1])
     if precision == "fp16" and scale is None:
         raise ValueError(
             "precision='fp16' needs dynamic loss scaling in the optimizer: "

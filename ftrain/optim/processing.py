@@ -263,6 +263,27 @@ def clip_by_global_norm_torch(max_norm: float) -> GradientTransformation:
     return _clipper("clip_by_global_norm_torch", max_norm, coefficient)
 
 
+def outermost_loss_scale(keys, leaves) -> torch.Tensor | None:
+    """The ``scale`` leaf of a :func:`dynamic_loss_scale` that wraps the whole optimizer
+    (its state at ``opt["loss_scale"]``), ``None`` if there is none.
+
+    Raises:
+        ValueError: a loss scale nested inside another transform (``chain(clip, dynamic_
+            loss_scale(opt))``): the step would scale the loss by it while the transforms
+            before it see the scaled gradients, so a clip clips them ``scale``× too hard.
+    """
+    found = [i for i, k in enumerate(keys) if tuple(k[-2:]) == ("loss_scale", "scale")]
+    nested = [".".join(keys[i]) for i in found if len(keys[i]) != 2]
+    if nested:
+        raise ValueError(
+            f"dynamic_loss_scale must be the outermost transform, found its state at "
+            f"opt.{nested[0]}: the transforms before it would see gradients still multiplied "
+            "by the loss scale (a clip would shrink them by about that factor, 2**16 at the "
+            "start). Wrap the whole optimizer once: tx = dynamic_loss_scale(chain(clip_by_global_norm(c), optimizer))"
+        )
+    return leaves[found[0]] if found else None
+
+
 def init_loss_scale(init_scale: float = INIT_SCALE) -> TensorDictBase:
     """The loss-scale counters: ``scale`` (float32), ``growth_tracker`` (int32), ``skipped``."""
     return new_td(

@@ -22,7 +22,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from ftrain import rng
-from ftrain.state.tree import unflatten
+from ftrain.optim.processing import outermost_loss_scale
+from ftrain.state.tree import flatten, unflatten
 
 __all__ = [
     "STATE_KEYS",
@@ -87,7 +88,7 @@ def init_state(
     params = _detached_tree(list(model.named_parameters()))
     persistent = [(n, b) for n, b in model.named_buffers() if _is_persistent(model, n)]
     opt = tx.init(params)
-    if precision == "fp16" and "loss_scale" not in opt.keys():
+    if outermost_loss_scale(*flatten(opt)) is None and precision == "fp16":
         raise ValueError(
             "precision='fp16' needs dynamic loss scaling in the optimizer: "
             "tx = ftrain.optim.dynamic_loss_scale(tx)"

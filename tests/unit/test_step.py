@@ -369,6 +369,28 @@ def test_donate_never_overwrites_a_state_pinned_by_a_reader():
         step(state, _batch(2))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_loss_scale_inside_another_transform_is_refused(precision):
+    """chain(clip, dynamic_loss_scale(sgd)): the step scaled the loss by the nested scale
+    while the clip saw the scaled gradients, so updates came out ~1000x too small with no
+    sign in the metrics (fp16 init_state said "needs dynamic loss scaling", make_step ran)."""
+    model = _model()
+    nested = ftrain.optim.chain(
+        ftrain.optim.clip_by_global_norm(1.0), _loss_scaled(ftrain.optim.sgd(0.1), 2.0**10)
+    )
+    with pytest.raises(ValueError, match=r"outermost transform.*opt\.dynamic_loss_scale"):
+        init_state(model, nested, seed=0, precision=precision)
+    outer = _loss_scaled(ftrain.optim.chain(ftrain.optim.clip_by_global_norm(1.0), _tx()), 2.0**10)
+    state = init_state(model, outer, seed=0, precision=precision)
+    state = state.clone().unlock_()
+    state["opt"] = nested.init(state["params"])  # a state made for the nested tx
+    with pytest.raises(ValueError, match="outermost transform"):
+        make_step(model, _mse, nested, precision=precision)(state, _batch(0))
+    twice = _loss_scaled(_loss_scaled(_tx(), 2.0), 2.0)
+    with pytest.raises(ValueError, match=r"opt\.inner\.loss_scale"):
+        init_state(model, twice, seed=0, precision=precision)
+
+
 def test_fp16_sequence_matches_gradscaler_with_a_skipped_overflow_step():
     model, ref = _model(), _model()
     tx = _loss_scaled(ftrain.optim.sgd(0.05, momentum=0.9), 2.0**10)
