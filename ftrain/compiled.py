@@ -45,6 +45,14 @@ from ftrain.watchdog import compile_started
 
 __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 
+
+@torch._dynamo.callback.on_compile_start
+def _any_compile_started(_args) -> None:
+    """Every Dynamo compile, recompiles included (a guard that failed mid-run: a schedule's
+    Python value, a cache filled late), gets the hang watchdog's first-step allowance, not
+    only the first compile of a layout that :class:`CompiledCore` starts itself."""
+    compile_started()
+
 # trainer.compile=auto compiles a run of at least this many steps. Measured on a 2-core
 # CPU (docs/benchmarks.md, "Step time"): the compiled step saves 6-65 ms a step over the
 # eager one and compiles cold in 8-20 s on an idle machine, so it pays after ~210 (MLP

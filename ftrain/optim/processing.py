@@ -416,7 +416,9 @@ def dynamic_loss_scale(
         ls = member_state(state, "loss_scale", fn)
         old_inner = member_state(state, "inner", fn)
         unscaled, new_ls, found_inf = _unscale(u, ls, rule)
-        if torch.compiler.is_compiling():  # no host read in a graph: select instead
+        # no host read in a graph, nor of a meta tensor (the compiled step's cache warm-up
+        # runs this on meta tensors so the inner caches fill before tracing): select instead
+        if torch.compiler.is_compiling() or found_inf.is_meta:
             out, new_inner = inner_flat(keys, unscaled, old_inner, params)
             return _select_finite(found_inf, u, out, old_inner, new_inner, new_ls)
         if bool(found_inf):  # skipped: -0.0 leaves every parameter bit-identical

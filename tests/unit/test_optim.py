@@ -557,3 +557,19 @@ def test_refresh_hyperparams_shows_the_current_schedules_rate(kind):
     kept_new = {k: v for k, v in zip(*optim.flatten(new), strict=True) if k[-1] != "learning_rate"}
     assert kept_old.keys() == kept_new.keys()
     assert all(kept_new[k] is v for k, v in kept_old.items())  # shared, not copied
+
+
+def test_dynamic_loss_scale_updates_meta_tensors_so_the_compiled_step_warms_its_caches():
+    """The compiled step runs ``tx.update`` once on meta tensors to fill per-structure caches
+    (the weight-decay mask) before tracing; ``dynamic_loss_scale`` read its skip flag on the
+    host (``bool`` of a meta tensor raises), the warm-up gave up, and every fp16 compiled
+    run with a mask (the CLI's adamw, LoRA, freeze, groups) compiled twice, the second
+    time reported as a recompile at step 2."""
+    tx = optim.dynamic_loss_scale(
+        optim.adamw(1e-3, weight_decay=0.1, mask=masks.ndim_at_least(2)), init_scale=4.0
+    )
+    params = TensorDict({"w": torch.ones(3, 2), "b": torch.ones(2)}, [])
+    meta = params.to("meta")
+    updates, state = tx.update(meta.apply(torch.zeros_like), tx.init(params).to("meta"), meta)
+    assert updates["w"].is_meta and updates["w"].shape == (3, 2)
+    assert state["loss_scale", "scale"].is_meta

@@ -321,3 +321,14 @@ def test_an_allowance_until_the_next_beat_replaces_the_timeout(tmp_path):
     time.sleep(0.9)
     assert wd.fired and fired.codes == [EXIT_HUNG]
     wd.stop()
+
+
+def test_any_dynamo_compile_counts_as_a_compile_for_the_allowance():
+    """Only the first compile of a layout told the watchdog; a recompile after a failed
+    guard mid-run (tens of seconds on a large model) could be called a hang."""
+    import ftrain.compiled  # noqa: F401 -- registers the Dynamo callback
+    from ftrain import watchdog
+
+    before = watchdog._compiles[0]
+    torch.compile(lambda x: x * 3, backend="eager")(torch.ones(2))
+    assert watchdog._compiles[0] > before
