@@ -53,6 +53,7 @@ def _any_compile_started(_args) -> None:
     only the first compile of a layout that :class:`CompiledCore` starts itself."""
     compile_started()
 
+
 # trainer.compile=auto compiles a run of at least this many steps. Measured on a 2-core
 # CPU (docs/benchmarks.md, "Step time"): the compiled step saves 6-65 ms a step over the
 # eager one and compiles cold in 8-20 s on an idle machine, so it pays after ~210 (MLP
