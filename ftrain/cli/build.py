@@ -141,7 +141,8 @@ def schedule_horizon(cfg: DictConfig, saved: int | None = None) -> int:
     decay_steps = cfg.schedule.get("decay_steps")
     if decay_steps is not None:
         return int(decay_steps)
-    return int(saved) if saved is not None else int(cfg.trainer.max_steps)
+    # a recorded 0 (a max_steps=0 start, before 2026-12-06) fixed no curve
+    return int(saved) if saved else int(cfg.trainer.max_steps)
 
 
 def build_schedule(cfg: DictConfig, horizon: int, lr: float | None = None):

@@ -474,13 +474,14 @@ def check_run_metadata(attrs: dict) -> None:
     """
     for name, kind in _RUN_METADATA.items():
         value = attrs.get(name)
+        least = 0 if name == "schedule_horizon" else 1  # 0: written by a max_steps=0 start
         bad_int = kind is int and (
-            isinstance(value, bool) or (isinstance(value, int) and value < 1)
+            isinstance(value, bool) or (isinstance(value, int) and value < least)
         )
         if value is not None and (not isinstance(value, kind) or bad_int):
             raise CorruptCheckpointError(
                 f"run metadata {name!r} is {value!r:.80}, expected a {kind.__name__}"
-                + (" >= 1" if kind is int else "")
+                + (f" >= {least}" if kind is int else "")
             )
 
 
@@ -776,7 +777,8 @@ def checkpoint_metadata(
     fingerprint, None without one)."""
     plain = recorded_config(cfg)
     return {
-        "schedule_horizon": horizon,
+        # a run of max_steps=0 has fixed no LR curve: a later start takes its own max_steps
+        "schedule_horizon": horizon or None,
         "config": plain,
         "config_hash": config_hash(
             {k: v for k, v in plain.items() if k in ("model", "optim", "schedule", "data")}

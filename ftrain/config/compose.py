@@ -179,6 +179,7 @@ def finish_config(raw: DictConfig, overrides=()) -> DictConfig:
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(_explain(err, overrides)) from None
+    _check_group_choices(cfg, overrides)
     _check_keys(cfg)
     _check_values(cfg)
     OmegaConf.set_readonly(cfg, True)
@@ -335,6 +336,37 @@ def group_options(group: str) -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+# groups that take one option; only logger takes a list (several loggers at once)
+_ONE_OPTION_GROUPS = ("model", "optim", "schedule", "data", "trainer", "checkpoint", "dist")
+
+
+def _check_group_choices(cfg: DictConfig, overrides) -> None:
+    """``optim=[adamw,sgd]`` (a sweep without ``-m``) merged both options, the last one
+    winning, and trained one run without a word; ``~model`` removed a group every run
+    needs and failed with omegaconf's ``MissingMandatoryValue`` deep in the checks."""
+    for o in map(str, overrides):
+        m = re.fullmatch(r"\+*([\w/]+)=\[(.*)\]", o)
+        if m and m.group(1) in _ONE_OPTION_GROUPS:
+            group, options = m.group(1), m.group(2)
+            raise ConfigError(
+                f"{o}: the {group} group takes one option, and a list merges them (the last "
+                f"one wins); for a sweep over them add -m: python -m ftrain -m "
+                f"{group}={options}"
+            )
+    for group in (*_ONE_OPTION_GROUPS, "run", "resume"):
+        if group not in cfg or OmegaConf.is_missing(cfg, group):
+            raise ConfigError(
+                f"{group} cannot be removed (~{group}): every run needs it; pick one of its "
+                f"options ({_choices(group)}) or leave it out"
+            )
+
+
+def _choices(group: str) -> str:
+    if group == "resume":
+        return "resume=latest, resume=none or resume=STEP"
+    return ", ".join(group_options(group)) or "python -m ftrain --help lists them"
+
+
 def _check_keys(cfg: DictConfig) -> None:
     """Refuse keys a group's schema does not have, also when added with ``+key=value``.
 
@@ -363,6 +395,7 @@ def _bad(key: str, value, rule: str, fix: str = "") -> ConfigError:
 def _check_values(cfg: DictConfig) -> None:
     """Values the schema's types allow but a run cannot use: one message naming key and fix."""
     _check_finite(cfg)
+    _check_int64(cfg)
     resume = cfg.resume
     step = isinstance(resume, int) and not isinstance(resume, bool) and resume >= 0
     if not (resume in ("latest", "none") or step):
@@ -397,16 +430,38 @@ def _check_finite(cfg: DictConfig) -> None:
         )
 
 
-def _non_finite(node, prefix: str = ""):
-    """``(key, value)`` of each float leaf that is NaN or infinite (keys ``a.b``, ``a.t[1]``)."""
+def _check_int64(cfg: DictConfig) -> None:
+    """No whole number past int64 (``trainer.max_steps=99999999999999999999`` passed every
+    check and crashed in torch with ``OverflowError``, leaving a lock and an empty run)."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for key, v in _leaves(plain):
+        big = isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63
+        if big and key != "trainer.seed":  # seeds are 64-bit unsigned, checked below
+            raise _bad(
+                key,
+                v,
+                "past the 64-bit range counts and sizes are held in",
+                "use a value below 2**63",
+            )
+
+
+def _leaves(node, prefix: str = ""):
+    """``(key, value)`` of every leaf (keys ``a.b``, ``a.t[1]``)."""
     if isinstance(node, dict):
         items = ((f"{prefix}.{k}" if prefix else str(k), v) for k, v in node.items())
     else:
         items = ((f"{prefix}[{i}]", v) for i, v in enumerate(node))
     for key, v in items:
         if isinstance(v, dict | list):
-            yield from _non_finite(v, key)
-        elif isinstance(v, float) and not math.isfinite(v):
+            yield from _leaves(v, key)
+        else:
+            yield key, v
+
+
+def _non_finite(node, prefix: str = ""):
+    """``(key, value)`` of each float leaf that is NaN or infinite (keys ``a.b``, ``a.t[1]``)."""
+    for key, v in _leaves(node, prefix):
+        if isinstance(v, float) and not math.isfinite(v):
             yield key, v
 
 

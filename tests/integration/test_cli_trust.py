@@ -618,3 +618,15 @@ def test_a_committed_step_whose_marker_was_deleted_is_reported_as_committed(cli,
     assert "resumed from step 4" in out.stdout, out.stdout
     assert "step(s) 6 were committed but are unreadable" in out.stdout, out.stdout
     assert "were not committed" not in out.stdout
+
+
+def test_a_start_with_max_steps_0_does_not_block_the_next_start(cli, tmp_path):
+    """max_steps=0 (build, restore, train nothing) committed step 0 with schedule_horizon
+    0, which the resume check called corrupt: the next start said "no checkpoint verifies"
+    and stopped. The next start now resumes it and takes its own max_steps as the horizon."""
+    run, horizon = tmp_path / "run", "schedule.decay_steps=null"
+    cli(run, "trainer.max_steps=0", horizon, check=0)
+    assert CheckpointManager(run / "checkpoints").metadata(0).get("schedule_horizon") is None
+    done = cli(run, "trainer.max_steps=2", horizon, check=0)
+    assert "no checkpoint verifies" not in done.stderr
+    assert CheckpointManager(run / "checkpoints").metadata(2)["schedule_horizon"] == 2

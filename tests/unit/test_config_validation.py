@@ -137,3 +137,29 @@ def test_eval_checks_what_evaluation_uses_not_the_runs_training_keys():
     assert cfg.trainer.eval_batches == 2 and cfg.data.val_fraction == 0.5
     with pytest.raises(ConfigError, match="trainer.precision must be fp32, bf16 or fp16"):
         eval_config(recorded, ["trainer.precision=fp64"])
+
+
+@pytest.mark.parametrize("group", ["optim", "model", "+data"])
+def test_a_list_given_to_a_one_option_group_is_refused_naming_the_sweep(group):
+    """optim=[adamw,sgd] merged both options (the last won) and trained one run silently."""
+    name = group.lstrip("+")
+    options = {"optim": "[adamw,sgd]", "model": "[gpt2,gpt2_tiny]", "data": "[tokens,text]"}
+    with pytest.raises(ConfigError, match=rf"the {name} group takes one option.*-m {name}="):
+        load_config([f"{name}={options[name]}"])
+
+
+@pytest.mark.parametrize("group", ["model", "optim", "schedule", "data", "resume"])
+def test_removing_a_group_every_run_needs_is_a_named_refusal(group):
+    """~model failed with omegaconf's MissingMandatoryValue from deep in the checks."""
+    with pytest.raises(ConfigError, match=rf"{group} cannot be removed \(~{group}\)"):
+        load_config([f"~{group}"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["trainer.max_steps=99999999999999999999", "schedule.decay_steps=99999999999999999999"],
+)
+def test_whole_numbers_past_int64_are_refused_at_start(override):
+    """They passed every check and crashed in torch (OverflowError) after the run began."""
+    with pytest.raises(ConfigError, match=r"past the 64-bit range.*below 2\*\*63"):
+        load_config([override])
