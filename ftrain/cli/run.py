@@ -72,7 +72,7 @@ from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.data.sampler import rank_starts
-from ftrain.dist import World, agree_any, init_world, local_device, shutdown
+from ftrain.dist import LaunchError, World, agree_any, init_world, local_device, shutdown
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
 from ftrain.optim import refresh_hyperparams
@@ -148,7 +148,7 @@ def train_from_config(cfg: DictConfig) -> int:
         device = local_device(pick_device(cfg.trainer.device))
         with _stop_signals_end_the_wait():
             world = init_world(cfg.dist.backend, cfg.dist.timeout_s, device)
-    except ConfigError as err:
+    except (ConfigError, LaunchError) as err:
         print(f"ftrain: {err}", file=sys.stderr)
         return EXIT_CONFIG
     lock = None

@@ -44,6 +44,25 @@ class World:
         return self.size > 1
 
 
+class LaunchError(ValueError):
+    """The launcher's environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) is incomplete or malformed; the CLI says so and exits 2."""
+
+
+def _env(name: str, *, number: bool):
+    """A launcher variable, named in the error if it is missing or not a whole number."""
+    value = os.environ.get(name)
+    if value is None or (number and not value.strip().lstrip("-").isdigit()):
+        said = "is not set" if value is None else f"is {value!r}, not a whole number"
+        why = "" if name == "WORLD_SIZE" else f", and WORLD_SIZE={os.environ['WORLD_SIZE']} asks for several processes"
+        raise LaunchError(
+            f"the environment variable {name} {said}{why}: launch with torchrun (it sets WORLD_SIZE, RANK, "
+            "MASTER_ADDR and MASTER_PORT), set all four yourself, or unset WORLD_SIZE to run "
+            "one process"
+        )
+    return int(value) if number else value
+
+
 def init_world(
     backend: str = "auto", timeout_s: int = 600, device: torch.device | None = None
 ) -> World:
@@ -51,13 +70,13 @@ def init_world(
 
     ``backend="auto"`` picks nccl for CUDA devices and gloo otherwise.
     """
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    size = _env("WORLD_SIZE", number=True) if "WORLD_SIZE" in os.environ else 1
     if size <= 1:
         return World()
     if not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        rank, timeout = int(os.environ["RANK"]), datetime.timedelta(seconds=timeout_s)
+        rank, timeout = _env("RANK", number=True), datetime.timedelta(seconds=timeout_s)
         store = _attempt_store(rank, size, timeout)
         dist.init_process_group(
             backend=backend, store=store, rank=rank, world_size=size, timeout=timeout
@@ -72,7 +91,7 @@ def _attempt_store(rank: int, size: int, timeout: datetime.timedelta) -> dist.St
     the previous attempt's gloo addresses; a restarted rank that reads one connects to a dead
     peer ("Connection refused"). A per-attempt prefix makes every attempt rendezvous afresh.
     """
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host, port = _env("MASTER_ADDR", number=False), _env("MASTER_PORT", number=True)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = dist.TCPStore(
         host,
