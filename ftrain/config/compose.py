@@ -469,6 +469,8 @@ def _check_run(cfg: DictConfig) -> None:
     """An empty ``run.dir=`` (or ``checkpoint.dir=``) put the records in the working
     directory and the checkpoints at ``/checkpoints``; ``run.overwrite=true`` without
     ``resume=none`` resumed the old run, silently ignored."""
+    if not str(cfg.run.get("name", "x")).strip():  # run.dir became runs/, every run's parent
+        raise _bad("run.name", cfg.run.name, "an empty name", "give one, e.g. run.name=exp1")
     for key in ("run.dir", "checkpoint.dir"):  # an empty fallback_dir means none, as null
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str) and not value.strip():
@@ -656,7 +658,17 @@ def _check_groups(o: DictConfig) -> None:
         _globs(f"{key}.params", group.params)
         if not group.params:  # an empty list matched nothing and failed deep in the glob
             raise _bad(f"{key}.params", [], "a group needs at least one glob", f"or drop {key}")
-        merged = OmegaConf.merge(o, {k: v for k, v in group.items() if k != "params"})
+        own = {k: v for k, v in group.items() if k != "params"}
+        try:
+            merged = OmegaConf.merge(o, own)
+        except OmegaConfBaseException as err:  # a value of the wrong type (lr=abc)
+            wrong = [k for k in own if f"optim.{k}" in str(err)] or list(own)
+            raise _bad(
+                f"{key}.{wrong[0]}",
+                own[wrong[0]],
+                f"not a value optim.{wrong[0]} takes ({str(err).splitlines()[0]})",
+                f"give it as optim.{wrong[0]} would be given",
+            ) from None
         try:
             _check_optim(merged)
         except ConfigError as err:  # name the group's own key, not optim.X
@@ -785,6 +797,11 @@ def check_data(d: DictConfig) -> None:
         )
     if d.prefetch < 0:
         raise _bad("data.prefetch", d.prefetch, "must be >= 0")
+    cache = d.get("cache_dir")
+    if isinstance(cache, str) and not cache.strip():  # was the working directory
+        raise _bad(
+            "data.cache_dir", cache, "an empty path", "give a directory, or null for the default"
+        )
 
 
 def to_plain(cfg: DictConfig) -> dict:

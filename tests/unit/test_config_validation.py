@@ -163,3 +163,20 @@ def test_whole_numbers_past_int64_are_refused_at_start(override):
     """They passed every check and crashed in torch (OverflowError) after the run began."""
     with pytest.raises(ConfigError, match=r"past the 64-bit range.*below 2\*\*63"):
         load_config([override])
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("run.name=", r"run\.name='' is invalid: an empty name"),  # run.dir was runs/
+        ("data.cache_dir=", r"data\.cache_dir='' is invalid: an empty path"),  # was ./
+        ("+optim.groups.top.lr=abc", r"optim\.groups\.top\.lr='abc' is invalid"),
+        ("+optim.groups.top.weight_decay=[1]", r"optim\.groups\.top\.weight_decay=.* invalid"),
+    ],
+)
+def test_empty_names_and_mistyped_group_settings_are_named(override, needle):
+    """An empty run.name put the run in runs/ beside every other run; a group setting of the
+    wrong type was omegaconf's ValidationError naming optim.lr, not the group's key."""
+    group = ["+optim.groups.top.params=[transformer.ln_f.*]"] if "groups" in override else []
+    with pytest.raises(ConfigError, match=needle):
+        load_config([*group, override])
