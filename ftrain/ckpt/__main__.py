@@ -263,8 +263,7 @@ def cmd_diff(argv: list[str]) -> int:
     (ra, sa), (rb, sb) = _diff_args(argv)
     (sa, pa), (sb, pb) = _pick(ra, sa), _pick(rb, sb)
     try:
-        a = read_tree(pa, protocol.read_committed(pa)[1]).flatten_keys("/")
-        b = read_tree(pb, protocol.read_committed(pb)[1]).flatten_keys("/")
+        a, b = _verified_tree(pa), _verified_tree(pb)
     except CorruptCheckpointError as e:
         print(f"cannot diff: CORRUPT: {e}")
         return 2
@@ -274,6 +273,15 @@ def cmd_diff(argv: list[str]) -> int:
         f"{changed} of {total} arrays differ between {_label(ra, sa, rb)} and {_label(rb, sb, ra)}"
     )
     return 1 if changed else 0
+
+
+def _verified_tree(path):
+    """A step's arrays, read as restore reads them: the root ``zarr.json`` checked against
+    the manifest too (a damaged one made ``diff`` compare a step every other command calls
+    corrupt, and exit as if it were fine)."""
+    manifest = protocol.read_committed(path)[1]
+    read_root_attributes(path, manifest)
+    return read_tree(path, manifest).flatten_keys("/")
 
 
 def _diff_line(k: str, a, b) -> bool:

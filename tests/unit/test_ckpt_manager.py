@@ -292,6 +292,20 @@ def test_hostrng_capture_restore_json_roundtrip():
         hostrng.restore({"torch_cpu": "!!"})
 
 
+def test_cli_diff_of_a_step_with_a_damaged_root_document_says_corrupt(tmp_path, capsys):
+    """diff read the arrays without the root zarr.json check restore, list and show make:
+    it compared a step they all call corrupt and exited 1 ("they differ")."""
+    from ftrain.ckpt.__main__ import main
+
+    with CheckpointManager(tmp_path) as m:
+        m.save(make_state(1))
+        m.save(make_state(2))
+    (tmp_path / "step_00000002" / "zarr.json").write_text("{}")
+    assert main(["diff", str(tmp_path), "1", "2"]) == 2
+    out = capsys.readouterr().out
+    assert "cannot diff: CORRUPT" in out and "zarr.json" in out
+
+
 def test_cli_list_show_verify_diff(tmp_path, capsys):
     from ftrain.ckpt.__main__ import main
 
