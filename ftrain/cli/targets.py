@@ -242,7 +242,7 @@ def unused_option_settings(cfg: DictConfig) -> list[str]:
         >>> unused_option_settings(load_config(["optim=sgd", "optim.b1=0.8"]))[0][:34]
         'warning: optim.b1=0.8 is not used '
     """
-    out = []
+    out = _unused_checkpoint_settings(cfg.get("checkpoint"))
     for (group, target), neutral in _UNUSED_BY.items():
         node = cfg.get(group)
         if node is None or node.get("_target_") != target:
@@ -261,6 +261,27 @@ def unused_option_settings(cfg: DictConfig) -> list[str]:
                     f"{group}={node.get('name')} (settings of other options); pick the {group} "
                     f"option that uses {'it' if one else 'them'}"
                 )
+    return out
+
+
+def _unused_checkpoint_settings(c) -> list[str]:
+    """``checkpoint.storage`` (object-store settings) with no ``s3://``-style location, and
+    ``checkpoint.best_metric`` without ``keep_best``: both were dropped without a word."""
+    if c is None:
+        return []
+    out = []
+    urls = [d for d in (c.get("dir"), c.get("fallback_dir")) if d and "://" in str(d)]
+    if c.get("storage") and not urls:
+        out.append(
+            f"warning: checkpoint.storage ({', '.join(sorted(c.storage))}) is not used: "
+            "neither checkpoint.dir nor checkpoint.fallback_dir is an object-store URL "
+            "(s3://bucket/prefix)"
+        )
+    if c.get("best_metric") != "val_loss" and not c.get("keep_best"):
+        out.append(
+            f"warning: checkpoint.best_metric={c.best_metric} is not used without "
+            "checkpoint.keep_best=N (the number of best steps to keep by it)"
+        )
     return out
 
 

@@ -190,6 +190,8 @@ def test_a_batch_the_data_or_the_ranks_cannot_take_is_refused(batch, accum, worl
             ["+optim.groups.top.params=[h.*]", "+optim.groups.top.momentum=0.9"],
             "optim.groups.top.momentum=0.9 is not used by optim=adamw",
         ),
+        (["+checkpoint.storage.endpoint=http://x"], "checkpoint.storage (endpoint) is not used"),
+        (["checkpoint.best_metric=loss"], "best_metric=loss is not used without"),
     ],
 )
 def test_a_setting_the_chosen_option_ignores_is_warned_about(overrides, warned):
@@ -211,6 +213,10 @@ def test_settings_the_chosen_option_uses_are_not_warned_about():
     assert unused_option_settings(load_config(tokens)) == []
     group = ["optim=sgd", "+optim.groups.top.params=[h.*]", "+optim.groups.top.momentum=0.5"]
     assert unused_option_settings(load_config(group)) == []
+    s3 = ["checkpoint.dir=s3://b/p", "+checkpoint.storage.endpoint=http://x"]
+    assert unused_option_settings(load_config(s3)) == []
+    best = ["checkpoint.best_metric=loss", "checkpoint.keep_best=2"]
+    assert unused_option_settings(load_config(best)) == []
 
 
 def test_lora_settings_without_a_rank_are_warned_about():
