@@ -83,7 +83,7 @@ def _refuse_fixed_dirs(overrides: list[str]) -> None:
 
 
 def _in_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("WORLD_SIZE", "1") not in "01"
 
 
 def plan_jobs(overrides: list[str], *, config_name: str = "config") -> list[Job]:
@@ -103,6 +103,11 @@ def plan_jobs(overrides: list[str], *, config_name: str = "config") -> list[Job]
     _refuse_fixed_dirs(overrides)
     with frozen_now():  # one ${now:...} for every job, as Hydra's one sweep.dir
         jobs = [_job(n, o, config_name) for n, o in enumerate(expand(overrides))]
+    if not jobs:  # range(0), an empty list: "0/0 jobs succeeded", exit 0, nothing trained
+        raise ConfigError(
+            f"the sweep {list(overrides)} has no jobs: a swept value list is empty "
+            "(range(0), []); give it at least one value"
+        )
     _check_distinct(jobs)
     return jobs
 

@@ -401,3 +401,12 @@ def test_a_ctrl_c_in_a_later_jobs_start_up_stops_the_sweep_with_its_summary(caps
     out = capsys.readouterr().out
     assert "job 1 interrupted (SIGINT)" in out and "job 1 was stopped (exit 130)" in out
     assert "job 0: ok" in out and "job 1: exit 130" in out and "job 2: not started" in out
+
+
+@pytest.mark.parametrize("empty", ["trainer.seed=range(0)", "trainer.seed=range(5,5)"])
+def test_a_sweep_with_no_jobs_is_refused(empty, tmp_path):
+    """-m trainer.seed=range(0) printed "0/0 jobs succeeded" and exited 0: nothing trained."""
+    from ftrain.cli.sweep import plan_jobs
+
+    with pytest.raises(ConfigError, match="has no jobs"):
+        plan_jobs([empty, f"hydra.sweep.dir={tmp_path}"])
