@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -59,6 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _overrides(args: argparse.Namespace) -> list[str]:
     """The overrides, with ``--config-dir DIR`` as ``hydra.searchpath=[file://DIR]``."""
     overrides = list(args.overrides)
+    _check_searchpaths(overrides)
     if args.config_dir is None:
         return overrides
     if any(o.startswith("hydra.searchpath=") for o in overrides):
@@ -67,6 +69,20 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     if not os.path.isdir(path):
         raise ConfigError(f"--config-dir {args.config_dir}: no such directory ({path})")
     return [*overrides, f"hydra.searchpath=[file://{path}]"]
+
+
+def _check_searchpaths(overrides: list[str]) -> None:
+    """A ``file://`` directory in ``hydra.searchpath`` exists, as ``--config-dir``'s must
+    (Hydra skips a missing one without a word: the options in it were silently absent)."""
+    for o in overrides:
+        if not o.startswith("hydra.searchpath="):
+            continue
+        for entry in re.findall(r"file://([^,\]\s]+)", o):
+            if not os.path.isdir(entry):
+                raise ConfigError(
+                    f"{o}: no such directory {entry!r}; give an existing config directory "
+                    "(or use --config-dir DIR)"
+                )
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:

@@ -1,0 +1,18 @@
+"""The command line's own checks (ftrain.cli.app), without training."""
+
+from ftrain.cli.app import run_app
+from ftrain.signals import EXIT_CONFIG
+
+
+def _never(cfg):  # pragma: no cover - a refused command never trains
+    raise AssertionError("trained")
+
+
+def test_a_missing_searchpath_directory_is_refused_as_config_dir_is(tmp_path, capsys):
+    """hydra.searchpath=[file:///nonexistent] was skipped by Hydra without a word (its
+    options silently absent), where --config-dir /nonexistent is refused."""
+    missing = tmp_path / "nope"
+    assert run_app([f"hydra.searchpath=[file://{missing}]"], _never) == EXIT_CONFIG
+    assert "no such directory" in capsys.readouterr().err
+    assert run_app(["--config-dir", str(missing)], _never) == EXIT_CONFIG
+    assert run_app([f"hydra.searchpath=[file://{tmp_path}]", "--cfg", "job"], _never) == 0
