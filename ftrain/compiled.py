@@ -47,7 +47,7 @@ __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 
 
 @torch._dynamo.callback.on_compile_start
-def _any_compile_started(_args) -> None:
+def _any_compile_started(*_args) -> None:  # older torch calls it with no arguments
     """Every Dynamo compile, recompiles included (a guard that failed mid-run: a schedule's
     Python value, a cache filled late), gets the hang watchdog's first-step allowance, not
     only the first compile of a layout that :class:`CompiledCore` starts itself."""

@@ -351,33 +351,41 @@ def confirm_sources(plan: SavePlan, read_committed) -> SavePlan:
         return plan
     confirmed: dict[str, Reuse] = {}
     for source in {r.source for r in plan.reuse.values()}:
-        arrays = _arrays_of(source, read_committed)
-        for key, r in plan.reuse.items():
-            entry = arrays.get(key) if r.source == source else None
+        arrays, unreadable = _arrays_of(source, read_committed)
+        mine = {k: r for k, r in plan.reuse.items() if r.source == source}
+        for key, r in mine.items():
+            entry = arrays.get(key)
             if entry is not None and ArraySpec.from_json(key, entry) == r.spec:
                 confirmed[key] = r
-    if len(confirmed) < len(plan.reuse):
-        where = sorted({str(r.source) for r in plan.reuse.values()})
-        log.warning(
-            "%s no longer holds what this CheckpointManager committed there (another "
-            "writer replaced, removed or damaged it): %d unchanged leaves are written "
-            "again instead of linked; keep other writers off this location",
-            ", ".join(where),
-            len(plan.reuse) - len(confirmed),
-        )
+        lost = sum(k not in confirmed for k in mine)
+        if unreadable is not None:
+            log.warning(
+                "could not read %s to link from (%s): %d unchanged leaves are written again",
+                source,
+                unreadable,
+                lost,
+            )
+        elif lost:
+            log.warning(
+                "%s no longer holds what this CheckpointManager committed there (another "
+                "writer replaced it): %d unchanged leaves are written again instead of "
+                "linked; keep other writers off this location",
+                source,
+                lost,
+            )
     reuse = {
         k: confirmed.get(k) or dataclasses.replace(r, source=None) for k, r in plan.reuse.items()
     }
     return dataclasses.replace(plan, reuse=reuse)
 
 
-def _arrays_of(source, read_committed) -> dict:
-    """The manifest's arrays of a committed step; ``{}`` if it cannot be read as one."""
+def _arrays_of(source, read_committed) -> tuple[dict, Exception | None]:
+    """The manifest's arrays of a committed step, and why it could not be read (if not)."""
     try:
         arrays = read_committed(source)[1].get("arrays")
-    except (OSError, CorruptCheckpointError, CheckpointFormatError):
-        return {}
-    return arrays if isinstance(arrays, dict) else {}
+    except (OSError, CorruptCheckpointError, CheckpointFormatError) as e:
+        return {}, e
+    return (arrays, None) if isinstance(arrays, dict) else ({}, None)
 
 
 def host_snapshot(

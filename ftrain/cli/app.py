@@ -75,10 +75,10 @@ def _check_searchpaths(overrides: list[str]) -> None:
     """A ``file://`` directory in ``hydra.searchpath`` exists, as ``--config-dir``'s must
     (Hydra skips a missing one without a word: the options in it were silently absent)."""
     for o in overrides:
-        if not o.startswith("hydra.searchpath="):
+        if not o.lstrip("+").startswith("hydra.searchpath="):
             continue
-        for entry in re.findall(r"file://([^,\]\s]+)", o):
-            if not os.path.isdir(entry):
+        for entry in re.findall(r"""file://([^,\]'"]+)""", o):
+            if not os.path.isdir(entry.strip()):
                 raise ConfigError(
                     f"{o}: no such directory {entry!r}; give an existing config directory "
                     "(or use --config-dir DIR)"

@@ -350,8 +350,8 @@ def _check_group_choices(cfg: DictConfig, overrides) -> None:
             group, options = m.group(1), m.group(2)
             raise ConfigError(
                 f"{o}: the {group} group takes one option, and a list merges them (the last "
-                f"one wins); for a sweep over them add -m: python -m ftrain -m "
-                f"{group}={options}"
+                f"one wins); a sweep over them is written without brackets, under -m: "
+                f"python -m ftrain -m {group}={options}"
             )
     for group in (*_ONE_OPTION_GROUPS, "run", "resume"):
         if group not in cfg or OmegaConf.is_missing(cfg, group):

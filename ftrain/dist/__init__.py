@@ -52,7 +52,7 @@ class LaunchError(ValueError):
 def _env(name: str, *, number: bool):
     """A launcher variable, named in the error if it is missing or not a whole number."""
     value = os.environ.get(name)
-    if value is None or (number and not value.strip().lstrip("-").isdigit()):
+    if value is None or (number and _whole(value) is None):
         said = "is not set" if value is None else f"is {value!r}, not a whole number"
         why = "" if name == "WORLD_SIZE" else f", and WORLD_SIZE={os.environ['WORLD_SIZE']} asks for several processes"
         raise LaunchError(
@@ -60,7 +60,18 @@ def _env(name: str, *, number: bool):
             "MASTER_ADDR and MASTER_PORT), set all four yourself, or unset WORLD_SIZE to run "
             "one process"
         )
-    return int(value) if number else value
+    return _whole(value) if number else value
+
+
+def _whole(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _world_size() -> int:
+    return _env("WORLD_SIZE", number=True) if "WORLD_SIZE" in os.environ else 1
 
 
 def init_world(
@@ -70,7 +81,7 @@ def init_world(
 
     ``backend="auto"`` picks nccl for CUDA devices and gloo otherwise.
     """
-    size = _env("WORLD_SIZE", number=True) if "WORLD_SIZE" in os.environ else 1
+    size = _world_size()
     if size <= 1:
         return World()
     if not dist.is_initialized():
@@ -111,13 +122,10 @@ def local_device(device: torch.device) -> torch.device:
     ``trainer.device=cuda`` (or ``auto`` on a GPU host) would otherwise put every rank on
     GPU 0, which NCCL refuses.
     """
-    if (
-        device.type != "cuda"
-        or device.index is not None
-        or int(os.environ.get("WORLD_SIZE", "1")) <= 1
-    ):
+    if device.type != "cuda" or device.index is not None or _world_size() <= 1:
         return device
-    local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    rank = _env("LOCAL_RANK", number=True) if "LOCAL_RANK" in os.environ else 0
+    local = torch.device("cuda", rank)
     torch.cuda.set_device(local)
     return local
 

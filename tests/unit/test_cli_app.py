@@ -16,3 +16,11 @@ def test_a_missing_searchpath_directory_is_refused_as_config_dir_is(tmp_path, ca
     assert "no such directory" in capsys.readouterr().err
     assert run_app(["--config-dir", str(missing)], _never) == EXIT_CONFIG
     assert run_app([f"hydra.searchpath=[file://{tmp_path}]", "--cfg", "job"], _never) == 0
+
+
+def test_a_quoted_searchpath_entry_is_read_without_its_quotes(tmp_path):
+    """The check kept the closing quote of 'file://DIR' and refused an existing directory."""
+    spaced = tmp_path / "my configs"
+    spaced.mkdir()
+    for entry in (f"'file://{tmp_path}'", f'"file://{tmp_path}"', f"'file://{spaced}'"):
+        assert run_app([f"hydra.searchpath=[{entry}]", "--cfg", "job"], _never) == 0, entry

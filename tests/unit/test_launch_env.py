@@ -28,3 +28,20 @@ def test_a_partial_or_malformed_launch_environment_names_the_variable(monkeypatc
 def test_no_launch_environment_is_one_process(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert init_world().size == 1
+
+
+def test_the_device_pick_reads_the_launch_environment_the_same_way(monkeypatch):
+    """local_device read WORLD_SIZE and LOCAL_RANK with a bare int(): a traceback on a GPU
+    host before init_world could name the variable."""
+    import torch
+
+    from ftrain.dist import local_device
+
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(LaunchError, match="WORLD_SIZE is 'abc'"):
+        local_device(torch.device("cuda"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(LaunchError, match="LOCAL_RANK is 'x'"):
+        local_device(torch.device("cuda"))
+    assert local_device(torch.device("cpu")) == torch.device("cpu")
