@@ -41,17 +41,12 @@ from ftrain.optim.buffers import BufferPool, poolable
 from ftrain.optim.processing import global_norm_of
 from ftrain.state.tree import Key, flatten, rebuild, structure, unflatten
 from ftrain.step import carry_frozen
-from ftrain.watchdog import compile_started
+from ftrain.watchdog import compile_started, watch_dynamo_compiles
 
 __all__ = ["AUTO_MIN_STEPS", "CompiledCore", "should_compile"]
 
 
-@torch._dynamo.callback.on_compile_start
-def _any_compile_started(*_args) -> None:  # older torch calls it with no arguments
-    """Every Dynamo compile, recompiles included (a guard that failed mid-run: a schedule's
-    Python value, a cache filled late), gets the hang watchdog's first-step allowance, not
-    only the first compile of a layout that :class:`CompiledCore` starts itself."""
-    compile_started()
+watch_dynamo_compiles()  # every Dynamo compile gets the hang watchdog's allowance
 
 
 # trainer.compile=auto compiles a run of at least this many steps. Measured on a 2-core
@@ -187,6 +182,7 @@ class CompiledCore:
         cpp = CPP_WRAPPER and all(t.device.type == "cpu" for t in p[1])
         wrappers = [True, False] if cpp else [False]
         compile_started()  # the hang watchdog allows this wait its first-step allowance
+        watch_dynamo_compiles()  # and its recompiles, should a torch._dynamo.reset() intervene
         self._warm_caches(key, p[0], parts[2], args)
         while True:
             wrapper = wrappers.pop(0)
@@ -202,10 +198,16 @@ class CompiledCore:
                 raise
 
     def explain(self, p, b, opt, micro, scale=None, in_place: bool = False, keep=None):
-        """``torch._dynamo.explain`` of the core for these inputs (graph count, breaks)."""
+        """``torch._dynamo.explain`` of the core for these inputs (graph count, breaks).
+
+        ``explain`` resets Dynamo, which drops every compiled step and every compile
+        callback: the watchdog's is registered again here."""
         key, layout, args = self._prepare(p, b, structure(opt), micro, scale, in_place, keep)
-        with train_mode(self._modules_now()):
-            return torch._dynamo.explain(self._pure(key, p, b, layout))(*args)
+        try:
+            with train_mode(self._modules_now()):
+                return torch._dynamo.explain(self._pure(key, p, b, layout))(*args)
+        finally:
+            watch_dynamo_compiles()
 
     def _prepare(self, p, b, opt_flat, micro, scale, in_place, keep):
         (pkeys, params), (bkeys, buffers) = p, b

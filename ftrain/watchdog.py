@@ -51,7 +51,7 @@ from tensordict import TensorDictBase
 from ftrain.signals import EXIT_HUNG
 from ftrain.state.init import pin, unpin
 
-__all__ = ["Watchdog", "compile_started", "dump_stacks"]
+__all__ = ["Watchdog", "compile_started", "dump_stacks", "watch_dynamo_compiles"]
 
 _compiles = [0]  # compiles started in this process; a watchdog compares it at each beat
 
@@ -62,6 +62,24 @@ def compile_started() -> None:
     batch shape compiled mid-run took tens of seconds, and a watchdog sized for steps
     called it a hang."""
     _compiles[0] += 1
+
+
+def _dynamo_compile_started(*_args) -> None:  # older torch calls it with no arguments
+    compile_started()
+
+
+def watch_dynamo_compiles() -> None:
+    """Make every Dynamo compile, recompiles included (a guard that failed mid-run: a
+    schedule's Python value, a cache filled late), count as :func:`compile_started`, not
+    only the compiles :class:`ftrain.compiled.CompiledCore` starts itself.
+
+    Idempotent, and called again at each :meth:`Watchdog.start` and compiled step:
+    ``torch._dynamo.reset()`` (user code, a library, a test) clears every registered
+    callback, and a recompile after it would otherwise be timed as a hang."""
+    from torch._dynamo.callback import callback_handler
+
+    if _dynamo_compile_started not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_dynamo_compile_started)
 
 
 def dump_stacks(path: str | os.PathLike, header: str = "") -> Path:
@@ -171,6 +189,7 @@ class Watchdog:
 
         ``allowance_s``: the allowance until the next beat instead of ``timeout_s`` (e.g. a
         whole background write awaited at the end of a run, not one blocking call)."""
+        watch_dynamo_compiles()
         self._until_beat = allowance_s
         self._last = time.monotonic()
         self._stop.clear()

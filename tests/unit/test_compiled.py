@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
+from torch._dynamo.callback import callback_handler
 from torch._dynamo.utils import counters
 
 import ftrain
 import ftrain.compiled
+from ftrain import watchdog
 from ftrain.recipes.gpt2 import GPT, GPTConfig, lm_loss
 from ftrain.recipes.mlp_regression.model import MLP, make_data, mse_loss
 from ftrain.state.tree import flatten
@@ -49,9 +51,12 @@ def _max_diff(a, b) -> float:
 
 def _explain(step, state, batch):
     _, micro = _split_batch(batch, 1)
-    return step.core.explain(
+    out = step.core.explain(
         flatten(state["params"]), flatten(state["buffers"]), state["opt"], micro
     )
+    # explain resets Dynamo, compile callbacks included: the watchdog's is back
+    assert watchdog._dynamo_compile_started in callback_handler.start_callbacks
+    return out
 
 
 def test_compiled_mlp_matches_eager_and_recompiles_only_for_new_shapes(capsys):

@@ -325,10 +325,29 @@ def test_an_allowance_until_the_next_beat_replaces_the_timeout(tmp_path):
 
 def test_any_dynamo_compile_counts_as_a_compile_for_the_allowance():
     """Only the first compile of a layout told the watchdog; a recompile after a failed
-    guard mid-run (tens of seconds on a large model) could be called a hang."""
-    import ftrain.compiled  # noqa: F401 -- registers the Dynamo callback
+    guard mid-run (tens of seconds on a large model) could be called a hang. Registering
+    twice must not count a compile twice."""
     from ftrain import watchdog
 
+    torch._dynamo.reset()
+    watchdog.watch_dynamo_compiles()
+    watchdog.watch_dynamo_compiles()
     before = watchdog._compiles[0]
     torch.compile(lambda x: x * 3, backend="eager")(torch.ones(2))
-    assert watchdog._compiles[0] > before
+    assert watchdog._compiles[0] == before + 1
+
+
+def test_a_dynamo_reset_does_not_lose_the_compile_allowance(tmp_path):
+    """``torch._dynamo.reset()`` clears every compile callback (so does
+    ``torch._dynamo.explain``: in CI a graph-break check ran first, and the compiles that
+    followed went uncounted); a watchdog that starts registers the callback again."""
+    from ftrain import watchdog
+
+    torch._dynamo.reset()
+    dog = watchdog.Watchdog(60, run_dir=tmp_path, save=None, drain=None).start()
+    try:
+        before = watchdog._compiles[0]
+        torch.compile(lambda x: x * 5, backend="eager")(torch.ones(2))
+        assert watchdog._compiles[0] > before
+    finally:
+        dog.stop()
