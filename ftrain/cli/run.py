@@ -66,7 +66,7 @@ from ftrain.cli.resume import (
     val_change_note,
 )
 from ftrain.cli.session import Session
-from ftrain.cli.startup import same_config_on_every_rank
+from ftrain.cli.startup import same_config_on_every_rank, same_data_on_every_rank
 from ftrain.cli.targets import unused_option_settings
 from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
@@ -226,7 +226,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_logger_places(cfg)  # a logger file at metrics.jsonl would set the run's records aside
     check_block_size(cfg)
     model, loss_fn = build_model(cfg)
-    train_src, val_src = build_sources(cfg)
+    train_src, val_src = same_data_on_every_rank(lambda: build_sources(cfg), world)
     if cfg.trainer.eval_every and not evaluates(cfg, val_src) and world.is_coordinator:
         print("no evaluation: data.val_fraction=0 holds out no data (trainer.eval_every unused)")
     check_vocab(cfg.model, train_src)

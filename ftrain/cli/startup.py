@@ -4,14 +4,21 @@ LR schedule's horizon, the host RNGs."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from omegaconf import DictConfig
 
 from ftrain.ckpt import CorruptCheckpointError
 from ftrain.config import ConfigError, flat_config, recorded_config
+from ftrain.data import DataFormatError, DataPathError, Source
 from ftrain.dist import World, broadcast_json, gather_json
 
-__all__ = ["host_rng_start", "same_config_on_every_rank", "schedule_line"]
+__all__ = [
+    "host_rng_start",
+    "same_config_on_every_rank",
+    "same_data_on_every_rank",
+    "schedule_line",
+]
 
 _SHOWN_KEYS = 5  # differing keys a refusal lists (the rest are counted)
 _ABSENT = "<absent>"
@@ -52,6 +59,61 @@ def _config_differences(per_rank: list[dict]) -> str | None:
         + "; ".join(lines)
         + "). Start every rank with the same overrides and config files; a value that "
         "differs per rank usually comes from an ${oc.env:...} or ${now:...} interpolation"
+    )
+
+
+def same_data_on_every_rank(
+    build: Callable[[], tuple[Source, Source | None]], world: World
+) -> tuple[Source, Source | None]:
+    """``build()``'s train and val sources, refused unless every rank read the same data.
+
+    One config is not one dataset: ``data.path`` is read on each node, and two nodes whose
+    copies differ (a stale rsync, another tokenizer version in the cache) trained silently
+    on different data under one fingerprint, rank 0's; the next resume stopped one rank
+    with a fingerprint error and left the others in a raw gloo traceback. Collective: every
+    rank builds its sources, rank 0 compares the fingerprints and sample counts, and every
+    rank raises the same :class:`DataPathError` naming each rank's. A rank whose data could
+    not be read raises its own error; the others name it (they would wait for it otherwise).
+    """
+    if not world.active:
+        return build()
+    failed = None
+    try:
+        sources = build()
+    except (ConfigError, DataPathError, DataFormatError) as err:
+        failed = err
+    mine = {"error": str(failed)} if failed else _data_identity(*sources)
+    every = gather_json(mine)  # on rank 0 only
+    verdict = broadcast_json(_data_differences(every) if world.is_coordinator else None)
+    if failed:
+        raise failed
+    if verdict:
+        raise DataPathError(verdict)
+    return sources
+
+
+def _data_identity(train: Source, val: Source | None) -> dict:
+    return {
+        "train": train.fingerprint,
+        "samples": len(train),
+        "val": val.fingerprint if val is not None else None,
+    }
+
+
+def _data_differences(per_rank: list[dict]) -> str | None:
+    failed = [(r, d["error"]) for r, d in enumerate(per_rank) if "error" in d]
+    if failed:
+        return "; ".join(f"rank {r} could not read its data: {e}" for r, e in failed)
+    if all(d == per_rank[0] for d in per_rank):
+        return None
+    seen = ", ".join(
+        f"rank {r}: fingerprint {d['train']} ({d['samples']} samples, val {d['val']})"
+        for r, d in enumerate(per_rank)
+    )
+    return (
+        f"the {len(per_rank)} ranks read different data under one data.path ({seen}). Each "
+        "node reads its own copy: make them identical (same files, same tokenizer, same "
+        "data.* settings), e.g. by syncing the data directory to every node, then restart"
     )
 
 

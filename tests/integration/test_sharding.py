@@ -208,6 +208,7 @@ def test_a_failed_part_on_rank_1_commits_nothing_and_the_next_start_resumes(
     assert first_difference(_state(whole, 6), _state(run, 6)) is None
 
 
+@pytest.mark.long  # ~20 s; the unsharded fallback is tested in CI (test_cli_trust.py)
 def test_a_sharded_save_the_primary_refuses_goes_to_the_fallback(cache_dir, tmp_path, reference):
     """checkpoint.fallback_dir was silently unused by sharded saves: ENOSPC in the primary
     stopped the run (exit 1) and the steps since the last commit were lost. Every rank

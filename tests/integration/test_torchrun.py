@@ -18,7 +18,7 @@ from .conftest import TINY, records
 pytestmark = pytest.mark.slow
 
 
-def _torchrun(run_dir, cache_dir, *overrides, nproc=2, extra=(), env=None):
+def _torchrun(run_dir, cache_dir, *overrides, nproc=2, extra=(), env=None, entry=("-m", "ftrain")):
     env = dict(
         os.environ,
         FTRAIN_CACHE_DIR=cache_dir,
@@ -33,8 +33,7 @@ def _torchrun(run_dir, cache_dir, *overrides, nproc=2, extra=(), env=None):
         f"--nproc-per-node={nproc}",
         "--standalone",
         *extra,
-        "-m",
-        "ftrain",
+        *entry,
         f"run.dir={run_dir}",
         *TINY,
         "trainer.eval_every=null",
@@ -202,6 +201,40 @@ def test_ranks_started_with_different_configs_are_refused_before_anything_is_wri
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
 
 
+def test_ranks_whose_nodes_hold_different_data_are_refused_at_start(cache_dir, tmp_path):
+    """One ``data.path`` read on two "nodes" (each rank starts in its own directory, as
+    two hosts would each read their own copy) whose corpora differ: each rank trained on
+    its own data under rank 0's fingerprint, and the next resume stopped rank 1 with a
+    fingerprint error and rank 0 with a raw gloo traceback. Now every rank stops at start
+    (exit 2) naming each rank's fingerprint; a rank that cannot read its data is named."""
+    import shutil
+
+    for rank in (0, 1):
+        shutil.copytree(TINY[4].split("=", 1)[1], tmp_path / f"node{rank}" / "corpus")
+    (tmp_path / "node1" / "corpus" / "extra.txt").write_text("a newer file on node 1\n" * 50)
+    wrapper = tmp_path / "node.sh"  # torchrun --no-python: cd to this rank's "node"
+    wrapper.write_text(
+        f'#!/bin/sh\ncd {tmp_path}/node$LOCAL_RANK && exec {sys.executable} -m ftrain "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    run = tmp_path / "run"
+    launch = {"extra": ("--no-python",), "entry": (str(wrapper),)}
+    rc, out = _finish(
+        _torchrun(run, cache_dir, "trainer.max_steps=2", "data.path=corpus", **launch)
+    )
+    assert rc != 0, out
+    assert "the 2 ranks read different data under one data.path (rank 0: fingerprint " in out
+    assert out.count("make them identical") == 2, out  # every rank says why
+    assert "Connection closed" not in out and "ftrain/cli/" not in out, out
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
+    shutil.rmtree(tmp_path / "node1" / "corpus")  # rank 1 cannot read it at all
+    rc, out = _finish(
+        _torchrun(run, cache_dir, "trainer.max_steps=2", "data.path=corpus", **launch)
+    )
+    assert rc != 0 and "rank 1 could not read its data: " in out, out
+    assert "Connection closed" not in out, out
+
+
 def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_path):
     run = tmp_path / "run"
     proc = _torchrun(
@@ -280,6 +313,7 @@ def test_a_failed_final_save_is_shared_at_the_end_barrier(cache_dir, tmp_path):
     assert "[rank=1][step=4] stopping: the coordinator's last checkpoint save failed" in out, out
 
 
+@pytest.mark.long  # ~36 s; CI restarts under torchrun in test_torchrun_restarts_after_a_rank_...
 def test_a_torchrun_restart_continues_the_history_resume_n_began(cache_dir, tmp_path):
     """``torchrun --max-restarts=1 ... resume=3``: the restart took resume=3 again, went
     back to step 3 and set aside steps 6 and 9 that the job had just committed (every
