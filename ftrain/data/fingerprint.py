@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from ftrain import _json
@@ -106,6 +107,7 @@ def _entry_path(path: Path, cache: Path) -> Path:
 
 def _write_json_atomic(target: Path, obj: dict) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(target.parent)
     with unique_tmp(target) as tmp:  # two writers (even of one pid) never share a tmp
         tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
         os.replace(tmp, target)
@@ -122,6 +124,27 @@ def unique_tmp(target: Path):
         yield Path(name)
     finally:
         Path(name).unlink(missing_ok=True)
+
+
+# a temporary file untouched this long belongs to a writer that died (SIGKILL, power loss):
+# a live writer's file is written to, or replaced, far sooner
+STALE_TMP_S = 3600.0
+
+
+def remove_stale_tmp(folder: Path, older_than_s: float = STALE_TMP_S) -> int:
+    """Remove ``*.tmp-*`` files in ``folder`` whose mtime is ``older_than_s`` past: what a
+    killed writer of :func:`unique_tmp` left (its ``finally`` never ran). Best effort (a
+    read-only cache keeps them); returns how many went."""
+    removed, cutoff = 0, time.time() - older_than_s
+    try:
+        for f in folder.glob("*.tmp-*"):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                if f.stat().st_mtime < cutoff:
+                    f.unlink()
+                    removed += 1
+    except OSError:
+        pass
+    return removed
 
 
 def file_digest(path: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> str:

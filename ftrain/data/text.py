@@ -26,6 +26,7 @@ from ftrain.data.fingerprint import (
     _write_json_atomic,
     cache_dir,
     cache_path,
+    remove_stale_tmp,
     unique_tmp,
 )
 from ftrain.data.sources import DataFormatError, DataPathError, TokenFileSource, register_source
@@ -193,7 +194,11 @@ def tokenize_corpus(
         log.warning("corpus cache %s is incomplete or corrupt; tokenizing again", token_file)
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    meta = {"tokenizer": ByteTokenizer.id, "files": len(files)} | _tokenize_files(files, token_file)
+    remove_stale_tmp(folder)  # what a writer killed mid-way left behind
+    need = sum(st[1] for st in stats) + max(len(files) - 1, 0)
+    meta = {"tokenizer": ByteTokenizer.id, "files": len(files)} | _cached_tokens(
+        files, token_file, need
+    )
     try:
         _write_json_atomic(meta_file, meta)
     except OSError as err:  # a full cache disk: the tokens are right, only not reusable
@@ -201,6 +206,21 @@ def tokenize_corpus(
             "corpus cache %s: sidecar not written (%s); tokenizing again next start", meta_file, err
         )
     return token_file, meta, True
+
+
+def _cached_tokens(files: Sequence[Path], token_file: Path, need: int) -> dict[str, Any]:
+    """:func:`_tokenize_files` into the cache, whose failed write (a full disk, a read-only
+    volume, a file-size limit) is a :class:`DataPathError` naming the cache and its fix."""
+    try:
+        return _tokenize_files(files, token_file)
+    except DataPathError:  # a corpus file that cannot be read: it says which
+        raise
+    except OSError as err:
+        raise DataPathError(
+            f"the text corpus cache file {token_file} cannot be written ({err}); it takes "
+            f"{need} bytes: free that much there, or point data.cache_dir (or "
+            "FTRAIN_CACHE_DIR) at a writable directory with room"
+        ) from None
 
 
 # 2: each file's probe digest joined the key (a file rewritten with its old size and

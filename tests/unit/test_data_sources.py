@@ -405,3 +405,56 @@ def test_a_corpus_file_is_copied_piece_by_piece_with_the_same_tokens(tmp_path, m
         pieces, meta7, _ = text_mod.tokenize_corpus(sorted(root.iterdir()), cache=tmp_path / "c2")
     assert pieces.read_bytes() == whole.read_bytes() and meta7["digest"] == meta["digest"]
     assert "1 corpus file(s) hold NUL bytes" in caplog.text and "b.bin" in caplog.text
+
+
+def test_a_corpus_cache_that_cannot_be_written_is_a_data_path_error_naming_the_fix(tmp_path):
+    """A real file-size limit (``ulimit -f``; a full disk is the same OSError path) while
+    the token file is written: a raw OSError traceback (exit 1) before, now a
+    DataPathError naming the cache file, the bytes it takes and data.cache_dir, with no
+    partial file left."""
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "big.txt").write_text("a line of text\n" * 20_000)  # 300 kB > the 64 kB limit
+    code = f"""
+import resource
+from ftrain.data import DataPathError
+from ftrain.data.text import tokenize_corpus
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
+try:
+    tokenize_corpus([Path({str(corpus / "big.txt")!r})], cache={str(tmp_path / "cache")!r})
+except DataPathError as err:
+    print("REFUSED", err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "REFUSED the text corpus cache file " in out.stdout, out
+    assert "cannot be written ([Errno 27] File too large)" in out.stdout, out.stdout
+    assert "it takes 300000 bytes" in out.stdout and "data.cache_dir" in out.stdout, out.stdout
+    assert not list((tmp_path / "cache").rglob("*.tmp-*")), "no partial token file is left"
+
+
+def test_temporary_files_a_killed_writer_left_in_the_cache_are_removed(tmp_path):
+    """A SIGKILL mid-tokenize (or mid-write of a fingerprint entry) left
+    ``<key>.u8.tmp-*`` in the cache forever. A start removes those untouched for an hour;
+    a younger one may be another process's write in progress and stays."""
+    corpus = make_corpus(tmp_path / "corpus")
+    cache = tmp_path / "cache"
+    folders = [cache / "corpus", cache / "fingerprints"]
+    stale, fresh = [], []
+    for folder in folders:
+        folder.mkdir(parents=True)
+        old = folder / "0123.u8.tmp-dead"
+        old.write_bytes(b"x" * 1000)
+        os.utime(old, (1e9, 1e9))  # 2001: long untouched
+        stale.append(old)
+        fresh.append(folder / "4567.u8.tmp-live")
+        fresh[-1].write_bytes(b"y")
+    TextCorpusSource(corpus, block_size=16, cache_dir=cache)
+    from ftrain.data.fingerprint import file_digest
+
+    file_digest(corpus / "a.txt", cache=cache)
+    assert not [p for p in stale if p.exists()], "a dead writer's files are removed"
+    assert all(p.exists() for p in fresh), "a live writer's file is left alone"
