@@ -22,10 +22,13 @@ store error (no such bucket, bad credentials), or a diff of a corrupt step. Step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -316,6 +319,27 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+@contextlib.contextmanager
+def _terminate_unwinds():
+    """SIGTERM/SIGHUP as ``SystemExit(128 + signal)`` for the block: their default action
+    ended the process where it stood, leaving a model-sized staging file behind (the
+    ``finally`` that removes it never ran). Main thread only (signals are set there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, unwind) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_export(argv: list[str]) -> int:
     """``export DIR OUT [--step N] [--format safetensors|hf] [--merge-lora] [--lora-alpha A]``."""
     from ftrain.ckpt.export import ExportError, export_params
@@ -346,15 +370,21 @@ def cmd_export(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    from ftrain.ckpt.readonly import split_step
+
+    where, step = split_step(ns.directory)  # DIR:STEP, as eval, diff and init.from take it
+    if step is not None and ns.step is not None and step != ns.step:
+        p.error(f"{ns.directory} names step {step} but --step is {ns.step}: give one")
     try:
-        done = export_params(
-            _run_checkpoints(ns.directory),
-            ns.out,
-            step=ns.step,
-            merge_lora=ns.merge_lora,
-            lora_alpha=ns.lora_alpha,
-            format=ns.format,
-        )
+        with _terminate_unwinds():
+            done = export_params(
+                _run_checkpoints(where),
+                ns.out,
+                step=ns.step if step is None else step,
+                merge_lora=ns.merge_lora,
+                lora_alpha=ns.lora_alpha,
+                format=ns.format,
+            )
     except (ExportError, FileNotFoundError, CorruptCheckpointError) as e:
         print(f"python -m ftrain.ckpt export: {e}", file=sys.stderr)
         return 2 if isinstance(e, ExportError | CorruptCheckpointError) else 1

@@ -20,6 +20,7 @@ runs need ``merge_lora=True`` here: HF GPT-2 has no place for adapters.
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ftrain.ckpt.location import CheckpointLocationError
 from ftrain.ckpt.readonly import read_model, read_subtree
 from ftrain.lora import merge
 from ftrain.recipes.gpt2.hf import HFFormatError, hf_config, to_hf_names
@@ -107,6 +109,8 @@ def _params(location, step, merge_lora, lora_alpha, with_buffers: bool):
             got, tree, attrs = read_model(location, step)
         else:
             got, tree, attrs = read_subtree(location, step, only=("params",))
+    except CheckpointLocationError:  # DIR that reads as a URL: its own message says why
+        raise
     except ValueError as err:  # no params group: a state saved by other code
         raise ExportError(f"{location}: {err}; export writes a model's params") from None
     params = tree["params"]
@@ -186,16 +190,42 @@ def export_params(
     return {"step": got, "tensors": len(tensors), "bytes": nbytes, "merged": merged}
 
 
-def _write_file(out: Path, tensors: dict, step: int, save_file) -> int:
-    """One safetensors file, written beside ``out`` and linked into place only if ``out``
-    still does not exist (two exports to one path: one wins, the other is refused)."""
+def _stage_dir(out: Path) -> Path:
+    """A hidden staging directory beside ``out`` for this process (safetensors' own
+    temporary file lands inside it too), after removing those of exports to ``out`` that
+    died (SIGKILL: no ``finally`` ran) on this host. Hidden, so a leftover is never taken
+    for a finished export; swept, so it does not keep a model's worth of disk."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    for old in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)  # a dead export's, whose pid this one reuses
+    stage.mkdir()
+    return stage
+
+
+def _alive(pid: int) -> bool:
     try:
-        _save(save_file, tensors, stage, step)
-        _place(stage, out)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _write_file(out: Path, tensors: dict, step: int, save_file) -> int:
+    """One safetensors file, written in a staging directory beside ``out`` and linked into
+    place only if ``out`` still does not exist (two exports to one path: one wins, the
+    other is refused)."""
+    stage = _stage_dir(out)
+    try:
+        _save(save_file, tensors, stage / out.name, step)
+        _place(stage / out.name, out)
     finally:
-        stage.unlink(missing_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
     return out.stat().st_size
 
 
@@ -270,8 +300,7 @@ def _write_hf(out: Path, tensors: dict, attrs: dict, step: int, save_file) -> in
         config = hf_config(_recorded_model(attrs, step), getattr(wte, "dtype", torch.float32))
     except HFFormatError as err:
         raise ExportError(f"--format hf: {err}") from None
-    stage = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    stage.mkdir(parents=True)
+    stage = _stage_dir(out)
     try:
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _save(save_file, to_hf_names(tensors), stage / "model.safetensors", step)

@@ -388,3 +388,108 @@ def test_merging_adapters_of_a_tied_weight_is_refused_naming_the_tie(tmp_path, c
     assert "no head.weight" in err and "tied" in err and "without --merge-lora" in err, err
     assert not out.exists()
     assert cmd_export(args[:2]) == 0  # the adapters kept separate: exported
+
+
+def _export_cmd(*args) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "ftrain.ckpt", "export", *map(str, args)]
+
+
+def _slow_export(tmp_path, ck, out, *extra):
+    """A real ``ckpt export`` process held inside the safetensors write (a sitecustomize
+    wraps ``save_file``: it writes, then says so and sleeps), so a signal lands mid-export."""
+    import subprocess
+
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(
+        "import sys, time, safetensors.torch as st\n"
+        "real = st.save_file\n"
+        "def slow(t, path, metadata=None):\n"
+        "    real(t, path, metadata=metadata)\n"
+        "    print('WRITTEN', flush=True); time.sleep(60)\n"
+        "st.save_file = slow\n"
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.Popen(
+        _export_cmd(ck, out, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=env,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "WRITTEN", proc.stdout.read()
+    return proc
+
+
+def _gpt2_checkpoint(tmp_path):
+    """A tiny gpt2-recipe checkpoint (the config it records is what --format hf needs)."""
+    from ftrain.recipes.gpt2 import GPT, GPTConfig
+
+    cfg = GPTConfig(block_size=16, vocab_size=96, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(cfg, generator=torch.Generator().manual_seed(0))
+    state = ftrain.init_state(model, ftrain.optim.sgd(0.1), seed=0)
+    with ftrain.CheckpointManager(tmp_path / "gpt2", async_save=False) as m:
+        m.save(state, metadata={"config": {"model": {"name": "gpt2", **cfg.__dict__}}}, force=True)
+    return tmp_path / "gpt2"
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_an_export_killed_mid_write_leaves_a_hidden_stage_the_next_export_removes(tmp_path, fmt):
+    """SIGKILL mid-export left a visible ``OUT.tmp-PID`` directory (hf) holding a
+    full-size model.safetensors, easily taken for a finished export, and nothing removed
+    it. The stage is hidden now, and the next export to that path removes a dead one's."""
+    import signal
+
+    _, ck = _saved(tmp_path)
+    out = tmp_path / "exports" / ("m.safetensors" if fmt == "safetensors" else "m")
+    extra = ("--format", "hf") if fmt == "hf" else ()
+    if fmt == "hf":  # a gpt2-recipe state: the only one --format hf writes
+        ck = _gpt2_checkpoint(tmp_path)
+    proc = _slow_export(tmp_path, ck, out, *extra)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    left = list(out.parent.iterdir())
+    assert left and all(p.name.startswith(f".{out.name}.tmp-") for p in left), left
+    assert not out.exists()
+    import subprocess
+
+    done = subprocess.run(_export_cmd(ck, out, *extra), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in out.parent.iterdir()] == [out.name], "the dead stage is removed"
+
+
+def test_sigterm_mid_export_removes_the_stage_and_exits_143(tmp_path):
+    """SIGTERM's default action ended the process where it stood, leaving a model-sized
+    hidden temporary file behind for good; now the export unwinds and removes it."""
+    import signal
+
+    _, ck = _saved(tmp_path)
+    out = tmp_path / "exports" / "m.safetensors"
+    proc = _slow_export(tmp_path, ck, out)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    assert list(out.parent.iterdir()) == [], "no stage or partial file is left"
+
+
+def test_export_takes_dir_colon_step_like_eval_and_diff(tmp_path):
+    """``ckpt export RUN:STEP`` was read as a URL and refused with an unrelated suffix
+    ("export writes a model's params"); it now exports that step, and a conflicting
+    ``--step`` is refused."""
+    import subprocess
+
+    _, ck = _saved(tmp_path, step=4)
+    done = subprocess.run(
+        _export_cmd(f"{ck}:4", tmp_path / "a.safetensors"), capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "exported step 4" in done.stdout, done.stderr
+    bad = subprocess.run(
+        _export_cmd(f"{ck}:4", tmp_path / "b.safetensors", "--step", "6"),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "names step 4 but --step is 6" in bad.stderr, bad.stderr
+    gone = subprocess.run(
+        _export_cmd(f"{ck}:9", tmp_path / "c.safetensors"), capture_output=True, text=True
+    )
+    assert gone.returncode != 0 and "export writes a model's params" not in gone.stderr
+    assert not (tmp_path / "c.safetensors").exists()
