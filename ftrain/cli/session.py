@@ -368,19 +368,25 @@ class Session:
 
     def _check_best_metric(self, step: int, metrics: dict) -> None:
         """Once: warn when ``checkpoint.keep_best`` ranks by a metric the steps do not
-        report (a typo keeps no step by it, silently). ``val_*`` metrics come with
-        evaluations only, and the config check covers them (``trainer.eval_every``)."""
+        report (a typo keeps no step by it, silently). A ``val_*`` metric is checked at the
+        first save that has an evaluation's metrics (``val_los`` passed unchecked, and
+        keep_last deleted the best step)."""
         c = self.cfg.checkpoint
-        if self._best_checked or not c.keep_best or str(c.best_metric).startswith("val_"):
+        if self._best_checked or not c.keep_best:
             return
         if not metrics or not self.world.is_coordinator:  # no step ran (a final save only)
             return
+        evaluated = [k for k in metrics if k.startswith("val_")]
+        if str(c.best_metric).startswith("val_") and not evaluated:
+            return  # no evaluation at this step's save: the next one with one is checked
         self._best_checked = True
         if c.best_metric not in metrics:
+            which = "evaluation" if evaluated and str(c.best_metric).startswith("val_") else "step"
+            shown = evaluated if which == "evaluation" else sorted(metrics)
             self._say(
                 step,
                 f"warning: checkpoint.best_metric={c.best_metric!r} is not among this run's "
-                f"step metrics ({', '.join(sorted(metrics))}): checkpoint.keep_best keeps no "
+                f"{which} metrics ({', '.join(sorted(shown))}): checkpoint.keep_best keeps no "
                 "step by it",
             )
 

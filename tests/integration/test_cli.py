@@ -207,6 +207,18 @@ def test_keep_best_by_a_metric_the_run_does_not_report_is_warned_about(cli, tmp_
     ), out.stdout
     out = cli(tmp_path / "ok", *base, "checkpoint.best_metric=loss", check=0)
     assert "warning: checkpoint.best_metric" not in out.stdout
+    # a val_* typo passed unchecked (val_* come with evaluations): now the first save
+    # with an evaluation's metrics checks it; a step before any evaluation does not
+    evals = ["trainer.max_steps=4", "checkpoint.every_steps=1", "trainer.eval_every=2"]
+    out = cli(
+        tmp_path / "vtypo", *evals, "checkpoint.keep_best=1", "checkpoint.best_metric=val_los"
+    )
+    assert "[step=2] warning: checkpoint.best_metric='val_los' is not among this run's " in (
+        out.stdout
+    ), out.stdout
+    assert "evaluation metrics (val_loss" in out.stdout and out.stdout.count("val_los'") == 1
+    out = cli(tmp_path / "vok", *evals, "checkpoint.keep_best=1", "checkpoint.best_metric=val_loss")
+    assert "warning: checkpoint.best_metric" not in out.stdout
 
 
 def test_interrupted_and_resumed_run_is_bit_identical_and_may_switch_kernels(cli, tmp_path):
