@@ -68,9 +68,15 @@ def _steps(root: Path, invalid: _Invalid | None = None) -> dict[int, Path]:
 
 
 def _none_at(root: Path) -> str:
-    """ "no committed checkpoints", with what to pass when ``root`` is one step's directory."""
+    """ "no committed checkpoints", with what to pass when ``root`` is one step's directory
+    or a run directory whose run saved to another ``checkpoint.dir`` (every command but
+    ``export`` said only "no committed checkpoints" there)."""
+    from ftrain.ckpt.readonly import saved_elsewhere
+
     hint = protocol.step_dir_hint(root)
-    return f"{root}: no committed checkpoints" + (f" ({hint})" if hint else "")
+    return (
+        f"{root}: no committed checkpoints" + (f" ({hint})" if hint else "") + saved_elsewhere(root)
+    )
 
 
 def _pick(roots, step: int | None) -> tuple[int, Path]:
@@ -81,7 +87,9 @@ def _pick(roots, step: int | None) -> tuple[int, Path]:
     roots = roots if isinstance(roots, list) else [roots]
     steps = committed_steps_at(roots) if len(roots) > 1 else _steps(roots[0])
     if not steps:
-        raise SystemExit(f"{name_of(roots)}: no committed checkpoints")
+        raise SystemExit(
+            _none_at(roots[0]) if len(roots) == 1 else f"{name_of(roots)}: no committed checkpoints"
+        )
     step = max(steps) if step is None else step
     if step not in steps:
         raise SystemExit(
@@ -124,14 +132,43 @@ def cmd_list(root: Path, _: list[int]) -> int:
     return 1 if bad or invalid else 0
 
 
+# how often a reader picks the newest step again after a live run's retention deleted
+# the one it was reading (each save of keep_last=1 deletes the step before)
+_REPICKS = 5
+
+
+def _read_picked(roots, step: int | None, read) -> tuple[int, Path, object]:
+    """``(step, path, read(path))`` of ``step`` (default: the newest). A step a live run's
+    retention deletes while it is read is not corruption (``diff`` and ``show`` called it
+    CORRUPT, exit 2): the newest is picked again; a named step is said to be gone."""
+    roots = roots if isinstance(roots, list) else [roots]
+    for _ in range(_REPICKS):
+        got, path = _pick(roots, step)
+        try:
+            return got, path, read(path)
+        except CorruptCheckpointError:
+            if not all(_deleted_meanwhile(r, got) for r in roots):
+                raise
+            if step is not None:
+                raise SystemExit(
+                    f"step {got} was deleted while it was read (a live run's retention); "
+                    "pick a step the run keeps, or leave the step out for the newest"
+                ) from None
+    raise SystemExit(f"the newest step kept being deleted while it was read ({_REPICKS} times)")
+
+
+def _shown_parts(path):
+    marker, manifest = protocol.read_committed(path)
+    return marker, dict(read_root_attributes(path, manifest)), specs_of(manifest)
+
+
 def cmd_show(roots: list, args: list[int]) -> int:
-    step, path = _pick(roots, args[0] if args else None)
     try:
-        marker, manifest = protocol.read_committed(path)
-        attrs = dict(read_root_attributes(path, manifest))
-        specs = specs_of(manifest)
+        step, path, (marker, attrs, specs) = _read_picked(
+            roots, args[0] if args else None, _shown_parts
+        )
     except CorruptCheckpointError as e:
-        print(f"{path}: CORRUPT: {e}")
+        print(f"CORRUPT: {e}")
         return 1
     attrs.pop("host_rng", None)
     print(f"{path}\nmarker: {json.dumps(marker)}\nattributes: {json.dumps(attrs, indent=1)}")
@@ -264,9 +301,9 @@ def _label(roots: list, step: int, other: list) -> str:
 
 def cmd_diff(argv: list[str]) -> int:
     (ra, sa), (rb, sb) = _diff_args(argv)
-    (sa, pa), (sb, pb) = _pick(ra, sa), _pick(rb, sb)
     try:
-        a, b = _verified_tree(pa), _verified_tree(pb)
+        sa, _, a = _read_picked(ra, sa, _verified_tree)
+        sb, _, b = _read_picked(rb, sb, _verified_tree)
     except CorruptCheckpointError as e:
         print(f"cannot diff: CORRUPT: {e}")
         return 2

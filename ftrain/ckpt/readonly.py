@@ -22,7 +22,14 @@ from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.target import check_only
 
-__all__ = ["committed_steps_at", "read_model", "read_subtree", "run_locations", "split_step"]
+__all__ = [
+    "committed_steps_at",
+    "read_model",
+    "read_subtree",
+    "run_locations",
+    "saved_elsewhere",
+    "split_step",
+]
 
 log = logging.getLogger("ftrain.ckpt")
 
@@ -82,7 +89,7 @@ def run_locations(run_dir: Path) -> list[str]:
     return out
 
 
-def _saved_elsewhere(location: Locations) -> str:
+def saved_elsewhere(location: Locations) -> str:
     """A hint for a run directory whose run saved to another ``checkpoint.dir``: its
     records name it (only named, never read from: after ``mv`` it may be another run's)."""
     first = location[0] if isinstance(location, list) else location
@@ -171,7 +178,7 @@ def read_subtree(
         invalid = invalid[:3] + ([hint] if hint and "://" not in str(first) else [])
         why = f" ({'; '.join(invalid)})" if invalid else ""
         raise FileNotFoundError(
-            f"{name_of(location)}: no committed checkpoints{why}{_saved_elsewhere(location)}"
+            f"{name_of(location)}: no committed checkpoints{why}{saved_elsewhere(location)}"
         )
     if step is not None and step not in steps:
         raise FileNotFoundError(

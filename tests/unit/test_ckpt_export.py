@@ -295,9 +295,11 @@ def test_a_damaged_marker_on_the_only_step_is_named_not_never_saved(tmp_path):
 
 def test_a_run_directory_whose_checkpoints_went_elsewhere_names_them(tmp_path):
     """checkpoint.dir outside run.dir: the readers said only "no committed checkpoints"."""
+    from ftrain.metrics import MetricsWriter
+
     _, ck = _saved(tmp_path)
     run = tmp_path / "run"
-    w = ftrain.metrics.MetricsWriter(run)
+    w = MetricsWriter(run)
     w.write("start", step=0, checkpoint_dirs=[str(ck)])
     w.close()
     with pytest.raises(FileNotFoundError, match=f"saved its checkpoints to {ck}: pass that"):
@@ -493,3 +495,57 @@ def test_export_takes_dir_colon_step_like_eval_and_diff(tmp_path):
     )
     assert gone.returncode != 0 and "export writes a model's params" not in gone.stderr
     assert not (tmp_path / "c.safetensors").exists()
+
+
+@pytest.mark.parametrize("cmd", ["diff", "show"])
+def test_diff_and_show_pick_again_when_retention_deletes_the_newest_mid_read(
+    tmp_path, monkeypatch, capsys, cmd
+):
+    """``diff``/``show`` of a live run's newest step: keep_last=1 deleted it while it was
+    read, and the command said ``CORRUPT`` (exit 2 for diff), as for a damaged step. Now
+    the newest is picked again (verify and export already told the two apart); a step
+    named on the command line and deleted is said to be gone, not corrupt."""
+    from ftrain.ckpt import __main__ as tool
+
+    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    live = ftrain.CheckpointManager(
+        tmp_path / "ck", async_save=False, keep_policy=ftrain.LatestN(1)
+    )
+    live.save(ftrain.replace(state, step=torch.tensor(2)), force=True)
+    real = tool.read_root_attributes
+    later = iter([3, 4])
+
+    def a_save_lands(path, manifest):  # the run commits its next step; step 2 goes
+        step = next(later, None)
+        if step is not None:
+            live.save(ftrain.replace(state, step=torch.tensor(step)), force=True)
+        return real(path, manifest)
+
+    monkeypatch.setattr(tool, "read_root_attributes", a_save_lands)
+    args = (
+        [str(tmp_path / "ck"), f"{tmp_path / 'ck'}:4"] if cmd == "diff" else [str(tmp_path / "ck")]
+    )
+    rc = tool.main([cmd, *args])
+    out = capsys.readouterr().out
+    assert rc == 0 and "CORRUPT" not in out, out
+    assert ("0 of " in out) if cmd == "diff" else (protocol.step_dirname(4) in out), out
+    later = iter([5])  # a named step deleted mid-read: gone, not corrupt
+    with pytest.raises(SystemExit, match="step 4 was deleted while it was read"):
+        tool.main(["show", str(tmp_path / "ck"), "4"])
+    live.close()
+
+
+def test_the_ckpt_commands_name_a_run_directorys_checkpoint_dir_elsewhere(tmp_path, capsys):
+    """checkpoint.dir outside run.dir: list/verify/show/diff of the run directory said only
+    "no committed checkpoints" (export named where they went)."""
+    from ftrain.ckpt.__main__ import main
+    from ftrain.metrics import MetricsWriter
+
+    _, ck = _saved(tmp_path)
+    run = tmp_path / "run"
+    w = MetricsWriter(run)
+    w.write("start", step=0, checkpoint_dirs=[str(ck)])
+    w.close()
+    for argv in (["list", run], ["verify", run], ["show", run], ["diff", run, ck]):
+        with pytest.raises(SystemExit, match=f"saved its checkpoints to {ck}: pass that"):
+            main([str(a) for a in argv])
