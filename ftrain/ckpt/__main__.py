@@ -48,11 +48,17 @@ from ftrain.ckpt.reader import read_tree, specs_of, verify_tree
 
 
 class _Invalid(dict):
-    """``step_*`` directories that are not committed checkpoints, with the reason."""
+    """``step_*`` directories that are not committed checkpoints, with the reason; the
+    marker-less prefixes an object store holds while a save or delete runs (or after one
+    failed) are not :attr:`damaged`."""
 
     def __call__(self, path: Path, why: str) -> None:
         self[path] = why
         print(f"not committed: {path}: {why}", file=sys.stderr)
+
+    @property
+    def damaged(self) -> dict:
+        return {p: why for p, why in self.items() if not why.endswith(protocol.UNFINISHED)}
 
 
 def _steps(root: Path, invalid: _Invalid | None = None) -> dict[int, Path]:
@@ -129,7 +135,7 @@ def cmd_list(root: Path, _: list[int]) -> int:
     for step, paths in protocol.set_aside_steps(root).items():
         for p in paths:
             print(f"{step:>10}  {'set aside':>14}  {p.name} (kept; not a checkpoint any more)")
-    return 1 if bad or invalid else 0
+    return 1 if bad or invalid.damaged else 0
 
 
 # how often a reader picks the newest step again after a live run's retention deleted
@@ -183,7 +189,7 @@ def cmd_verify(root: Path, args: list[int]) -> int:
     if not steps and not invalid:
         raise SystemExit(_none_at(root))
     todo = {s: steps.get(s) for s in args} if args else steps
-    bad = 0 if args else len(invalid)  # a step directory without a valid marker is BAD
+    bad = 0 if args else len(invalid.damaged)  # a step directory without a valid marker
     for step, path in todo.items():
         try:
             if path is None:
@@ -198,7 +204,7 @@ def cmd_verify(root: Path, args: list[int]) -> int:
             bad += 1
             print(f"BAD  step {step}: {e}")
     for path, why in invalid.items() if not args else ():
-        print(f"BAD  {path.name}: {why}")
+        print(f"{'BAD ' if path in invalid.damaged else 'left'} {path.name}: {why}")
     return 1 if bad else 0
 
 
@@ -467,6 +473,11 @@ def _check_step_count(p: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
     the 2 without a word, ``list DIR 4`` listed every step."""
     if ns.command == "advise" and ns.steps:
         p.error("advise takes a run directory only (python -m ftrain.ckpt advise RUN_DIR)")
+    if ns.command == "advise" and is_object_url(ns.directory):  # read as s3:/b/run before
+        p.error(
+            f"advise reads a run's local records (run.dir), not its checkpoints: give the "
+            f"run directory of the run that saved to {ns.directory}"
+        )
     if ns.command == "list" and ns.steps:
         p.error("list takes no step: it lists them all (show DIR STEP, verify DIR STEP...)")
     if ns.command == "show" and len(ns.steps) > 1:

@@ -87,6 +87,7 @@ from ftrain.ckpt.store import fsync_dir
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "UNFINISHED",
     "Staging",
     "abort",
     "begin",
@@ -124,6 +125,15 @@ class StepTakenError(FileExistsError):
     create-only put of the manifest or marker lost). Its objects are the winner's: the
     loser deletes nothing and does not try the fallback location (whose commit would set
     the winner's step aside as a replaced copy)."""
+
+
+# why a step prefix without a marker is not a checkpoint: on a store that is what a save
+# in progress, a killed one or a retention delete that could not finish leaves (locally a
+# step directory exists only once committed, so a missing marker there is damage)
+UNFINISHED = (
+    "no COMMITTED marker: a save or a retention delete that did not finish (nothing "
+    "committed; swept at a start once older than the newest commit and 10 minutes)"
+)
 
 
 def _phase(name: str) -> None:

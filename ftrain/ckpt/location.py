@@ -44,15 +44,30 @@ __all__ = [
 ]
 
 OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "azure", "abfs", "abfss"})
-# obstore's retry policy (object_store's): up to 10 retries with exponential backoff from
-# 100 ms to 15 s, giving up on one request after 3 minutes.
+# obstore's retry policy (object_store's) for the run's requests: a store that does not
+# answer is retried for about 3 minutes before a request fails (then a save goes to the
+# fallback). object_store draws each wait uniformly between init_backoff and base x the
+# previous one, so with base 2 the waits hardly grew: 10 retries gave up after 1.5-7 s of
+# network outage. Base 4 doubles the median wait each time (100 ms, ~0.2, ~0.4 ... up to
+# 15 s), and retry_timeout, not the count, ends the window.
 RETRY = {
-    "max_retries": 10,
+    "max_retries": 30,
     "retry_timeout": timedelta(minutes=3),
     "backoff": {
         "init_backoff": timedelta(milliseconds=100),
         "max_backoff": timedelta(seconds=15),
-        "base": 2.0,
+        "base": 4.0,
+    },
+}
+# the one listing at start (no such bucket, a mistyped endpoint): a few quick retries, so a
+# wrong setting is said in seconds, not after the run's 3-minute window
+PROBE_RETRY = {
+    "max_retries": 3,
+    "retry_timeout": timedelta(seconds=20),
+    "backoff": {
+        "init_backoff": timedelta(milliseconds=100),
+        "max_backoff": timedelta(seconds=2),
+        "base": 4.0,
     },
 }
 # obstore's ClientConfig keys (HTTP client settings shared by every backend); any other
@@ -179,8 +194,9 @@ def _check_object_path(value: str, scheme: str, rest: str) -> None:
         )
 
 
-def open_store(url: str, storage: Mapping | None = None):
-    """A writable ``zarr.storage.ObjectStore`` rooted at ``url`` (bucket + prefix).
+def open_store(url: str, storage: Mapping | None = None, retry: Mapping = RETRY):
+    """A writable ``zarr.storage.ObjectStore`` rooted at ``url`` (bucket + prefix), its
+    requests retried per ``retry`` (:data:`RETRY`, or :data:`PROBE_RETRY`).
 
     Raises:
         CheckpointLocationError: a storage option the store does not know.
@@ -194,7 +210,7 @@ def open_store(url: str, storage: Mapping | None = None):
     _check_endpoints(url, config)
     try:
         raw = obstore.store.from_url(
-            url, config=config or None, client_options=client or None, retry_config=RETRY
+            url, config=config or None, client_options=client or None, retry_config=dict(retry)
         )
     except obstore.exceptions.UnknownConfigurationKeyError as e:
         key = re.search(r"key: '([^']+)'", str(e))

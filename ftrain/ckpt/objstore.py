@@ -72,7 +72,7 @@ from zarr.core.sync import sync
 
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CorruptCheckpointError, json_bytes, parse_json
-from ftrain.ckpt.location import CheckpointStoreError, describe_error, open_store
+from ftrain.ckpt.location import PROBE_RETRY, CheckpointStoreError, describe_error, open_store
 
 __all__ = ["SWEEP_MIN_AGE_S", "ObjectKey", "ObjectRoot", "gather_bounded"]
 
@@ -152,12 +152,15 @@ class ObjectRoot:
     url: str
     store: object = field(compare=False, repr=False)
     concurrency: int = field(default=DEFAULT_CONCURRENCY, compare=False)
+    # the same store with quick retries, for :meth:`probe` (None: probe with ``store``)
+    probe_store: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def open(cls, url: str, storage: Mapping | None = None) -> ObjectRoot:
         """Configure the store for ``url`` with the environment's settings overridden by
         ``storage`` options (no request is made; see :meth:`probe`)."""
-        return cls(url, open_store(url, storage))
+        quick = open_store(url, storage, PROBE_RETRY)
+        return cls(url, open_store(url, storage), probe_store=quick)
 
     def __str__(self) -> str:
         return self.url
@@ -201,8 +204,9 @@ class ObjectRoot:
         Raises:
             CheckpointStoreError: naming the URL and the store's reason.
         """
+        store = (self.probe_store or self.store).store
         try:
-            self.list_dir("")
+            self._run("", obstore.list_with_delimiter_async, store, None)
         except CheckpointStoreError as e:
             bucket = self.url.split("://", 1)[1].split("/", 1)[0]
             raise CheckpointStoreError(
@@ -273,6 +277,8 @@ class ObjectRoot:
         return tuple(None if b is None else b.to_bytes() for b in (marker, manifest))
 
     def _check_committed(self, step: ObjectKey, marker_raw, manifest_raw) -> tuple[dict, dict]:
+        if marker_raw is None:  # the normal state of a step being saved or deleted
+            raise CorruptCheckpointError(f"{step}: {protocol.UNFINISHED}")
         marker = parse_json(marker_raw, step / protocol.MARKER)
         protocol.check_format(step, marker, manifest_raw)
         return marker, protocol.check_manifest(step, step.name, marker, manifest_raw)

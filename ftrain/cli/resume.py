@@ -307,7 +307,7 @@ def _refuse_lost_steps(cfg: DictConfig, manager: CheckpointManager) -> None:
     looked = [str(d) for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir))]
     raise ResumeError(
         f"run.dir={cfg.run.dir} records committed steps up to {max(committed)}{there}, but "
-        f"{' and '.join(looked)} hold no committed step. Point checkpoint.dir (and "
+        f"{' and '.join(looked)} {'hold' if len(looked) > 1 else 'holds'} no committed step. Point checkpoint.dir (and "
         "checkpoint.fallback_dir) where they are, mount that storage, or start this run "
         "over with resume=none run.overwrite=true (the old records are moved aside)"
     )

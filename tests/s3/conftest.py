@@ -77,14 +77,17 @@ def objects(s3, bucket: str, prefix: str = "") -> dict[str, bytes]:
 def flaky_endpoint(s3_server, monkeypatch):
     """An HTTP proxy in front of the S3 server that answers some requests with
     ``503 SlowDown`` (S3's throttling reply) instead of forwarding them; ftrain is pointed
-    at it. Yields ``{"fail": set of request numbers to refuse, "refused": [..], "seen": n}``."""
+    at it. Yields ``{"fail": set of request numbers to refuse, "refused": [..], "seen": n,
+    "down_until": time.monotonic() before which every request is refused (an outage)}``."""
     import http.client
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from urllib.parse import urlparse
 
     upstream = urlparse(s3_server["endpoint"])
-    state = {"fail": set(), "refused": [], "seen": 0}
+    import time
+
+    state = {"fail": set(), "refused": [], "seen": 0, "down_until": 0.0}
     lock = threading.Lock()
 
     class Proxy(BaseHTTPRequestHandler):
@@ -95,7 +98,7 @@ def flaky_endpoint(s3_server, monkeypatch):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             with lock:
                 state["seen"] += 1
-                refuse = state["seen"] in state["fail"]
+                refuse = state["seen"] in state["fail"] or time.monotonic() < state["down_until"]
             if refuse:
                 state["refused"].append(f"{self.command} {self.path}")
                 msg = b"<Error><Code>SlowDown</Code><Message>Reduce your rate</Message></Error>"

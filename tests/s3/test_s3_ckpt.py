@@ -377,6 +377,19 @@ def test_the_ckpt_tool_on_a_bucket(bucket, s3, capsys):
     assert main(["diff", url, "1", "2"]) == 1
     assert main(["list", "s3://no-such-bucket-x/ck"]) == 2
     assert "NoSuchBucket" in capsys.readouterr().err
+    # a retention delete that removed the marker but not the rest (a store failing
+    # mid-delete): verify said BAD ("metadata is missing") and exited 1 for 10 minutes,
+    # though nothing committed was damaged; a marker-less prefix on a store is "left"
+    m.save(make_state(3))
+    s3.delete_object(Bucket=bucket, Key="ck/step_00000001/COMMITTED")
+    assert main(["verify", url, "3"]) == 0  # a named step: only it
+    capsys.readouterr()
+    s3.put_object(Bucket=bucket, Key=doc, Body=objects(s3, bucket, "ck/step_00000003/")[
+        "ck/step_00000003/params/w/zarr.json"])  # fmt: skip
+    rc, out = main(["verify", url]), capsys.readouterr().out
+    assert "left step_00000001: s3://" in out and "no COMMITTED marker: a save or a" in out, out
+    assert "metadata is missing" not in out and rc == 0, out
+    assert main(["list", url]) == 0
 
 
 def test_an_s3_fallback_takes_saves_when_the_local_primary_fails(bucket, tmp_path, monkeypatch):
@@ -484,6 +497,27 @@ def test_throttled_and_failing_requests_are_retried(bucket, flaky_endpoint):
     flaky_endpoint["fail"] |= {flaky_endpoint["seen"] + n for n in (2, 5, 11)}
     assert first_difference(CheckpointManager(url).restore(), make_state(1)) is None
     assert len(flaky_endpoint["refused"]) == 8, flaky_endpoint["refused"]
+
+
+def test_a_save_rides_out_a_store_outage_and_a_wrong_setting_is_said_in_seconds(
+    bucket, flaky_endpoint
+):
+    """Every request refused for 12 s (an outage): the retries gave up after 1.5-7 s
+    (object_store's jittered waits hardly grew at base 2) and the save failed, though the
+    docs promised minutes. Now the save waits it out and commits. The start's listing of a
+    store that stays down still fails within seconds (its own quick retries)."""
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False, chunk_bytes=1024)
+    t0 = time.monotonic()
+    flaky_endpoint["down_until"] = t0 + 12
+    assert m.save(make_state(1))
+    assert time.monotonic() - t0 >= 12 and m.all_steps() == [1]
+    flaky_endpoint["down_until"] = time.monotonic() + 600
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointStoreError, match="SlowDown|503"):
+        CheckpointManager(f"s3://{bucket}/other", async_save=False)
+    assert time.monotonic() - t0 < 30
+    flaky_endpoint["down_until"] = 0.0
 
 
 def test_damaged_objects_restore_exactly_or_raise_ftrains_error(bucket, s3):

@@ -341,6 +341,7 @@ def test_ckpt_tool_refuses_steps_a_command_would_drop(tmp_path, capsys):
         (("show", tmp_path, 1, 2), "show takes one step, got [1, 2]"),
         (("list", tmp_path, 1), "list takes no step"),
         (("advise", tmp_path, 1), "advise takes a run directory only"),
+        (("advise", "s3://b/run"), "advise reads a run's local records (run.dir)"),
         (("list", tmp_path, "--mtbf", "5h"), "--mtbf is advise's"),
         (("export", tmp_path, ""), "OUT='' is empty"),
     ]:
