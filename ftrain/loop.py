@@ -372,12 +372,17 @@ _CHECKED = ("loss", "grad_norm")
 
 
 def _nonfinite(old, new, metrics, host: dict | None) -> dict[str, float]:
-    """The checked metrics that are not finite (``{}``: all fine, or fp16 skipped the step).
+    """The checked metrics that are not finite (``{}``: all fine, or fp16 loss scaling
+    skipped the step while its scale could still back off).
 
-    One host read for all of them (``host`` when the step is logged anyway).
+    A step the scaler skipped is its business (as GradScaler's, even a one-off forward
+    overflow) until the scale has backed off below 1: then the loss or gradients are not
+    finite even unscaled, a divergence. Before, such a run skipped every step to the end
+    with its scale at 0 and ended "done", exit 0, having learned nothing. One host read
+    for all of them (``host`` when the step is logged anyway).
     """
     names = [k for k in _CHECKED if k in metrics.keys()]
-    if not names or _amp_skipped(old, new):
+    if not names or (_amp_skipped(old, new) and not _scale_spent(new)):
         return {}
     if host is not None:
         values = [float(host[k]) for k in names]
@@ -394,6 +399,14 @@ def _amp_skipped(old, new) -> bool:
         path = ("loss_scale", "skipped")
         return bool(tree_get(new["opt"], path) != tree_get(old["opt"], path))
     except (KeyError, ValueError):  # a custom state without (one) loss-scale counter
+        return False
+
+
+def _scale_spent(new) -> bool:
+    """The loss scale after a skipped step is below 1: backing off further cannot help."""
+    try:
+        return bool(tree_get(new["opt"], ("loss_scale", "scale")) < 1)
+    except (KeyError, ValueError):
         return False
 
 

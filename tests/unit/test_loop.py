@@ -1,8 +1,10 @@
+import math
+
 import pytest
 import torch
 
 import ftrain
-from ftrain.loop import train_loop
+from ftrain.loop import NonFiniteError, train_loop
 from ftrain.signals import StopFlag
 
 
@@ -316,6 +318,23 @@ def test_nonfinite_fp16_skips_are_left_to_the_loss_scaler():
     skipped = result.state["opt", "loss_scale", "skipped"]
     assert int(skipped) >= 1, "the scaler skipped the overflowing step"
     assert not any(k == "nonfinite" for k, _ in records)
+
+
+def test_fp16_steps_the_scaler_skips_past_a_scale_below_1_are_a_divergence():
+    """Every forward NaN (a diverged model): the scaler skipped each step and backed its
+    scale off to 0, and the run ended "done" having learned nothing. Once the scale is
+    below 1 a skipped step is non-finite even unscaled: on_nonfinite applies (stop)."""
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.dynamic_loss_scale(ftrain.optim.sgd(0.1), init_scale=4.0)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx, precision="fp16")
+    state = ftrain.init_state(model, tx, seed=0, precision="fp16")
+    nan = iter([{"x": torch.full((4, 2), float("nan"))}] * 10)
+    records = []
+    with pytest.raises(NonFiniteError) as got:
+        train_loop(state, step, nan, max_steps=10, record=lambda k, **f: records.append((k, f)))
+    # scale 4 -> 2 -> 1 (skipped, left to the scaler) -> 0.5 at step 3: stopped there
+    assert got.value.step == 3 and math.isnan(got.value.values["loss"]), got.value
+    assert [f["step"] for k, f in records if k == "nonfinite"] == [3]
 
 
 def test_nonfinite_rejects_bad_modes():
