@@ -369,9 +369,10 @@ def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
     if world.active:  # every rank learns if one failed: none goes on to train alone
         decision = broadcast_json(_decide(gather_json(outcome)))
         if decision["do"] != "take":
-            raise error or ResumeError(
+            raise ResumeError(  # on every rank alike (the failed one's own error, an
+                # OSError say, was a traceback and exit 1 there while the others said why)
                 f"cannot resume step {chosen} on every rank: {decision['why']}"
-            )
+            ) from error
     return state
 
 
@@ -416,7 +417,7 @@ def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
             _SKIPPED.update({s: why for s, why in skipped.items() if s != step})
             return state
         if decision["do"] == "stop":
-            raise error or ResumeError(f"cannot restore step {step}: {decision['why']}")
+            raise ResumeError(f"cannot restore step {step}: {decision['why']}") from error
         # two copies of one step skipped: both reasons
         skipped[step] = "; ".join(filter(None, (skipped.get(step), decision["why"])))
     if skipped:

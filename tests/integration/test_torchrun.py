@@ -133,6 +133,9 @@ def test_a_rank_that_cannot_read_the_chosen_step_stops_every_rank_with_its_reaso
     assert rc != 0 and arm.with_name("arm.json.fired").exists(), out
     assert "cannot resume step 2 on every rank: rank 1:" in out, out
     assert "I/O error (injected at restore_read)" in out, out
+    # every rank exits 2 with the message: the failed rank's OSError was a traceback, exit 1
+    assert out.count("ftrain: cannot start: cannot resume step 2 on every rank") == 2, out
+    assert "ftrain/cli/" not in out, out  # torchrun's agent prints its own traceback only
     assert CheckpointManager(run / "checkpoints", async_save=False).all_steps() == [2], out
     assert not [r for r in records(run, "step") if r.get("step", 0) > 2], out
 
