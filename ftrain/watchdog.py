@@ -121,7 +121,8 @@ class Watchdog:
         timeout_s: the longest time allowed between two beats (> 0).
         run_dir: where the stack dump ``hang-<time>-pid<pid>.txt`` goes.
         save: ``save(state, metrics) -> bool``: the final save (commit included), called
-            from a helper thread; ``None``: never save.
+            from a helper thread (a string instead of ``False``: why it saved nothing);
+            ``None``: never save.
         drain: ``drain()``: wait for saves already in flight (``None``: nothing to wait for);
             called, bounded, even when the final save is skipped.
         on_hang: ``on_hang(info)`` with a dict of what happened, before the exit (a record).
@@ -144,7 +145,7 @@ class Watchdog:
         timeout_s: float,
         *,
         run_dir: str | os.PathLike,
-        save: Callable[[object, dict], bool] | None = None,
+        save: Callable[[object, dict], bool | str] | None = None,
         drain: Callable[[], object] | None = None,
         on_hang: Callable[[dict], None] | None = None,
         first_timeout_s: float | None = None,
@@ -267,7 +268,11 @@ class Watchdog:
             try:
                 if can_save:
                     try:
-                        out["saved"] = bool(self._save(state, metrics))
+                        got = self._save(state, metrics)
+                        # a string: why nothing was saved (said in the exit line)
+                        out["saved"], out["error"] = (
+                            (False, got) if isinstance(got, str) else (bool(got), None)
+                        )
                     finally:
                         if pinned:
                             unpin(state)

@@ -492,8 +492,11 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
     if cfg.trainer.hang_timeout_s is None:
         return None
 
-    def save(state, metrics) -> bool:
-        return session.save(state, metrics, force=True, reason="hang")
+    def save(state, metrics) -> bool | str:
+        saved = session.save(state, metrics, force=True, reason="hang")
+        if not saved and session.sharded:  # why, for the exit line (it blamed "nothing trained")
+            return "the state is sharded over every rank and one rank cannot gather it"
+        return saved
 
     watchdog = Watchdog(
         cfg.trainer.hang_timeout_s,

@@ -77,6 +77,18 @@ def test_a_hang_dumps_stacks_saves_the_last_step_and_exits_hung(tmp_path):
     assert hangs[0]["step"] == 3 and hangs[0]["saved"] is True and hangs[0]["phase"] == "data"
 
 
+def test_a_save_that_says_why_it_saved_nothing_is_named_in_the_exit_line(tmp_path, capfd):
+    """A sharded run's hang save is skipped (one rank cannot gather the state); the exit
+    line said "nothing trained since the run began ... or another rank writes it", none of
+    which was true. A save callback returning a string says why, and the line shows it."""
+    why = "the state is sharded over every rank and one rank cannot gather it"
+    _, fired, _, hangs, _ = _run(tmp_path, n=3, save=lambda s, m: why)
+    err = capfd.readouterr().err
+    assert fired.codes == [EXIT_HUNG] and hangs[0]["saved"] is False
+    assert hangs[0]["save_error"] == why
+    assert f"ftrain: no final save ({why}); exiting with code 4" in err, err
+
+
 def test_the_first_step_gets_its_own_larger_allowance(tmp_path):
     _, fired, saves, hangs, took = _run(tmp_path, n=0, timeout_s=0.2, first_timeout_s=1.0)
     assert fired.codes == [EXIT_HUNG] and took >= 1.0, "not before first_timeout_s"
