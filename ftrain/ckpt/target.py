@@ -6,7 +6,7 @@ from tensordict import TensorDictBase
 
 from ftrain.ckpt.store import groups_and_arrays
 
-__all__ = ["check_only", "match_target"]
+__all__ = ["TargetMismatchError", "check_only", "match_target"]
 
 
 def check_only(manifest: dict, only: tuple[str, ...] | None) -> None:
@@ -22,6 +22,24 @@ def check_only(manifest: dict, only: tuple[str, ...] | None) -> None:
     for p in only:
         if not any(n == p or n.startswith(p + "/") for n in names):
             raise ValueError(f"only={p!r} matches nothing in the checkpoint; top-level keys: {top}")
+
+
+_SHOWN = 10  # differences a mismatch lists (a precision change made ~400 lines)
+
+
+class TargetMismatchError(ValueError):
+    """A checkpoint's arrays do not fit the target's; ``differences`` lists them all, the
+    message the first ten and a count of the rest."""
+
+    def __init__(self, differences: list[str]) -> None:
+        self.differences = list(differences)
+        shown = differences[:_SHOWN]
+        more = len(differences) - len(shown)
+        super().__init__(
+            f"checkpoint does not match the target ({len(differences)} differences):\n  "
+            + "\n  ".join(shown)
+            + (f"\n  and {more} more" if more else "")
+        )
 
 
 def match_target(
@@ -47,10 +65,7 @@ def match_target(
         if a.dtype != b.dtype:
             diffs.append(f"dtype of {k}: checkpoint {a.dtype}, target {b.dtype}")
     if diffs:
-        raise ValueError(
-            f"checkpoint does not match the target ({len(diffs)} differences):\n  "
-            + "\n  ".join(diffs)
-        )
+        raise TargetMismatchError(diffs)
     for k, t in want.items():
         if t.device != got[k].device and not t.is_meta:  # a meta template: shapes only
             td[tuple(k.split("/"))] = got[k].to(t.device)

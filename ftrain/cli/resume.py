@@ -525,8 +525,15 @@ def _restore(
         _note_skipped(caught)
         return state
     except ValueError as err:  # the checkpoint does not fit the configured model/optimizer
-        old = "not in target: amp/" in str(err)  # before the loss scale moved under opt
-        why = "an older ftrain (top-level amp)" if old else "a different model or optimizer"
+        listed = getattr(err, "differences", [str(err)])
+        old = any("not in target: amp/" in d for d in listed)  # loss scale not under opt
+        why = (
+            "an older ftrain (top-level amp)"
+            if old
+            else "a different model or optimizer layout (model.*, trainer.precision, "
+            "optim.* groups or frozen parameters, model.lora.*: run.allow_config_change "
+            "accepts changed values, not a state of another shape)"
+        )
         raise ResumeError(
             f"{err}\n  the checkpoint was written for {why}; resume with its config "
             "or start a new run (another run.name, or resume=none run.overwrite=true)"

@@ -136,6 +136,24 @@ def test_index_is_rebuilt_when_missing_or_stale(tmp_path):
     assert [(e["step"], e["metrics"]) for e in entries] == [(2, {}), (3, {"loss": 1.0})]
 
 
+def test_a_target_mismatch_lists_ten_differences_and_counts_the_rest(tmp_path):
+    """A resume whose config changes the state's layout (fp32 -> fp16 adds a loss scale
+    under opt, moving every moment) printed all ~400 differences; now ten and a count,
+    with every one kept on the error."""
+    from ftrain.ckpt.target import TargetMismatchError
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(make_state(3))
+    wide = make_state(0)
+    for i in range(14):
+        wide[f"extra{i:02d}"] = torch.zeros(1)
+    with pytest.raises(TargetMismatchError) as e:
+        m.restore(target=wide)
+    assert len(e.value.differences) == 14 and "(14 differences)" in str(e.value)
+    assert "extra09" in str(e.value) and "extra10" not in str(e.value)
+    assert str(e.value).endswith("and 4 more")
+
+
 def test_restore_only_and_target_validation(tmp_path):
     with CheckpointManager(tmp_path) as m:
         m.save(make_state(3))
