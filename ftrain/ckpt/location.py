@@ -44,32 +44,30 @@ __all__ = [
 ]
 
 OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "azure", "abfs", "abfss"})
-# obstore's retry policy (object_store's) for the run's requests: a store that does not
-# answer is retried for about 3 minutes before a request fails (then a save goes to the
-# fallback). object_store draws each wait uniformly between init_backoff and base x the
-# previous one, so with base 2 the waits hardly grew: 10 retries gave up after 1.5-7 s of
-# network outage. Base 4 doubles the median wait each time (100 ms, ~0.2, ~0.4 ... up to
-# 15 s), and retry_timeout, not the count, ends the window.
-RETRY = {
-    "max_retries": 30,
-    "retry_timeout": timedelta(minutes=3),
-    "backoff": {
-        "init_backoff": timedelta(milliseconds=100),
-        "max_backoff": timedelta(seconds=15),
-        "base": 4.0,
-    },
-}
+
+
+def _retry_policy(retries: int, window: timedelta, longest_wait: timedelta) -> dict:
+    """obstore's ``retry_config``. object_store draws each wait uniformly between
+    ``init_backoff`` and ``base`` x the previous one, so with base 2 the waits hardly grew
+    (10 retries gave up after 1.5-7 s of network outage); base 4 doubles the median wait
+    each time (100 ms, ~0.2, ~0.4 ...), and the window, not the count, ends the retrying."""
+    return {
+        "max_retries": retries,
+        "retry_timeout": window,
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=100),
+            "max_backoff": longest_wait,
+            "base": 4.0,
+        },
+    }
+
+
+# the run's requests: a store that does not answer is retried for about 3 minutes before a
+# request fails (then a save goes to the fallback)
+RETRY = _retry_policy(30, timedelta(minutes=3), timedelta(seconds=15))
 # the one listing at start (no such bucket, a mistyped endpoint): a few quick retries, so a
 # wrong setting is said in seconds, not after the run's 3-minute window
-PROBE_RETRY = {
-    "max_retries": 3,
-    "retry_timeout": timedelta(seconds=20),
-    "backoff": {
-        "init_backoff": timedelta(milliseconds=100),
-        "max_backoff": timedelta(seconds=2),
-        "base": 4.0,
-    },
-}
+PROBE_RETRY = _retry_policy(3, timedelta(seconds=20), timedelta(seconds=2))
 # obstore's ClientConfig keys (HTTP client settings shared by every backend); any other
 # storage option is a key of the backend's own config (S3Config, GCSConfig, AzureConfig)
 CLIENT_OPTIONS = frozenset(
