@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ftrain.ckpt.commit import _pid_alive
 from ftrain.ckpt.location import CheckpointLocationError
 from ftrain.ckpt.readonly import read_model, read_subtree
 from ftrain.lora import merge
@@ -198,22 +199,12 @@ def _stage_dir(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     for old in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
         pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)  # a dead export's, whose pid this one reuses
     stage.mkdir()
     return stage
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _write_file(out: Path, tensors: dict, step: int, save_file) -> int:
