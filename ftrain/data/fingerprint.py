@@ -107,7 +107,9 @@ def _entry_path(path: Path, cache: Path) -> Path:
 
 def _write_json_atomic(target: Path, obj: dict) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(target.parent)
+    if target.parent not in _SWEPT:  # once per process: this runs for every file hashed
+        _SWEPT.add(target.parent)
+        remove_stale_tmp(target.parent)
     with unique_tmp(target) as tmp:  # two writers (even of one pid) never share a tmp
         tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
         os.replace(tmp, target)
@@ -129,6 +131,7 @@ def unique_tmp(target: Path):
 # a temporary file untouched this long belongs to a writer that died (SIGKILL, power loss):
 # a live writer's file is written to, or replaced, far sooner
 STALE_TMP_S = 3600.0
+_SWEPT: set[Path] = set()  # fingerprint folders this process has swept
 
 
 def remove_stale_tmp(folder: Path, older_than_s: float = STALE_TMP_S) -> int:
