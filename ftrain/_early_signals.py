@@ -5,7 +5,7 @@ the process started: a SIGTERM before then ended it with 143 instead of the docu
 exit 3, and a Ctrl-C printed a ``KeyboardInterrupt`` traceback from inside the torch
 import. For the training command only (never on a library ``import ftrain``), the package
 records such signals first thing; the CLI takes them over: a SIGINT is its one-line exit
-130, a SIGTERM/SIGUSR1 the stop request of the run's start-up. Nothing here imports more
+130, a SIGTERM/SIGUSR1/SIGHUP/SIGQUIT the stop request of the run's start-up. Nothing here imports more
 than the standard library.
 """
 
@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 
-_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# ftrain.signals.STOP_SIGNALS and SIGINT (that module imports torch's neighbours; not this one)
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT)
 _pending: list[int] = []
 _previous: dict[int, object] = {}
 

@@ -1,6 +1,6 @@
 """Stop requests from signals, honoured at the next step boundary.
 
-SIGTERM, SIGINT and SIGUSR1 set a flag; the loop finishes the step it is in, saves a
+SIGTERM, SIGUSR1, SIGHUP, SIGQUIT and SIGINT set a flag; the loop finishes the step it is in, saves a
 committed checkpoint, and exits with :data:`EXIT_PREEMPTED`. A *second* SIGINT exits at
 once with :data:`EXIT_FORCED`: nothing is corrupted by that, because a checkpoint only
 counts once its commit marker is renamed into place (an interrupted save leaves a
@@ -14,7 +14,8 @@ Exit codes of ``python -m ftrain``:
       loss/grad norm with ``trainer.on_nonfinite=stop`` (then *nothing* is saved: the
       newest committed step is the last finite one)
 2     bad config or command line (nothing was trained)
-3     stopped by SIGTERM/SIGINT/SIGUSR1 after a committed save: re-run to resume
+3     stopped by SIGTERM/SIGINT/SIGUSR1/SIGHUP/SIGQUIT after a committed save: re-run to
+      resume
 4     hung: no progress for ``trainer.hang_timeout_s`` (:mod:`ftrain.watchdog`); stacks
       dumped to ``RUN_DIR/hang-*.txt``, the last consistent step saved if possible
 130   second SIGINT: immediate exit (the newest *committed* step is intact); also a
@@ -38,6 +39,7 @@ __all__ = [
     "EXIT_HUNG",
     "EXIT_OK",
     "EXIT_PREEMPTED",
+    "STOP_SIGNALS",
     "StopFlag",
     "take_received",
 ]
@@ -49,7 +51,11 @@ EXIT_PREEMPTED = 3
 EXIT_HUNG = 4
 EXIT_FORCED = 130
 
-_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# stop requests: a scheduler's preemption notice (SIGTERM, SIGUSR1), a lost terminal or ssh
+# session (SIGHUP), and what torchrun forwards to the ranks when it is itself stopped
+# (SIGTERM, SIGHUP, SIGQUIT); their default action killed the run without a save
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
+_HANDLED = (*STOP_SIGNALS, signal.SIGINT)
 
 
 _RECEIVED: list[str] = []  # stop signals handled in this process, until taken
@@ -74,7 +80,8 @@ class StopFlag:
         'test'
     """
 
-    def __init__(self) -> None:
+    def __init__(self, meaning: str = "finishing this step, saving, then exiting") -> None:
+        self.meaning = meaning  # what the run does about it, said when a signal comes
         self._event = threading.Event()
         self.reason: str | None = None
         self._previous: dict[int, object] = {}
@@ -97,12 +104,15 @@ class StopFlag:
         name = signal.Signals(signum).name
         _RECEIVED.append(name)  # for a sweep: the stop outlives this flag (take_received)
         # flag first: a second signal can run its handler in the middle of this one
+        if self.requested:  # a second notice, or one while the stop save runs
+            os.write(2, f"{name} received: already stopping ({self.reason})\n".encode())
+            return
         self.request(name)
-        os.write(2, f"{name} received: finishing this step, saving, then exiting\n".encode())
+        os.write(2, f"{name} received: {self.meaning}\n".encode())
 
     def install(self, signals: tuple[int, ...] = _HANDLED) -> StopFlag:
-        """Install handlers for ``signals`` (default SIGTERM, SIGINT, SIGUSR1; main thread
-        only, elsewhere a no-op) and return self."""
+        """Install handlers for ``signals`` (default SIGTERM, SIGUSR1, SIGHUP, SIGQUIT and
+        SIGINT; main thread only, elsewhere a no-op) and return self."""
         if threading.current_thread() is threading.main_thread():
             for name in _early_signals.take(signals):  # came while `python -m ftrain` imported
                 self.request(name)

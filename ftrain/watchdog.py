@@ -53,6 +53,8 @@ from ftrain.state.init import pin, unpin
 
 __all__ = ["Watchdog", "compile_started", "dump_stacks", "watch_dynamo_compiles"]
 
+# a poll this much later than asked: the process was stopped, not the loop hung
+_POLL_SLACK_S = 2.0
 _compiles = [0]  # compiles started in this process; a watchdog compares it at each beat
 
 
@@ -214,7 +216,9 @@ class Watchdog:
     # -- the watchdog thread ------------------------------------------------------------
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)
+        polled = time.monotonic()
         while not self._stop.wait(poll):
+            polled = self._discount_unobserved(polled, poll)
             compiling = _compiles[0] != self._compiles_seen  # since the last beat
             allowed = self.timeout_s if self._beats and not compiling else self.first_timeout_s
             allowed = self._until_beat or allowed
@@ -226,6 +230,19 @@ class Watchdog:
                     _say(f"ftrain: hang watchdog: {err!r}; exiting with code {EXIT_HUNG}")
                     self._exit(EXIT_HUNG)
                 return
+
+    def _discount_unobserved(self, polled: float, poll: float) -> float:
+        """Time this thread could not run is not counted as idle; returns the poll's time.
+
+        A poll much later than asked means the whole process was stopped (SIGSTOP/SIGCONT:
+        Ctrl-Z then ``fg``, ``scontrol suspend``, a paused VM) or this thread could not get
+        the GIL: either way the loop could not run either, and it may go on now. Counted,
+        such a pause was a hang (exit 4) the moment the process continued."""
+        now = time.monotonic()
+        unobserved = now - polled - poll
+        if unobserved > _POLL_SLACK_S:
+            self._last = min(now, self._last + unobserved)
+        return now
 
     def _fire(self, idle: float, allowed: float) -> None:
         self.fired = True

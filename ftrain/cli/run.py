@@ -84,6 +84,7 @@ from ftrain.signals import (
     EXIT_FORCED,
     EXIT_OK,
     EXIT_PREEMPTED,
+    STOP_SIGNALS,
     StopFlag,
 )
 from ftrain.state import init_state, place
@@ -144,6 +145,22 @@ def console_main() -> None:
 
 def train_from_config(cfg: DictConfig) -> int:
     """Run (or resume) the training job described by ``cfg``."""
+    # a stop request (SIGTERM, SIGUSR1, SIGHUP, SIGQUIT) during start-up and restore is kept,
+    # and the run stops at its first step boundary with exit 3 (it killed the process with
+    # 143 or 138 before, possibly mid-way through a run.overwrite move); SIGINT there stays
+    # an immediate exit 130 (a person at the keyboard)
+    early = StopFlag(_EARLY_MEANING).install(STOP_SIGNALS)
+    try:
+        return _train_from_config(cfg, early)
+    finally:
+        early.uninstall()
+
+
+_EARLY_MEANING = "stopping before the first step (nothing new is trained or saved)"
+_LATE_MEANING = "the run is already ending"
+
+
+def _train_from_config(cfg: DictConfig, early: StopFlag) -> int:
     try:
         device = local_device(pick_device(cfg.trainer.device))
         with _stop_signals_end_the_wait():
@@ -152,11 +169,6 @@ def train_from_config(cfg: DictConfig) -> int:
         print(f"ftrain: {err}", file=sys.stderr)
         return EXIT_CONFIG
     lock = None
-    # a preemption notice (SIGTERM, SIGUSR1) during start-up and restore is kept, and the
-    # run stops at its first step boundary with exit 3 (it killed the process with 143 or
-    # 138 before, possibly mid-way through a run.overwrite move); SIGINT there stays an
-    # immediate exit 130 (a person at the keyboard)
-    early = StopFlag().install((signal.SIGTERM, signal.SIGUSR1))
     try:
         try:
             same_config_on_every_rank(cfg, world)  # before any rank acts on its own config
@@ -167,10 +179,12 @@ def train_from_config(cfg: DictConfig) -> int:
             return EXIT_CONFIG
         return _run(cfg, device, world, parts, early)
     finally:
-        early.uninstall()
-        if lock is not None:
-            lock.release()  # after the last commit: the next start finds the directory free
-        shutdown()
+        # the run has ended: a signal now (SIGINT too) is noted, not a kill (143) or a
+        # KeyboardInterrupt claiming that nothing was saved right after the final commit
+        with StopFlag(_LATE_MEANING):
+            if lock is not None:
+                lock.release()  # after the last commit: the next start finds it free
+            shutdown()
 
 
 @contextlib.contextmanager
@@ -189,7 +203,7 @@ def _stop_signals_end_the_wait():
                 signal.signal(sig, handler)
 
 
-_WAIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_WAIT_SIGNALS = STOP_SIGNALS
 
 
 def _next_batch_starts(cfg, report, state, num_samples: int, world_size: int) -> None:

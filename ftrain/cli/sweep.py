@@ -10,9 +10,10 @@ sweep resumes every job where it stopped, and a longer ``trainer.max_steps`` ext
 Every job's config is composed and checked before the first one starts (a bad value in
 any job: exit 2, nothing run), including that no two jobs write the same run, checkpoint,
 fallback or logger path. Jobs run one after another in this process; a failed job (exit 1,
-2, 4, or an exception: exit 1 with its traceback) is reported and the next one starts; a
-job stopped by a signal (exit 3, 130) ends the sweep there (re-run it to continue), as does
-a signal that came as a job was finishing (it ended with exit 0). The exit status is the
+2, 4, an exception: exit 1 with its traceback, or ``sys.exit(N)``: exit N) is reported and
+the next one starts; a job stopped by a signal (exit 3, 130) ends the sweep there (re-run
+it to continue), as does a signal that came as a job was finishing (it ended with exit 0)
+or between two jobs. The exit status is the
 first failed job's, 0 when all succeeded, 3 when a signal left jobs unstarted.
 """
 
@@ -39,7 +40,14 @@ from ftrain.config.compose import (
     frozen_now,
     hydra_session,
 )
-from ftrain.signals import EXIT_ERROR, EXIT_FORCED, EXIT_OK, EXIT_PREEMPTED, take_received
+from ftrain.signals import (
+    EXIT_ERROR,
+    EXIT_FORCED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    StopFlag,
+    take_received,
+)
 
 __all__ = ["Job", "expand", "plan_jobs", "run_sweep"]
 
@@ -283,26 +291,37 @@ def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
     """Run ``train(job.cfg)`` for each job in order; return the sweep's exit status."""
     results: list[tuple[Job, int]] = []
     take_received()  # only signals during the jobs count
-    for job in jobs:
-        print(
-            f"[sweep] job {job.num} ({job.num + 1} of {len(jobs)}): "
-            f"{' '.join(job.overrides) or '(no overrides)'}"
-            f" -> run.dir={job.cfg.run.dir}",
-            flush=True,
-        )
-        rc = _train_job(train, job)
-        results.append((job, rc))
-        # a signal that came as the job was ending (its last step, its final save) let it
-        # finish (exit 0): the sweep stops all the same
-        received = take_received()
-        if rc in _STOP_SWEEP or received is not None:
-            why = f"was stopped (exit {rc})" if rc in _STOP_SWEEP else f"ended as {received} came"
-            print(f"[sweep] job {job.num} {why}: stopping the sweep")
-            break
+    # between two jobs no run's handlers are installed: a SIGTERM there killed the sweep (143)
+    with StopFlag("the sweep stops before its next job"):
+        for job in jobs:
+            if (received := take_received()) is not None:
+                print(f"[sweep] {received} came between jobs: stopping before job {job.num}")
+                break
+            rc = _announce_and_train(train, job, len(jobs))
+            results.append((job, rc))
+            # a signal that came as the job was ending (its last step, its final save) let it
+            # finish (exit 0): the sweep stops all the same
+            received = take_received()
+            if rc in _STOP_SWEEP or received is not None:
+                why = (
+                    f"was stopped (exit {rc})" if rc in _STOP_SWEEP else f"ended as {received} came"
+                )
+                print(f"[sweep] job {job.num} {why}: stopping the sweep")
+                break
     _summary(jobs, results)
     failed = [rc for _, rc in results if rc != EXIT_OK]
     cut_short = len(results) < len(jobs)
     return failed[0] if failed else (EXIT_PREEMPTED if cut_short else EXIT_OK)
+
+
+def _announce_and_train(train: Callable[[DictConfig], int], job: Job, total: int) -> int:
+    print(
+        f"[sweep] job {job.num} ({job.num + 1} of {total}): "
+        f"{' '.join(job.overrides) or '(no overrides)'}"
+        f" -> run.dir={job.cfg.run.dir}",
+        flush=True,
+    )
+    return _train_job(train, job)
 
 
 def _train_job(train: Callable[[DictConfig], int], job: Job) -> int:
@@ -318,6 +337,10 @@ def _train_job(train: Callable[[DictConfig], int], job: Job) -> int:
             "was saved by it, its newest committed checkpoint is intact"
         )
         return EXIT_FORCED
+    except SystemExit as stop:  # sys.exit() in a user's loss, logger or model code
+        rc = stop.code if isinstance(stop.code, int) else (EXIT_OK if stop.code is None else 1)
+        print(f"[sweep] job {job.num} called sys.exit({stop.code!r}) (exit {rc})")
+        return rc
     except Exception:
         traceback.print_exc()
         print(f"[sweep] job {job.num} failed with the error above (exit {EXIT_ERROR})")

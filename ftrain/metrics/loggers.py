@@ -149,8 +149,10 @@ class WandbLogger:
 
     ``mode``: ``online``, ``offline`` or ``disabled``; ``None`` takes ``WANDB_MODE``, else
     ``online`` when an API key is configured (``WANDB_API_KEY`` or ``wandb login``), else
-    ``offline`` (with one line saying so) — there is never a login prompt. An offline run is
-    uploaded later with ``wandb sync DIR/wandb/offline-run-*``.
+    ``offline`` (with one line saying so) — there is never a login prompt. An online run
+    whose service cannot be reached at start (an outage, a proxy, a wrong entity) logs
+    offline instead, with one line saying why: training is never held up by a dashboard.
+    An offline run is uploaded later with ``wandb sync DIR/wandb/offline-run-*``.
     """
 
     requires = ("wandb", "wandb")
@@ -175,19 +177,34 @@ class WandbLogger:
             )
         root = Path(dir) if dir else run.run_dir
         (root / "wandb").mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            project=project,
-            name=name or run.name,
-            entity=entity,
-            group=group,
-            tags=([tags] if isinstance(tags, str) else list(tags)) or None,  # "foo": f, o, o
-            dir=str(root),
-            id=_run_id(root / "wandb" / _RUN_ID_FILE, fresh=not run.resumed),
-            resume="allow",
-            mode=_wandb_mode(mode),
-            config=run.config,
-            settings=wandb.Settings(console="off", silent=True),
-        )
+        settings = {
+            "project": project,
+            "name": name or run.name,
+            "entity": entity,
+            "group": group,
+            "tags": ([tags] if isinstance(tags, str) else list(tags)) or None,  # "foo": f, o, o
+            "dir": str(root),
+            "id": _run_id(root / "wandb" / _RUN_ID_FILE, fresh=not run.resumed),
+            "resume": "allow",
+            "config": run.config,
+            "settings": wandb.Settings(console="off", silent=True),
+        }
+        resolved = _wandb_mode(mode)
+        try:
+            self.run = wandb.init(mode=resolved, **settings)
+        except Exception as err:
+            if resolved != "online":
+                raise
+            # the service unreachable (an outage, a proxy, a wrong entity): exit 2 said
+            # "never restart" to a supervisor, for a dashboard; the records stay local
+            print(
+                f"ftrain: wandb could not start online ({str(err).splitlines()[0][:200]}); "
+                f"logging offline instead: upload later with `wandb sync {root}/wandb/"
+                "offline-run-*` (logger.wandb.mode=offline skips the attempt)",
+                flush=True,
+            )
+            wandb.teardown()  # the failed init still holds the run id in wandb's service
+            self.run = wandb.init(mode="offline", **settings)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -502,6 +519,11 @@ def build_loggers(node, run: RunInfo) -> LoggerSet:
     return LoggerSet(built)
 
 
+# a logger's sys.exit() or its own KeyboardInterrupt (the run's SIGINT never reaches a
+# logger as one: the loop's handler takes it) is its failure, not the end of training
+_LOGGER_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
+
+
 class LoggerSet:
     """Fans records out to the built loggers; one that fails is warned about and dropped."""
 
@@ -517,9 +539,9 @@ class LoggerSet:
         if not values:
             return
         for name, logger in list(self.loggers.items()):
-            try:
-                logger.log_metrics(kind, step, values)
-            except Exception as err:  # advisory, like metrics.jsonl: training goes on
+            try:  # a copy each: a logger that edits its values cannot change the next one's
+                logger.log_metrics(kind, step, dict(values))
+            except _LOGGER_FAILURES as err:  # advisory, like metrics.jsonl: training goes on
                 log.warning(
                     "ftrain: logger %s failed (%r); it is dropped, training goes on", name, err
                 )
@@ -554,7 +576,7 @@ class LoggerSet:
 def _close_one(name: str, logger: Logger) -> None:
     try:
         logger.close()
-    except Exception as err:
+    except _LOGGER_FAILURES as err:
         log.warning("ftrain: logger %s did not close cleanly (%r)", name, err)
 
 

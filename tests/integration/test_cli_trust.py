@@ -481,11 +481,14 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("sig,code", [("SIGTERM", 3), ("SIGUSR1", 3), ("SIGINT", 130)])
+@pytest.mark.parametrize(
+    "sig,code", [("SIGTERM", 3), ("SIGUSR1", 3), ("SIGHUP", 3), ("SIGINT", 130)]
+)
 def test_a_signal_while_torch_imports_is_handled_as_documented(cache_dir, tmp_path, sig, code):
     """Before the CLI's handlers existed (the first seconds: torch importing), SIGTERM and
     SIGUSR1 ended the process with 143/138 and a Ctrl-C printed a KeyboardInterrupt
-    traceback from inside the torch import."""
+    traceback from inside the torch import. SIGHUP (a lost ssh session; torchrun forwards
+    it) killed a run at any moment, without a save."""
     env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, SIG=sig)
     args = [f"run.dir={tmp_path / 'run'}", *TINY, "trainer.max_steps=2"]
     proc = subprocess.run(
@@ -501,6 +504,43 @@ def test_a_signal_while_torch_imports_is_handled_as_documented(cache_dir, tmp_pa
         assert f"stop reason={sig}" in proc.stdout and not _committed(tmp_path / "run")
     else:
         assert "interrupted (SIGINT) outside the training loop" in proc.stderr
+
+
+LATE_SIGNALS = """
+import os, signal, sys
+import ftrain.cli.run as run
+
+real_shutdown = run.shutdown
+
+
+def shutdown():  # the run has ended: its last commit is done, its lock released
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)
+    real_shutdown()
+
+
+run.shutdown = shutdown
+sys.exit(run.main(sys.argv[1:]))
+"""
+
+
+def test_signals_while_a_finished_run_shuts_down_do_not_change_its_outcome(cache_dir, tmp_path):
+    """A SIGTERM as the process group shut down after the last commit killed the run (143:
+    a supervisor restarts a finished run), and a Ctrl-C there said "nothing was saved by
+    this run" right after it committed its final step (130)."""
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir)
+    args = [f"run.dir={tmp_path / 'run'}", *TINY, "trainer.max_steps=2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", LATE_SIGNALS, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "nothing was saved" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "SIGINT received: the run is already ending" in proc.stderr
+    assert _committed(tmp_path / "run") == [2]
 
 
 def test_a_console_that_goes_away_never_stops_training(cache_dir, tmp_path):

@@ -2,6 +2,8 @@
 and old checkpoints (recorded before options had targets) still comparing equal."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -323,6 +325,59 @@ def test_a_recorded_builtin_target_under_a_name_of_its_own_is_accepted():
     recorded["model"]["loss"] = "os.system"
     with pytest.raises(ConfigError, match="model.loss='os.system'"):
         check_recorded_targets(recorded)
+
+
+def test_a_job_calling_sys_exit_is_that_jobs_exit_and_the_sweep_goes_on(capsys):
+    """``sys.exit(7)`` in a user's loss or logger ended the whole sweep with no summary."""
+    jobs = plan_jobs(["optim.lr=1e-3,2e-3"])
+    ran = []
+
+    def train(cfg):
+        ran.append(cfg.optim.lr)
+        if len(ran) == 1:
+            sys.exit(7)
+        return 0
+
+    assert run_sweep(jobs, train) == 7
+    assert ran == [1e-3, 2e-3]
+    out = capsys.readouterr().out
+    assert "job 0 called sys.exit(7) (exit 7)" in out and "[sweep] 1/2 jobs succeeded" in out
+
+
+BETWEEN_JOBS = """
+import signal, sys
+from ftrain.cli.sweep import plan_jobs, run_sweep
+from ftrain.signals import StopFlag
+
+ran = []
+
+
+def train(cfg):
+    ran.append(cfg.optim.lr)
+    with StopFlag():  # the job's own handlers, put back as it ends (ftrain.cli.run)
+        pass
+    signal.raise_signal(signal.SIGTERM)  # after that: between two jobs
+    return 0
+
+
+rc = run_sweep(plan_jobs(["optim.lr=1e-3,2e-3"]), train)
+print("ran", ran)
+sys.exit(rc)
+"""
+
+
+def test_a_signal_between_two_jobs_stops_the_sweep_with_its_summary(tmp_path):
+    """Between two jobs no run's handlers were installed: a SIGTERM there (or in the next
+    job's device set-up) killed the sweep with 143, no summary, no exit 3."""
+    proc = subprocess.run(
+        [sys.executable, "-c", BETWEEN_JOBS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "ran [0.001]" in proc.stdout and "job 1: not started" in proc.stdout
 
 
 def test_a_signal_as_a_job_finishes_still_stops_the_sweep(capsys):

@@ -309,6 +309,27 @@ def test_wandb_offline_run_holds_the_values_and_a_resume_continues_the_same_run(
     assert (tmp_path / "wandb" / "ftrain-run-id").read_text().strip() != run_id, "a new run"
 
 
+def test_wandb_unreachable_at_start_logs_offline_instead_of_refusing_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    """An outage of the W&B service at a (re)start was exit 2, "never restart" to a
+    supervisor: a dashboard stopped a week-long run. Now the run logs offline and says how
+    to upload it."""
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'ftrain[wandb]'")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # online is asked for ...
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # ... and nothing listens
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    loggers = build_loggers({"wandb": WANDB}, RunInfo(tmp_path, "r", start_step=1, resumed=True))
+    _log(loggers, {2: 3.5})
+    loggers.close()
+    out = capsys.readouterr().out
+    assert "wandb could not start online" in out and "wandb sync" in out
+    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in _wandb_history(tmp_path)]
+    assert rows == [{"step": 2, "train/loss": 3.5, "train/lr": 1e-3}]
+
+
 def test_wandb_without_an_api_key_goes_offline_instead_of_prompting(monkeypatch, tmp_path, capsys):
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(var, raising=False)
@@ -339,25 +360,37 @@ def test_unknown_key_and_bad_target_are_refused_before_training():
         build_loggers({"wandb": WANDB | {"mode": "sometimes"}}, RunInfo(Path("/tmp"), "r"))
 
 
+_FAILURES = {
+    "disk": lambda: OSError(28, "No space left on device"),
+    "exit": lambda: SystemExit(7),  # a logger's own sys.exit() stopped training (exit 7)
+    "interrupt": lambda: KeyboardInterrupt(),  # ... and its own KeyboardInterrupt (130)
+}
+
+
 class _Recorder:
-    def __init__(self, *, run, fail_after=None):
+    def __init__(self, *, run, fail_after=None, failure="disk", edits=False):
         self.run, self.fail_after, self.seen, self.closed = run, fail_after, [], False
+        self.failure, self.edits = failure, edits
 
     def log_metrics(self, kind, step, values):
         if self.fail_after is not None and step > self.fail_after:
-            raise OSError(28, "No space left on device")
+            raise _FAILURES[self.failure]()
         self.seen.append((kind, step, dict(values)))
+        if self.edits:  # a logger that edits what it was given (renames, pops)
+            values.clear()
 
     def close(self):
         self.closed = True
 
 
+@pytest.mark.parametrize("failure", sorted(_FAILURES))
 def test_a_users_own_target_gets_the_run_and_numbers_only_and_a_failing_one_is_dropped(
-    tmp_path, caplog
+    tmp_path, caplog, failure
 ):
     target = f"{__name__}._Recorder"
+    flaky = {"_target_": target, "fail_after": 1, "failure": failure, "edits": True}
     built = build_loggers(
-        {"mine": {"_target_": target}, "flaky": {"_target_": target, "fail_after": 1}},
+        {"flaky": flaky, "mine": {"_target_": target}},
         RunInfo(tmp_path, "r", start_step=7, resumed=True),
     )
     mine, flaky = built.loggers["mine"], built.loggers["flaky"]

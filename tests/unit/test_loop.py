@@ -146,13 +146,22 @@ def test_other_ranks_stop_request_is_honoured_via_agree():
     assert result.status == "stopped" and int(result.state["step"]) == 0
 
 
-def test_stop_flag_signal_handler(monkeypatch):
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGHUP", "SIGQUIT", "SIGTERM"])
+def test_stop_flag_signal_handler(name, capfd):
+    """SIGHUP (a lost ssh session) and SIGQUIT (torchrun forwards both) killed the run
+    without a save: they are stop requests like SIGTERM."""
     import signal
 
+    sig = getattr(signal, name)
     with StopFlag() as flag:
-        signal.raise_signal(signal.SIGUSR1)
-        assert flag.requested and flag.reason == "SIGUSR1"
-    assert signal.getsignal(signal.SIGUSR1) is not flag._handle
+        signal.raise_signal(sig)
+        assert flag.requested and flag.reason == name
+        signal.raise_signal(signal.SIGTERM)  # a second notice changes nothing
+        assert flag.reason == name
+    assert signal.getsignal(sig) is not flag._handle
+    err = capfd.readouterr().err
+    assert f"{name} received: finishing this step, saving, then exiting" in err
+    assert f"SIGTERM received: already stopping ({name})" in err
 
 
 def test_saves_record_the_metrics_of_the_saved_step_and_eval_does_not_change_training():

@@ -1,5 +1,6 @@
 """The hang watchdog (ftrain.watchdog) with train_loop and a data source that blocks."""
 
+import signal
 import subprocess
 import sys
 import threading
@@ -217,6 +218,45 @@ def test_a_hung_process_exits_with_exit_hung_via_os_exit(tmp_path):
     text = dump.read_text()
     assert "block_forever" in text and "threading.Event().wait()" in text
     assert "ftrain-watchdog" in text, "every thread is in the dump"
+
+
+PAUSED_SCRIPT = """
+import sys, time, torch, ftrain
+from ftrain.loop import train_loop
+from ftrain.watchdog import Watchdog
+
+def batches():
+    while True:
+        time.sleep(0.05)
+        print("step", flush=True)
+        yield {"x": torch.ones(4, 2)}
+
+model = torch.nn.Linear(2, 1)
+tx = ftrain.optim.sgd(0.1)
+step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx)
+wd = Watchdog(1.0, run_dir=sys.argv[1], first_timeout_s=60.0)
+train_loop(ftrain.init_state(model, tx, seed=0), step, batches(), max_steps=60, watchdog=wd)
+print("finished", flush=True)
+"""
+
+
+def test_a_stopped_and_continued_process_is_not_a_hang(tmp_path):
+    """SIGSTOP for 4x the timeout, then SIGCONT (Ctrl-Z then fg, scontrol suspend/resume):
+    the watchdog's clock ran on while the process was stopped, and the run was called hung
+    (exit 4) the moment it continued."""
+    script = tmp_path / "paused.py"
+    script.write_text(PAUSED_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    for _ in range(5):  # stepping, past the first step's allowance
+        assert proc.stdout.readline() == "step\n"
+    proc.send_signal(signal.SIGSTOP)
+    time.sleep(4.0)
+    proc.send_signal(signal.SIGCONT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "finished" in out and not list(tmp_path.glob("hang-*.txt"))
 
 
 def test_dump_stacks_names_every_thread(tmp_path):
