@@ -151,7 +151,9 @@ def train_loop(
         max_steps: stop when ``state["step"]`` reaches this.
         save: ``save(state, metrics, *, force, reason) -> bool``; called after every step
             (its policy decides), with ``force=True`` at the end, on stop and on error.
-        evaluate: ``evaluate(state) -> {"val_loss": ...}``, called every ``eval_every`` steps.
+        evaluate: ``evaluate(state) -> {"val_loss": ...}``, called every ``eval_every`` steps;
+            not called once a stop is requested (the stop save comes first), and it may
+            return ``None`` to say it gave up part-way on one (recorded as ``eval_skipped``).
         record: ``record(kind, **fields)``: step records (every ``log_every`` steps), events
             (``nonfinite``, ``emergency_save``, ``eval``, ``heartbeat``).
         stop: a :class:`ftrain.signals.StopFlag`, checked at every step boundary.
@@ -197,10 +199,12 @@ def train_loop(
         donate=donate,
         on_nonfinite=on_nonfinite,
         watchdog=watchdog or _NoWatchdog(),
+        stop=stop,
+        agree=agree,
     )
     run.watchdog.start()
     try:
-        return run.loop(state, iter(batches), stop, agree)
+        return run.loop(state, iter(batches))
     finally:
         run.watchdog.stop()
 
@@ -256,17 +260,19 @@ class _Run:
     donate: bool
     on_nonfinite: str
     watchdog: Watchdog | _NoWatchdog
+    stop: StopFlag | None = None
+    agree: Callable[[bool], bool] | None = None
     meter: _Meter = field(default_factory=lambda: _Meter())
     last: dict = field(default_factory=dict)  # the newest *logged* metrics (host floats)
     current: dict = field(default_factory=dict)  # metrics of the step `state` is at
 
-    def loop(self, state, it, stop, agree) -> LoopResult:
-        wd, in_step, returned = self.watchdog, False, None
+    def loop(self, state, it) -> LoopResult:
+        wd, in_step, returned, stop = self.watchdog, False, None, self.stop
         start = int(state["step"])
         try:
             while int(state["step"]) < self.max_steps:
                 wd.phase("agree", state, self.current, safe=True)
-                if _stop_now(stop, agree):
+                if _stop_now(stop, self.agree):
                     reason = (
                         stop.reason if stop is not None else None
                     ) or "stop requested by another rank"
@@ -360,9 +366,17 @@ class _Run:
     def _maybe_evaluate(self, state, n: int) -> None:
         if self.evaluate is None or not self.eval_every or n % self.eval_every:
             return
+        if _stop_now(self.stop, self.agree):
+            # the stop save first: an evaluation may outlast the grace period (torchrun's
+            # 30 s, a scheduler's warning), and SIGKILL then lost every step since a commit
+            self.record("eval_skipped", step=n, reason=self.stop.reason if self.stop else None)
+            return
         self.watchdog.phase("eval", state, self.current, safe=True)
         ev = self.evaluate(state)
         self.watchdog.beat()
+        if ev is None:  # the evaluator gave up part-way on a stop request
+            self.record("eval_skipped", step=n, reason="stop requested during the evaluation")
+            return
         self.record("eval", step=n, **ev)
         self.last.update(ev)
         self.current.update(ev)

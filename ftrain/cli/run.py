@@ -443,7 +443,9 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             vocab_size=model_vocab(cfg.model),
         )
         evaluating = t.eval_every and p.val is not None
-        evaluate = session.evaluator(p.model, p.loss_fn, p.val, device) if evaluating else None
+        evaluate = (
+            session.evaluator(p.model, p.loss_fn, p.val, device, stop) if evaluating else None
+        )
         session.start_progress(int(state["step"]), device)
         watchdog = _watchdog(cfg, session)
         try:

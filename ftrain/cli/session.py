@@ -39,6 +39,7 @@ from ftrain.metrics import (
     memory_fields,
 )
 from ftrain.sharding import gather_state
+from ftrain.signals import StopFlag
 from ftrain.step import evaluate, make_eval_step
 
 __all__ = ["Session"]
@@ -417,12 +418,18 @@ class Session:
                 fields["commit_error"] = repr(err)
         return fields
 
-    def evaluator(self, model, loss_fn, val_src, device):
-        """``evaluate(state) -> {"val_loss": ...}`` over fixed validation batches, averaged over ranks."""
+    def evaluator(self, model, loss_fn, val_src, device, stop: StopFlag | None = None):
+        """``evaluate(state) -> {"val_loss": ...}`` over fixed validation batches, averaged
+        over ranks; ``None`` when ``stop`` is requested part-way (checked before each batch,
+        agreed by all ranks: every rank evaluates the same number of batches)."""
         eval_step = make_eval_step(model, loss_fn, precision=self.cfg.trainer.precision)
         t = self.cfg.trainer
 
-        def run(state) -> dict[str, float]:
+        def stopping() -> bool:
+            local = stop is not None and stop.requested
+            return agree_any(local) if self.world.active else local
+
+        def run(state) -> dict[str, float] | None:
             batches = val_batches(
                 val_src,
                 t.eval_batches,
@@ -434,7 +441,10 @@ class Session:
             )
             if self.sharded:  # shard=full: every rank gathers whole params (collective)
                 state = gather_state(state, ("params",))
-            out = evaluate(eval_step, state, batches)
+            try:
+                out = evaluate(eval_step, state, _until_stopped(batches, stopping))
+            except _EvalStopped:
+                return None
             return all_mean({"val_loss": out["loss"]})
 
         return run
@@ -519,3 +529,15 @@ def _logger_close_s(cfg: DictConfig) -> float:
     timeout where one is set (the run's own measure of "stuck"), else a minute."""
     hang = cfg.trainer.get("hang_timeout_s")
     return float(hang) if hang else LOGGER_CLOSE_S
+
+
+class _EvalStopped(Exception):
+    """A stop request came during an evaluation: its save goes first."""
+
+
+def _until_stopped(batches, stopping):
+    """``batches``, until ``stopping()`` says a stop was requested (asked before each)."""
+    for batch in batches:
+        if stopping():
+            raise _EvalStopped
+        yield batch

@@ -359,6 +359,25 @@ def test_sigterm_saves_at_the_step_reached_and_resume_continues(cli, popen_cli, 
     assert _committed(run)[-1] == reached + 2
 
 
+def test_sigterm_during_a_long_evaluation_saves_without_finishing_it(popen_cli, tmp_path):
+    """The stop save waited for the whole evaluation: one longer than the grace period
+    (torchrun's 30 s before SIGKILL) lost every step since the last commit."""
+    run = tmp_path / "run"
+    # an evaluation after every step, thousands of batches long: the heartbeat of a step
+    # is written just before its evaluation starts
+    proc = popen_cli(
+        run, "trainer.max_steps=400", "trainer.eval_every=1", "trainer.eval_batches=3000"
+    )
+    _wait_for_step(run, proc, 1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    stopped = records(run, "stop")[-1]["step"]
+    (skipped,) = records(run, "eval_skipped")
+    assert skipped["step"] == stopped and _committed(run) == [stopped]
+    assert skipped["reason"] == "stop requested during the evaluation"
+
+
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(cli, tmp_path):
     run = tmp_path / "run"
     cli(run, "trainer.max_steps=6", "checkpoint.every_steps=3", check=0)

@@ -164,6 +164,44 @@ def test_stop_flag_signal_handler(name, capfd):
     assert f"SIGTERM received: already stopping ({name})" in err
 
 
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_stop_request_saves_before_an_evaluation_not_after_it(when):
+    """A SIGTERM just before or during an evaluation waited for all of it before the stop
+    save: an evaluation longer than the grace period (torchrun's 30 s) lost every step
+    since the last commit to the SIGKILL that followed."""
+    state, step = _setup()
+    saves, records, evaluated, flag = Saves(), [], [], StopFlag()
+
+    def evaluate(s):
+        evaluated.append(int(s["step"]))
+        if when == "during":
+            flag.request("SIGTERM")
+            return None  # the evaluator gave up part-way
+        return {"val_loss": 1.0}
+
+    def counting(s, b):
+        if when == "before" and int(s["step"]) == 1:
+            flag.request("SIGTERM")  # during step 2, before its evaluation
+        return step(s, b)
+
+    result = train_loop(
+        state,
+        counting,
+        _batches(),
+        max_steps=10,
+        save=saves,
+        evaluate=evaluate,
+        eval_every=2,
+        stop=flag,
+        record=lambda kind, **f: records.append((kind, f)),
+    )
+    assert result.status == "stopped" and int(result.state["step"]) == 2
+    assert evaluated == ([] if when == "before" else [2])
+    skipped = [f for kind, f in records if kind == "eval_skipped"]
+    assert [f["step"] for f in skipped] == [2] and not [k for k, _ in records if k == "eval"]
+    assert saves.calls[-1] == (2, True, "SIGTERM")
+
+
 def test_saves_record_the_metrics_of_the_saved_step_and_eval_does_not_change_training():
     state, step = _setup()
     saves = Saves()
