@@ -536,15 +536,24 @@ class CheckpointManager:
         (a donating step never overwrites it) until the write ends."""
         pin(state)
         self._thread = threading.Thread(
-            target=self._run_background, args=(state, write, *args), name=f"ftrain-ckpt-{step}"
+            target=self._run_background,
+            args=(state, step, write, *args),
+            name=f"ftrain-ckpt-{step}",
         )
         self._thread.start()
 
-    def _run_background(self, state: TensorDictBase, write, *args: object) -> None:
+    def _run_background(self, state: TensorDictBase, step: int, write, *args: object) -> None:
         try:
             write(*args)
-        except BaseException as e:  # noqa: BLE001 - surfaced by the next call
+        except BaseException as e:  # noqa: BLE001 - raised by the next call
             self._error = e
+            # said now too: a script that ends without wait() or close() never heard of it
+            log.error(
+                "ftrain: the background save of step %d failed (%s); it is raised by the "
+                "next save(), wait() or close() of this manager",
+                step,
+                _described(e),
+            )
         finally:
             unpin(state)
 
@@ -971,7 +980,9 @@ class CheckpointManager:
     def _raise_pending(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
-            raise CheckpointSaveError(f"a background checkpoint save failed: {err}") from err
+            raise CheckpointSaveError(
+                f"a background checkpoint save failed: {_described(err)}"
+            ) from err
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has committed; raise its error if it failed."""
@@ -1162,3 +1173,12 @@ def _restore_host_rng(states: dict | None, step: int, rank: int) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return
     hostrng.restore(states)
+
+
+def _described(err: BaseException) -> str:
+    """``err`` for a message: its type, and its text when it has one (a KeyboardInterrupt
+    in the writer said "a background checkpoint save failed: " and nothing more)."""
+    text = str(err)
+    if isinstance(err, CheckpointSaveError) and text:  # says which step and where itself
+        return text
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

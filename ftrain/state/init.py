@@ -129,12 +129,15 @@ def _is_persistent(model: nn.Module, name: str) -> bool:
     return leaf not in owner._non_persistent_buffers_set
 
 
-# Donation and pins are facts about one state *object* (not its values: a clone is a new,
-# unpinned, usable state), so they live on the object itself, in its __dict__ beside
-# TensorDict's own fields: no global registry keyed by id(), nothing to clean up when a
-# state is collected. TensorDict.__setattr__ would store a tensor entry, hence __dict__.
+# Donation is a fact about one state *object* (not its values: a clone is a new, usable
+# state), so it lives on the object itself, in its __dict__ beside TensorDict's own fields.
+# TensorDict.__setattr__ would store a tensor entry, hence __dict__. A pin is about memory:
+# an async save of `state.exclude("data")` or `replace(state, ...)` reads the very buffers a
+# donating step of `state` would overwrite, so pins count per storage (its address, alive
+# while the pinned state holds it) and the object keeps its own count for unpin.
 _DONATED_ATTR, _PINS_ATTR = "_ftrain_donated", "_ftrain_pins"
 _PIN_LOCK = threading.Lock()  # pin/unpin run on the async writer's thread too
+_PINNED_STORAGES: dict[int, int] = {}  # storage address -> pins of states holding it
 
 
 def mark_donated(state: TensorDictBase) -> Callable[[], None]:
@@ -166,21 +169,45 @@ def pin(state: TensorDictBase) -> None:
         >>> unpin(s); is_pinned(s)
         False
     """
+    storages = _storages(state)
     with _PIN_LOCK:
         state.__dict__[_PINS_ATTR] = state.__dict__.get(_PINS_ATTR, 0) + 1
+        for address in storages:
+            _PINNED_STORAGES[address] = _PINNED_STORAGES.get(address, 0) + 1
 
 
 def unpin(state: TensorDictBase) -> None:
     """Release one :func:`pin` of ``state`` (no-op if it holds none)."""
+    storages = _storages(state)
     with _PIN_LOCK:
         count = state.__dict__.get(_PINS_ATTR, 0)
-        if count > 0:
-            state.__dict__[_PINS_ATTR] = count - 1
+        if count == 0:
+            return
+        state.__dict__[_PINS_ATTR] = count - 1
+        for address in storages:
+            left = _PINNED_STORAGES.pop(address, 0) - 1
+            if left > 0:
+                _PINNED_STORAGES[address] = left
 
 
 def is_pinned(state: TensorDictBase) -> bool:
-    """True while some :func:`pin` of ``state`` is unreleased."""
-    return state.__dict__.get(_PINS_ATTR, 0) > 0
+    """True while some :func:`pin` of ``state`` is unreleased, or of another state that
+    shares a buffer with it (a view of it: ``exclude``, ``select``, ``replace``)."""
+    if state.__dict__.get(_PINS_ATTR, 0) > 0:
+        return True
+    if not _PINNED_STORAGES:  # the common case: no save in flight, nothing to look up
+        return False
+    return not _PINNED_STORAGES.keys().isdisjoint(_storages(state))
+
+
+def _storages(state: TensorDictBase) -> set[int]:
+    """The addresses of the storages of ``state``'s tensor leaves (0: none, e.g. empty)."""
+    out = set()
+    for leaf in flatten(state)[1]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            out.add(leaf.untyped_storage().data_ptr())
+    out.discard(0)
+    return out
 
 
 def check_usable(state: TensorDictBase, what: str = "step") -> None:

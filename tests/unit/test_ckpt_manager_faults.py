@@ -82,6 +82,28 @@ def test_a_save_failing_with_a_memory_error_leaves_the_step_unsaved_for_the_emer
     assert m.all_steps() == [7] and _listed(tmp_path) == ["step_00000007"]
 
 
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_background_save_is_said_when_it_fails_and_named_when_raised(
+    tmp_path, monkeypatch, caplog, failure
+):
+    """A script that ended without wait() or close() never heard that its last save failed
+    (exit 0, no step on disk); a KeyboardInterrupt in the writer was raised as "a background
+    checkpoint save failed: " with nothing after it."""
+    m = CheckpointManager(tmp_path, async_save=True)
+
+    def failing(*a, **k):
+        raise failure
+
+    monkeypatch.setattr(store, "write_chunk", failing)
+    with caplog.at_level(logging.ERROR, logger="ftrain.ckpt"):
+        assert m.save(make_state(7), force=True)
+        m._thread.join()  # the writer is done; nobody has called the manager since
+    said = "No space left" if isinstance(failure, OSError) else "KeyboardInterrupt"
+    assert "the background save of step 7 failed (" in caplog.text and said in caplog.text
+    with pytest.raises(CheckpointSaveError, match=said):
+        m.close()
+
+
 def test_a_commit_is_never_deleted_by_its_own_retention(tmp_path):
     with CheckpointManager(tmp_path, async_save=False) as m:
         m.save(make_state(1000), force=True)

@@ -16,7 +16,11 @@ def _setup():
     return ftrain.init_state(model, tx, seed=0), step, {"x": torch.ones(8, 4)}
 
 
-def test_in_flight_save_pins_the_state_against_donation(tmp_path, monkeypatch):
+@pytest.mark.parametrize("saved", ["state", "exclude", "replace"])
+def test_in_flight_save_pins_the_state_against_donation(tmp_path, monkeypatch, saved):
+    """Also a TensorDict made from the state (``exclude``, ``replace``): it shares the
+    buffers, and a donating step of the state overwrote them under the writer, which
+    committed a later step's values that still passed their checksums."""
     state, step, batch = _setup()
     state, _ = step(state, batch)
     mgr = ftrain.CheckpointManager(tmp_path, async_save=True)
@@ -28,14 +32,19 @@ def test_in_flight_save_pins_the_state_against_donation(tmp_path, monkeypatch):
         real_write(*args)
 
     monkeypatch.setattr(mgr, "_write", slow_write)
-    expected = state.clone()
-    assert mgr.save(state, force=True)
-    assert is_pinned(state)
+    view = {
+        "state": lambda: state,
+        "exclude": lambda: state.exclude("data"),
+        "replace": lambda: ftrain.replace(state, step=state["step"].clone()),
+    }[saved]()
+    expected = view.clone()
+    assert mgr.save(view, force=True)
+    assert is_pinned(state) and is_pinned(view)
     later, _ = step(state, batch)  # must not overwrite the tensors the writer still reads
-    assert first_difference(state, expected) is None
+    assert first_difference(view, expected) is None
     release.set()
     mgr.wait()
-    assert not is_pinned(state)
+    assert not is_pinned(state) and not is_pinned(view)
     assert first_difference(mgr.restore(1), expected) is None
     after, _ = step(later, batch)  # unpinned states are donated as usual
     with pytest.raises(RuntimeError, match="donated"):
