@@ -229,6 +229,37 @@ def check_params_match(model: nn.Module, pkeys: list[Key]) -> bool:
     )
 
 
+def check_opt_matches(tx, params: TensorDictBase, opt: Structure) -> bool:
+    """The state's optimizer entries are those ``tx`` makes (once per layout): an AdamW
+    state given to an SGD step failed inside the bucketed update, saying a transform "left
+    out state entries" — a bug of the transform's, it read, not a state of another optimizer.
+
+    Raises:
+        ValueError: naming the entries that differ and the fix.
+    """
+    try:  # on the meta device: the layout without allocating a single moment
+        made = structure(tx.init(params.to("meta")))[0]
+    except Exception:  # a transform that cannot start on meta: the update checks as before
+        return True
+    theirs, ours = set(made.keys), set(opt.keys)
+    if theirs == ours:
+        return True
+    missing, extra = sorted(theirs - ours), sorted(ours - theirs)
+    raise ValueError(
+        "the state's optimizer state is not this step's optimizer's: "
+        + "; ".join(
+            [f"missing {_dotted(missing)}"] * bool(missing)
+            + [f"not this optimizer's {_dotted(extra)}"] * bool(extra)
+        )
+        + "; make the state with ftrain.init_state(model, tx) for the tx given to make_step "
+        "(or restore a checkpoint of it with target=)"
+    )
+
+
+def _dotted(keys: list[Key]) -> list[str]:
+    return [".".join(k) for k in keys[:4]]
+
+
 def _trainable(trainable: Trainable, pkeys: list[Key], params: list[torch.Tensor]):
     keep = trainable.indices(pkeys, params)
     if keep == []:
@@ -374,6 +405,7 @@ def make_step(
         core = _EagerCore(model, loss_fn, tx, _AUTOCAST[precision], dp, clip, sharder)
     trainable = Trainable(getattr(tx.update, "frozen_of", None))
     matched: dict = {}  # parameter layouts checked against the model's
+    matched_opt: dict = {}  # optimizer-state layouts checked against the tx's
 
     def step(state: TensorDictBase, batch) -> tuple[TensorDict, TensorDict]:
         check_usable(state, "step")
@@ -388,6 +420,9 @@ def make_step(
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
         opt = state["opt"]
         opt_flat = structure(opt)  # the optimizer state, walked once per step for all below
+        per_structure(
+            matched_opt, opt_flat[0], lambda: check_opt_matches(tx, state["params"], opt_flat[0])
+        )
         if sharder is not None:
             _check_sharded(opt if not sharder.full else state["params"])
         scale = _loss_scale(opt_flat, precision, clip)

@@ -14,6 +14,7 @@ import platform
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ftrain.ckpt.format import CorruptCheckpointError, read_json
@@ -75,6 +76,8 @@ def json_scalar(v: object) -> object:
                 f"a metric must be a number or a one-element tensor, got shape {tuple(v.shape)}"
                 "; log its mean (or each element under a name of its own)"
             )
+        v = v.item()
+    elif isinstance(v, np.generic):  # np.float32(0.5): "not JSON serializable" in the writer
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # "nan" / "inf": JSON has no non-finite numbers

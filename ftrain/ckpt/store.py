@@ -99,6 +99,14 @@ def _check_name(path: tuple[str, ...]) -> None:
         )
     if name in RESERVED or (not prefix and name in ROOT_RESERVED):
         raise ValueError(f"key {name!r} is reserved by the checkpoint format; rename it")
+    if len(name.encode()) > _NAME_MAX:  # ENAMETOOLONG deep in the writer (async: later)
+        raise ValueError(
+            f"key {name[:40]!r}... under {prefix or '/'!r} is {len(name.encode())} bytes long: "
+            f"a node is a directory, whose name may have at most {_NAME_MAX} bytes; shorten it"
+        )
+
+
+_NAME_MAX = 255  # bytes in a file name: Linux's NAME_MAX (ext4, xfs, tmpfs)
 
 
 def _chunk_jobs(tmp: Path, spec: ArraySpec, data: memoryview, rank: int, world: int) -> list:

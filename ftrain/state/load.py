@@ -52,6 +52,15 @@ def _problems(module: nn.Module, given: dict, strict: bool) -> tuple[list[str], 
                 problems.append(f"missing: {' = '.join(names)}")
             continue
         src = given[present[0]]
+        if not isinstance(src, torch.Tensor):
+            problems.append(f"{present[0]}: given a {type(src).__name__}, not a tensor")
+            continue
+        if p.is_meta:  # copy_ into it is a no-op: "loaded", and the module had nothing
+            problems.append(
+                f"{names[0]}: the module's parameter is on the meta device (no memory to "
+                "copy into); call module.to_empty(device='cpu') first"
+            )
+            continue
         if tuple(src.shape) != tuple(p.shape) or src.dtype != p.dtype:
             problems.append(
                 f"{present[0]}: given {src.dtype}{tuple(src.shape)}, module {p.dtype}{tuple(p.shape)}"

@@ -4,10 +4,12 @@ silently wrong result."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
+import ftrain
 from ftrain import optim
 from ftrain.ckpt import CheckpointManager
 
@@ -100,3 +102,20 @@ def test_a_metric_of_several_elements_is_named(tmp_path):
         with pytest.raises(ValueError, match=r"metric 'acc': .*shape \(2,\); log its mean"):
             m.save(_state(), metrics={"loss": 1.0, "acc": torch.tensor([0.5, 0.7])})
         assert m.save(_state(), metrics={"acc": torch.tensor([0.6])})
+        # numpy scalars (sklearn's metrics) were "not JSON serializable" in the writer
+        assert m.save(_state(2), metrics={"f1": np.float32(0.5), "n": np.int64(3)})
+    assert CheckpointManager(tmp_path).metadata(2)["metrics"] == {"f1": 0.5, "n": 3}
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_state_of_another_optimizer_is_named_as_such(donate):
+    """An AdamW state given to an SGD step failed inside the bucketed update: "a bucketable
+    transform must return every entry of its state", a transform bug by its words."""
+    model = torch.nn.Linear(4, 2)
+    state = ftrain.init_state(model, ftrain.optim.adamw(1e-3), seed=0)
+    sgd = ftrain.optim.sgd(0.1, momentum=0.9)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), sgd, donate=donate)
+    with pytest.raises(ValueError, match="not this step's optimizer's: missing .*init_state"):
+        step(state, {"x": torch.ones(3, 4)})
+    fitting = ftrain.init_state(model, sgd, seed=0)
+    assert int(step(fitting, {"x": torch.ones(3, 4)})[0]["step"]) == 1

@@ -276,6 +276,10 @@ def test_bad_inputs_fail_in_the_caller(tmp_path):
         m.save(make_state(1), metadata={"obj": object()})
     with pytest.raises(ValueError, match="not a valid node name"):
         m.save(TensorDict({"step": torch.tensor(1), "a/b": torch.zeros(1)}, []))
+    # a name past the file system's 255 bytes: ENAMETOOLONG from the background writer,
+    # or a "failing disk" moved on to the fallback
+    with pytest.raises(ValueError, match="300 bytes long.*at most 255 bytes"):
+        m.save(TensorDict({"step": torch.tensor(1), "k" * 300: torch.zeros(1)}, []))
     m.close()
     assert m.all_steps() == []
 

@@ -118,3 +118,17 @@ def test_buffers_are_loaded_too_so_the_module_computes_as_the_state():
         ftrain.load_params(fresh, state["params"], buffers={})
     with pytest.raises(ValueError, match="not a buffer of the module: 1.nope"):
         ftrain.load_params(fresh, state["params"], buffers={"1.nope": torch.zeros(1)}, strict=False)
+
+
+def test_a_module_on_meta_and_a_value_that_is_no_tensor_are_named():
+    """Into a module built on the meta device, load_params returned as if it had loaded
+    (copy_ into a meta tensor does nothing); a list value was an AttributeError."""
+    meta = torch.nn.Linear(2, 2, device="meta")
+    with pytest.raises(ValueError, match="weight: the module's parameter is on the meta.*to_empty"):
+        ftrain.load_params(meta, {"weight": torch.ones(2, 2), "bias": torch.ones(2)})
+    real = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="bias: given a list, not a tensor"):
+        ftrain.load_params(real, {"weight": torch.ones(2, 2), "bias": [1.0, 1.0]})
+    meta.to_empty(device="cpu")
+    ftrain.load_params(meta, {"weight": torch.ones(2, 2), "bias": torch.ones(2)})
+    assert torch.equal(meta.weight, torch.ones(2, 2))
