@@ -26,10 +26,12 @@ from ftrain.ckpt.policies import (
     LatestN,
     YoungerThan,
 )
+from ftrain.ckpt.writerlock import CheckpointDirInUseError
 
 __all__ = [
     "AnyOf",
     "BestN",
+    "CheckpointDirInUseError",
     "CheckpointFormatError",
     "CheckpointLocationError",
     "CheckpointManager",

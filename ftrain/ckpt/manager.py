@@ -72,6 +72,7 @@ from ftrain.ckpt.policies import (
 from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.store import DEFAULT_WORKERS, groups_and_arrays, write_tree
 from ftrain.ckpt.target import check_only, match_target
+from ftrain.ckpt.writerlock import WriterLock
 from ftrain.state.init import check_usable, pin, unpin
 
 if TYPE_CHECKING:
@@ -195,6 +196,7 @@ class CheckpointManager:
             [self.fallback_directory] if self.fallback_directory else []
         )
         self._thread: threading.Thread | None = None
+        self._writers = WriterLock()  # taken at the first save(): one writer per directory
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -353,6 +355,8 @@ class CheckpointManager:
                 counter) was changed behind PyTorch's back (a ``ValueError``; nothing is
                 saved; see :mod:`ftrain.ckpt.incremental`).
             ValueError: the state or metadata cannot be stored.
+            CheckpointDirInUseError: another manager (in this process or another) is
+                saving into this directory; nothing is saved.
         """
         with self._calls:  # one save at a time, whichever thread calls (see __init__)
             return self._save(state, metrics, metadata, force, host_rng)
@@ -365,6 +369,9 @@ class CheckpointManager:
         now = time.monotonic()  # the policy's clock: an NTP step back must not stop saves
         if not self._wants(step, now, force):
             return False
+        for root in self._dirs:
+            if isinstance(root, Path):
+                self._writers.claim(root)
         self.wait()  # at most one save in flight
         attrs = self._attributes(step, metrics, metadata, host_rng)
         _, leaves = groups_and_arrays(state)  # raises ValueError now, not in the background
@@ -1004,6 +1011,7 @@ class CheckpointManager:
                     self.wait()
                 finally:
                     self._closed = True
+                    self._writers.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

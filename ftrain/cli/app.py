@@ -24,6 +24,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable
+from datetime import datetime
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
@@ -113,10 +114,12 @@ def run_app(argv: list[str], train: Callable[[DictConfig], int]) -> int:
         if any(getattr(args, k) for k in _HYDRA_SHOWS) or args.cfg in ("hydra", "all"):
             return _hydra_shows(args, overrides)
         if args.multirun:
-            from ftrain.cli.sweep import plan_jobs, run_sweep
+            from ftrain.cli.sweep import carried_over, plan_jobs, run_sweep
 
-            jobs = plan_jobs(overrides, config_name=args.config_name or "config")
-            return run_sweep(jobs, train)
+            carried = carried_over(argv)  # the jobs an earlier process of it ran, if any
+            carried.now = carried.now or datetime.now()
+            jobs = plan_jobs(overrides, config_name=args.config_name or "config", now=carried.now)
+            return run_sweep(jobs, train, carried)
         cfg = load_config(overrides, config_name=args.config_name or "config")
     except ConfigError as err:
         print(f"ftrain: {err}", file=sys.stderr)

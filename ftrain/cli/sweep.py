@@ -11,18 +11,23 @@ Every job's config is composed and checked before the first one starts (a bad va
 any job: exit 2, nothing run), including that no two jobs write the same run, checkpoint,
 fallback or logger path. Jobs run one after another in this process; a failed job (exit 1,
 2, 4, an exception: exit 1 with its traceback, or ``sys.exit(N)``: exit N) is reported and
-the next one starts; a job stopped by a signal (exit 3, 130) ends the sweep there (re-run
-it to continue), as does a signal that came as a job was finishing (it ended with exit 0)
+the next one starts (a hung job's watchdog ends the process: the sweep goes on in a fresh
+one, :func:`exit_process`); a job stopped by a signal (exit 3, 130) ends the sweep there
+(re-run it to continue), as does a signal that came as a job was finishing (it ended with exit 0)
 or between two jobs. The exit status is the
 first failed job's, 0 when all succeeded, 3 when a signal left jobs unstarted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from hydra._internal.config_loader_impl import get_overrides_dirname
@@ -49,7 +54,7 @@ from ftrain.signals import (
     take_received,
 )
 
-__all__ = ["Job", "expand", "plan_jobs", "run_sweep"]
+__all__ = ["Carried", "Job", "carried_over", "exit_process", "expand", "plan_jobs", "run_sweep"]
 
 _STOP_SWEEP = (EXIT_PREEMPTED, EXIT_FORCED)  # a signal: the user wants the sweep to stop
 
@@ -94,8 +99,11 @@ def _in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("WORLD_SIZE", "1") not in "01"
 
 
-def plan_jobs(overrides: list[str], *, config_name: str = "config") -> list[Job]:
-    """Every job of the sweep with its composed, checked config (nothing is run).
+def plan_jobs(
+    overrides: list[str], *, config_name: str = "config", now: datetime | None = None
+) -> list[Job]:
+    """Every job of the sweep with its composed, checked config (nothing is run);
+    ``${now:...}`` is ``now`` (default: the time of planning).
 
     Raises:
         ConfigError: under torchrun, a bad override or value in any job, a fixed
@@ -109,7 +117,7 @@ def plan_jobs(overrides: list[str], *, config_name: str = "config") -> list[Job]
         )
     check_hydra_overrides(overrides, multirun=True)
     _refuse_fixed_dirs(overrides)
-    with frozen_now():  # one ${now:...} for every job, as Hydra's one sweep.dir
+    with frozen_now(now):  # one ${now:...} for every job, as Hydra's one sweep.dir
         jobs = [_job(n, o, config_name) for n, o in enumerate(expand(overrides))]
     if not jobs:  # range(0), an empty list: "0/0 jobs succeeded", exit 0, nothing trained
         raise ConfigError(
@@ -287,17 +295,33 @@ def _normalized(place: str) -> str:
     return place.rstrip("/") if "://" in place else os.path.abspath(place)
 
 
-def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
-    """Run ``train(job.cfg)`` for each job in order; return the sweep's exit status."""
+def run_sweep(
+    jobs: list[Job],
+    train: Callable[[DictConfig], int],
+    carried: Carried | None = None,
+) -> int:
+    """Run ``train(job.cfg)`` for each job in order; return the sweep's exit status.
+
+    ``carried``: this sweep's earlier process (:func:`carried_over`), whose jobs are
+    reported, not run again; with its ``argv``, a job the hang watchdog ends
+    (:func:`exit_process`) continues the sweep in a fresh process."""
+    carried = carried or Carried()
     results: list[tuple[Job, int]] = []
     take_received()  # only signals during the jobs count
     # between two jobs no run's handlers are installed: a SIGTERM there killed the sweep (143)
     with StopFlag("the sweep stops before its next job"):
         for job in jobs:
+            if job.num in carried.results:
+                results.append((job, carried.results[job.num]))
+                continue
             if (received := take_received()) is not None:
                 print(f"[sweep] {received} came between jobs: stopping before job {job.num}")
                 break
-            rc = _announce_and_train(train, job, len(jobs))
+            _CONTINUATION[:] = [(carried, results, job)]
+            try:
+                rc = _announce_and_train(train, job, len(jobs))
+            finally:
+                _CONTINUATION.clear()
             results.append((job, rc))
             # a signal that came as the job was ending (its last step, its final save) let it
             # finish (exit 0): the sweep stops all the same
@@ -312,6 +336,57 @@ def run_sweep(jobs: list[Job], train: Callable[[DictConfig], int]) -> int:
     failed = [rc for _, rc in results if rc != EXIT_OK]
     cut_short = len(results) < len(jobs)
     return failed[0] if failed else (EXIT_PREEMPTED if cut_short else EXIT_OK)
+
+
+@dataclass
+class Carried:
+    """What an earlier process of this sweep passed on: the command's overrides, the
+    planning's ``${now:...}`` and the exit status of each job it ran."""
+
+    argv: list[str] | None = None
+    now: datetime | None = None
+    results: dict[int, int] = field(default_factory=dict)
+
+
+_CARRY_ENV = "FTRAIN_SWEEP_CARRIED"
+# (carried, results so far, the job running) while a job runs: for exit_process
+_CONTINUATION: list[tuple[Carried, list, Job]] = []
+
+
+def carried_over(argv: list[str]) -> Carried:
+    """This sweep's state from the process it continues (``argv``: this command's), taken
+    out of the environment so no child inherits it; a fresh ``Carried`` otherwise."""
+    raw = os.environ.pop(_CARRY_ENV, None)
+    if raw is None:
+        return Carried(argv=list(argv))
+    try:
+        data = json.loads(raw)
+        if data["argv"] != list(argv):
+            raise ValueError("another command's")
+        now = datetime.fromisoformat(data["now"])
+        results = {int(k): int(v) for k, v in data["results"].items()}
+    except (ValueError, KeyError, TypeError) as err:
+        print(f"[sweep] ignoring {_CARRY_ENV} ({err}): the sweep starts from its first job")
+        return Carried(argv=list(argv))
+    return Carried(list(argv), now, results)
+
+
+def exit_process(code: int) -> None:
+    """End the process with ``code`` (``os._exit``: the hang watchdog's exit). In a sweep
+    the remaining jobs go on in a fresh process (the same command, told which jobs ran):
+    a hung job's thread cannot be stopped, and its exit ended the whole sweep."""
+    if _CONTINUATION and _CONTINUATION[0][0].argv is not None:
+        carried, results, job = _CONTINUATION[0]
+        done = {j.num: rc for j, rc in results} | {job.num: code}
+        os.environ[_CARRY_ENV] = json.dumps(
+            {"argv": carried.argv, "now": carried.now.isoformat(), "results": done}
+        )
+        print(f"[sweep] job {job.num} ended with exit {code}: going on in a fresh process")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with contextlib.suppress(OSError):  # no exec: the exit as before
+            os.execv(sys.executable, [sys.executable, "-m", "ftrain", *carried.argv])
+    os._exit(code)
 
 
 def _announce_and_train(train: Callable[[DictConfig], int], job: Job, total: int) -> int:

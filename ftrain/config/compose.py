@@ -73,11 +73,12 @@ _FROZEN_NOW: list[datetime] = []
 
 
 @contextmanager
-def frozen_now():
-    """``${now:...}`` reads one time inside the block: a sweep's planning composes every job,
-    and Hydra resolves ``hydra.sweep.dir`` once per sweep (per job, the clock ticking
-    between two composes spread ``multirun/${now:%H-%M-%S}`` over several directories)."""
-    _FROZEN_NOW.append(datetime.now())
+def frozen_now(at: datetime | None = None):
+    """``${now:...}`` reads one time inside the block (``at``, default now): a sweep's
+    planning composes every job, and Hydra resolves ``hydra.sweep.dir`` once per sweep (per
+    job, the clock ticking between two composes spread ``multirun/${now:%H-%M-%S}`` over
+    several directories)."""
+    _FROZEN_NOW.append(at or datetime.now())
     try:
         yield
     finally:

@@ -120,6 +120,7 @@ class TensorBoardLogger:
                 f"logger.tensorboard.flush_secs={flush_secs!r} is invalid: seconds > 0, e.g. 30"
             )
         self.log_dir = Path(log_dir) if log_dir else run.run_dir / "tensorboard"
+        _quiet_tensorboard_writer_threads()
         self.writer = SummaryWriter(
             str(self.log_dir), purge_step=run.start_step + 1, flush_secs=flush_secs
         )
@@ -130,6 +131,28 @@ class TensorBoardLogger:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _quiet_tensorboard_writer_threads() -> None:
+    """tensorboard's writer thread re-raises its error (a full disk, its directory removed)
+    into ``threading.excepthook``: ~15 lines of traceback on stderr, although it keeps the
+    error and the logger's next write raises it to :class:`LoggerSet`, which says it once
+    and drops the logger. Hooked once per process; other threads' errors go on as before."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another tensorboard layout: its tracebacks stay
+        return
+    previous = threading.excepthook
+    if getattr(previous, "ftrain_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, Exception):
+            return  # raised again by the logger's next write, and said there
+        previous(args)
+
+    hook.ftrain_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 # -- Weights & Biases --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ Top-level keys (fixed; the state is locked against adding or removing keys):
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -133,11 +134,13 @@ def _is_persistent(model: nn.Module, name: str) -> bool:
 # state), so it lives on the object itself, in its __dict__ beside TensorDict's own fields.
 # TensorDict.__setattr__ would store a tensor entry, hence __dict__. A pin is about memory:
 # an async save of `state.exclude("data")` or `replace(state, ...)` reads the very buffers a
-# donating step of `state` would overwrite, so pins count per storage (its address, alive
-# while the pinned state holds it) and the object keeps its own count for unpin.
-_DONATED_ATTR, _PINS_ATTR = "_ftrain_donated", "_ftrain_pins"
+# donating step of `state` would overwrite, so a state that shares a storage with a pinned
+# one counts as pinned. The pinned states are held weakly: one collected without its unpin
+# (a watchdog's pin before os._exit) takes its addresses along, and while it lives its
+# storages do, so no address is reused under it.
+_DONATED_ATTR, _PINS_ATTR, _STORAGES_ATTR = "_ftrain_donated", "_ftrain_pins", "_ftrain_storages"
 _PIN_LOCK = threading.Lock()  # pin/unpin run on the async writer's thread too
-_PINNED_STORAGES: dict[int, int] = {}  # storage address -> pins of states holding it
+_PINNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> pinned state
 
 
 def mark_donated(state: TensorDictBase) -> Callable[[], None]:
@@ -172,22 +175,19 @@ def pin(state: TensorDictBase) -> None:
     storages = _storages(state)
     with _PIN_LOCK:
         state.__dict__[_PINS_ATTR] = state.__dict__.get(_PINS_ATTR, 0) + 1
-        for address in storages:
-            _PINNED_STORAGES[address] = _PINNED_STORAGES.get(address, 0) + 1
+        state.__dict__[_STORAGES_ATTR] = storages
+        _PINNED[id(state)] = state
 
 
 def unpin(state: TensorDictBase) -> None:
     """Release one :func:`pin` of ``state`` (no-op if it holds none)."""
-    storages = _storages(state)
     with _PIN_LOCK:
         count = state.__dict__.get(_PINS_ATTR, 0)
         if count == 0:
             return
         state.__dict__[_PINS_ATTR] = count - 1
-        for address in storages:
-            left = _PINNED_STORAGES.pop(address, 0) - 1
-            if left > 0:
-                _PINNED_STORAGES[address] = left
+        if count == 1 and _PINNED.get(id(state)) is state:
+            del _PINNED[id(state)]
 
 
 def is_pinned(state: TensorDictBase) -> bool:
@@ -195,9 +195,12 @@ def is_pinned(state: TensorDictBase) -> bool:
     shares a buffer with it (a view of it: ``exclude``, ``select``, ``replace``)."""
     if state.__dict__.get(_PINS_ATTR, 0) > 0:
         return True
-    if not _PINNED_STORAGES:  # the common case: no save in flight, nothing to look up
+    if not _PINNED:  # the common case: no save in flight, nothing to look up
         return False
-    return not _PINNED_STORAGES.keys().isdisjoint(_storages(state))
+    with _PIN_LOCK:
+        pinned = [s.__dict__.get(_STORAGES_ATTR, set()) for s in _PINNED.values()]
+    mine = _storages(state)
+    return any(not mine.isdisjoint(theirs) for theirs in pinned)
 
 
 def _storages(state: TensorDictBase) -> set[int]:

@@ -78,6 +78,50 @@ def test_multirun_exit_status_reflects_a_failed_job(ftrain_cli, tmp_path):
     assert _committed(sweep / "job0" / "checkpoints") == [1]
 
 
+HANGING_LOGGER = """
+import threading
+
+
+class HangAt:
+    \"\"\"Hangs for good at step ``at`` of the job whose run directory is named ``job``.\"\"\"
+
+    def __init__(self, *, run, at=2, job="job0"):
+        self.hang, self.at = run.run_dir.name == job, at
+
+    def log_metrics(self, kind, step, values):
+        if self.hang and step >= self.at:
+            threading.Event().wait()
+
+    def close(self):
+        pass
+"""
+
+
+def test_a_hung_job_is_that_jobs_exit_4_and_the_sweep_goes_on(ftrain_cli, tmp_path):
+    """The hang watchdog ends its process (a hung thread cannot be stopped): that ended the
+    whole sweep, with no summary, and a re-run resumed the hung job first."""
+    (tmp_path / "hanglog.py").write_text(HANGING_LOGGER)
+    sweep = tmp_path / "sweep"
+    proc = ftrain_cli(
+        "-m",
+        *TINY,
+        "trainer.seed=1,2",
+        "trainer.max_steps=4",
+        "checkpoint.every_steps=2",
+        "trainer.hang_timeout_s=2",
+        "+logger.h._target_=hanglog.HangAt",
+        f"hydra.sweep.dir={sweep}",
+        "hydra.sweep.subdir=job${hydra.job.num}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "job 0 ended with exit 4: going on in a fresh process" in proc.stdout
+    assert "job 0: exit 4" in proc.stdout and "job 1: ok" in proc.stdout
+    assert _committed(sweep / "job0" / "checkpoints") == [2], "the hang save"
+    assert _committed(sweep / "job1" / "checkpoints")[-1] == 4
+
+
 def test_multirun_config_errors_and_torchrun_are_refused_before_any_job(ftrain_cli, tmp_path):
     bad = ftrain_cli("-m", *TINY, "optim.lr=1e-3,-1", cwd=tmp_path)
     assert bad.returncode == 2 and "optim.lr=-1.0" in bad.stderr, bad.stderr

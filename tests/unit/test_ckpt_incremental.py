@@ -533,8 +533,12 @@ def test_a_source_step_another_writer_replaced_is_not_linked(tmp_path, async_sav
     a.save(state_at(1, base))
     a.wait()
     other = state_at(1, frozen_base(seed=5))  # same shapes, other bytes
+    # a writer A's writer lock cannot see (another host on a shared file system, whose
+    # flock does not reach this one): here A's lock is simply dropped
+    a._writers.release()
     b = manager(tmp_path, async_save=False)
     b.save(other, force=True)  # a redo: A's step 1 moves aside
+    b.close()
     s2 = state_at(2, base)
     a.save(s2)
     a.close()

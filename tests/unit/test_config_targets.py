@@ -1,6 +1,8 @@
 """Options built by ``_target_``, user config directories, hydra.* overrides, sweep plans,
 and old checkpoints (recorded before options had targets) still comparing equal."""
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -465,3 +467,21 @@ def test_a_sweep_with_no_jobs_is_refused(empty, tmp_path):
 
     with pytest.raises(ConfigError, match="has no jobs"):
         plan_jobs([empty, f"hydra.sweep.dir={tmp_path}"])
+
+
+def test_what_a_sweep_carries_over_is_checked_and_never_inherited(monkeypatch, capsys):
+    """A sweep continued after a hung job (ftrain.cli.sweep.exit_process) is told which jobs
+    ran through the environment: only this command's record counts, and it is taken out
+    so no child of the sweep inherits it."""
+    from ftrain.cli.sweep import carried_over
+
+    argv = ["-m", "optim.lr=1e-3,2e-3"]
+    record = {"argv": argv, "now": "2026-12-06T20:00:00", "results": {"0": 4}}
+    monkeypatch.setenv("FTRAIN_SWEEP_CARRIED", json.dumps(record))
+    carried = carried_over(argv)
+    assert carried.results == {0: 4} and carried.now.hour == 20
+    assert "FTRAIN_SWEEP_CARRIED" not in os.environ
+    for bad in ({**record, "argv": ["-m", "other"]}, {"argv": argv}, "not json"):
+        monkeypatch.setenv("FTRAIN_SWEEP_CARRIED", bad if isinstance(bad, str) else json.dumps(bad))
+        assert carried_over(argv).results == {}
+    assert capsys.readouterr().out.count("the sweep starts from its first job") == 3

@@ -6,6 +6,8 @@ import json
 import logging
 import re
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -445,6 +447,43 @@ def test_a_bad_tensorboard_flush_interval_is_one_clear_error(tmp_path, flush):
     pytest.importorskip("tensorboard")
     with pytest.raises(LoggerError, match=f"flush_secs={flush!r} is invalid"):
         build_loggers({"tensorboard": {**TB, "flush_secs": flush}}, RunInfo(tmp_path, "r"))
+
+
+TB_FULL_DISK = """
+import sys
+from pathlib import Path
+from ftrain.metrics import RunInfo, build_loggers
+
+target = {"_target_": "ftrain.metrics.loggers.TensorBoardLogger", "flush_secs": 0.05}
+loggers = build_loggers({"tensorboard": target}, RunInfo(Path(sys.argv[1]), "r"))
+events = loggers.loggers["tensorboard"].writer._get_file_writer().event_writer._async_writer
+
+
+def full(data):
+    raise OSError(27, "File too large")
+
+
+events._writer.write = full  # the record writer of the event file: the disk is full
+loggers.log_metrics("step", 1, {"loss": 4.0})
+events._worker.join(10)  # the writer thread failed and ended
+loggers.log_metrics("step", 2, {"loss": 3.0})
+print("left:", loggers.names)
+"""
+
+
+def test_a_tensorboard_writer_that_fails_is_dropped_in_one_line_not_a_traceback(tmp_path):
+    """A full disk (or its log_dir removed) failed tensorboard's writer thread, which
+    printed ~15 lines of thread traceback before ftrain's one-line warning."""
+    pytest.importorskip("tensorboard")
+    proc = subprocess.run(
+        [sys.executable, "-c", TB_FULL_DISK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "left: []" in proc.stdout, proc.stdout + proc.stderr
+    assert "logger tensorboard failed" in proc.stderr and "File too large" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_a_single_wandb_tag_is_one_tag_not_its_letters(tmp_path, monkeypatch):
