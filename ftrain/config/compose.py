@@ -270,7 +270,8 @@ OWN_DEFAULTS = {
 }
 
 
-_NOT_FOUND = re.compile(r"Could not find '(\w+)/([\w.\-]+)'")
+# "Could not find" for GROUP=OPTION, "Could not load" for an option inside a list
+_NOT_FOUND = re.compile(r"Could not (?:find|load) '(\w+)/([\w.\-]+)'")
 _FULL_KEY = re.compile(r"full_key: ([\w.\-]+)")
 # omegaconf's words for a value of the wrong type (not an unknown key)
 _TYPE_ERRORS = (
@@ -307,6 +308,15 @@ def _explain(err: Exception, overrides) -> str:
         hint = (
             f"{', '.join(nulls) or 'GROUP=null'}: a config group takes one of its options, never "
             "null (`python -m ftrain --help` lists them; logger=jsonl is the logger group's none)"
+        )
+    elif full_key and re.fullmatch(r"logger\.\w+", full_key.group(1)) and "not in struct" in msg:
+        name = full_key.group(1).split(".")[1]  # logger.tensorboard.flush_secs=5 alone
+        hint = (
+            f"the logger {name!r} is not chosen: add logger={name} (or logger=[jsonl,{name}]) "
+            f"to set its keys"
+            if name in group_options("logger")
+            else f"{name!r} is not a logger of ftrain's ({', '.join(group_options('logger'))}); "
+            f"add one of your own with +logger.{name}._target_=module.Class"
         )
     elif "Interpolation key 'model.block_size' not found" in msg:
         hint = (

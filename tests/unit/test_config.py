@@ -59,6 +59,11 @@ def test_recipe_overlay_and_builders():
         ("dist.timeout_s=0", r"dist.timeout_s=0 is invalid: .* > 0"),
         ("model=null", r"model=null: a config group takes one of its options, never null"),
         ("+optim.groups.top.params=[]", r"optim.groups.top.params=\[\] is invalid: .*one glob"),
+        # an option inside a list got the generic "check the key" hint
+        ("logger=[jsonl,nope]", r"fix: logger=nope is not an option; pick one of: logger=csv"),
+        # a logger's key without choosing it: "Key 'tensorboard' is not in struct"
+        ("logger.tensorboard.flush_secs=5", r"fix: the logger 'tensorboard' is not chosen: add"),
+        ("logger.mine.x=5", r"fix: 'mine' is not a logger of ftrain's .*\+logger.mine._target_"),
     ],
 )
 def test_bad_config_is_one_clear_error(override, needle):
