@@ -468,7 +468,14 @@ class Session:
             self._stop_with_the_coordinator(step, "last")
         kind = "stop" if result.status == "stopped" else "end"
         reason = result.reason or ("done" if kind == "end" else "stopped")
-        self.record(kind, step=step, reason=reason, committed=self.manager.latest_step())
+        committed = self.manager.latest_step()
+        self.record(kind, step=step, reason=reason, committed=committed)
+        if kind == "stop" and self.world.is_coordinator:  # the one line a person looks for
+            print(
+                f"ftrain: stopped by {reason} at step {step}; newest committed step: "
+                f"{committed}. Run the same command again to resume from it",
+                flush=True,
+            )
         if self.cfg.run.plot and self.world.is_coordinator:
             self._plot(step)
 

@@ -373,6 +373,7 @@ def test_sigterm_during_a_long_evaluation_saves_without_finishing_it(popen_cli, 
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, out
     stopped = records(run, "stop")[-1]["step"]
+    assert f"ftrain: stopped by SIGTERM at step {stopped}; newest committed step: {stopped}" in out
     (skipped,) = records(run, "eval_skipped")
     assert skipped["step"] == stopped and _committed(run) == [stopped]
     assert skipped["reason"] == "stop requested during the evaluation"
