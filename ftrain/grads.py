@@ -185,6 +185,12 @@ class Grads:
             for mb in micro:
                 loss, aux = self._forward(keys, values, fast, mb, gen, leaves[0].device)
                 scaled = loss / k if loss_scale is None else loss * (loss_scale / k)
+                if not scaled.requires_grad:  # torch: "element 0 of tensors does not require grad"
+                    raise ValueError(
+                        "the loss does not depend on any trained parameter (it has no "
+                        "gradient): compute it from the model's output in loss_fn(model, batch), "
+                        "not from detached tensors or under torch.no_grad()"
+                    )
                 g = torch.autograd.grad(scaled, leaves, allow_unused=True)
                 g = [
                     torch.zeros_like(t) if gi is None else gi

@@ -234,7 +234,8 @@ def rebuild(
 def replace(tree: TensorDictBase, **subtrees: TensorDictBase | torch.Tensor) -> TensorDict:
     """A new tree equal to ``tree`` with top-level entries replaced (leaves are shared, not copied).
 
-    Keys must already exist: a state's key set is fixed.
+    Keys must already exist, and keep their kind: a state's layout is fixed (a sub-tree
+    stays a sub-tree, a leaf a leaf).
 
     Example:
         >>> t = TensorDict(step=torch.tensor(0), x=torch.zeros(2))
@@ -246,8 +247,23 @@ def replace(tree: TensorDictBase, **subtrees: TensorDictBase | torch.Tensor) -> 
         raise KeyError(
             f"replace() got keys {unknown} that the tree lacks; it has {sorted(tree.keys())}"
         )
+    reshaped = [
+        k
+        for k, v in subtrees.items()
+        if isinstance(v, TensorDictBase) != isinstance(tree.get(k), TensorDictBase)
+    ]
+    if reshaped:  # params=torch.ones(2) turned the params sub-tree into one leaf, silently
+        raise TypeError(
+            f"replace() would turn {reshaped} from "
+            + ", ".join(_kind(tree.get(k)) + " into " + _kind(subtrees[k]) for k in reshaped)
+            + "; give a TensorDict for a sub-tree and a tensor for a leaf"
+        )
     out = TensorDict({k: subtrees.get(k, tree.get(k)) for k in tree.keys()}, batch_size=[])
     return out.lock_() if tree.is_locked else out
+
+
+def _kind(value: object) -> str:
+    return "a sub-tree" if isinstance(value, TensorDictBase) else f"a {type(value).__name__}"
 
 
 def cast(tree: TensorDictBase, dtype: torch.dtype, *, floating_only: bool = True) -> TensorDict:

@@ -119,3 +119,22 @@ def test_a_state_of_another_optimizer_is_named_as_such(donate):
         step(state, {"x": torch.ones(3, 4)})
     fitting = ftrain.init_state(model, sgd, seed=0)
     assert int(step(fitting, {"x": torch.ones(3, 4)})[0]["step"]) == 1
+
+
+def test_a_loss_that_does_not_depend_on_the_params_is_named():
+    """torch's "element 0 of tensors does not require grad and does not have a grad_fn"."""
+    model = torch.nn.Linear(4, 2)
+    tx = ftrain.optim.sgd(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).detach().pow(2).mean(), tx)
+    with pytest.raises(ValueError, match="the loss does not depend on any trained parameter"):
+        step(ftrain.init_state(model, tx, seed=0), {"x": torch.ones(3, 4)})
+
+
+def test_replace_keeps_the_layout():
+    """``replace(state, params=torch.ones(2))`` turned the params sub-tree into one leaf."""
+    state = ftrain.init_state(torch.nn.Linear(2, 1), ftrain.optim.sgd(0.1), seed=0)
+    with pytest.raises(TypeError, match=r"\['params'\] from a sub-tree into a Tensor"):
+        ftrain.replace(state, params=torch.ones(2))
+    with pytest.raises(TypeError, match=r"\['step'\] from a Tensor into a sub-tree"):
+        ftrain.replace(state, step=TensorDict({"a": torch.ones(1)}, []))
+    assert int(ftrain.replace(state, step=torch.tensor(3))["step"]) == 3
