@@ -369,7 +369,8 @@ class _Run:
         if _stop_now(self.stop, self.agree):
             # the stop save first: an evaluation may outlast the grace period (torchrun's
             # 30 s, a scheduler's warning), and SIGKILL then lost every step since a commit
-            self.record("eval_skipped", step=n, reason=self.stop.reason if self.stop else None)
+            reason = self.stop.reason if self.stop is not None else None
+            self.record("eval_skipped", step=n, reason=reason or "stop requested by another rank")
             return
         self.watchdog.phase("eval", state, self.current, safe=True)
         ev = self.evaluate(state)

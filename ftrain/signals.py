@@ -115,6 +115,7 @@ class StopFlag:
         SIGINT; main thread only, elsewhere a no-op) and return self."""
         if threading.current_thread() is threading.main_thread():
             for name in _early_signals.take(signals):  # came while `python -m ftrain` imported
+                _RECEIVED.append(name)  # as if handled here: a sweep stops before its jobs
                 self.request(name)
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)

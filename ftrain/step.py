@@ -54,7 +54,14 @@ from ftrain.optim.processing import (
     outermost_loss_scale,
     remembered_norms,
 )
-from ftrain.state.init import check_model_and_tx, check_usable, is_pinned, mark_donated
+from ftrain.state.init import (
+    any_pinned,
+    check_model_and_tx,
+    check_usable,
+    is_pinned,
+    mark_donated,
+    shares_pinned,
+)
 from ftrain.state.tree import Key, Structure, flatten, new_td, structure, unflatten
 
 __all__ = ["Step", "evaluate", "make_eval_step", "make_step"]
@@ -260,6 +267,19 @@ def _dotted(keys: list[Key]) -> list[str]:
     return [".".join(k) for k in keys[:4]]
 
 
+def _read_elsewhere(state: TensorDictBase, trainable: Trainable) -> bool:
+    """A save still reads ``state`` or, through a view of it (``exclude``, ``replace``),
+    a buffer a donating step would write: its trained params or optimizer state."""
+    if is_pinned(state):
+        return True
+    if not any_pinned():  # nothing pinned anywhere: no walk (the common case)
+        return False
+    pkeys, params = flatten(state["params"])
+    keep = trainable.indices(pkeys, params)
+    written = params if keep is None else [params[i] for i in keep]
+    return shares_pinned([*written, *flatten(state["opt"])[1]])
+
+
 def _trainable(trainable: Trainable, pkeys: list[Key], params: list[torch.Tensor]):
     keep = trainable.indices(pkeys, params)
     if keep == []:
@@ -409,7 +429,7 @@ def make_step(
 
     def step(state: TensorDictBase, batch) -> tuple[TensorDict, TensorDict]:
         check_usable(state, "step")
-        if donate and compile and is_pinned(state):
+        if donate and compile and _read_elsewhere(state, trainable):
             # a save still reads this state: the in-place graph gets a copy to write, not a
             # second (out-of-place) graph compiled mid-run, tens of seconds into a step
             state = state.clone()
@@ -427,7 +447,7 @@ def make_step(
             _check_sharded(opt if not sharder.full else state["params"])
         scale = _loss_scale(opt_flat, precision, clip)
         # a state an in-flight async save still reads is never overwritten
-        in_place = donate and not is_pinned(state)
+        in_place = donate and not _read_elsewhere(state, trainable)
         keep = _trainable(trainable, pkeys, params)
         new_params, new_buffers, new_opt, loss, grad_norm, aux = core(
             (pkeys, params),

@@ -216,7 +216,7 @@ class Watchdog:
     # -- the watchdog thread ------------------------------------------------------------
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)
-        polled = time.monotonic()
+        polled = (time.monotonic(), time.process_time())
         while not self._stop.wait(poll):
             polled = self._discount_unobserved(polled, poll)
             compiling = _compiles[0] != self._compiles_seen  # since the last beat
@@ -231,18 +231,20 @@ class Watchdog:
                     self._exit(EXIT_HUNG)
                 return
 
-    def _discount_unobserved(self, polled: float, poll: float) -> float:
-        """Time this thread could not run is not counted as idle; returns the poll's time.
+    def _discount_unobserved(self, polled: tuple[float, float], poll: float) -> tuple[float, float]:
+        """Time the process was stopped is not counted as idle; returns this poll's (wall,
+        CPU) times.
 
-        A poll much later than asked means the whole process was stopped (SIGSTOP/SIGCONT:
-        Ctrl-Z then ``fg``, ``scontrol suspend``, a paused VM) or this thread could not get
-        the GIL: either way the loop could not run either, and it may go on now. Counted,
-        such a pause was a hang (exit 4) the moment the process continued."""
-        now = time.monotonic()
-        unobserved = now - polled - poll
-        if unobserved > _POLL_SLACK_S:
+        A poll much later than asked, with the process's CPU clock standing still meanwhile,
+        means the whole process was stopped (SIGSTOP/SIGCONT: Ctrl-Z then ``fg``, ``scontrol
+        suspend``, a paused VM): the loop could not run either, and it may go on now.
+        Counted, such a pause was a hang (exit 4) the moment the process continued. A late
+        poll while the CPU clock ran (a C call holding the GIL, busy) counts as before."""
+        now, cpu = time.monotonic(), time.process_time()
+        unobserved = now - polled[0] - poll
+        if unobserved > _POLL_SLACK_S and cpu - polled[1] < unobserved / 2:
             self._last = min(now, self._last + unobserved)
-        return now
+        return now, cpu
 
     def _fire(self, idle: float, allowed: float) -> None:
         self.fired = True

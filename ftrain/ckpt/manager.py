@@ -369,9 +369,9 @@ class CheckpointManager:
         now = time.monotonic()  # the policy's clock: an NTP step back must not stop saves
         if not self._wants(step, now, force):
             return False
-        for root in self._dirs:
+        for i, root in enumerate(self._dirs):
             if isinstance(root, Path):
-                self._writers.claim(root)
+                self._writers.claim(root, create=i == 0)
         self.wait()  # at most one save in flight
         attrs = self._attributes(step, metrics, metadata, host_rng)
         _, leaves = groups_and_arrays(state)  # raises ValueError now, not in the background

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["CheckpointDirInUseError", "WriterLock"]
+__all__ = ["LOCK_NAME", "CheckpointDirInUseError", "WriterLock"]
 
 LOCK_NAME = ".writer.lock"
 
@@ -38,9 +38,11 @@ class WriterLock:
     def __init__(self) -> None:
         self._held: dict[Path, int] = {}
 
-    def claim(self, directory: Path) -> None:
-        """Hold ``directory``'s writer lock (idempotent). A directory that cannot hold the
-        lock file (missing, read-only) is left to the save, whose error says why.
+    def claim(self, directory: Path, *, create: bool = True) -> None:
+        """Hold ``directory``'s writer lock (idempotent), making the directory if ``create``
+        (not a fallback's: it may sit on a volume that is not mounted). A directory that
+        cannot hold the lock file (missing, read-only) is left to the save, whose error
+        says why.
 
         Raises:
             CheckpointDirInUseError: another manager, in this process or another, holds it.
@@ -49,7 +51,8 @@ class WriterLock:
             return
         path = directory / LOCK_NAME
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            if create:
+                directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError:
             return
@@ -75,7 +78,10 @@ class WriterLock:
             _, fd = self._held.popitem()
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
-            os.close(fd)  # the only descriptor: closing it drops the flock
+                # unlocked explicitly: a forked child (a DataLoader worker) shares this open
+                # file, and closing our descriptor alone would leave the lock to it
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def __del__(self) -> None:  # a manager collected without close(): free the directory
         self.release()

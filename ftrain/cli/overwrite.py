@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from ftrain.ckpt.location import is_object_url, parse_location
 from ftrain.ckpt.owner import OWNER
+from ftrain.ckpt.writerlock import LOCK_NAME as WRITER_LOCK
 from ftrain.cli.errors import ResumeError
 from ftrain.cli.places import RUN_FILES, logger_places
 from ftrain.runlock import LOCK_NAME
@@ -16,12 +17,15 @@ from ftrain.runlock import LOCK_NAME
 __all__ = ["RUN_RECORDS", "move_aside", "move_run_aside"]
 
 
+_NOT_STEPS = (OWNER, WRITER_LOCK)  # alone, a directory holds no steps to keep
+
+
 def move_aside(directory: Path) -> Path | None:
     """Rename a non-empty directory to ``NAME.overwritten-<time>`` beside it (never delete).
 
     This run's claim on the directory (``.owner.json``, :mod:`ftrain.ckpt.owner`) stays
     with the directory, not with the old run's steps (alone, it is not "non-empty")."""
-    if not directory.is_dir() or not any(p.name != OWNER for p in directory.iterdir()):
+    if not directory.is_dir() or all(p.name in _NOT_STEPS for p in directory.iterdir()):
         return None
     target = _free(directory.with_name(f"{directory.name}.overwritten-{_stamp()}"))
     directory.rename(target)

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from ftrain.signals import (
     EXIT_FORCED,
     EXIT_OK,
     EXIT_PREEMPTED,
+    STOP_SIGNALS,
     StopFlag,
     take_received,
 )
@@ -307,35 +309,48 @@ def run_sweep(
     (:func:`exit_process`) continues the sweep in a fresh process."""
     carried = carried or Carried()
     results: list[tuple[Job, int]] = []
+    interrupted = False
     take_received()  # only signals during the jobs count
-    # between two jobs no run's handlers are installed: a SIGTERM there killed the sweep (143)
-    with StopFlag("the sweep stops before its next job"):
-        for job in jobs:
-            if job.num in carried.results:
-                results.append((job, carried.results[job.num]))
-                continue
-            if (received := take_received()) is not None:
-                print(f"[sweep] {received} came between jobs: stopping before job {job.num}")
-                break
-            _CONTINUATION[:] = [(carried, results, job)]
-            try:
-                rc = _announce_and_train(train, job, len(jobs))
-            finally:
-                _CONTINUATION.clear()
-            results.append((job, rc))
-            # a signal that came as the job was ending (its last step, its final save) let it
-            # finish (exit 0): the sweep stops all the same
-            received = take_received()
-            if rc in _STOP_SWEEP or received is not None:
-                why = (
-                    f"was stopped (exit {rc})" if rc in _STOP_SWEEP else f"ended as {received} came"
-                )
-                print(f"[sweep] job {job.num} {why}: stopping the sweep")
-                break
+    # between two jobs no run's handlers are installed: a SIGTERM there killed the sweep
+    # (143); SIGINT stays Python's (a KeyboardInterrupt), as a job's start-up expects it
+    between = StopFlag("the sweep stops before its next job").install(STOP_SIGNALS)
+    try:
+        _run_jobs(jobs, train, carried, results)
+    except KeyboardInterrupt:  # a Ctrl-C between two jobs
+        print("[sweep] interrupted (SIGINT) between jobs: stopping the sweep")
+        interrupted = True
+    finally:
+        between.uninstall()
     _summary(jobs, results)
     failed = [rc for _, rc in results if rc != EXIT_OK]
     cut_short = len(results) < len(jobs)
-    return failed[0] if failed else (EXIT_PREEMPTED if cut_short else EXIT_OK)
+    if failed:
+        return failed[0]
+    return EXIT_FORCED if interrupted else (EXIT_PREEMPTED if cut_short else EXIT_OK)
+
+
+def _run_jobs(jobs: list[Job], train, carried: Carried, results: list) -> None:
+    """The jobs in order, each result appended to ``results``, until a stop."""
+    for job in jobs:
+        if job.num in carried.results:
+            results.append((job, carried.results[job.num]))
+            continue
+        if (received := take_received()) is not None:
+            print(f"[sweep] {received} came between jobs: stopping before job {job.num}")
+            return
+        _CONTINUATION[:] = [(carried, results, job)]
+        try:
+            rc = _announce_and_train(train, job, len(jobs))
+        finally:
+            _CONTINUATION.clear()
+        results.append((job, rc))
+        # a signal that came as the job was ending (its last step, its final save) let it
+        # finish (exit 0): the sweep stops all the same
+        received = take_received()
+        if rc in _STOP_SWEEP or received is not None:
+            why = f"was stopped (exit {rc})" if rc in _STOP_SWEEP else f"ended as {received} came"
+            print(f"[sweep] job {job.num} {why}: stopping the sweep")
+            return
 
 
 @dataclass
@@ -375,18 +390,33 @@ def exit_process(code: int) -> None:
     """End the process with ``code`` (``os._exit``: the hang watchdog's exit). In a sweep
     the remaining jobs go on in a fresh process (the same command, told which jobs ran):
     a hung job's thread cannot be stopped, and its exit ended the whole sweep."""
-    if _CONTINUATION and _CONTINUATION[0][0].argv is not None:
-        carried, results, job = _CONTINUATION[0]
-        done = {j.num: rc for j, rc in results} | {job.num: code}
-        os.environ[_CARRY_ENV] = json.dumps(
-            {"argv": carried.argv, "now": carried.now.isoformat(), "results": done}
-        )
-        print(f"[sweep] job {job.num} ended with exit {code}: going on in a fresh process")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        with contextlib.suppress(OSError):  # no exec: the exit as before
-            os.execv(sys.executable, [sys.executable, "-m", "ftrain", *carried.argv])
-    os._exit(code)
+    try:
+        if _CONTINUATION and _CONTINUATION[0][0].argv is not None:
+            _exec_the_rest(code, *_CONTINUATION[0])
+    finally:  # no exec (or it failed): the exit as before, whatever happened on the way
+        os._exit(code)
+
+
+def _exec_the_rest(code: int, carried: Carried, results: list, job: Job) -> None:
+    """Become this sweep again, told which jobs ran (from the watchdog's thread: the hung
+    main thread may hold stdout's lock, so nothing here waits on it for long)."""
+    done = {j.num: rc for j, rc in results} | {job.num: code}
+    os.environ[_CARRY_ENV] = json.dumps(
+        {"argv": carried.argv, "now": carried.now.isoformat(), "results": done}
+    )
+    flushing = threading.Thread(target=_flush_std, daemon=True)
+    flushing.start()
+    flushing.join(2.0)  # what the jobs printed and Python still buffers: kept if it can be
+    line = f"[sweep] job {job.num} ended with exit {code}: going on in a fresh process\n"
+    os.write(1, line.encode())
+    with contextlib.suppress(OSError):
+        os.execv(sys.executable, [sys.executable, "-m", "ftrain", *carried.argv])
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _announce_and_train(train: Callable[[DictConfig], int], job: Job, total: int) -> int:

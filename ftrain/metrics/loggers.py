@@ -33,6 +33,7 @@ import math
 import netrc
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -40,6 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from ftrain.signals import StopFlag
 
 __all__ = [
     "CsvLogger",
@@ -226,7 +229,8 @@ class WandbLogger:
                 "offline-run-*` (logger.wandb.mode=offline skips the attempt)",
                 flush=True,
             )
-            wandb.teardown()  # the failed init still holds the run id in wandb's service
+            with contextlib.suppress(Exception):  # the failed init holds the run id in its service
+                wandb.teardown()
             self.run = wandb.init(mode="offline", **settings)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
@@ -542,9 +546,16 @@ def build_loggers(node, run: RunInfo) -> LoggerSet:
     return LoggerSet(built)
 
 
-# a logger's sys.exit() or its own KeyboardInterrupt (the run's SIGINT never reaches a
-# logger as one: the loop's handler takes it) is its failure, not the end of training
+# a logger's sys.exit() is its failure, not the end of training; so is a KeyboardInterrupt
+# while a StopFlag takes SIGINT (a person's Ctrl-C then never reaches a logger as one)
 _LOGGER_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
+
+
+def _own_failure(err: BaseException) -> bool:
+    if not isinstance(err, KeyboardInterrupt):
+        return True
+    handler = signal.getsignal(signal.SIGINT)
+    return isinstance(getattr(handler, "__self__", None), StopFlag)
 
 
 class LoggerSet:
@@ -565,6 +576,8 @@ class LoggerSet:
             try:  # a copy each: a logger that edits its values cannot change the next one's
                 logger.log_metrics(kind, step, dict(values))
             except _LOGGER_FAILURES as err:  # advisory, like metrics.jsonl: training goes on
+                if not _own_failure(err):
+                    raise  # a library loop's Ctrl-C: the person wants to stop
                 log.warning(
                     "ftrain: logger %s failed (%r); it is dropped, training goes on", name, err
                 )

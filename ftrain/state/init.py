@@ -134,10 +134,12 @@ def _is_persistent(model: nn.Module, name: str) -> bool:
 # state), so it lives on the object itself, in its __dict__ beside TensorDict's own fields.
 # TensorDict.__setattr__ would store a tensor entry, hence __dict__. A pin is about memory:
 # an async save of `state.exclude("data")` or `replace(state, ...)` reads the very buffers a
-# donating step of `state` would overwrite, so a state that shares a storage with a pinned
-# one counts as pinned. The pinned states are held weakly: one collected without its unpin
-# (a watchdog's pin before os._exit) takes its addresses along, and while it lives its
-# storages do, so no address is reused under it.
+# donating step of `state` would overwrite, so the step also asks whether the leaves it is
+# about to write share a storage with any pinned state (`shares_pinned`; only those: leaves
+# it never writes, such as frozen params, are shared by every later state). The pinned
+# states are held weakly: one collected without its unpin (a watchdog's pin before
+# os._exit) takes its addresses along, and while it lives its storages do, so no address
+# is reused under it.
 _DONATED_ATTR, _PINS_ATTR, _STORAGES_ATTR = "_ftrain_donated", "_ftrain_pins", "_ftrain_storages"
 _PIN_LOCK = threading.Lock()  # pin/unpin run on the async writer's thread too
 _PINNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> pinned state
@@ -191,24 +193,41 @@ def unpin(state: TensorDictBase) -> None:
 
 
 def is_pinned(state: TensorDictBase) -> bool:
-    """True while some :func:`pin` of ``state`` is unreleased, or of another state that
-    shares a buffer with it (a view of it: ``exclude``, ``select``, ``replace``)."""
-    if state.__dict__.get(_PINS_ATTR, 0) > 0:
-        return True
+    """True while some :func:`pin` of ``state`` itself is unreleased (for a view of a
+    pinned state that shares its buffers, see :func:`shares_pinned`)."""
+    return state.__dict__.get(_PINS_ATTR, 0) > 0
+
+
+def any_pinned() -> bool:
+    """Whether any state is pinned now (an async save or a hang save is in flight)."""
+    return bool(_PINNED)
+
+
+def shares_pinned(leaves: list[torch.Tensor]) -> bool:
+    """Whether any of ``leaves`` shares a storage with a pinned state: e.g. the params of a
+    state whose ``exclude("data")`` or ``replace(...)`` an async save still reads."""
     if not _PINNED:  # the common case: no save in flight, nothing to look up
         return False
     with _PIN_LOCK:
         pinned = [s.__dict__.get(_STORAGES_ATTR, set()) for s in _PINNED.values()]
-    mine = _storages(state)
+    mine = _addresses(leaves)
     return any(not mine.isdisjoint(theirs) for theirs in pinned)
 
 
 def _storages(state: TensorDictBase) -> set[int]:
-    """The addresses of the storages of ``state``'s tensor leaves (0: none, e.g. empty)."""
+    return _addresses(flatten(state)[1])
+
+
+def _addresses(leaves) -> set[int]:
+    """The addresses of the storages of ``leaves`` (a DTensor's: its local shard's)."""
     out = set()
-    for leaf in flatten(state)[1]:
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-            out.add(leaf.untyped_storage().data_ptr())
+    for leaf in leaves:
+        local = getattr(leaf, "_local_tensor", leaf)  # a DTensor has no storage of its own
+        if isinstance(local, torch.Tensor) and local.device.type != "meta":
+            try:
+                out.add(local.untyped_storage().data_ptr())
+            except RuntimeError:  # a tensor without a plain storage: nothing to share
+                continue
     out.discard(0)
     return out
 

@@ -7,6 +7,8 @@ import torch
 
 import ftrain
 from ftrain.state import first_difference, is_pinned
+from ftrain.state.init import is_donated, shares_pinned
+from ftrain.state.tree import flatten
 
 
 def _setup():
@@ -39,12 +41,17 @@ def test_in_flight_save_pins_the_state_against_donation(tmp_path, monkeypatch, s
     }[saved]()
     expected = view.clone()
     assert mgr.save(view, force=True)
-    assert is_pinned(state) and is_pinned(view)
+    assert is_pinned(view) and shares_pinned(flatten(state["params"])[1])
     later, _ = step(state, batch)  # must not overwrite the tensors the writer still reads
     assert first_difference(view, expected) is None
+    # the step after it writes its own buffers again, in place, the save still in flight:
+    # only the rng and data leaves (never written) are shared with the saved state
+    after_later, _ = step(later, batch)
+    assert is_donated(later) and not shares_pinned(flatten(after_later["params"])[1])
+    later = after_later
     release.set()
     mgr.wait()
-    assert not is_pinned(state) and not is_pinned(view)
+    assert not is_pinned(view) and not shares_pinned(flatten(state["params"])[1])
     assert first_difference(mgr.restore(1), expected) is None
     after, _ = step(later, batch)  # unpinned states are donated as usual
     with pytest.raises(RuntimeError, match="donated"):

@@ -2,9 +2,11 @@
 replaced each other's steps without a word, and restore() resumed whichever wrote last."""
 
 import gc
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -66,3 +68,29 @@ def test_another_process_is_refused_naming_it_and_its_death_frees_the_directory(
     assert mine.save(_state(2, 2.0), force=True)
     mine.close()
     assert CheckpointManager(tmp_path).all_steps() == [1, 2]
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_close(tmp_path):
+    """A DataLoader worker forked after the first save shares the lock's open file: closing
+    the manager's descriptor alone left the lock held by the child."""
+    first = CheckpointManager(tmp_path, async_save=False)
+    first.save(_state(1, 1.0), force=True)
+    child = os.fork()
+    if child == 0:  # the worker: holds the inherited descriptor, does nothing
+        time.sleep(30)
+        os._exit(0)
+    try:
+        first.close()
+        with CheckpointManager(tmp_path, async_save=False) as again:
+            assert again.save(_state(2, 1.0), force=True)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+def test_an_unused_fallback_is_neither_made_nor_locked(tmp_path):
+    """The fallback may sit on a volume that is not mounted: a lock made it there."""
+    fallback = tmp_path / "not-mounted" / "fallback"
+    with CheckpointManager(tmp_path / "ckpt", async_save=False, fallback_directory=fallback) as m:
+        assert m.save(_state(1, 1.0), force=True)
+    assert not fallback.exists()

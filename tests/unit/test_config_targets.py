@@ -485,3 +485,35 @@ def test_what_a_sweep_carries_over_is_checked_and_never_inherited(monkeypatch, c
         monkeypatch.setenv("FTRAIN_SWEEP_CARRIED", bad if isinstance(bad, str) else json.dumps(bad))
         assert carried_over(argv).results == {}
     assert capsys.readouterr().out.count("the sweep starts from its first job") == 3
+
+
+def test_a_stop_signal_before_the_sweep_began_stops_it_before_its_first_job(monkeypatch, capsys):
+    """A SIGTERM recorded while the command imported torch or planned the jobs: the sweep's
+    own flag took it without a word and job 0 trained to its end (exit 0)."""
+    import signal
+
+    from ftrain import _early_signals
+
+    monkeypatch.setattr(_early_signals, "_pending", [signal.SIGTERM])
+    ran = []
+    assert run_sweep(plan_jobs(["optim.lr=1e-3,2e-3"]), lambda cfg: ran.append(1) or 0) == 3
+    assert (
+        ran == [] and "SIGTERM came between jobs: stopping before job 0" in capsys.readouterr().out
+    )
+
+
+def test_a_ctrl_c_in_a_jobs_start_up_still_interrupts_it(capsys):
+    """The sweep's flag took SIGINT too: a Ctrl-C while a job started up was noted, and the
+    job then trained to its end (hours, maybe) instead of stopping."""
+    import signal
+
+    ran = []
+
+    def train(cfg):
+        ran.append(cfg.optim.lr)
+        signal.raise_signal(signal.SIGINT)  # before the job's own handlers exist
+        return 0
+
+    assert run_sweep(plan_jobs(["optim.lr=1e-3,2e-3"]), train) == 130
+    out = capsys.readouterr().out
+    assert ran == [1e-3] and "job 0 interrupted (SIGINT)" in out and "job 1: not started" in out

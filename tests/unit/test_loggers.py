@@ -16,6 +16,7 @@ import pytest
 from ftrain.config import load_config
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
 from ftrain.metrics import loggers as loggers_mod
+from ftrain.signals import StopFlag
 
 TB = {"_target_": "ftrain.metrics.loggers.TensorBoardLogger"}
 CSV = {"_target_": "ftrain.metrics.loggers.CsvLogger"}
@@ -397,12 +398,25 @@ def test_a_users_own_target_gets_the_run_and_numbers_only_and_a_failing_one_is_d
     )
     mine, flaky = built.loggers["mine"], built.loggers["flaky"]
     assert mine.run.start_step == 7 and mine.run.resumed
-    with caplog.at_level(logging.WARNING, logger="ftrain.metrics.loggers"):
+    # as in the CLI's loop: SIGINT is a stop request, so a KeyboardInterrupt is the logger's
+    with caplog.at_level(logging.WARNING, logger="ftrain.metrics.loggers"), StopFlag():
         for step in (1, 2, 3):
             built.log_metrics("step", step, {"step": step, "time": 0.5, "loss": 1.5, "ok": True})
     assert mine.seen[0] == ("step", 1, {"loss": 1.5}), "step/time/bools are not metrics"
     assert len(mine.seen) == 3 and built.names == ["mine"] and flaky.closed
     assert caplog.text.count("logger flaky failed") == 1 and "training goes on" in caplog.text
+
+
+def test_a_ctrl_c_in_a_library_loops_logger_is_not_swallowed(tmp_path):
+    """Without a StopFlag taking SIGINT (a loop of the user's own), a KeyboardInterrupt in
+    a slow log call is the person's Ctrl-C: the logger was dropped and training went on."""
+    built = build_loggers(
+        {"slow": {"_target_": f"{__name__}._Recorder", "fail_after": 0, "failure": "interrupt"}},
+        RunInfo(tmp_path, "r"),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        built.log_metrics("step", 1, {"loss": 1.0})
+    assert built.names == ["slow"]
 
 
 class _StuckClose:

@@ -403,3 +403,22 @@ def test_a_dynamo_reset_does_not_lose_the_compile_allowance(tmp_path):
         assert watchdog._compiles[0] > before
     finally:
         dog.stop()
+
+
+@pytest.mark.parametrize("cpu_used,discounted", [(0.0, True), (9.0, False)])
+def test_only_time_the_process_stood_still_is_not_counted(
+    tmp_path, monkeypatch, cpu_used, discounted
+):
+    """A late poll with the CPU clock standing still: the process was stopped (SIGSTOP). A
+    late poll while it burned CPU (a C call holding the GIL for seconds) is still time
+    without progress: discounting it too would hide a hang for good."""
+    import types
+
+    from ftrain import watchdog as wd_mod
+
+    wd = Watchdog(1.0, run_dir=tmp_path)
+    wd._last = 100.0
+    clock = types.SimpleNamespace(monotonic=lambda: 110.0, process_time=lambda: 5.0 + cpu_used)
+    monkeypatch.setattr(wd_mod, "time", clock)
+    assert wd._discount_unobserved((100.25, 5.0), 0.25) == (110.0, 5.0 + cpu_used)
+    assert wd._last == (109.5 if discounted else 100.0)
