@@ -268,16 +268,26 @@ def _dotted(keys: list[Key]) -> list[str]:
 
 
 def _read_elsewhere(state: TensorDictBase, trainable: Trainable) -> bool:
+    """:func:`_written_elsewhere` of a state not flattened yet (the walk only while
+    something is pinned)."""
+    if is_pinned(state) or not any_pinned():
+        return is_pinned(state)
+    pkeys, params = flatten(state["params"])
+    return _written_elsewhere(
+        state, params, trainable.indices(pkeys, params), flatten(state["opt"])[1]
+    )
+
+
+def _written_elsewhere(state: TensorDictBase, params: list, keep, opt_leaves: list) -> bool:
     """A save still reads ``state`` or, through a view of it (``exclude``, ``replace``),
-    a buffer a donating step would write: its trained params or optimizer state."""
+    a buffer a donating step would write: its trained params (``keep``: their indices,
+    ``None``: all) or its optimizer state."""
     if is_pinned(state):
         return True
-    if not any_pinned():  # nothing pinned anywhere: no walk (the common case)
+    if not any_pinned():  # nothing pinned anywhere (the common case): no lookups
         return False
-    pkeys, params = flatten(state["params"])
-    keep = trainable.indices(pkeys, params)
     written = params if keep is None else [params[i] for i in keep]
-    return shares_pinned([*written, *flatten(state["opt"])[1]])
+    return shares_pinned([*written, *opt_leaves])
 
 
 def _trainable(trainable: Trainable, pkeys: list[Key], params: list[torch.Tensor]):
@@ -440,15 +450,18 @@ def make_step(
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
         opt = state["opt"]
         opt_flat = structure(opt)  # the optimizer state, walked once per step for all below
+        keys = opt_flat[0].keys  # a cheap key (the structure's hash is ~20 us a step)
         per_structure(
-            matched_opt, opt_flat[0], lambda: check_opt_matches(tx, state["params"], opt_flat[0])
+            matched_opt,
+            (len(keys), keys[:1], keys[-1:]),
+            lambda: check_opt_matches(tx, state["params"], opt_flat[0]),
         )
         if sharder is not None:
             _check_sharded(opt if not sharder.full else state["params"])
         scale = _loss_scale(opt_flat, precision, clip)
-        # a state an in-flight async save still reads is never overwritten
-        in_place = donate and not _read_elsewhere(state, trainable)
         keep = _trainable(trainable, pkeys, params)
+        # a state an in-flight async save still reads is never overwritten
+        in_place = donate and not _written_elsewhere(state, params, keep, opt_flat[1])
         new_params, new_buffers, new_opt, loss, grad_norm, aux = core(
             (pkeys, params),
             (bkeys, buffers),

@@ -219,14 +219,19 @@ def _storages(state: TensorDictBase) -> set[int]:
 
 
 def _addresses(leaves) -> set[int]:
-    """The addresses of the storages of ``leaves`` (a DTensor's: its local shard's)."""
+    """The data addresses of ``leaves`` (a DTensor's: its local shard's); a view of a whole
+    leaf (``exclude``, ``replace``, ``view``) has its leaf's. ``data_ptr``, not the storage:
+    this runs at every step while a save is in flight."""
     out = set()
     for leaf in leaves:
-        local = getattr(leaf, "_local_tensor", leaf)  # a DTensor has no storage of its own
-        if isinstance(local, torch.Tensor) and local.device.type != "meta":
+        if type(leaf) is torch.Tensor and not leaf.is_meta:  # the common case, first
+            out.add(leaf.data_ptr())
+            continue
+        local = getattr(leaf, "_local_tensor", leaf)  # a DTensor has no data of its own
+        if isinstance(local, torch.Tensor) and not local.is_meta:
             try:
-                out.add(local.untyped_storage().data_ptr())
-            except RuntimeError:  # a tensor without a plain storage: nothing to share
+                out.add(local.data_ptr())
+            except RuntimeError:  # a tensor without plain data: nothing to share
                 continue
     out.discard(0)
     return out

@@ -471,6 +471,18 @@ def _committed_at(directory):
     return CheckpointManager(directory, async_save=False).all_steps()
 
 
+def _two_steps(script: str, cache_dir, tmp_path, **env) -> subprocess.CompletedProcess:
+    """``script`` (a ``python -c`` program running the CLI) on a two-step tiny run."""
+    args = [f"run.dir={tmp_path / 'run'}", *TINY, "trainer.max_steps=2"]
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, **env),
+        timeout=240,
+    )
+
+
 EARLY_SIGNAL = """
 import os, signal, sys
 sys.orig_argv[:] = [sys.executable, "-m", "ftrain"]  # as `python -m ftrain` starts
@@ -489,15 +501,7 @@ def test_a_signal_while_torch_imports_is_handled_as_documented(cache_dir, tmp_pa
     SIGUSR1 ended the process with 143/138 and a Ctrl-C printed a KeyboardInterrupt
     traceback from inside the torch import. SIGHUP (a lost ssh session; torchrun forwards
     it) killed a run at any moment, without a save."""
-    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, SIG=sig)
-    args = [f"run.dir={tmp_path / 'run'}", *TINY, "trainer.max_steps=2"]
-    proc = subprocess.run(
-        [sys.executable, "-c", EARLY_SIGNAL, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
+    proc = _two_steps(EARLY_SIGNAL, cache_dir, tmp_path, SIG=sig)
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     if code == 3:
@@ -528,15 +532,7 @@ def test_signals_while_a_finished_run_shuts_down_do_not_change_its_outcome(cache
     """A SIGTERM as the process group shut down after the last commit killed the run (143:
     a supervisor restarts a finished run), and a Ctrl-C there said "nothing was saved by
     this run" right after it committed its final step (130)."""
-    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir)
-    args = [f"run.dir={tmp_path / 'run'}", *TINY, "trainer.max_steps=2"]
-    proc = subprocess.run(
-        [sys.executable, "-c", LATE_SIGNALS, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
+    proc = _two_steps(LATE_SIGNALS, cache_dir, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nothing was saved" not in proc.stderr and "Traceback" not in proc.stderr
     assert "SIGINT received: the run is already ending" in proc.stderr
