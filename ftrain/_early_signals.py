@@ -16,7 +16,7 @@ import signal
 import sys
 
 # ftrain.signals.STOP_SIGNALS and SIGINT (that module imports torch's neighbours; not this one)
-_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT)
 _pending: list[int] = []
 _previous: dict[int, object] = {}
 
@@ -39,8 +39,10 @@ def install() -> None:
     """Record stop signals from now on (the training command only; main thread)."""
     if _previous or not is_training_command(list(getattr(sys, "orig_argv", []))):
         return
-    for sig in _SIGNALS:
+    for sig in SIGNALS:
         _previous[sig] = signal.signal(sig, _record)
+    if "FTRAIN_SWEEP_CARRIED" in os.environ:  # ftrain.cli.sweep blocked them across its exec
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def take(signals: tuple[int, ...]) -> list[str]:

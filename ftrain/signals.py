@@ -41,6 +41,7 @@ __all__ = [
     "EXIT_PREEMPTED",
     "STOP_SIGNALS",
     "StopFlag",
+    "received",
     "take_received",
 ]
 
@@ -68,6 +69,11 @@ def take_received() -> str | None:
     first = _RECEIVED[0] if _RECEIVED else None
     _RECEIVED.clear()
     return first
+
+
+def received() -> str | None:
+    """The first stop signal handled since the last :func:`take_received` (kept)."""
+    return _RECEIVED[0] if _RECEIVED else None
 
 
 class StopFlag:

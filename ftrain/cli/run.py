@@ -123,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         if _early_signals.take((signal.SIGINT,)):  # a Ctrl-C while torch was importing
             raise KeyboardInterrupt
         with tolerate_lost_console():  # a dead `| tee` never stops training
-            return _main(argv)
+            code = _main(argv)
+        # the process ends now (threads joined, atexit, the interpreter's teardown: most
+        # of a second): a signal there is noted, never a kill (143) of a finished run
+        StopFlag(_LATE_MEANING).install()
+        return code
     except KeyboardInterrupt:
         print(
             "ftrain: interrupted (SIGINT) outside the training loop; nothing was saved by this "

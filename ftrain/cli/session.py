@@ -471,8 +471,9 @@ class Session:
         committed = self.manager.latest_step()
         self.record(kind, step=step, reason=reason, committed=committed)
         if kind == "stop" and self.world.is_coordinator:  # the one line a person looks for
+            by = f"by {reason}" if reason.startswith("SIG") else f"({reason})"
             print(
-                f"ftrain: stopped by {reason} at step {step}; newest committed step: "
+                f"ftrain: stopped {by} at step {step}; newest committed step: "
                 f"{committed}. Run the same command again to resume from it",
                 flush=True,
             )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -37,6 +38,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ftrain import _early_signals
 from ftrain.cli.places import logger_places
 from ftrain.config import ConfigError
 from ftrain.config.compose import (
@@ -53,6 +55,7 @@ from ftrain.signals import (
     EXIT_PREEMPTED,
     STOP_SIGNALS,
     StopFlag,
+    received,
     take_received,
 )
 
@@ -331,11 +334,12 @@ def run_sweep(
 
 def _run_jobs(jobs: list[Job], train, carried: Carried, results: list) -> None:
     """The jobs in order, each result appended to ``results``, until a stop."""
+    earlier_stop = carried.stop  # came to the process before this one (a hung job's)
     for job in jobs:
         if job.num in carried.results:
             results.append((job, carried.results[job.num]))
             continue
-        if (received := take_received()) is not None:
+        if (received := take_received() or earlier_stop) is not None:
             print(f"[sweep] {received} came between jobs: stopping before job {job.num}")
             return
         _CONTINUATION[:] = [(carried, results, job)]
@@ -361,6 +365,7 @@ class Carried:
     argv: list[str] | None = None
     now: datetime | None = None
     results: dict[int, int] = field(default_factory=dict)
+    stop: str | None = None  # a stop signal the hung job's process had received
 
 
 _CARRY_ENV = "FTRAIN_SWEEP_CARRIED"
@@ -380,10 +385,13 @@ def carried_over(argv: list[str]) -> Carried:
             raise ValueError("another command's")
         now = datetime.fromisoformat(data["now"])
         results = {int(k): int(v) for k, v in data["results"].items()}
+        stop = data.get("stop")
+        if stop is not None and not isinstance(stop, str):
+            raise TypeError(f"stop={stop!r}")
     except (ValueError, KeyError, TypeError) as err:
         print(f"[sweep] ignoring {_CARRY_ENV} ({err}): the sweep starts from its first job")
         return Carried(argv=list(argv))
-    return Carried(list(argv), now, results)
+    return Carried(list(argv), now, results, stop)
 
 
 def exit_process(code: int) -> None:
@@ -402,13 +410,21 @@ def _exec_the_rest(code: int, carried: Carried, results: list, job: Job) -> None
     main thread may hold stdout's lock, so nothing here waits on it for long)."""
     done = {j.num: rc for j, rc in results} | {job.num: code}
     os.environ[_CARRY_ENV] = json.dumps(
-        {"argv": carried.argv, "now": carried.now.isoformat(), "results": done}
+        {
+            "argv": carried.argv,
+            "now": carried.now.isoformat(),
+            "results": done,
+            "stop": received(),  # a preemption notice during the hang still stops the sweep
+        }
     )
     flushing = threading.Thread(target=_flush_std, daemon=True)
     flushing.start()
     flushing.join(2.0)  # what the jobs printed and Python still buffers: kept if it can be
     line = f"[sweep] job {job.num} ended with exit {code}: going on in a fresh process\n"
     os.write(1, line.encode())
+    # held until the new process's handlers exist (ftrain._early_signals unblocks them):
+    # a SIGTERM in its first milliseconds killed it (143) with no summary
+    signal.pthread_sigmask(signal.SIG_BLOCK, _early_signals.SIGNALS)
     with contextlib.suppress(OSError):
         os.execv(sys.executable, [sys.executable, "-m", "ftrain", *carried.argv])
 

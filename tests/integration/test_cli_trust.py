@@ -511,8 +511,11 @@ def test_a_signal_while_torch_imports_is_handled_as_documented(cache_dir, tmp_pa
 
 
 LATE_SIGNALS = """
-import os, signal, sys
+import atexit, os, signal, sys
 import ftrain.cli.run as run
+
+# the interpreter's own end (threads joined, atexit): most of a second after the last record
+atexit.register(lambda: [os.kill(os.getpid(), s) for s in (signal.SIGTERM, signal.SIGHUP)])
 
 real_shutdown = run.shutdown
 

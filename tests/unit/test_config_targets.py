@@ -517,3 +517,41 @@ def test_a_ctrl_c_in_a_jobs_start_up_still_interrupts_it(capsys):
     assert run_sweep(plan_jobs(["optim.lr=1e-3,2e-3"]), train) == 130
     out = capsys.readouterr().out
     assert ran == [1e-3] and "job 0 interrupted (SIGINT)" in out and "job 1: not started" in out
+
+
+def test_a_stop_the_hung_jobs_process_received_stops_the_continued_sweep(capsys):
+    """A SIGTERM while job 0 hung was lost when the sweep went on in a fresh process: that
+    process trained job 1 in full inside the grace period."""
+    from ftrain.cli.sweep import Carried
+
+    jobs = plan_jobs(["optim.lr=1e-3,2e-3"])
+    ran = []
+    carried = Carried(argv=["-m"], results={0: 4}, stop="SIGTERM")
+    assert run_sweep(jobs, lambda cfg: ran.append(1) or 0, carried) == 4
+    out = capsys.readouterr().out
+    assert ran == [] and "SIGTERM came between jobs: stopping before job 1" in out
+    assert "job 0: exit 4" in out and "job 1: not started" in out
+
+
+UNBLOCKED = """
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # as the sweep's exec left them
+sys.orig_argv[:] = [sys.executable, "-m", "ftrain"]
+import ftrain  # noqa: F401  (records stop signals first thing)
+print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+"""
+
+
+@pytest.mark.parametrize("continued", [True, False])
+def test_stop_signals_held_across_a_sweeps_exec_are_let_through_by_the_new_process(continued):
+    """The continued sweep blocks the stop signals across its exec (a SIGTERM in the new
+    process's first milliseconds killed it, 143, no summary); its ftrain import lets them
+    through once they are recorded, and leaves any other process's mask alone."""
+    env = dict(os.environ)
+    env.pop("FTRAIN_SWEEP_CARRIED", None)
+    if continued:
+        env["FTRAIN_SWEEP_CARRIED"] = "{}"
+    proc = subprocess.run(
+        [sys.executable, "-c", UNBLOCKED], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.stdout.strip() == ("False" if continued else "True"), proc.stderr
