@@ -286,6 +286,11 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def _leaf_difference(path: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
+    for t in (a, b):  # torch's "Cannot copy out of meta tensor" / resolve_conj errors
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{path}: a {type(t).__name__} leaf, not a tensor: nothing to compare")
+        if t.is_meta:
+            raise ValueError(f"{path}: a meta tensor has a shape and no values to compare")
     if a.dtype != b.dtype or a.shape != b.shape:
         return f"{path}: {_describe(a)} != {_describe(b)}"
     a_c, b_c = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)

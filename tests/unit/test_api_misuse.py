@@ -138,3 +138,10 @@ def test_replace_keeps_the_layout():
     with pytest.raises(TypeError, match=r"\['step'\] from a Tensor into a sub-tree"):
         ftrain.replace(state, step=TensorDict({"a": torch.ones(1)}, []))
     assert int(ftrain.replace(state, step=torch.tensor(3))["step"]) == 3
+
+
+def test_tree_equal_names_a_leaf_without_values():
+    """torch's "Cannot copy out of meta tensor" from deep inside the comparison."""
+    real = TensorDict({"w": torch.zeros(2)}, [])
+    with pytest.raises(ValueError, match="w: a meta tensor has a shape and no values"):
+        ftrain.tree_equal(real, TensorDict({"w": torch.zeros(2, device="meta")}, []))
