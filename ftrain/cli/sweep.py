@@ -339,8 +339,8 @@ def _run_jobs(jobs: list[Job], train, carried: Carried, results: list) -> None:
         if job.num in carried.results:
             results.append((job, carried.results[job.num]))
             continue
-        if (received := take_received() or earlier_stop) is not None:
-            print(f"[sweep] {received} came between jobs: stopping before job {job.num}")
+        if (came := take_received() or earlier_stop) is not None:
+            print(f"[sweep] {came} came between jobs: stopping before job {job.num}")
             return
         _CONTINUATION[:] = [(carried, results, job)]
         try:
@@ -350,9 +350,9 @@ def _run_jobs(jobs: list[Job], train, carried: Carried, results: list) -> None:
         results.append((job, rc))
         # a signal that came as the job was ending (its last step, its final save) let it
         # finish (exit 0): the sweep stops all the same
-        received = take_received()
-        if rc in _STOP_SWEEP or received is not None:
-            why = f"was stopped (exit {rc})" if rc in _STOP_SWEEP else f"ended as {received} came"
+        came = take_received()
+        if rc in _STOP_SWEEP or came is not None:
+            why = f"was stopped (exit {rc})" if rc in _STOP_SWEEP else f"ended as {came} came"
             print(f"[sweep] job {job.num} {why}: stopping the sweep")
             return
 
