@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftrain.ckpt.writerlock import LOCK_NAME as WRITER_LOCK
 from ftrain.faults import inject_dir
 from tests.integration.conftest import TINY
 
@@ -259,7 +260,11 @@ def leftovers(run_dir: Path) -> list[str]:
     root = run_dir / "checkpoints"
     if not root.exists():
         return []
-    return sorted(name for name in os.listdir(root) if LEFTOVER.search(name))
+    left = [name for name in os.listdir(root) if LEFTOVER.search(name)]
+    # the writer lock file stays (a lock file is never deleted), emptied by a clean close
+    if WRITER_LOCK in left and not (root / WRITER_LOCK).read_bytes():
+        left.remove(WRITER_LOCK)
+    return sorted(left)
 
 
 def cli_verify(run_dir: Path) -> tuple[int, str]:
