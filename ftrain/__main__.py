@@ -1,8 +1,6 @@
 """``python -m ftrain`` — see :mod:`ftrain.cli.run`."""
 
-import sys
-
-from ftrain.cli.run import main
+from ftrain.cli.run import console_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

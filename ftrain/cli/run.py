@@ -123,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if _early_signals.take((signal.SIGINT,)):  # a Ctrl-C while torch was importing
             raise KeyboardInterrupt
         with tolerate_lost_console():  # a dead `| tee` never stops training
-            code = _main(argv)
-        # the process ends now (threads joined, atexit, the interpreter's teardown: most
-        # of a second): a signal there is noted, never a kill (143) of a finished run
-        StopFlag(_LATE_MEANING).install()
-        return code
+            return _main(argv)
     except KeyboardInterrupt:
         print(
             "ftrain: interrupted (SIGINT) outside the training loop; nothing was saved by this "
@@ -144,8 +140,14 @@ def _main(argv: list[str] | None) -> int:
 
 
 def console_main() -> None:
-    """The ``ftrain`` console script (``ftrain -sc install=bash`` completes ``ftrain ...``)."""
-    sys.exit(main())
+    """The ``ftrain`` console script and ``python -m ftrain`` (``ftrain -sc install=bash``
+    completes ``ftrain ...``): :func:`main`, then the process ends."""
+    code = main()
+    # the process ends now (threads joined, atexit, the interpreter's teardown: most of a
+    # second): a signal there is noted, never a kill (143) of a finished run. Here, not in
+    # main(): a caller of main() in its own process keeps its handlers.
+    StopFlag(_LATE_MEANING).install()
+    sys.exit(code)
 
 
 def train_from_config(cfg: DictConfig) -> int:

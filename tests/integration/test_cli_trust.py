@@ -527,7 +527,7 @@ def shutdown():  # the run has ended: its last commit is done, its lock released
 
 
 run.shutdown = shutdown
-sys.exit(run.main(sys.argv[1:]))
+run.console_main()  # what `python -m ftrain` runs
 """
 
 
