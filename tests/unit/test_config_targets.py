@@ -507,6 +507,8 @@ def test_a_ctrl_c_in_a_jobs_start_up_still_interrupts_it(capsys):
     job then trained to its end (hours, maybe) instead of stopping."""
     import signal
 
+    # as in a fresh `python -m ftrain` (something earlier in this pytest process may differ)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ran = []
 
     def train(cfg):

@@ -410,6 +410,9 @@ def test_a_users_own_target_gets_the_run_and_numbers_only_and_a_failing_one_is_d
 def test_a_ctrl_c_in_a_library_loops_logger_is_not_swallowed(tmp_path):
     """Without a StopFlag taking SIGINT (a loop of the user's own), a KeyboardInterrupt in
     a slow log call is the person's Ctrl-C: the logger was dropped and training went on."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a plain process's (put back)
     built = build_loggers(
         {"slow": {"_target_": f"{__name__}._Recorder", "fail_after": 0, "failure": "interrupt"}},
         RunInfo(tmp_path, "r"),
