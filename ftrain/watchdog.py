@@ -153,6 +153,7 @@ class Watchdog:
         first_timeout_s: float | None = None,
         save_timeout_s: float | None = None,
         exit: Callable[[int], object] = os._exit,
+        exit_note: str = "so a supervisor restarts the run",
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -161,6 +162,7 @@ class Watchdog:
         self.save_timeout_s = float(save_timeout_s or timeout_s)
         self.run_dir = Path(run_dir)
         self._save, self._drain, self._on_hang, self._exit = save, drain, on_hang, exit
+        self.exit_note = exit_note  # what follows the exit, for its line (a sweep goes on)
         # one tuple, replaced whole: the watchdog thread reads it without a lock
         self._where: tuple[str, object, dict, bool] = ("start", None, {}, False)
         self._last = time.monotonic()
@@ -274,7 +276,7 @@ class Watchdog:
         }
         if self._on_hang is not None:
             _quietly(self._on_hang, info)
-        _say(_exit_message(step, phase, saved, error, can_save))
+        _say(f"{_exit_message(step, phase, saved, error, can_save)} {self.exit_note}")
         self._exit(EXIT_HUNG)
 
     def _final_save(
@@ -329,7 +331,7 @@ def _exit_message(step, phase: str, saved: bool, error: str | None, tried: bool)
             f"no new save of step {step} (nothing trained since the run began or restored "
             "it, it is already committed, or another rank writes it)"
         )
-    return f"ftrain: {done}; exiting with code {EXIT_HUNG} (hung) so a supervisor restarts the run"
+    return f"ftrain: {done}; exiting with code {EXIT_HUNG} (hung)"
 
 
 def _quietly(fn: Callable, *args) -> None:

@@ -67,7 +67,7 @@ from ftrain.cli.resume import (
 )
 from ftrain.cli.session import Session
 from ftrain.cli.startup import same_config_on_every_rank, same_data_on_every_rank
-from ftrain.cli.sweep import exit_process
+from ftrain.cli.sweep import exit_process, hang_exit_note
 from ftrain.cli.targets import unused_option_settings
 from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
@@ -528,6 +528,7 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
         drain=session.wait_commits,  # the final save counts (and is recorded) once committed
         on_hang=lambda info: session.record("hang", **info),
         exit=exit_process,  # in a sweep, the next jobs go on in a fresh process
+        exit_note=hang_exit_note(),
     )
     # said once at start, so a log shows the watchdog was on (and with which allowances)
     print(

@@ -405,6 +405,14 @@ def exit_process(code: int) -> None:
         os._exit(code)
 
 
+def hang_exit_note() -> str:
+    """What follows a hang watchdog's exit, for its line: a sweep goes on in a fresh
+    process (:func:`exit_process`); a single run waits for its supervisor."""
+    if _CONTINUATION and _CONTINUATION[0][0].argv is not None:
+        return "and the sweep goes on with its next job in a fresh process"
+    return "so a supervisor restarts the run"
+
+
 def _exec_the_rest(code: int, carried: Carried, results: list, job: Job) -> None:
     """Become this sweep again, told which jobs ran (from the watchdog's thread: the hung
     main thread may hold stdout's lock, so nothing here waits on it for long)."""

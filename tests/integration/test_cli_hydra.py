@@ -117,6 +117,8 @@ def test_a_hung_job_is_that_jobs_exit_4_and_the_sweep_goes_on(ftrain_cli, tmp_pa
     )
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "job 0 ended with exit 4: going on in a fresh process" in proc.stdout
+    assert "(hung) and the sweep goes on with its next job" in proc.stderr, proc.stderr
+    assert "supervisor" not in proc.stderr, "a sweep's hung job is not restarted by one"
     assert "job 0: exit 4" in proc.stdout and "job 1: ok" in proc.stdout
     assert _committed(sweep / "job0" / "checkpoints") == [2], "the hang save"
     assert _committed(sweep / "job1" / "checkpoints")[-1] == 4
