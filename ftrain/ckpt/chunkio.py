@@ -10,6 +10,7 @@ before anything is returned.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -18,7 +19,13 @@ import torch
 
 from ftrain.ckpt._direct import direct_supported, write_direct
 from ftrain.ckpt.codecs import Codec
-from ftrain.ckpt.format import DIRECT_MIN_BYTES, ArraySpec, CorruptCheckpointError, write_all
+from ftrain.ckpt.format import (
+    DIRECT_MIN_BYTES,
+    ArraySpec,
+    CheckpointReadError,
+    CorruptCheckpointError,
+    write_all,
+)
 
 __all__ = [
     "check_tail",
@@ -29,6 +36,7 @@ __all__ = [
     "read_chunk_into",
     "read_chunks_into",
     "tensor_bytes",
+    "unreadable",
     "write_chunk",
 ]
 
@@ -96,6 +104,27 @@ def write_chunk(
     return crc, size
 
 
+# The machine's resources of the moment, not the file: judged corrupt, an intact step was
+# passed over by restore (its steps trained again) and set aside by the next save.
+_OF_THE_MOMENT = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
+)
+
+
+def unreadable(path: Path, err: OSError, what: str) -> Exception:
+    """The error for a chunk file that could not be opened or read: corruption (restore
+    falls back to an older step) unless the cause is the machine's (too many open files,
+    no memory), :class:`~ftrain.ckpt.format.CheckpointReadError`: the step is not judged."""
+    if err.errno in _OF_THE_MOMENT:
+        return CheckpointReadError(
+            err.errno,
+            f"{path}: {what} ({err.strerror}): a limit of this machine, not a fault of the "
+            "checkpoint, which is left as it is; raise the limit (ulimit -n, free memory) "
+            "and retry",
+        )
+    return CorruptCheckpointError(f"{path}: {what} ({err})")
+
+
 def open_sized(path: Path, want: int) -> int:
     """Open a chunk file for reading (never through a link; a FIFO planted in its place
     does not block the open, ``O_NONBLOCK``, and then fails the size check) and check its
@@ -103,12 +132,13 @@ def open_sized(path: Path, want: int) -> int:
 
     Raises:
         CorruptCheckpointError: missing, a link, unreadable, or not ``want`` bytes long.
+        CheckpointReadError: the machine's limits (:func:`unreadable`).
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
     except OSError as e:  # missing, a symbolic link (ELOOP), a directory, unreadable
-        raise CorruptCheckpointError(f"{path}: chunk file cannot be opened ({e})") from e
+        raise unreadable(path, e, "chunk file cannot be opened") from e
     size = os.fstat(fd).st_size
     if size != want:
         os.close(fd)
@@ -122,7 +152,7 @@ def _read_exact(fd: int, path: Path, dest: memoryview) -> None:
         try:
             n = os.readv(fd, [dest[got:]])
         except OSError as e:  # EIO, EISDIR
-            raise CorruptCheckpointError(f"{path}: chunk unreadable ({e})") from e
+            raise unreadable(path, e, "chunk unreadable") from e
         if n == 0:
             raise CorruptCheckpointError(f"{path}: chunk truncated while reading")
         got += n
@@ -161,7 +191,7 @@ def check_tail(fd: int, path: Path, crc: int, offset: int, pad: int, expected_cr
     try:
         tail = os.pread(fd, pad + 4, offset)
     except OSError as e:
-        raise CorruptCheckpointError(f"{path}: chunk unreadable ({e})") from e
+        raise unreadable(path, e, "chunk unreadable") from e
     crc = crc32c.crc32c(tail[:-4], value=crc) if pad else crc
     stored = int.from_bytes(tail[-4:], "little") if len(tail) == pad + 4 else -1
     check_crc(path, crc, stored, expected_crc)

@@ -197,13 +197,33 @@ def begin(root: Path, step: int) -> Staging:
         OSError: ``root`` cannot be created or written.
     """
     root.mkdir(parents=True, exist_ok=True)
+    for _ in range(_BEGIN_TRIES):
+        staging = _try_begin(root, step)
+        if staging is not None:
+            return staging
+    raise FileExistsError(
+        f"the staging lock for step {step} under {root} was removed {_BEGIN_TRIES} times "
+        "before it was taken: something other than ftrain's start-up sweep deletes files there"
+    )
+
+
+# Another process's start-up sweep (every CheckpointManager runs one: a restore in another
+# process too) may unlink a lock in the instant between its creation and its flock, when
+# it looks like a dead writer's; a fresh name is taken then (that failed the save: the
+# CLI stopped the run with exit 1).
+_BEGIN_TRIES = 5
+
+
+def _try_begin(root: Path, step: int) -> Staging | None:
+    """One try of :func:`begin`; ``None`` if a sweeper removed the lock before the flock."""
     name = f"{step_dirname(step)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     lock_path = root / f".{name}.lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if os.fstat(fd).st_nlink == 0:  # a sweeper unlinked it between open and flock
-            raise FileExistsError(f"lock {lock_path} was swept before it was taken; retry")
+            os.close(fd)
+            return None
         (root / name).mkdir()
     except BaseException:
         lock_path.unlink(missing_ok=True)

@@ -111,6 +111,12 @@ class CorruptCheckpointError(RuntimeError):
     unreadable metadata. The message names the path and the reason."""
 
 
+class CheckpointReadError(OSError):
+    """A chunk file could not be read for a reason of this machine, not of the checkpoint
+    (too many open files, no memory): the step is not judged corrupt, nothing falls back
+    or is set aside. Retry once the limit is raised (a restart does)."""
+
+
 class CheckpointFormatError(RuntimeError):
     """A step was written in a format this ftrain cannot read (e.g. by a newer ftrain).
 

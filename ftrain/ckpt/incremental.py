@@ -41,8 +41,15 @@ the caller's tensor,
    that resumes where the previous save stopped; each chunk's crc32c is compared with the
    manifest's (the crc of the very file that is linked). So while a leaf keeps being
    reused, every byte of it is re-checked at least once every ``1 / AUDIT_FRACTION`` saves.
-   Compressed arrays are not audited (their stored crc covers the compressed frame;
-   re-encoding to compare would cost more than writing), only fingerprinted.
+   Compressed arrays are not audited against the tensor (their stored crc covers the
+   compressed frame; re-encoding to compare would cost more than writing), only
+   fingerprinted.
+
+The files are checked too (:mod:`ftrain.ckpt.links`): before a chunk is linked its size and
+crc32c trailer are compared with the manifest, and the audited chunks' files are read whole
+and hashed. A damaged file (bit rot, a stray write) linked again would have been copied
+forward into every new step until no step restored; it is written afresh from the caller's
+tensor instead, and said.
 
 A mismatch raises :class:`LeafChangedError` (a ``ValueError``) from ``save``, naming the
 leaf: nothing is written, the record is unchanged. Not detected: a change outside the
@@ -54,7 +61,8 @@ plus 1/32 of the reused bytes hashed (crc32c, ~12 GB/s here): about 2 ms for GPT
 
 A linked chunk is one file on disk shared by the steps that hold it: bit rot in it shows
 in all of them (restore detects it by crc32c in each), where a full save would have given
-every step its own copy. ``CheckpointManager(incremental=False)`` writes every leaf of
+every step its own copy. New saves stop sharing a damaged file once the audit reaches it
+(within ``1 / AUDIT_FRACTION`` saves; at once for a damaged trailer or size). ``CheckpointManager(incremental=False)`` writes every leaf of
 every save.
 """
 
@@ -175,6 +183,7 @@ class Reuse:
     source: object
     spec: ArraySpec
     tensor: torch.Tensor = field(repr=False)
+    audit: frozenset[int] = frozenset()  # chunks whose source files are read whole first
 
 
 def _same_layout(a: ArraySpec, b: ArraySpec) -> bool:
@@ -271,39 +280,39 @@ def _changed(key: str, last: LastCommit, how: str) -> LeafChangedError:
     )
 
 
-def check_unchanged(reuse: dict[str, Reuse], last: LastCommit | None) -> int:
+def check_unchanged(
+    reuse: dict[str, Reuse], last: LastCommit | None
+) -> tuple[int, dict[str, set[int]]]:
     """Fingerprint every leaf to reuse and audit the next chunks (module docstring).
 
     Returns:
-        The audit cursor for the next save.
+        The audit cursor for the next save, and the chunks audited (``{key: {i}}``): their
+        source files are read whole before they are linked (:mod:`ftrain.ckpt.links`).
 
     Raises:
         LeafChangedError: a leaf's bytes differ from the ones it would be reused from.
     """
     if last is None or not reuse:
-        return last.audit_cursor if last else 0
+        return (last.audit_cursor if last else 0), {}
     for key, r in reuse.items():
         if sample_fingerprint(r.tensor) != last.leaves[key].fingerprint:
             raise _changed(key, last, "its sampled bytes differ from the ones saved")
-    chunks = [
-        (k, i)
-        for k in sorted(reuse)
-        if not reuse[k].spec.compression
-        for i in range(reuse[k].spec.n_chunks)
-    ]
+    chunks = [(k, i) for k in sorted(reuse) for i in range(reuse[k].spec.n_chunks)]
     if not chunks:
-        return last.audit_cursor
+        return last.audit_cursor, {}
     budget = sum(reuse[k].spec.chunk_nbytes for k, _ in chunks) * AUDIT_FRACTION
-    pos, done = last.audit_cursor % len(chunks), 0
+    pos, done, audited = last.audit_cursor % len(chunks), 0, {}
     for _ in range(len(chunks)):
         key, i = chunks[pos]
         spec = reuse[key].spec
-        if _chunk_crc(reuse[key].tensor, spec, i) != spec.crc32c[i]:
+        # a compressed chunk's crc covers the compressed frame: only its file is checked
+        if not spec.compression and _chunk_crc(reuse[key].tensor, spec, i) != spec.crc32c[i]:
             raise _changed(key, last, f"its chunk {i} differs from the one saved (crc32c)")
+        audited.setdefault(key, set()).add(i)
         pos, done = (pos + 1) % len(chunks), done + spec.chunk_nbytes
         if done >= budget:
             break
-    return pos
+    return pos, audited
 
 
 @dataclass(frozen=True)
@@ -332,7 +341,12 @@ def plan_save(
     """
     identities = identify(leaves)
     reuse = plan_reuse(last, leaves, identities, chunk_bytes, compression)
-    return SavePlan(identities, reuse, check_unchanged(reuse, last))
+    cursor, audited = check_unchanged(reuse, last)
+    reuse = {
+        k: dataclasses.replace(r, audit=frozenset(audited[k])) if k in audited else r
+        for k, r in reuse.items()
+    }
+    return SavePlan(identities, reuse, cursor)
 
 
 def confirm_sources(plan: SavePlan, read_committed) -> SavePlan:

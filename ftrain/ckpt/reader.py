@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.ckpt._threads import run_parallel, run_pools
-from ftrain.ckpt.chunkio import read_chunk, read_chunks_into
+from ftrain.ckpt.chunkio import read_chunk, read_chunks_into, unreadable
 from ftrain.ckpt.format import (
     DIRECT_MIN_BYTES,
     ArraySpec,
@@ -187,7 +187,7 @@ def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -
         try:
             size = os.lstat(path).st_size
         except OSError as e:
-            raise CorruptCheckpointError(f"{path}: chunk file is missing ({e})") from e
+            raise unreadable(path, e, "chunk file is missing") from e
         if size != want:
             raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
 

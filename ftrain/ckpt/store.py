@@ -24,9 +24,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 import re
-import stat
 import sys
 from pathlib import Path
 
@@ -50,9 +50,12 @@ from ftrain.ckpt.format import (
     write_json,
 )
 from ftrain.ckpt.incremental import FallbackBytes, Reuse
+from ftrain.ckpt.links import DAMAGED, LINKED, link_chunk, link_document
 from ftrain.state.tree import nodes_and_leaves
 
 __all__ = ["groups_and_arrays", "merge_manifests", "write_tree"]
+
+log = logging.getLogger("ftrain.ckpt")
 
 RESERVED = {"zarr.json"}
 ROOT_RESERVED = {"manifest.json", "COMMITTED"}
@@ -212,7 +215,7 @@ def write_tree(
         if not s.n_chunks:
             continue
         if k in reuse and isinstance(reuse[k].source, Path):
-            links += _link_jobs(tmp, s, reuse[k].source, rank, world)
+            links += _link_jobs(tmp, reuse[k], rank, world)
         else:
             data = tensor_bytes(reuse[k].tensor if k in reuse else leaves[k])
             jobs += [("chunk", *j) for j in _chunk_jobs(tmp, s, data, rank, world)]
@@ -232,6 +235,7 @@ def write_tree(
         results = run_pools([(w.do, big, workers), (w.do, meta, max(1, workers // 2))])
         if watch is not None:
             watch.sync()
+    _say_damaged(w.damaged, tmp)
     crcs: dict[str, dict[int, int]] = {k: {} for k in specs}
     stored: dict[str, dict[int, int]] = {k: {} for k in specs}
     documents: dict[str, list[int]] = {}
@@ -257,6 +261,7 @@ class _Writer:
         self.tmp, self.specs, self.fallback, self.codec = tmp, specs, fallback, codec
         self.durable, self.direct = durable, direct
         self.mk = _Dirs(tmp)
+        self.damaged: list[str] = []  # source files that failed their check, written afresh
 
     def do(self, job: tuple) -> tuple:
         """``job`` = ``(kind, destination path, ...)``; returns what was recorded."""
@@ -265,11 +270,13 @@ class _Writer:
         if kind == "json":
             return self._document(*job[1:])
         if kind == "link":
-            _, path, key, i, src = job
+            _, path, key, i, src, whole = job
             s = self.specs[key]
             stored = s.stored[i] if s.compression else s.chunk_nbytes
-            if _link(src, path, stored + 4):
+            got = link_chunk(src, path, stored + 4, s.crc32c[i], whole=whole)
+            if got == LINKED:
                 return "chunk", key, i, s.crc32c[i], stored, True
+            self._note(got, src)
             job = ("chunk", path, key, i, *self.fallback.chunk(key, s, i))
         _, path, key, i, payload, pad = job
         crc, stored = write_chunk(
@@ -287,10 +294,30 @@ class _Writer:
         rel = path.relative_to(self.tmp).as_posix()
         if src is not None:
             data = json_bytes(doc)
-            if _link(src, path, len(data)):
+            got = link_document(src, path, data)
+            if got == LINKED:
                 return "doc", rel, crc32c.crc32c(data), len(data)
+            self._note(got, src)
         crc, length = write_json(path, doc, durable=self.durable)
         return "doc", rel, crc, length
+
+    def _note(self, outcome: str, src: str) -> None:
+        if outcome == DAMAGED:
+            self.damaged.append(src)  # list.append: atomic under the GIL, any thread
+
+
+def _say_damaged(damaged: list[str], tmp: Path) -> None:
+    """Name the files of an earlier step that failed their check before a link."""
+    if damaged:
+        shown = ", ".join(sorted(damaged)[:5]) + (" ..." if len(damaged) > 5 else "")
+        log.warning(
+            "%d file(s) of an earlier step do not match their checksums and were written "
+            "afresh into %s instead of linked: %s. The steps that share them are damaged: "
+            "`python -m ftrain.ckpt verify DIR` names them",
+            len(damaged),
+            tmp.name,
+            shown,
+        )
 
 
 def _document_jobs(
@@ -321,30 +348,13 @@ def _unchanged_nodes(groups: list[str], specs: dict, reuse: dict) -> set[str]:
     return set(reuse) | {g for g in groups if g not in changed}
 
 
-def _link_jobs(tmp: Path, spec: ArraySpec, source: Path, rank: int, world: int) -> list:
-    jobs = []
+def _link_jobs(tmp: Path, reuse: Reuse, rank: int, world: int) -> list:
+    spec, jobs = reuse.spec, []
     for i in range(rank, spec.n_chunks, world):
         rel = f"{spec.key}/{spec.chunk_key(i)}"  # the source as a string: no Path to parse
-        jobs.append(("link", tmp.joinpath(*rel.split("/")), spec.key, i, f"{source}/{rel}"))
+        src, whole = f"{reuse.source}/{rel}", i in reuse.audit
+        jobs.append(("link", tmp.joinpath(*rel.split("/")), spec.key, i, src, whole))
     return jobs
-
-
-def _link(src: str, dst: Path, size: int) -> bool:
-    """Hard-link a committed step's chunk file into the staging directory. False (the
-    caller writes the chunk instead) where that cannot work: another file system
-    (``EXDEV``, e.g. a save that went to the fallback directory), no hard links (``EPERM``,
-    ``EMLINK``: too many links), or a source that vanished, was set aside, or is not the
-    regular file of the expected size. Durability: the file's data is already durable
-    (it is committed); the new name is made durable with the directory (``syncfs`` or
-    the per-directory fsync)."""
-    try:
-        st = os.lstat(src)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            return False
-        os.link(src, dst, follow_symlinks=False)
-    except OSError:
-        return False
-    return True
 
 
 def build_manifest(

@@ -25,6 +25,7 @@ from ftrain.ckpt import (
     CheckpointLocationError,
     CheckpointManager,
     CheckpointNotFoundError,
+    CheckpointReadError,
     CheckpointSaveError,
     CheckpointStoreError,
 )
@@ -184,6 +185,9 @@ def _train_from_config(cfg: DictConfig, early: StopFlag) -> int:
         except _STARTUP_ERRORS as err:
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
             return EXIT_CONFIG
+        except CheckpointReadError as err:  # the machine's limit of the moment: a restart may do
+            print(f"ftrain: cannot start: {err}", file=sys.stderr)
+            return EXIT_ERROR
         return _run(cfg, device, world, parts, early)
     finally:
         # the run has ended: a signal now (SIGINT too) is noted, not a kill (143) or a

@@ -669,3 +669,48 @@ def test_a_start_with_max_steps_0_does_not_block_the_next_start(cli, tmp_path):
     done = cli(run, "trainer.max_steps=2", horizon, check=0)
     assert "no checkpoint verifies" not in done.stderr
     assert CheckpointManager(run / "checkpoints").metadata(2)["schedule_horizon"] == 2
+
+
+EMFILE_ON_CHUNKS = """
+import errno, os, sys
+from ftrain.ckpt import chunkio
+from ftrain.cli.run import main
+
+real_open = os.open
+
+def emfile_on_chunks(path, flags, *a, **k):
+    if "/c." in str(path):  # every chunk file of every step: too many open files
+        raise OSError(errno.EMFILE, "Too many open files", str(path))
+    return real_open(path, flags, *a, **k)
+
+chunkio.os = type(os)("os_with_emfile")
+chunkio.os.__dict__.update(os.__dict__, open=emfile_on_chunks)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_machine_limit_while_restoring_stops_the_start_and_judges_no_step(
+    cli, cache_dir, tmp_path
+):
+    """Too many open files while a restart restored its newest step made every step
+    "corrupt": the run went on from nothing (or an older step) and the next save set the
+    intact steps aside. Now the start stops (exit 1, one line: a restart may do) and the
+    steps are untouched; the next start resumes from the newest."""
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=4", "checkpoint.every_steps=2", check=0)
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir)
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=6", "checkpoint.every_steps=2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", EMFILE_ON_CHUNKS, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cannot start" in proc.stderr and "a limit of this machine" in proc.stderr
+    assert "Traceback" not in proc.stderr and "corrupt" not in proc.stderr, proc.stderr
+    assert _committed(run) == [2, 4]
+    again = cli(run, "trainer.max_steps=6", "checkpoint.every_steps=2", check=0)
+    assert "resumed from step 4" in again.stdout + again.stderr, again.stdout
+    assert _committed(run)[-1] == 6

@@ -547,3 +547,97 @@ def test_a_source_step_another_writer_replaced_is_not_linked(tmp_path, async_sav
     assert m.metadata(2)["save"]["linked_bytes"] == 0
     assert same(m.restore(2), s2) and same(m.restore(1), other)
     verify_ok(tmp_path / "ckpt")
+
+
+def _flip(path: Path, offset: int) -> None:
+    """One byte of ``path`` changed in place (the same inode: every step sharing it)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def _rot_then_save(tmp_path, where: str, saves: int, caplog) -> tuple[TensorDict, Path]:
+    """Step 1 committed, one of its shared files damaged in place (``where``: a chunk's
+    payload or trailer, or a ``zarr.json``), then ``saves`` more saves with LatestN(2)."""
+    base = frozen_base()
+    with manager(tmp_path, async_save=False, keep_policy=LatestN(2)) as m:
+        m.save(state_at(1, base))
+        wte = tmp_path / "ckpt" / "step_00000001" / "params" / "base" / "wte"
+        if where == "document":
+            doc = wte / "zarr.json"
+            doc.write_text(doc.read_text().replace('"float32"', '"float3X"'))
+        else:
+            chunk = sorted(p for p in wte.rglob("c*") if p.is_file())[2]
+            _flip(chunk, 100 if where == "payload" else chunk.stat().st_size - 2)
+        for s in range(2, 2 + saves):
+            m.save(state_at(s, base))
+    return state_at(1 + saves, base), tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize(
+    ("where", "saves"),
+    [
+        pytest.param("trailer", 1, id="trailer-at-once"),
+        pytest.param("document", 1, id="zarr-json-at-once"),
+        # wte's 4 chunks are 4 of the ~9 reused chunks: the audit's ~1/32 of the bytes a
+        # save (one chunk at least) reaches all of them within the 10 saves
+        pytest.param("payload", 10, id="payload-within-an-audit-cycle"),
+    ],
+)
+def test_a_damaged_shared_file_is_not_linked_into_new_steps(tmp_path, caplog, where, saves):
+    """One flipped byte in a chunk file that every step shares (the frozen base): each later
+    save linked the damaged file under its old crc32c and said it succeeded, retention
+    removed the older steps, and at the next start no step restored. The file is checked
+    before a link (trailer and size always, the audited chunks whole, a zarr.json by its
+    bytes) and written afresh from memory; the new steps are intact and say so."""
+    newest, root = _rot_then_save(tmp_path, where, saves, caplog)
+    m = CheckpointManager(root)
+    assert m.all_steps() == [saves, saves + 1]
+    assert same(m.restore(), newest), "the newest step holds the intact bytes"
+    verify_ok(root, saves + 1)
+    assert "do not match their checksums and were written afresh" in caplog.text
+
+
+def test_a_transient_read_error_is_raised_not_taken_for_corruption(tmp_path, monkeypatch):
+    """EMFILE while restoring a chunk made an intact step "corrupt": restore fell back to
+    an older one (its steps trained again) and the next save set the intact step aside.
+    Such an error of the machine is raised as an OSError that says so; nothing is judged."""
+    base = frozen_base()
+    with manager(tmp_path, async_save=False) as m:
+        for s in (1, 2):
+            m.save(state_at(s, base), force=True)
+    real_open = os.open
+
+    def emfile(path, flags, *a, **k):
+        if str(path).endswith("step_00000002/params/base/wte/c.1.0"):
+            raise OSError(errno.EMFILE, "Too many open files", str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", emfile)
+    with pytest.raises(OSError, match="a limit of this machine, not a fault of the checkpoint"):
+        manager(tmp_path).restore()
+    monkeypatch.setattr(os, "open", real_open)
+    again = manager(tmp_path)
+    assert again.all_steps() == [1, 2] and same(again.restore(), state_at(2, base))
+
+
+def test_a_lock_swept_before_its_flock_is_retaken_under_a_new_name(tmp_path, monkeypatch):
+    """Another process's start-up sweep (a restore-only manager) can unlink a staging lock
+    between its creation and its flock; the save failed ("swept before it was taken") and
+    the CLI stopped the run. A fresh name is taken."""
+    real_flock, swept = protocol.fcntl.flock, []
+
+    def sweep_first(fd, op):
+        locks = list((tmp_path / "ckpt").glob(".step_*.lock"))
+        if locks and not swept:  # the staging lock's flock (not the writer lock's)
+            locks[0].unlink()  # what sweep_stale does to a free orphan lock
+            swept.append(locks[0].name)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(protocol.fcntl, "flock", sweep_first)
+    with manager(tmp_path, async_save=False) as m:
+        assert m.save(state_at(1, frozen_base()), force=True)
+    assert swept and manager(tmp_path).all_steps() == [1]
+    assert not list((tmp_path / "ckpt").glob(".step_*"))
