@@ -283,9 +283,18 @@ def _pick_step(cfg: DictConfig, manager: CheckpointManager) -> int | None:
         return _LATEST if steps else None
     if cfg.resume not in steps:
         raise ResumeError(
-            f"resume={cfg.resume} but step {cfg.resume} is not committed; available steps: {steps or 'none'}"
+            f"resume={cfg.resume} but step {cfg.resume} is not committed"
+            f"{_why_unlisted(manager, int(cfg.resume))}; available steps: {steps or 'none'}"
         )
     return int(cfg.resume)
+
+
+def _why_unlisted(manager: CheckpointManager, step: int) -> str:
+    """For a step asked for that is not listed: its directory, if one is there that does
+    not count (no valid marker: a save killed before its commit, or damage)."""
+    name = f"step_{step:08d}"
+    there = [(p, why) for p, why in manager.invalid_steps().items() if Path(str(p)).name == name]
+    return f" ({there[0][0]} is there but does not count: {there[0][1]})" if there else ""
 
 
 def _refuse_lost_steps(cfg: DictConfig, manager: CheckpointManager) -> None:
@@ -653,7 +662,16 @@ def start_state(
     from ftrain.data import check_fingerprint
 
     t0 = time.perf_counter()
-    state = _restore_agreed(cfg, manager, fresh, world, sharder)
+    try:
+        state = _restore_agreed(cfg, manager, fresh, world, sharder)
+    except CheckpointNotFoundError as err:
+        if cfg.resume in ("latest", "none"):
+            raise
+        raise ResumeError(  # the step asked for is there but damaged: say what else there is
+            f"resume={cfg.resume}: step {cfg.resume} does not restore: {err}\n  available "
+            f"steps: {manager.all_steps()}; resume=latest resumes from the newest one that "
+            "verifies, resume=STEP from another"
+        ) from None
     restore_s = time.perf_counter() - t0
     ignored = ignored_step_dirs(cfg) if world.is_coordinator else []
     if state is None:

@@ -485,7 +485,35 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
             return _save_failed(err, p.manager)
         except DataFormatError as err:
             return _bad_batch(err, session)
+        except RuntimeError as err:
+            if not (world.active and _peer_gone(err)):
+                raise
+            return _peer_lost(err, session, world)
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
+
+
+# what gloo (and NCCL) say when the rank at the other end of a collective died or left
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _peer_gone(err: RuntimeError) -> bool:
+    import torch.distributed
+
+    dist_error = getattr(torch.distributed, "DistNetworkError", ())
+    return isinstance(err, dist_error) or any(s in str(err) for s in _PEER_GONE)
+
+
+def _peer_lost(err: RuntimeError, session: Session, world: World) -> int:
+    """Another rank died mid-collective (SIGKILL, OOM, a lost node): this one cannot go on
+    alone. One line, where a restart resumes, exit 1 (it was a 30-line traceback of
+    torch's collective internals after the emergency save's lines)."""
+    _settle(session)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return _stopped(
+        RuntimeError(f"rank {world.rank}: another rank is gone ({first})"),
+        session.manager,
+        "the lost rank's cause (its own log: killed, out of memory, its node)",
+    )
 
 
 def _shard_mode(cfg: DictConfig, world: World) -> str:

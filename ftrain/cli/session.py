@@ -87,7 +87,7 @@ class Session:
         self.metadata: dict = {}
         # saves accepted by the manager whose commit is not yet known: {step: wall start}
         self._pending: dict[int, float] = {}
-        self.sharded = False  # the optimizer state is sharded over the ranks (dist.shard)
+        self.sharded = False  # the state (optimizer, or params too) is sharded (dist.shard)
         self._ckpt_group = None  # the async sharded saves' process group (made on first use)
         self._best_checked = False  # checkpoint.best_metric looked for in a step's metrics
         self.start_step: int | None = None  # the step this run started from (start_progress)
@@ -219,7 +219,7 @@ class Session:
         if self.sharded and reason in _LOCAL_REASONS:
             self._say(
                 int(state["step"]),
-                f"{reason} save skipped: the optimizer state is sharded over every rank and "
+                f"{reason} save skipped: the state is sharded over every rank (dist.shard) and "
                 "one rank cannot gather it; the last committed step stands",
             )
             return False

@@ -714,3 +714,29 @@ def test_a_machine_limit_while_restoring_stops_the_start_and_judges_no_step(
     again = cli(run, "trainer.max_steps=6", "checkpoint.every_steps=2", check=0)
     assert "resumed from step 4" in again.stdout + again.stderr, again.stdout
     assert _committed(run)[-1] == 6
+
+
+def test_a_resume_step_that_does_not_restore_says_what_else_there_is(cli, tmp_path):
+    """resume=N on a damaged step said only "no checkpoint verifies" (as if nothing were
+    left); on a step directory without its marker, "not committed" with no word of the
+    directory. Both now name the steps there are and how to take one."""
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=4", "checkpoint.every_steps=2", check=0)
+    ckpt = run / "checkpoints"
+    chunk = next((ckpt / "step_00000004" / "params").rglob("c.0*"))
+    _flip_byte(chunk)
+    damaged = cli(run, "trainer.max_steps=6", "resume=4", check=2)
+    assert "resume=4: step 4 does not restore" in damaged.stderr, damaged.stderr
+    assert "available steps: [2, 4]; resume=latest" in damaged.stderr
+    (ckpt / "step_00000009").mkdir()
+    unmarked = cli(run, "trainer.max_steps=6", "resume=9", check=2)
+    assert "step_00000009 is there but does not count" in unmarked.stderr, unmarked.stderr
+    assert "Traceback" not in damaged.stderr + unmarked.stderr
+
+
+def _flip_byte(path: Path, offset: int = 10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
