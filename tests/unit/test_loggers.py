@@ -324,6 +324,11 @@ def test_wandb_unreachable_at_start_logs_offline_instead_of_refusing_the_run(
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # ... and nothing listens
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # wandb reads its environment once per process (at its first setup): an earlier test's
+    # wandb run kept the default 90 s init timeout for this one (90 s of CI)
+    import wandb
+
+    wandb.teardown()
     loggers = build_loggers({"wandb": WANDB}, RunInfo(tmp_path, "r", start_step=1, resumed=True))
     _log(loggers, {2: 3.5})
     loggers.close()
