@@ -10,7 +10,6 @@ before anything is returned.
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 
@@ -22,8 +21,8 @@ from ftrain.ckpt.codecs import Codec
 from ftrain.ckpt.format import (
     DIRECT_MIN_BYTES,
     ArraySpec,
-    CheckpointReadError,
     CorruptCheckpointError,
+    unreadable,
     write_all,
 )
 
@@ -36,7 +35,6 @@ __all__ = [
     "read_chunk_into",
     "read_chunks_into",
     "tensor_bytes",
-    "unreadable",
     "write_chunk",
 ]
 
@@ -104,27 +102,6 @@ def write_chunk(
     return crc, size
 
 
-# The machine's resources of the moment, not the file: judged corrupt, an intact step was
-# passed over by restore (its steps trained again) and set aside by the next save.
-_OF_THE_MOMENT = frozenset(
-    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
-)
-
-
-def unreadable(path: Path, err: OSError, what: str) -> Exception:
-    """The error for a chunk file that could not be opened or read: corruption (restore
-    falls back to an older step) unless the cause is the machine's (too many open files,
-    no memory), :class:`~ftrain.ckpt.format.CheckpointReadError`: the step is not judged."""
-    if err.errno in _OF_THE_MOMENT:
-        return CheckpointReadError(
-            err.errno,
-            f"{path}: {what} ({err.strerror}): a limit of this machine, not a fault of the "
-            "checkpoint, which is left as it is; raise the limit (ulimit -n, free memory) "
-            "and retry",
-        )
-    return CorruptCheckpointError(f"{path}: {what} ({err})")
-
-
 def open_sized(path: Path, want: int) -> int:
     """Open a chunk file for reading (never through a link; a FIFO planted in its place
     does not block the open, ``O_NONBLOCK``, and then fails the size check) and check its
@@ -132,7 +109,7 @@ def open_sized(path: Path, want: int) -> int:
 
     Raises:
         CorruptCheckpointError: missing, a link, unreadable, or not ``want`` bytes long.
-        CheckpointReadError: the machine's limits (:func:`unreadable`).
+        CheckpointReadError: the machine's limits (:func:`~ftrain.ckpt.format.unreadable`).
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:

@@ -34,6 +34,7 @@ a row range and write only its chunks, and a reader can read only the rows it ne
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -115,6 +116,28 @@ class CheckpointReadError(OSError):
     """A chunk file could not be read for a reason of this machine, not of the checkpoint
     (too many open files, no memory): the step is not judged corrupt, nothing falls back
     or is set aside. Retry once the limit is raised (a restart does)."""
+
+
+# The machine's resources of the moment, not the file: judged corrupt, an intact step was
+# passed over by restore (its steps trained again) and set aside by the next save.
+_OF_THE_MOMENT = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
+)
+
+
+def unreadable(path: object, err: OSError, what: str) -> Exception:
+    """The error for a checkpoint file that could not be opened or read: corruption
+    (restore falls back to an older step, listing skips it) unless the cause is the
+    machine's (too many open files, no memory): :class:`CheckpointReadError`, the step is
+    not judged."""
+    if err.errno in _OF_THE_MOMENT:
+        return CheckpointReadError(
+            err.errno,
+            f"{path}: {what} ({err.strerror}): a limit of this machine, not a fault of the "
+            "checkpoint, which is left as it is; raise the limit (ulimit -n, free memory) "
+            "and retry",
+        )
+    return CorruptCheckpointError(f"{path}: {what} ({err})")
 
 
 class CheckpointFormatError(RuntimeError):
@@ -443,7 +466,7 @@ def read_bytes_nofollow(path: Path) -> bytes:
     try:
         fd = _open_regular(path, flags)
     except OSError as e:
-        raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
+        raise unreadable(path, e, "unreadable metadata") from e
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CorruptCheckpointError(f"{path}: metadata is not a regular file")
@@ -453,7 +476,7 @@ def read_bytes_nofollow(path: Path) -> bytes:
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read()
     except OSError as e:
-        raise CorruptCheckpointError(f"{path}: unreadable metadata ({e})") from e
+        raise unreadable(path, e, "unreadable metadata") from e
     finally:
         os.close(fd)
 

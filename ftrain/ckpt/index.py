@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ftrain import _json
 from ftrain.ckpt.commit import read_committed
-from ftrain.ckpt.format import CorruptCheckpointError, read_bytes_nofollow
+from ftrain.ckpt.format import CheckpointReadError, CorruptCheckpointError, read_bytes_nofollow
 from ftrain.ckpt.meta import read_root_attributes
 from ftrain.ckpt.policies import BestN, StepInfo, finite_number
 
@@ -95,7 +95,7 @@ def reuse_or_read(
     cached: dict[int, dict],
     steps: dict[int, Path],
     seals: dict[str, object] | None,
-    on_unreadable: Callable[[int, Path, CorruptCheckpointError], None] | None = None,
+    on_unreadable: Callable[[int, Path, Exception], None] | None = None,
 ) -> dict[int, dict]:
     """:func:`load_or_rebuild` on entries already in memory; ``on_unreadable(step, path,
     error)`` hears of each step left out."""
@@ -108,7 +108,7 @@ def reuse_or_read(
             continue
         try:
             out[step] = entry_for(step, path)
-        except CorruptCheckpointError as err:
+        except (CorruptCheckpointError, CheckpointReadError) as err:  # kept, not judged
             if on_unreadable is not None:
                 on_unreadable(step, path, err)
     return out

@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.ckpt._threads import run_parallel, run_pools
-from ftrain.ckpt.chunkio import read_chunk, read_chunks_into, unreadable
+from ftrain.ckpt.chunkio import read_chunk, read_chunks_into
 from ftrain.ckpt.format import (
     DIRECT_MIN_BYTES,
     ArraySpec,
@@ -31,6 +31,7 @@ from ftrain.ckpt.format import (
     check_key,
     parse_dtype,
     read_json,
+    unreadable,
 )
 from ftrain.ckpt.store import DEFAULT_WORKERS
 

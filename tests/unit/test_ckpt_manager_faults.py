@@ -20,6 +20,7 @@ from ftrain.ckpt import (
     AnyOf,
     BestN,
     CheckpointManager,
+    CheckpointReadError,
     CheckpointSaveError,
     EveryKSteps,
     EveryNSeconds,
@@ -60,6 +61,28 @@ def test_a_step_whose_metadata_cannot_be_read_for_a_moment_is_kept_not_deleted(
     # step 2 was the policy's to delete (LatestN(1), readable); step 1 was not judged
     assert again.all_steps() == [1, 3]
     assert same(again.restore(1), make_state(1))
+
+
+def test_too_many_open_files_at_a_restart_judges_no_step(tmp_path, monkeypatch):
+    """EMFILE reading the newest step's marker made it "not committed": restore took the
+    step before (its steps trained again) and the next save of that number set the intact
+    step aside. The restore now raises CheckpointReadError; the steps are as they were."""
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (1, 2):
+            m.save(make_state(s), force=True)
+    real_open = os.open
+
+    def emfile_on_step_2(path, flags, *a, **k):
+        if "step_00000002" in str(path):
+            raise OSError(errno.EMFILE, "Too many open files", str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(fmt.os, "open", emfile_on_step_2)
+    with pytest.raises(CheckpointReadError, match="a limit of this machine"):
+        CheckpointManager(tmp_path, async_save=False).restore()
+    monkeypatch.setattr(fmt.os, "open", real_open)
+    again = CheckpointManager(tmp_path, async_save=False)
+    assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
 
 
 @pytest.mark.parametrize("async_save", [False, True])
