@@ -211,8 +211,11 @@ def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
     return where, step
 
 
-def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, str]:
-    """The fresh state with its params taken from ``init.from`` (params only).
+def init_from(
+    cfg: DictConfig, fresh: TensorDictBase, step: int | None = None
+) -> tuple[TensorDictBase, str, int]:
+    """The fresh state with its params taken from ``init.from`` (params only); ``step``
+    (if given) in place of the one ``init.from`` names (:mod:`ftrain.cli.basestep`).
 
     Every parameter of the checkpoint must exist in the model with the same shape and
     dtype. Model parameters the checkpoint lacks keep their fresh initialisation — LoRA
@@ -220,7 +223,7 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     a mistake, so it is an error.
 
     Returns:
-        ``(state, report line)``.
+        ``(state, report line, the base's step read)``.
 
     Raises:
         ConfigError: no such run/step, nothing verifies, or the params do not fit.
@@ -228,7 +231,8 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     from ftrain.ckpt import CorruptCheckpointError
     from ftrain.ckpt.readonly import name_of, read_model
 
-    where, step = parse_init_from(str(cfg.init["from"]))
+    where, named = parse_init_from(str(cfg.init["from"]))
+    step = named if step is None else step
     what = f"init.from={cfg.init['from']!r}"
     if isinstance(where, str) and Path(where).is_file():
         hint = (
@@ -248,7 +252,7 @@ def init_from(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, s
     line += f" (and {n_buffers} buffers)" if n_buffers else ""
     if fresh_only:
         line += f", {len(fresh_only)} new ({_sample(fresh_only)}) initialised fresh"
-    return state, line
+    return state, line, got_step
 
 
 # model keys that change what the params compute without changing any shape: the heads

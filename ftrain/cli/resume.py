@@ -105,6 +105,7 @@ class ResumeReport:
     rows_read: int | None = None  # chunk bytes this rank read of a sharded restore (its rows)
     mapped: int = 0  # checkpoint.mmap_restore: bytes of the state mapping the step's files
     resharded: bool = False  # the checkpoint or this run holds rows per rank
+    init_step: int | None = None  # the step of init.from's base read (ftrain.cli.basestep)
 
     def _ranks_line(self) -> str:
         """Where each rank's part of the next batch begins, when there are several."""

@@ -29,6 +29,7 @@ from ftrain.ckpt import (
     CheckpointSaveError,
     CheckpointStoreError,
 )
+from ftrain.cli.basestep import agreed_init_from
 from ftrain.cli.build import (
     build_manager,
     build_model,
@@ -49,7 +50,6 @@ from ftrain.cli.finetune import (
     check_patterns,
     describe_labels,
     frozen_at_random,
-    init_from,
     unused_lora_settings,
 )
 from ftrain.cli.places import check_logger_places
@@ -263,7 +263,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     early = None  # resume=none: the fresh start's checks (init.from, groups) before the move
     if cfg.resume == "none":
         tx = build_tx(cfg, schedule_horizon(cfg, None))
-        early = _initialised(cfg, _fresh(cfg, model, tx))
+        early = _initialised(cfg, _fresh(cfg, model, tx), world)
     _overwrite(cfg, world)  # once every check that needs no checkpoint has passed
     manager = build_manager(cfg)
     saved = saved_horizon(cfg, manager)
@@ -287,7 +287,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
             state = replace(state, opt=refresh_hyperparams(tx, state["opt"]))
             report.next_lr = float(learning_rate_metrics(state["opt"])["lr"])
         if not report.resumed:  # a resume continues its own params
-            state, notes = early or _initialised(cfg, state)
+            state, notes, report.init_step = early or _initialised(cfg, state, world)
             report.notes += notes
         else:  # where the next batch really begins (past a shrunk dataset's end: next epoch)
             _next_batch_starts(cfg, report, state, len(train_src), world.size)
@@ -309,16 +309,22 @@ def _fresh(cfg: DictConfig, model: nn.Module, tx) -> TensorDictBase:
     return init_state(model, tx, seed=cfg.trainer.seed, precision=cfg.trainer.precision)
 
 
-def _initialised(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase, list[str]]:
-    """A fresh start's state and notes: params from ``init.from``/``init.from_hf``, then the
+def _initialised(
+    cfg: DictConfig, fresh: TensorDictBase, world: World
+) -> tuple[TensorDictBase, list[str], int | None]:
+    """A fresh start's state, notes and the base step ``init.from`` read (agreed by every
+    rank, :mod:`ftrain.cli.basestep`): params from ``init.from``/``init.from_hf``, then the
     label checks (something trains, every group takes parameters)."""
-    notes = []
-    if cfg.init["from"] or cfg.init["from_hf"]:
-        fresh, line = (init_from if cfg.init["from"] else init_from_hf)(cfg, fresh)
+    notes, base_step = [], None
+    if cfg.init["from"]:
+        fresh, line, base_step = agreed_init_from(cfg, fresh, world)
+        notes.append(line)
+    elif cfg.init["from_hf"]:
+        fresh, line = init_from_hf(cfg, fresh)
         notes.append(line)
     check_labels(cfg, fresh["params"])
     notes += filter(None, [frozen_at_random(cfg, fresh["params"])])
-    return fresh, notes
+    return fresh, notes, base_step
 
 
 def _val_fp(val: Source | None) -> str | None:

@@ -161,6 +161,10 @@ class Session:
             "mapped_bytes": report.mapped,  # checkpoint.mmap_restore
             # init.from's "initialised params from DIR step N" (which base step), groups
             "notes": list(report.notes) or None,
+            # which base step init.from read: a restart before the first commit reads it
+            # again (ftrain.cli.basestep)
+            "init_from": str(self.cfg.init["from"]) if report.init_step is not None else None,
+            "init_step": report.init_step,
             "went_back": bool(report.left_behind),  # committed steps left (ftrain.cli.redo)
             "elastic_job": elastic_job(),  # a torchrun restart's (ftrain.cli.restarts)
             # where this start saves: a later start that finds no step names it

@@ -186,3 +186,27 @@ def test_freeze_globs_groups_and_their_errors(cli, base_run, tmp_path):
         tmp_path / "g", "+optim.groups.default.params=[x]", "trainer.max_steps=1", check=2
     )
     assert "plain name other than default/frozen" in bad_group.stderr
+
+
+def test_a_restart_before_the_first_commit_reads_the_base_step_it_read_before(
+    cli, popen_cli, tmp_path
+):
+    """init.from=RUN (no step) means the base's newest step. A fine-tune killed before its
+    first commit re-read the base on its restart: the base had committed a newer step
+    meanwhile, and the restarted run trained from another base than the steps it redid.
+    The step the earlier start read is read again (and recorded)."""
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    cli(base, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
+    ft = [*LORA, f"init.from={base}", "checkpoint.every_steps=100"]
+    first = popen_cli(tuned, *ft, "trainer.max_steps=200")
+    _wait_for_step(tuned, first, 2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert _committed(tuned) == []
+    cli(base, "trainer.max_steps=4", "checkpoint.every_steps=2", check=0)  # the base goes on
+    again = cli(tuned, *ft, "trainer.max_steps=2", check=0)
+    assert f"{base / 'checkpoints'} step 2" in again.stdout, again.stdout
+    assert "as this run's earlier start read" in again.stdout
+    assert [r["init_step"] for r in records(tuned, "start")] == [2, 2]
+    fresh = cli(tmp_path / "other", *ft, "trainer.max_steps=1", check=0)  # another run: newest
+    assert f"{base / 'checkpoints'} step 4" in fresh.stdout, fresh.stdout

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -360,3 +361,33 @@ def test_a_torchrun_restart_continues_the_history_resume_n_began(cache_dir, tmp_
     assert len(list(run.glob("overwritten-*"))) == 1, out
     assert [r["from_step"] for r in records(run, "resume")] == [3], out
     assert CheckpointManager(run / "checkpoints", async_save=False).latest_step() == 9
+
+
+def test_every_rank_fine_tunes_from_the_base_step_the_coordinator_read(cli, cache_dir, tmp_path):
+    """init.from=RUN (its newest step) was read by each rank on its own: a base still
+    training, or nodes holding different copies, gave the ranks different frozen weights,
+    exit 0. Each "node" here holds its own copy of the base, node 1's with a newer step:
+    every rank now reads the coordinator's step, or every rank stops naming the one that
+    cannot."""
+    import shutil
+
+    base = tmp_path / "base"
+    cli(base, "trainer.max_steps=4", "checkpoint.every_steps=2", check=0)
+    for rank in (0, 1):
+        shutil.copytree(base, tmp_path / f"node{rank}" / "base")
+    shutil.rmtree(tmp_path / "node0" / "base" / "checkpoints" / "step_00000004")
+    wrapper = tmp_path / "node.sh"  # torchrun --no-python: cd to this rank's "node"
+    wrapper.write_text(
+        f'#!/bin/sh\ncd {tmp_path}/node$LOCAL_RANK && exec {sys.executable} -m ftrain "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    launch = {"extra": ("--no-python",), "entry": (str(wrapper),)}
+    lora = ["model.lora.rank=4", "init.from=base", "trainer.max_steps=2"]
+    rc, out = _finish(_torchrun(tmp_path / "tuned", cache_dir, *lora, **launch))
+    assert rc == 0, out
+    read = re.findall(r"\[rank=(\d)\].*initialised params from \S+ step (\d+)", out)
+    assert sorted(read) == [("0", "2"), ("1", "2")], out
+    shutil.rmtree(tmp_path / "node1" / "base" / "checkpoints" / "step_00000002")
+    rc, out = _finish(_torchrun(tmp_path / "tuned2", cache_dir, *lora, **launch))
+    assert rc != 0 and "exitcode: 2" in out, out  # the ranks' config exit, through torchrun
+    assert out.count("step 2 (the coordinator's) could not be read on every rank: rank 1:") == 2

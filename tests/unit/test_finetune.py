@@ -238,7 +238,7 @@ def test_init_from_takes_the_base_runs_buffers_too(tmp_path):
             "model": {},
         }
     )
-    state, line = init_from(cfg, ftrain.init_state(BNNet(), tx, seed=1))
+    state, line, _ = init_from(cfg, ftrain.init_state(BNNet(), tx, seed=1))
     assert "(and 3 buffers)" in line
     assert torch.equal(state["buffers"]["bn"]["running_var"], torch.full((4,), 2.0))
     assert int(state["buffers"]["bn"]["num_batches_tracked"]) == 30
@@ -247,7 +247,7 @@ def test_init_from_takes_the_base_runs_buffers_too(tmp_path):
     bare = TensorDict({"step": torch.tensor(1), "params": base["params"]}, batch_size=[])
     CheckpointManager(tmp_path / "bare", async_save=False).save(bare)
     cfg_bare = OmegaConf.merge(cfg, {"init": {"from": str(tmp_path / "bare")}})
-    state, line = init_from(cfg_bare, ftrain.init_state(BNNet(), tx, seed=1))
+    state, line, _ = init_from(cfg_bare, ftrain.init_state(BNNet(), tx, seed=1))
     assert "buffers" not in line and torch.equal(
         state["buffers"]["bn"]["running_var"], torch.ones(4)
     )

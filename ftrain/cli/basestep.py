@@ -1,0 +1,96 @@
+"""Which step of ``init.from``'s base run a fresh start reads: one step on every rank and
+on every attempt of the run.
+
+``init.from=RUN`` (no step) means the base's newest step that verifies. Read by each rank
+on its own, a base still training (which the docs allow), a retention removing a step
+mid-read, or nodes holding different copies gave the ranks different frozen weights:
+gradients of different models were averaged into the adapters, exit 0. And a fine-tune
+killed before its first commit re-read the base on its restart, a newer step by then:
+the steps it redid trained from another base.
+
+So: the step an earlier start of this run read (its ``start`` record's ``init_step``,
+``metrics.jsonl``) is read again while the base holds it; otherwise the coordinator reads
+the newest step that verifies, and every other rank reads that very step. Every rank
+reports; one failure stops them all with its reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+from tensordict import TensorDictBase
+
+from ftrain.cli.finetune import init_from, parse_init_from
+from ftrain.config import ConfigError
+from ftrain.dist import World, broadcast_json, gather_json
+from ftrain.metrics import read_records
+
+__all__ = ["agreed_init_from", "earlier_init_step"]
+
+
+def earlier_init_step(run_dir: Path, value: str) -> int | None:
+    """The base step the latest earlier start of this run read for ``init.from=value``."""
+    found = None
+    for r in read_records(run_dir):
+        step = r.get("init_step")
+        if r.get("kind") == "start" and r.get("init_from") == value and type(step) is int:
+            found = step
+    return found
+
+
+def agreed_init_from(
+    cfg: DictConfig, fresh: TensorDictBase, world: World
+) -> tuple[TensorDictBase, str, int]:
+    """:func:`~ftrain.cli.finetune.init_from` with the step agreed (module docstring):
+    ``(state, report line, step read)`` on every rank.
+
+    Raises:
+        ConfigError: on every rank, with the reason of each rank that could not read it.
+    """
+    read: tuple | None = None
+    outcome: dict
+    if world.is_coordinator:
+        try:
+            read = _coordinator_read(cfg, fresh)
+            outcome = {"step": read[2]}
+        except ConfigError as err:
+            outcome = {"error": str(err)}
+    chosen = broadcast_json(outcome if world.is_coordinator else None)
+    if "error" in chosen:
+        raise ConfigError(chosen["error"])
+    mine: dict = {"ok": True}
+    if read is None:
+        try:
+            read = init_from(cfg, fresh, step=chosen["step"])
+        except ConfigError as err:
+            mine = {"error": str(err)}
+    reports = gather_json(mine)
+    failed = broadcast_json(_failures(reports) if world.is_coordinator else None)
+    if failed:
+        raise ConfigError(
+            f"init.from={cfg.init['from']!r}: step {chosen['step']} (the coordinator's) could "
+            f"not be read on every rank: {failed}"
+        )
+    return read
+
+
+def _failures(reports: list[dict]) -> str | None:
+    bad = [f"rank {r}: {o['error']}" for r, o in enumerate(reports) if "error" in o]
+    return "; ".join(bad) or None
+
+
+def _coordinator_read(cfg: DictConfig, fresh: TensorDictBase) -> tuple:
+    """The step an earlier start read, while the base holds it; else as ``init.from``
+    says (its newest step that verifies, unless it names one)."""
+    value = str(cfg.init["from"])
+    _, named = parse_init_from(value)
+    earlier = earlier_init_step(Path(cfg.run.dir), value) if named is None else None
+    if earlier is None:
+        return init_from(cfg, fresh)
+    try:
+        state, line, step = init_from(cfg, fresh, step=earlier)
+    except ConfigError as err:  # gone (retention) or damaged since: the newest, said
+        state, line, step = init_from(cfg, fresh)
+        return state, f"{line} (the step this run's earlier start read, {earlier}: {err})", step
+    return state, f"{line}, as this run's earlier start read", step
