@@ -281,10 +281,13 @@ def eval_repeat_note(cfg: DictConfig, val: Source | None) -> str | None:
     """A note when an evaluation asks for more samples than the val split holds
     (``trainer.eval_batches`` x ``trainer.batch_size``): the batches wrap around, so
     ``val_loss`` counts some samples twice and costs more than the split is worth."""
-    if not evaluates(cfg, val):
-        return None
-    t = cfg.trainer
-    want, have = t.eval_batches * t.batch_size, len(val)
+    return repeat_note(cfg.trainer, len(val)) if evaluates(cfg, val) else None
+
+
+def repeat_note(t: DictConfig, have: int) -> str | None:
+    """:func:`eval_repeat_note` for ``trainer`` settings ``t`` and a split of ``have``
+    samples (also ``python -m ftrain.eval``'s)."""
+    want = t.eval_batches * t.batch_size
     if want <= have:
         return None
     return (

@@ -40,7 +40,14 @@ from ftrain.ckpt import CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.readonly import name_of, read_model
-from ftrain.cli.build import build_model, check_block_size, check_vocab, model_vocab, pick_device
+from ftrain.cli.build import (
+    build_model,
+    check_block_size,
+    check_vocab,
+    model_vocab,
+    pick_device,
+    repeat_note,
+)
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
 from ftrain.config import ConfigError
@@ -119,7 +126,8 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         overrides: ``KEY=VALUE`` strings (:data:`ALLOWED` keys).
 
     Returns:
-        ``{"step", "val_loss", "perplexity", "batches", "samples", "tokens", "data"}``.
+        ``{"step", "val_loss", "perplexity", "batches", "samples", "tokens", "data",
+        "note"}`` (``note``: an evaluation that reads some samples twice says so, else None).
 
     Raises:
         FileNotFoundError: no such run or step. CorruptCheckpointError: it does not verify.
@@ -182,6 +190,8 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         "samples": int(out["samples"]),
         "tokens": int(out["tokens"]) if "tokens" in out else None,  # None: the loss counts none
         "data": val.describe(),
+        # more samples asked for than the split holds: some counted more than once
+        "note": repeat_note(t, len(val)),
     }
 
 
@@ -277,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m ftrain.eval: {err}", file=sys.stderr)
         not_found = isinstance(err, FileNotFoundError) and not isinstance(err, DataPathError)
         return 1 if not_found else 2
+    if r["note"]:
+        print(f"python -m ftrain.eval: note: {r['note']}", file=sys.stderr)
     if ns.json:  # strict JSON: non-finite numbers as metrics.jsonl writes them ("nan")
         print(json.dumps({k: json_safe(v) for k, v in r.items()}, allow_nan=False))
     else:

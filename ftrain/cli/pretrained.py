@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
 
+from ftrain import lora
 from ftrain.cli.finetune import load_into
 from ftrain.config import ConfigError
 from ftrain.recipes.gpt2.hf import HFFormatError, gpt_fields_from_hf, infer_fields, read_hf
@@ -56,11 +57,26 @@ def init_from_hf(cfg: DictConfig, fresh: TensorDictBase) -> tuple[TensorDictBase
     model_dtypes = dict(zip(*_named(fresh["params"]), strict=True))
     table, notes = _fit(tensors, cfg.model.block_size, model_dtypes)
     state, fresh_only = load_into(cfg, fresh, table, what)
+    _refuse_missing(fresh_only, what)
     line = f"initialised params from HF GPT-2 {where}: {len(table)} tensors loaded"
     notes += [] if hf is not None else ["no config.json: n_head not checked"]
     if fresh_only:
         notes.append(f"{len(fresh_only)} new ({', '.join(fresh_only[:3])}, ...) initialised fresh")
     return state, line + "".join(f"; {n}" for n in notes)
+
+
+def _refuse_missing(fresh_only: list[str], what: str) -> None:
+    """A GPT-2 file holds every GPT-2 tensor: one missing is a damaged or partial file,
+    not a new head (``init.from``'s case). Left at its random start it trained a random
+    MLP inside a "pretrained" model, exit 0. Only LoRA adapters start fresh."""
+    missing = [p for p in fresh_only if not lora.is_adapter(p)]
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ConfigError(
+            f"{what} lacks {len(missing)} GPT-2 tensor(s) the model has ({shown}): a damaged "
+            "or partial weights file (a GPT-2 file holds every one); export it again, or "
+            "check that model.n_layer and the other sizes are the file's"
+        )
 
 
 def _named(params: TensorDictBase) -> tuple[list[str], list[torch.dtype]]:

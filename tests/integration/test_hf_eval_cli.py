@@ -82,6 +82,7 @@ def test_eval_reproduces_the_recorded_val_loss(tool, run8, env, tmp_path):
         assert out.returncode == 0, out.stderr
         got = json.loads(out.stdout)
         assert got["step"] == step and got["batches"] == 2 and got["samples"] == 8
+        assert got["note"] is None and "note" not in out.stderr
         assert got["val_loss"] == pytest.approx(recorded[step], rel=1e-6, abs=1e-6)
         assert got["perplexity"] == pytest.approx(torch.tensor(recorded[step]).exp().item())
     assert _tree(run8) == before  # read-only: no lock, index, sweep or new file
@@ -92,6 +93,11 @@ def test_eval_reproduces_the_recorded_val_loss(tool, run8, env, tmp_path):
         and out.stdout.startswith("step 8: val_loss ")
         and "1 batches" in out.stdout
     )
+    # more batches than the split holds: the samples repeat, and the tool says so (as a
+    # training run does; it said nothing)
+    out = tool("ftrain.eval", run8, "trainer.eval_batches=60", "--json", env=env)
+    assert out.returncode == 0 and "samples repeat in every evaluation" in out.stderr, out.stderr
+    assert "samples repeat" in json.loads(out.stdout)["note"]
     # no optimizer state needed: a copy of the checkpoints without opt/ evaluates the same
     bare = tmp_path / "bare"
     shutil.copytree(run8 / "checkpoints", bare)
@@ -222,6 +228,22 @@ def test_init_from_hf_refusals(cli, tmp_path):
     assert "is a file; init.from takes a run or checkpoints directory" in out.stderr
     assert "init.from_hf" in out.stderr
     assert not list((tmp_path / "r").glob("checkpoints/step_*"))  # nothing trained
+
+
+def test_init_from_hf_refuses_a_file_that_lacks_a_gpt2_tensor(cli, tmp_path):
+    """A weights file without one of GPT-2's tensors loaded "fine" (that tensor left at
+    its random start, one line of notes, exit 0): a full fine-tune trained a random MLP
+    inside a pretrained model. Refused, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    _save_hf(tmp_path / "gpt2")
+    weights = next((tmp_path / "gpt2").glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    dropped = next(k for k in tensors if k.endswith("h.1.mlp.c_fc.weight"))
+    save_file({k: v for k, v in tensors.items() if k != dropped}, str(weights))
+    out = cli(tmp_path / "r", f"init.from_hf={tmp_path / 'gpt2'}", check=2)
+    assert "lacks 1 GPT-2 tensor(s) the model has (transformer.h.1.mlp.c_fc.weight)" in out.stderr
+    assert "Traceback" not in out.stderr and not list((tmp_path / "r").glob("checkpoints/step_*"))
 
 
 def test_export_keeps_bf16_in_both_formats(tool, tmp_path):
