@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import crc32c
@@ -44,35 +45,31 @@ def link_chunk(src: str, dst: Path, size: int, crc: int, *, whole: bool) -> str:
         hard links, too many links, a source gone with its step): write it, nothing is
         wrong; :data:`DAMAGED`: the source is not the file the manifest describes.
     """
+
+    def intact(fd: int, st: os.stat_result) -> bool:
+        if st.st_size != size or int.from_bytes(os.pread(fd, 4, size - 4), "little") != crc:
+            return False
+        return not whole or _crc_of(fd, size - 4) == crc
+
+    return _link_if_intact(src, dst, intact)
+
+
+def link_document(src: str, dst: Path, data: bytes) -> str:
+    """Link the ``zarr.json`` ``src`` to ``dst`` if it holds exactly ``data`` (see
+    :func:`link_chunk` for what is returned)."""
+    return _link_if_intact(src, dst, lambda fd, _st: os.pread(fd, len(data) + 1, 0) == data)
+
+
+def _link_if_intact(src: str, dst: Path, intact: Callable[[int, os.stat_result], bool]) -> str:
+    """Open ``src`` (never through a link, never blocking on a FIFO), judge the regular
+    file with ``intact(fd, stat)``, and link it if it is."""
     try:
         fd = os.open(src, _FLAGS)
     except OSError as e:  # gone (its step removed meanwhile), or a link: ELOOP
         return DAMAGED if e.errno == errno.ELOOP else UNLINKABLE
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            return DAMAGED
-        if int.from_bytes(os.pread(fd, 4, size - 4), "little") != crc:
-            return DAMAGED
-        if whole and _crc_of(fd, size - 4) != crc:
-            return DAMAGED
-    except OSError as e:
-        return DAMAGED if e.errno == errno.EIO else UNLINKABLE
-    finally:
-        os.close(fd)
-    return _link(src, dst)
-
-
-def link_document(src: str, dst: Path, data: bytes) -> str:
-    """Link the ``zarr.json`` ``src`` to ``dst`` if it holds exactly ``data`` (see
-    :func:`link_chunk` for what is returned)."""
-    try:
-        fd = os.open(src, _FLAGS)
-    except OSError as e:
-        return DAMAGED if e.errno == errno.ELOOP else UNLINKABLE
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or os.pread(fd, len(data) + 1, 0) != data:
+        if not stat.S_ISREG(st.st_mode) or not intact(fd, st):
             return DAMAGED
     except OSError as e:
         return DAMAGED if e.errno == errno.EIO else UNLINKABLE
