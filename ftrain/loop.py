@@ -141,6 +141,7 @@ def train_loop(
     donate: bool = False,
     on_nonfinite: str = "stop",
     watchdog: Watchdog | None = None,
+    evaluate_first: bool = False,
 ) -> LoopResult:
     """Advance ``state`` with ``step`` over ``batches`` until ``max_steps`` or a stop request.
 
@@ -167,6 +168,9 @@ def train_loop(
             ``grad_norm`` (see the module docstring).
         watchdog: a :class:`ftrain.watchdog.Watchdog`; the loop starts it, feeds it at every
             phase and stops it when it returns.
+        evaluate_first: evaluate the starting state before the first step (if its step is
+            an evaluation step): a resume from a stop save whose evaluation the stop
+            skipped, so the run's evaluations are an unbroken run's.
 
     Returns:
         A :class:`LoopResult` with the final state.
@@ -201,6 +205,7 @@ def train_loop(
         watchdog=watchdog or _NoWatchdog(),
         stop=stop,
         agree=agree,
+        evaluate_first=evaluate_first,
     )
     run.watchdog.start()
     try:
@@ -262,6 +267,7 @@ class _Run:
     watchdog: Watchdog | _NoWatchdog
     stop: StopFlag | None = None
     agree: Callable[[bool], bool] | None = None
+    evaluate_first: bool = False
     meter: _Meter = field(default_factory=lambda: _Meter())
     last: dict = field(default_factory=dict)  # the newest *logged* metrics (host floats)
     current: dict = field(default_factory=dict)  # metrics of the step `state` is at
@@ -270,6 +276,8 @@ class _Run:
         wd, in_step, returned, stop = self.watchdog, False, None, self.stop
         start = int(state["step"])
         try:
+            if self.evaluate_first:
+                self._maybe_evaluate(state, start)
             while int(state["step"]) < self.max_steps:
                 wd.phase("agree", state, self.current, safe=True)
                 if _stop_now(stop, self.agree):

@@ -23,7 +23,7 @@ from pathlib import Path
 from ftrain import _json
 from ftrain.metrics import read_records
 
-__all__ = ["last_run_ended", "reached_steps", "redo_range"]
+__all__ = ["eval_owed", "last_run_ended", "reached_steps", "redo_range"]
 
 # records whose "step" the run had reached (finished) when it wrote them
 _REACHED = frozenset(
@@ -118,3 +118,14 @@ def last_run_ended(run_dir: Path) -> bool:
         if r.get("kind") in ("start", "resume", "end"):
             last = r.get("kind")
     return last == "end"
+
+
+def eval_owed(run_dir: Path, step: int) -> bool:
+    """Whether ``step``'s evaluation was skipped by a stop (``eval_skipped``: the stop save
+    went first) and not made up since: a resume from that step evaluates it before its
+    first step, or the run's val curve kept the gap for good."""
+    owed = False
+    for r in read_records(run_dir):
+        if r.get("step") == step and r.get("kind") in ("eval", "eval_skipped"):
+            owed = r["kind"] == "eval_skipped"
+    return owed

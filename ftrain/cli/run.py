@@ -54,6 +54,7 @@ from ftrain.cli.finetune import (
 )
 from ftrain.cli.places import check_logger_places
 from ftrain.cli.pretrained import init_from_hf
+from ftrain.cli.redo import eval_owed
 from ftrain.cli.restarts import continue_restarted_job
 from ftrain.cli.resume import (
     ResumeError,
@@ -74,7 +75,15 @@ from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
 from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
 from ftrain.data.sampler import rank_starts
-from ftrain.dist import LaunchError, World, agree_any, init_world, local_device, shutdown
+from ftrain.dist import (
+    LaunchError,
+    World,
+    agree_any,
+    broadcast_json,
+    init_world,
+    local_device,
+    shutdown,
+)
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
 from ftrain.optim import refresh_hyperparams
@@ -482,6 +491,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
                     donate=t.donate,
                     on_nonfinite=t.on_nonfinite,
                     watchdog=watchdog,
+                    evaluate_first=bool(evaluating) and _eval_owed(cfg, world, p.report),
                 )
             with _watching(watchdog, result):  # the final or stop save's commit may hang too
                 session.finish(result)
@@ -496,6 +506,18 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
                 raise
             return _peer_lost(err, session, world)
     return EXIT_PREEMPTED if result.status == "stopped" else EXIT_OK
+
+
+def _eval_owed(cfg: DictConfig, world: World, report: ResumeReport) -> bool:
+    """A resume from a stop save whose evaluation the stop skipped (the coordinator reads
+    the records; every rank evaluates together): that step is evaluated first."""
+    owed = None
+    if world.is_coordinator:
+        owed = report.resumed and eval_owed(Path(cfg.run.dir), report.step)
+    owed = bool(broadcast_json(owed))
+    if owed and world.is_coordinator:
+        print(f"evaluating step {report.step} first: the stop that saved it skipped its evaluation")
+    return owed
 
 
 # what gloo (and NCCL) say when the rank at the other end of a collective died or left

@@ -359,7 +359,7 @@ def test_sigterm_saves_at_the_step_reached_and_resume_continues(cli, popen_cli, 
     assert _committed(run)[-1] == reached + 2
 
 
-def test_sigterm_during_a_long_evaluation_saves_without_finishing_it(popen_cli, tmp_path):
+def test_sigterm_during_a_long_evaluation_saves_without_finishing_it(cli, popen_cli, tmp_path):
     """The stop save waited for the whole evaluation: one longer than the grace period
     (torchrun's 30 s before SIGKILL) lost every step since the last commit."""
     run = tmp_path / "run"
@@ -377,6 +377,14 @@ def test_sigterm_during_a_long_evaluation_saves_without_finishing_it(popen_cli, 
     (skipped,) = records(run, "eval_skipped")
     assert skipped["step"] == stopped and _committed(run) == [stopped]
     assert skipped["reason"] == "stop requested during the evaluation"
+    # the resume makes the skipped evaluation up before its first step: the val curve
+    # has no gap (it kept one for good)
+    more = ["trainer.eval_every=1", "trainer.eval_batches=2"]
+    out = cli(run, f"trainer.max_steps={stopped + 1}", *more, check=0)
+    assert f"evaluating step {stopped} first" in out.stdout, out.stdout
+    assert [r["step"] for r in records(run, "eval")] == [stopped, stopped + 1]
+    again = cli(run, f"trainer.max_steps={stopped + 1}", *more, check=0)  # owed no more
+    assert "first: the stop" not in again.stdout
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(cli, tmp_path):

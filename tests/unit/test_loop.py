@@ -202,6 +202,26 @@ def test_a_stop_request_saves_before_an_evaluation_not_after_it(when):
     assert saves.calls[-1] == (2, True, "SIGTERM")
 
 
+@pytest.mark.parametrize(("start", "first"), [(2, [2, 4]), (3, [4])])
+def test_evaluate_first_makes_up_the_start_steps_evaluation(start, first):
+    """A resume from a stop save whose evaluation the stop skipped evaluates that step
+    before training (only if it is an evaluation step)."""
+    state, step = _setup()
+    state = ftrain.replace(state, step=torch.tensor(start))
+    evaluated = []
+
+    def evaluate(s):
+        evaluated.append(int(s["step"]))
+        return {"val_loss": 1.0}
+
+    kw = {"max_steps": 4, "evaluate": evaluate, "eval_every": 2}
+    train_loop(state, step, _batches(), evaluate_first=True, **kw)
+    assert evaluated == first
+    evaluated.clear()
+    train_loop(state, step, _batches(), **kw)
+    assert evaluated == [4], "not asked: the start is not evaluated"
+
+
 def test_saves_record_the_metrics_of_the_saved_step_and_eval_does_not_change_training():
     state, step = _setup()
     saves = Saves()
