@@ -23,6 +23,7 @@ before allocating anything, then downloads chunks concurrently and verifies each
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from functools import partial
 
@@ -36,6 +37,7 @@ from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.documents import step_documents
 from ftrain.ckpt.format import ArraySpec, CorruptCheckpointError, json_bytes, plan_array
 from ftrain.ckpt.incremental import FallbackBytes, Reuse
+from ftrain.ckpt.location import CheckpointStoreError
 from ftrain.ckpt.objstore import ObjectKey, gather_bounded
 from ftrain.ckpt.reader import (
     allocate_tree,
@@ -56,6 +58,8 @@ __all__ = [
     "upload_tree",
     "verify_objects",
 ]
+
+log = logging.getLogger("ftrain.ckpt")
 
 
 def _chunk_object(spec: ArraySpec, payload: memoryview, pad: int) -> tuple[bytes, int, int]:
@@ -114,7 +118,8 @@ def upload_tree(
     for k, s in specs.items():
         source = reuse[k].source if k in reuse else None
         if isinstance(source, ObjectKey) and source.root == step.root:  # same location: copy
-            copies += [(s, i, source.key) for i in range(rank, s.n_chunks, world)]
+            audit = reuse[k].audit  # read whole and checked before the copy
+            copies += [(s, i, source.key, i in audit) for i in range(rank, s.n_chunks, world)]
             continue
         data = tensor_bytes(reuse[k].tensor if k in reuse else leaves[k]) if s.n_chunks else None
         for i in range(rank, s.n_chunks, world):
@@ -158,9 +163,13 @@ def upload_objects(step, part: Part, jobs: list, copies: list = (), fallback=Non
         protocol._phase("object_uploaded")  # fault-injection seam (tests kill here)
         return s.key, i, crc, stored, False
 
-    async def copy_chunk(s: ArraySpec, i: int, source: str) -> tuple:
+    async def copy_chunk(s: ArraySpec, i: int, source: str, whole: bool) -> tuple:
         rel = f"{s.key}/{s.chunk_key(i)}"
         size = (s.stored[i] if s.compression else s.chunk_nbytes) + 4  # + its crc32c
+        if whole and not await _intact(store.store, f"{source}/{rel}", size, s.crc32c[i]):
+            # a damaged source copied forward reached every later step (ftrain.ckpt.links)
+            log.warning("%s/%s/%s does not match its checksum: uploaded afresh", root, source, rel)
+            return await put_chunk(s, i, *fallback.chunk(s.key, s, i))
         try:
             await obstore.copy_async(store.store, f"{source}/{rel}", f"{prefix}/{rel}")
             # the copy is the committed source's bytes: one of another size (truncated,
@@ -190,6 +199,18 @@ def upload_objects(step, part: Part, jobs: list, copies: list = (), fallback=Non
             copied += r[3] + 4 if r[4] else 0
     documents = {rel: [crc32c.crc32c(d), len(d)] for rel, d in docs.items()}
     return build_manifest(part.groups, specs, crcs, stored, documents, part.compression, copied)
+
+
+async def _intact(store, key: str, size: int, crc: int) -> bool:
+    """The object ``key`` is ``size`` bytes whose trailer and body carry crc32c ``crc``
+    (the audited chunks of an incremental save, before their copy). An object that cannot
+    be read counts as intact here: the copy decides (a refused copy is an upload)."""
+    try:
+        raw = bytes(await (await obstore.get_async(store, key)).bytes_async())
+    except (obstore.exceptions.BaseError, OSError):
+        return True
+    trailer = int.from_bytes(raw[-4:], "little") if len(raw) == size else -1
+    return trailer == crc and crc32c.crc32c(memoryview(raw)[:-4]) == crc
 
 
 def _buffer(data: bytes):
@@ -309,12 +330,29 @@ def _fetch(step, jobs: list[tuple], concurrency: int) -> None:
         if buf is None:
             raise CorruptCheckpointError(f"{root.url}/{key}: chunk object is missing")
         raw = buf.to_bytes()
+        want = (s.stored[i] if s.compression else s.chunk_nbytes) + 4
+        if len(raw) != want:  # listed at its size just before: the transfer, not the object
+            raw = await _get_again(store, key, proto, want, root.url)
         await asyncio.to_thread(_verify_into, f"{root.url}/{key}", raw, dest, pad, i, s)
         if then is not None:
             then(dest)
 
     coros = [get_chunk(*j) for j in sorted(jobs, key=lambda j: -len(j[2]))]
     root._run(step.key, gather_bounded, coros, concurrency)
+
+
+async def _get_again(store, key: str, proto, want: int, url: str) -> bytes:
+    """A GET whose body was not the object's listed size: once more; a second short body
+    is a transfer fault (a proxy, a cut connection), not a corrupt step: restore falling
+    back to an older step for it had the next save set the intact one aside."""
+    buf = await store.get(key, proto)
+    raw = buf.to_bytes() if buf is not None else b""
+    if len(raw) != want:
+        raise CheckpointStoreError(
+            f"{url}/{key}: the store sent {len(raw)} bytes of a {want}-byte object, twice "
+            "(it is listed at its size): a transfer fault, not the checkpoint's; retry"
+        )
+    return raw
 
 
 def verify_objects(step, manifest: dict) -> int:

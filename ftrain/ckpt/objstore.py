@@ -373,22 +373,43 @@ class ObjectRoot:
         self.delete_step(step)
         return target
 
-    def clear_way(self, step: int) -> None:
-        """Step 1 of the protocol: make ``step_N/`` empty without losing a commit."""
+    def clear_way(self, step: int) -> ObjectKey | None:
+        """Step 1 of the protocol: make ``step_N/`` empty without losing a commit. Returns
+        where an intact committed step N was moved aside (``None``: nothing intact was
+        there), for :meth:`put_back` if the new upload fails."""
         key = self / protocol.step_dirname(step)
         objects = self.list(key.key + "/")
         if not objects:
-            return
-        if any(m["path"] == f"{key.key}/{protocol.MARKER}" for m in objects):
-            try:
-                self.read_committed(key)
-                reason = "replaced"
-            except CorruptCheckpointError:
-                reason = "unreadable"
-            moved = self.set_aside(key, reason)
-            log.warning("[step=%d] moved %s aside to %s before rewriting it", step, key, moved)
-        else:  # a dead writer's partial upload: object stores have no staging directory
+            return None
+        if not any(m["path"] == f"{key.key}/{protocol.MARKER}" for m in objects):
+            # a dead writer's partial upload: object stores have no staging directory
             self.delete([m["path"] for m in objects])
+            return None
+        try:
+            self.read_committed(key)
+            reason = "replaced"
+        except CorruptCheckpointError:
+            reason = "unreadable"
+        moved = self.set_aside(key, reason)
+        log.warning("[step=%d] moved %s aside to %s before rewriting it", step, key, moved)
+        return moved if reason == "replaced" else None
+
+    def put_back(self, moved: ObjectKey, step: int) -> None:
+        """An intact step that :meth:`clear_way` moved aside, back in its place after the
+        upload that was to replace it failed (marker last): the failed redo left the run's
+        newest commit unlisted, so restore went back to an older step. Best effort: the
+        copy set aside stays if this fails (``ckpt list`` shows it)."""
+        key = self / protocol.step_dirname(step)
+        try:
+            self.abort_step(key)  # the failed upload's objects, if any are left
+            keys = [m["path"] for m in self.list(moved.key + "/")]
+            marker = f"{moved.key}/{protocol.MARKER}"
+            self.copy([(k, key.key + k[len(moved.key) :]) for k in keys if k != marker])
+            self.copy([(marker, f"{key.key}/{protocol.MARKER}")])
+            self.delete_step(moved)
+            log.warning("[step=%d] the new save failed: %s is back in place", step, key)
+        except Exception as e:  # noqa: BLE001 - the save's own error is raised after this
+            log.warning("[step=%d] could not put %s back (%s): it stays aside", step, moved, e)
 
     def sweep_stale(self) -> list[ObjectKey]:
         """Remove dead writers' marker-less step prefixes (see the module docstring)."""
@@ -442,7 +463,8 @@ class ObjectRoot:
         """
         from ftrain.ckpt.objio import upload_tree
 
-        key = self.begin_step(step)
+        moved = self.clear_way(step)
+        key = self / protocol.step_dirname(step)
         try:
             manifest = upload_tree(key, state, attributes, chunk_bytes, compression, reuse=reuse)
             return key, self.commit_step(key, step, manifest, marker_extra)
@@ -452,6 +474,8 @@ class ObjectRoot:
             raise
         except BaseException:
             self.abort_step(key)
+            if moved is not None:
+                self.put_back(moved, step)
             raise
 
     def begin_step(self, step: int) -> ObjectKey:

@@ -78,7 +78,9 @@ def flaky_endpoint(s3_server, monkeypatch):
     """An HTTP proxy in front of the S3 server that answers some requests with
     ``503 SlowDown`` (S3's throttling reply) instead of forwarding them; ftrain is pointed
     at it. Yields ``{"fail": set of request numbers to refuse, "refused": [..], "seen": n,
-    "down_until": time.monotonic() before which every request is refused (an outage)}``."""
+    "down_until": time.monotonic() before which every request is refused (an outage),
+    "truncate": {path substring: how many GET bodies of it to cut in half (a matching
+    Content-Length: a proxy or a cut connection)}}``."""
     import http.client
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -87,7 +89,7 @@ def flaky_endpoint(s3_server, monkeypatch):
     upstream = urlparse(s3_server["endpoint"])
     import time
 
-    state = {"fail": set(), "refused": [], "seen": 0, "down_until": 0.0}
+    state = {"fail": set(), "refused": [], "seen": 0, "down_until": 0.0, "truncate": {}}
     lock = threading.Lock()
 
     class Proxy(BaseHTTPRequestHandler):
@@ -111,6 +113,11 @@ def flaky_endpoint(s3_server, monkeypatch):
             conn.request(self.command, self.path, body=body, headers=dict(self.headers))
             resp = conn.getresponse()
             data = resp.read()
+            with lock:
+                cut = [p for p, n in state["truncate"].items() if p in self.path and n > 0]
+                if self.command == "GET" and cut:
+                    state["truncate"][cut[0]] -= 1
+                    data = data[: len(data) // 2]
             self.send_response(resp.status)
             for k, v in resp.getheaders():
                 if k.lower() not in ("content-length", "transfer-encoding", "connection"):

@@ -112,6 +112,29 @@ def test_a_source_object_of_another_size_is_uploaded_not_copied(bucket, s3, requ
     verify_ok(url, 2)
 
 
+def test_a_damaged_source_object_of_the_same_size_is_not_copied_forward(bucket, s3):
+    """One flipped byte in a chunk object every step shares (the frozen base): each later
+    save copied it server-side under its old crc32c and said it succeeded, retention
+    deleted the older steps, and no step restored. The audited chunks (every chunk within
+    an audit cycle) are read whole before their copy; a damaged one is uploaded from
+    memory and said."""
+    url = f"s3://{bucket}/run/ckpt"
+    base = frozen_base()
+    m = CheckpointManager(url, chunk_bytes=CHUNK, async_save=False, keep_policy=LatestN(2))
+    m.save(state_at(1, base))
+    chunks = objects(s3, bucket, "run/ckpt/step_00000001/params/base/wte/")
+    key, body = next((k, v) for k, v in chunks.items() if "/c." in k)
+    s3.put_object(Bucket=bucket, Key=key, Body=body[:100] + bytes([body[100] ^ 1]) + body[101:])
+    for step in range(2, 2 + 3 * BASE_CHUNKS):  # past one audit cycle of the base's chunks
+        m.save(state_at(step, base))
+    m.close()
+    newest = 1 + 3 * BASE_CHUNKS
+    again = CheckpointManager(url)
+    assert again.all_steps() == [newest - 1, newest]
+    assert same(again.restore(), state_at(newest, base))
+    verify_ok(url, newest)
+
+
 def test_a_local_previous_step_is_not_copied_to_the_bucket(bucket, tmp_path, monkeypatch):
     """The previous step on local disk, this save going to an S3 fallback: uploaded."""
     url = f"s3://{bucket}/fb"
