@@ -35,7 +35,7 @@ import torch
 
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
-from ftrain.ckpt.format import CheckpointFormatError, CorruptCheckpointError
+from ftrain.ckpt.format import CheckpointFormatError, CheckpointReadError, CorruptCheckpointError
 from ftrain.ckpt.index import byte_count
 from ftrain.ckpt.location import (
     CheckpointLocationError,
@@ -444,9 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["export"], ["diff"]):
         try:
             return cmd_export(argv[1:]) if argv[0] == "export" else cmd_diff(argv[1:])
-        except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:
-            print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
-            return 2
+        except _TOOL_ERRORS as e:
+            return _failed(e)
     p = argparse.ArgumentParser(prog="python -m ftrain.ckpt", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["list", "show", "verify", "diff", "advise", "export"])
     p.add_argument("directory", help="a checkpoint directory or URL (s3://bucket/prefix)")
@@ -463,9 +462,22 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "list":
             return _each_location(cmd_list, roots, [])
         return _each_location(cmd_verify, roots, ns.steps)
-    except (CheckpointFormatError, CheckpointLocationError, CheckpointStoreError) as e:
-        print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
-        return 2
+    except _TOOL_ERRORS as e:
+        return _failed(e)
+
+
+_TOOL_ERRORS = (
+    CheckpointFormatError,
+    CheckpointLocationError,
+    CheckpointStoreError,
+    CheckpointReadError,
+)
+
+
+def _failed(e: Exception) -> int:
+    """One line; exit 1 for a limit of this machine (retry), 2 otherwise."""
+    print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
+    return 1 if isinstance(e, CheckpointReadError) else 2
 
 
 def _check_step_count(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

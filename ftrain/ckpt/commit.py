@@ -208,9 +208,9 @@ def begin(root: Path, step: int) -> Staging:
 
 
 # Another process's start-up sweep (every CheckpointManager runs one: a restore in another
-# process too) may unlink a lock in the instant between its creation and its flock, when
-# it looks like a dead writer's; a fresh name is taken then (that failed the save: the
-# CLI stopped the run with exit 1).
+# process too) may hold or unlink a lock in the instant between its creation and its
+# flock, when it looks like a dead writer's; a fresh name is taken then (that failed the
+# save: the CLI stopped the run with exit 1).
 _BEGIN_TRIES = 5
 
 
@@ -220,7 +220,12 @@ def _try_begin(root: Path, step: int) -> Staging | None:
     lock_path = root / f".{name}.lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a sweeper holds it, about to unlink it
+            os.close(fd)
+            lock_path.unlink(missing_ok=True)
+            return None
         if os.fstat(fd).st_nlink == 0:  # a sweeper unlinked it between open and flock
             os.close(fd)
             return None
@@ -517,10 +522,32 @@ def sweep_stale(root: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             (root / f".{name}.lock").unlink(missing_ok=True)
             removed.append(path)
-        elif (_is_orphan_lock(name, names) and _lock_is_free(path)) or _is_dead_index_tmp(path):
+        elif _is_orphan_lock(name, names) and _unlink_free_lock(path):
+            removed.append(path)
+        elif _is_dead_index_tmp(path):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def _unlink_free_lock(path: Path) -> bool:
+    """Unlink a lock file nobody holds, *while holding it*: unlinked after letting it go,
+    it could be a writer's that :func:`begin` had just taken (its staging directory not
+    made yet), which then wrote with no lock a later sweep respects."""
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino != os.lstat(path).st_ino:
+            return False  # replaced meanwhile: not the file judged free
+        path.unlink()
+        return True
+    except (BlockingIOError, FileNotFoundError):
+        return False
+    finally:
+        os.close(fd)
 
 
 # the temporary files of the index (``.checkpoints.json.<pid>-<hex>``) and of the owner

@@ -11,7 +11,8 @@ step restored. So before a link:
 - the chunks the save's rotating audit picked (:data:`ftrain.ckpt.incremental.AUDIT_FRACTION`
   of the reused bytes per save) are read whole and hashed;
 - a ``zarr.json`` is compared byte for byte with the document it stands for (they are
-  small).
+  small); one with other bytes is written afresh (without a warning: an older ftrain
+  wrote the same document pretty-printed).
 
 A file that fails is :data:`DAMAGED`: the writer writes it afresh from the caller's tensor
 (or the document) and names it. The new step holds intact bytes; the older steps sharing
@@ -56,8 +57,10 @@ def link_chunk(src: str, dst: Path, size: int, crc: int, *, whole: bool) -> str:
 
 def link_document(src: str, dst: Path, data: bytes) -> str:
     """Link the ``zarr.json`` ``src`` to ``dst`` if it holds exactly ``data`` (see
-    :func:`link_chunk` for what is returned)."""
-    return _link_if_intact(src, dst, lambda fd, _st: os.pread(fd, len(data) + 1, 0) == data)
+    :func:`link_chunk` for what is returned; other bytes are :data:`UNLINKABLE`, not
+    damaged: an older ftrain wrote the same document pretty-printed)."""
+    got = _link_if_intact(src, dst, lambda fd, _st: os.pread(fd, len(data) + 1, 0) == data)
+    return UNLINKABLE if got == DAMAGED else got
 
 
 def _link_if_intact(src: str, dst: Path, intact: Callable[[int, os.stat_result], bool]) -> str:

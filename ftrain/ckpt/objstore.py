@@ -401,6 +401,8 @@ class ObjectRoot:
         copy set aside stays if this fails (``ckpt list`` shows it)."""
         key = self / protocol.step_dirname(step)
         try:
+            if self.head(f"{key.key}/{protocol.MARKER}") is not None:
+                return  # the new step did commit (interrupted after its marker): it stands
             self.abort_step(key)  # the failed upload's objects, if any are left
             keys = [m["path"] for m in self.list(moved.key + "/")]
             marker = f"{moved.key}/{protocol.MARKER}"

@@ -134,7 +134,7 @@ def check_no_links(root: Path) -> None:
         try:
             entries = list(os.scandir(stack.pop()))
         except OSError as e:
-            raise CorruptCheckpointError(f"{root}: cannot list ({e})") from e
+            raise unreadable(root, e, "cannot list") from e
         for e in entries:
             if e.is_symlink():
                 raise CorruptCheckpointError(f"{e.path}: symbolic link inside a checkpoint")

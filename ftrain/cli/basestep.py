@@ -49,30 +49,40 @@ def agreed_init_from(
         ConfigError: on every rank, with the reason of each rank that could not read it.
     """
     read: tuple | None = None
-    outcome: dict
+    error: Exception | None = None
     if world.is_coordinator:
         try:
             read = _coordinator_read(cfg, fresh)
-            outcome = {"step": read[2]}
-        except ConfigError as err:
-            outcome = {"error": str(err)}
-    chosen = broadcast_json(outcome if world.is_coordinator else None)
+        except Exception as err:  # any kind: the other ranks wait in the broadcast
+            error = err
+    chosen = broadcast_json(
+        (_outcome(error) if error else {"step": read[2]}) if world.is_coordinator else None
+    )
+    if error is not None:
+        raise error
     if "error" in chosen:
-        raise ConfigError(chosen["error"])
-    mine: dict = {"ok": True}
+        raise ConfigError(
+            f"init.from: the coordinator (rank 0) could not read the base: {chosen['error']}"
+        )
     if read is None:
         try:
             read = init_from(cfg, fresh, step=chosen["step"])
-        except ConfigError as err:
-            mine = {"error": str(err)}
-    reports = gather_json(mine)
+        except Exception as err:  # any kind: every rank gathers
+            error = err
+    reports = gather_json(_outcome(error) if error else {"ok": True})
     failed = broadcast_json(_failures(reports) if world.is_coordinator else None)
+    if error is not None and not isinstance(error, ConfigError):
+        raise error  # its own kind (a store outage, a machine limit) decides its exit
     if failed:
         raise ConfigError(
             f"init.from={cfg.init['from']!r}: step {chosen['step']} (the coordinator's) could "
             f"not be read on every rank: {failed}"
-        )
+        ) from error
     return read
+
+
+def _outcome(err: Exception) -> dict:
+    return {"error": str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"}
 
 
 def _failures(reports: list[dict]) -> str | None:
@@ -85,7 +95,9 @@ def _coordinator_read(cfg: DictConfig, fresh: TensorDictBase) -> tuple:
     says (its newest step that verifies, unless it names one)."""
     value = str(cfg.init["from"])
     _, named = parse_init_from(value)
-    earlier = earlier_init_step(Path(cfg.run.dir), value) if named is None else None
+    # resume=none starts over (its records are moved aside after this): nothing to keep
+    again = named is None and cfg.resume != "none"
+    earlier = earlier_init_step(Path(cfg.run.dir), value) if again else None
     if earlier is None:
         return init_from(cfg, fresh)
     try:

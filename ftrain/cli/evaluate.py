@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tensordict import TensorDict
 
-from ftrain.ckpt import CorruptCheckpointError
+from ftrain.ckpt import CheckpointReadError, CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.readonly import name_of, read_model
@@ -261,6 +261,7 @@ def _check_same_val(val, attrs: dict, cfg: DictConfig, what: str) -> None:
 _ERRORS = (
     ConfigError,
     CorruptCheckpointError,
+    CheckpointReadError,  # a limit of this machine (exit 1: retry)
     CheckpointFormatError,
     CheckpointLocationError,
     CheckpointStoreError,
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except _ERRORS as err:
         print(f"python -m ftrain.eval: {err}", file=sys.stderr)
         not_found = isinstance(err, FileNotFoundError) and not isinstance(err, DataPathError)
-        return 1 if not_found else 2
+        return 1 if not_found or isinstance(err, CheckpointReadError) else 2
     if r["note"]:
         print(f"python -m ftrain.eval: note: {r['note']}", file=sys.stderr)
     if ns.json:  # strict JSON: non-finite numbers as metrics.jsonl writes them ("nan")

@@ -210,3 +210,5 @@ def test_a_restart_before_the_first_commit_reads_the_base_step_it_read_before(
     assert [r["init_step"] for r in records(tuned, "start")] == [2, 2]
     fresh = cli(tmp_path / "other", *ft, "trainer.max_steps=1", check=0)  # another run: newest
     assert f"{base / 'checkpoints'} step 4" in fresh.stdout, fresh.stdout
+    over = cli(tuned, *ft, "trainer.max_steps=1", "resume=none", "run.overwrite=true", check=0)
+    assert f"{base / 'checkpoints'} step 4" in over.stdout, "starting over: the newest"

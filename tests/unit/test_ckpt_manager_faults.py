@@ -63,7 +63,7 @@ def test_a_step_whose_metadata_cannot_be_read_for_a_moment_is_kept_not_deleted(
     assert same(again.restore(1), make_state(1))
 
 
-def test_too_many_open_files_at_a_restart_judges_no_step(tmp_path, monkeypatch):
+def test_too_many_open_files_at_a_restart_judges_no_step(tmp_path, monkeypatch, capsys):
     """EMFILE reading the newest step's marker made it "not committed": restore took the
     step before (its steps trained again) and the next save of that number set the intact
     step aside. The restore now raises CheckpointReadError; the steps are as they were."""
@@ -80,6 +80,11 @@ def test_too_many_open_files_at_a_restart_judges_no_step(tmp_path, monkeypatch):
     monkeypatch.setattr(fmt.os, "open", emfile_on_step_2)
     with pytest.raises(CheckpointReadError, match="a limit of this machine"):
         CheckpointManager(tmp_path, async_save=False).restore()
+    from ftrain.ckpt.__main__ import main as ckpt_tool
+
+    capsys.readouterr()
+    assert ckpt_tool(["verify", str(tmp_path)]) == 1  # one line, not a traceback
+    assert "a limit of this machine" in capsys.readouterr().err
     monkeypatch.setattr(fmt.os, "open", real_open)
     again = CheckpointManager(tmp_path, async_save=False)
     assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
