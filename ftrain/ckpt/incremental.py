@@ -45,9 +45,8 @@ the caller's tensor,
    compressed frame; re-encoding to compare would cost more than writing), only
    fingerprinted.
 
-The files are checked too (:mod:`ftrain.ckpt.links`): before a chunk is linked its size and
-crc32c trailer are compared with the manifest, and the audited chunks' files are read whole
-and hashed. A damaged file (bit rot, a stray write) linked again would have been copied
+The files are checked too (:mod:`ftrain.ckpt.links`): before a chunk is linked its size is
+compared with the manifest's, and the audited chunks' files are read whole and hashed. A damaged file (bit rot, a stray write) linked again would have been copied
 forward into every new step until no step restored; it is written afresh from the caller's
 tensor instead, and said.
 
@@ -62,7 +61,7 @@ plus 1/32 of the reused bytes hashed (crc32c, ~12 GB/s here): about 2 ms for GPT
 A linked chunk is one file on disk shared by the steps that hold it: bit rot in it shows
 in all of them (restore detects it by crc32c in each), where a full save would have given
 every step its own copy. New saves stop sharing a damaged file once the audit reaches it
-(within ``1 / AUDIT_FRACTION`` saves; at once for a damaged trailer or size). ``CheckpointManager(incremental=False)`` writes every leaf of
+(within ``1 / AUDIT_FRACTION`` saves; at once for a file of another size). ``CheckpointManager(incremental=False)`` writes every leaf of
 every save.
 """
 
