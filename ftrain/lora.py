@@ -196,6 +196,14 @@ def apply_lora(
             f"LoRA targets {list(targets)} match no module; the model's Linear layers are "
             f"named {_linear_names(model)}"
         )
+    too_small = [(n, m) for n, m in chosen if rank > min(m.in_features, m.out_features)]
+    if too_small:  # a rank past the layer's: more adapter parameters than the layer has
+        name, m = too_small[0]
+        raise ValueError(
+            f"LoRA rank {rank} exceeds {name}'s smallest dimension "
+            f"({m.in_features} in, {m.out_features} out): the adapters would hold more "
+            f"than the layer they adapt; use a rank <= {min(m.in_features, m.out_features)}"
+        )
     for name, module in chosen:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -121,6 +121,11 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, Callable]:
             )
     except ValueError as err:  # the model's own validation of its shape, or LoRA's
         raise ConfigError(f"model config rejected: {err}") from None
+    if next(model.parameters(), None) is None:  # failed at the first step, a traceback
+        raise ConfigError(
+            f"the model ({type(model).__name__}) has no parameters: nothing to train; "
+            "model._target_ (or model.name) must build one that has"
+        )
     return model, loss_fn
 
 
@@ -307,6 +312,10 @@ def check_block_size(cfg) -> None:
         ConfigError: naming both keys and the fix.
     """
     block, most = cfg.data.block_size, cfg.model.get("block_size")
+    if isinstance(most, int) and most < 1:  # blamed data.block_size, with an impossible fix
+        raise ConfigError(
+            f"model.block_size={most} is invalid: the model's context must be >= 1 token"
+        )
     if isinstance(most, int) and not 1 <= block <= most:
         raise ConfigError(
             f"data.block_size={block} is invalid: the model reads 1..{most} tokens a sequence "

@@ -51,7 +51,7 @@ from ftrain.cli.build import (
 from ftrain.cli.finetune import parse_init_from
 from ftrain.cli.targets import check_recorded_targets
 from ftrain.config import ConfigError
-from ftrain.config.compose import check_data, check_precision
+from ftrain.config.compose import check_data, check_int64, check_precision
 from ftrain.config.schema import GROUP_SCHEMAS
 from ftrain.data import DataFormatError, DataPathError, val_batches
 from ftrain.data.sources import source_from_config
@@ -105,7 +105,12 @@ def eval_config(recorded: dict, overrides: list[str]) -> DictConfig:
                 cfg[group] = OmegaConf.merge(cfg[group], given[group])
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"bad override or recorded config: {err}".splitlines()[0]) from None
+        key = getattr(err, "full_key", None)  # the message's first line does not name it
+        where = f"{key}: " if key else ""
+        raise ConfigError(
+            f"bad override or recorded config: {where}{err}".splitlines()[0]
+        ) from None
+    check_int64(cfg)  # trainer.eval_batches=10**23: OverflowError in the loader
     # what evaluation uses, checked as a training start checks it (the recorded training-only
     # keys, grad_accum or eval_every, are the run's and play no part here)
     check_precision(cfg.trainer)

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from datetime import datetime
 from importlib import resources
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
@@ -182,9 +183,26 @@ def finish_config(raw: DictConfig, overrides=()) -> DictConfig:
         raise ConfigError(_explain(err, overrides)) from None
     _check_group_choices(cfg, overrides)
     _check_keys(cfg)
+    _check_bool_words(cfg, overrides)
     _check_values(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+_BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")  # OmegaConf's own
+
+
+def _check_bool_words(cfg: DictConfig, overrides) -> None:
+    """A true/false key given another number than 0 or 1: OmegaConf took any non-zero one
+    as true (``trainer.donate=2``, ``run.overwrite=2``) — a typo for another key's value,
+    or a count, ran as a switch turned on."""
+    for o in overrides:
+        key, eq, value = str(o).lstrip("+~").partition("=")
+        if not eq or key.startswith("hydra.") or "," in value:
+            continue  # a sweep list is each job's to check
+        current = OmegaConf.select(cfg, key, default=None)
+        if isinstance(current, bool) and value.strip().lower() not in _BOOL_WORDS:
+            raise _bad(key, value, "a switch takes true or false", f"{key}=true or {key}=false")
 
 
 # The hydra.* settings ftrain acts on; any other is refused rather than silently ignored.
@@ -279,6 +297,7 @@ _TYPE_ERRORS = (
     "could not be converted",
     "is not a valid",
     "Invalid value assigned",
+    "is not Optional",  # trainer.max_steps=null
 )
 _CONTAINER_ERRORS = ("Cannot assign", "is not a ListConfig", "is not a DictConfig")
 
@@ -318,6 +337,13 @@ def _explain(err: Exception, overrides) -> str:
             else f"{name!r} is not a logger of ftrain's ({', '.join(group_options('logger'))}); "
             f"add one of your own with +logger.{name}._target_=module.Class"
         )
+    elif "Ambiguous value for argument" in msg:  # dist.backend=cpu:gloo,cuda:nccl
+        hint = (
+            "a comma makes Hydra read a list (or a sweep); quote a value that holds one: "
+            "\"dist.backend='cpu:gloo,cuda:nccl'\""
+        )
+    elif "Cannot find primary config" in msg:
+        hint = "--config-name takes a config of ftrain's conf/ (the default: config) or of --config-dir"
     elif "Interpolation key 'model.block_size' not found" in msg:
         hint = (
             "the data option reads its sample length from model.block_size, which this model "
@@ -406,7 +432,7 @@ def _bad(key: str, value, rule: str, fix: str = "") -> ConfigError:
 def _check_values(cfg: DictConfig) -> None:
     """Values the schema's types allow but a run cannot use: one message naming key and fix."""
     _check_finite(cfg)
-    _check_int64(cfg)
+    check_int64(cfg)
     resume = cfg.resume
     step = isinstance(resume, int) and not isinstance(resume, bool) and resume >= 0
     if not (resume in ("latest", "none") or step):
@@ -441,7 +467,7 @@ def _check_finite(cfg: DictConfig) -> None:
         )
 
 
-def _check_int64(cfg: DictConfig) -> None:
+def check_int64(cfg: DictConfig) -> None:
     """No whole number past int64 (``trainer.max_steps=99999999999999999999`` passed every
     check and crashed in torch with ``OverflowError``, leaving a lock and an empty run)."""
     plain = OmegaConf.to_container(cfg, resolve=True)
@@ -482,6 +508,15 @@ def _check_run(cfg: DictConfig) -> None:
     ``resume=none`` resumed the old run, silently ignored."""
     if not str(cfg.run.get("name", "x")).strip():  # run.dir became runs/, every run's parent
         raise _bad("run.name", cfg.run.name, "an empty name", "give one, e.g. run.name=exp1")
+    name = str(cfg.run.get("name", "x"))
+    if any(p in (".", "..") for p in name.split("/")) or Path(name).is_absolute():
+        # "." made run.dir runs/ itself (every run's parent), ".." the working directory
+        raise _bad(
+            "run.name",
+            cfg.run.name,
+            "a name under runs/ (no '.', '..' or absolute path)",
+            "give one, e.g. run.name=exp1, or choose the place with run.dir=PATH",
+        )
     for key in ("run.dir", "checkpoint.dir"):  # an empty fallback_dir means none, as null
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str) and not value.strip():
@@ -498,6 +533,13 @@ def _check_run(cfg: DictConfig) -> None:
 
 def _check_best_metric(cfg: DictConfig) -> None:
     c = cfg.checkpoint
+    if c.keep_best and not str(c.best_metric or "").strip():  # warned at every save
+        raise _bad(
+            "checkpoint.best_metric",
+            c.best_metric,
+            "checkpoint.keep_best ranks steps by a metric, and none is named",
+            "name one (checkpoint.best_metric=val_loss, or loss)",
+        )
     if c.keep_best and str(c.best_metric).startswith("val_") and not cfg.trainer.eval_every:
         raise _bad(
             "checkpoint.best_metric",
@@ -626,9 +668,10 @@ def _check_optim(o: DictConfig) -> None:
             raise _bad(f"optim.{name}", o[name], "must be in [0, 1)")
     if "eps" in o and not o.eps > 0:
         raise _bad("optim.eps", o.eps, "must be > 0")
-    for name in ("weight_decay", "momentum"):
-        if name in o and not o[name] >= 0:
-            raise _bad(f"optim.{name}", o[name], "must be >= 0")
+    if "weight_decay" in o and not o.weight_decay >= 0:
+        raise _bad("optim.weight_decay", o.weight_decay, "must be >= 0")
+    if "momentum" in o and not 0 <= o.momentum < 1:  # 1 or more: the velocity never decays
+        raise _bad("optim.momentum", o.momentum, "must be in [0, 1)")
 
 
 _GROUP_KEYS = ("params", "lr", "b1", "b2", "eps", "weight_decay", "momentum", "nesterov")
@@ -738,7 +781,14 @@ def _check_dist(d: DictConfig) -> None:
     """A misspelt backend (``dist.backend=glooo``) or a timeout of 0 failed only once
     torchrun had started every rank, deep in ``init_process_group``."""
     backend = d.get("backend")
-    spec = isinstance(backend, str) and ":" in backend  # "cpu:gloo,cuda:nccl"
+    spec = (
+        isinstance(backend, str)
+        and ":" in backend
+        and all(  # "cpu:gloo,cuda:nccl"
+            dev.strip() and name.strip() in _BACKENDS[1:]
+            for dev, _, name in (pair.partition(":") for pair in backend.split(","))
+        )
+    )
     if not (backend in _BACKENDS or spec):
         raise _bad(
             "dist.backend",

@@ -430,7 +430,10 @@ def source_from_config(cfg: Mapping[str, Any], *, split: str = "train") -> Sourc
         2
     """
     factory = _factory(cfg)
-    params = inspect.signature(factory).parameters
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin (data._target_=builtins.dict): no signature
+        raise KeyError(_not_a_source(cfg, f"{factory!r} cannot be called with keys")) from None
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {
         k: v
@@ -441,7 +444,27 @@ def source_from_config(cfg: Mapping[str, Any], *, split: str = "train") -> Sourc
     }
     if takes_any or "split" in params:
         kwargs["split"] = split
-    return factory(**kwargs)
+    source = factory(**kwargs)
+    missing = [a for a in _SOURCE_API if not hasattr(source, a)]
+    if missing:  # data._target_=os.getcwd: a traceback at the first use of its result
+        got = f"a {type(source).__name__} without {', '.join(missing)}"
+        raise KeyError(_not_a_source(cfg, f"it returned {got}"))
+    return source
+
+
+_SOURCE_API = ("__len__", "get", "fingerprint", "describe", "block_size")
+
+
+def _not_a_source(cfg: Mapping[str, Any], why: str) -> str:
+    what = (
+        f"data._target_={cfg.get('_target_')!r}"
+        if cfg.get("_target_")
+        else f"data.name={cfg.get('name')!r}"
+    )
+    return (
+        f"{what} is not a data source factory: {why}; it must return a ftrain.data.Source "
+        "(subclass it: __len__, get, fingerprint, describe, block_size)"
+    )
 
 
 def _factory(cfg: Mapping[str, Any]) -> Callable[..., Source]:

@@ -448,14 +448,15 @@ def _entries(node) -> dict[str, Any]:
 
 def _resolve(name: str, entry: dict):
     """The class (or factory) of ``logger.NAME._target_``, its extra installed, keys known."""
-    from hydra.utils import get_method
+    from hydra._internal.utils import _locate  # get_method printed Hydra's own 3 lines too
 
     target = entry["_target_"]
     try:
-        factory = get_method(target)
+        factory = _locate(str(target))
     except Exception as err:
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LoggerError(
-            f"logger.{name}._target_={target!r} cannot be imported ({err}); fix the dotted path"
+            f"logger.{name}._target_={target!r} cannot be imported ({cause}); fix the dotted path"
         ) from None
     module, extra = getattr(factory, "requires", None) or (None, None)
     if module is not None and not _installed(module):
