@@ -485,15 +485,23 @@ def delete_step(step_dir: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _lock_is_free(lock_path: Path) -> bool:
+def _lock_is_free(lock_path: Path, *, unlink: bool = False) -> bool:
+    """Whether nobody holds the lock (a missing file is free). ``unlink``: a free lock is
+    unlinked *while held* (a missing one is then not free: nothing was removed). Unlinked
+    after letting it go, it could be a writer's that :func:`begin` had just taken (its
+    staging directory not made yet), which then wrote with no lock a later sweep respects."""
     try:
         fd = os.open(lock_path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        return True
+        return not unlink
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if unlink:
+            if os.fstat(fd).st_ino != os.lstat(lock_path).st_ino:
+                return False  # replaced meanwhile: not the file judged free
+            lock_path.unlink()
         return True
-    except BlockingIOError:
+    except (BlockingIOError, FileNotFoundError):
         return False
     finally:
         os.close(fd)
@@ -522,32 +530,12 @@ def sweep_stale(root: Path) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             (root / f".{name}.lock").unlink(missing_ok=True)
             removed.append(path)
-        elif _is_orphan_lock(name, names) and _unlink_free_lock(path):
+        elif _is_orphan_lock(name, names) and _lock_is_free(path, unlink=True):
             removed.append(path)
         elif _is_dead_index_tmp(path):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def _unlink_free_lock(path: Path) -> bool:
-    """Unlink a lock file nobody holds, *while holding it*: unlinked after letting it go,
-    it could be a writer's that :func:`begin` had just taken (its staging directory not
-    made yet), which then wrote with no lock a later sweep respects."""
-    try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.fstat(fd).st_ino != os.lstat(path).st_ino:
-            return False  # replaced meanwhile: not the file judged free
-        path.unlink()
-        return True
-    except (BlockingIOError, FileNotFoundError):
-        return False
-    finally:
-        os.close(fd)
 
 
 # the temporary files of the index (``.checkpoints.json.<pid>-<hex>``) and of the owner
