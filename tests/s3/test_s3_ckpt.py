@@ -523,6 +523,29 @@ def test_a_failed_rewrite_of_a_committed_step_puts_it_back(bucket, monkeypatch):
     assert first_difference(again.restore(), make_state(2)) is None
 
 
+def test_a_rewrite_interrupted_after_its_marker_is_not_put_back_over(bucket, monkeypatch):
+    """An interrupt after the new marker landed: the new step did commit, and putting the
+    old one back would copy its objects over a listed step."""
+    from ftrain.ckpt import commit as protocol
+
+    url = f"s3://{bucket}/ck"
+    with CheckpointManager(url, async_save=False, chunk_bytes=1024) as m:
+        m.save(make_state(2), force=True)
+
+    def interrupted(phase):
+        if phase == "marker_written":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(protocol, "fault_hook", interrupted)
+    redo = CheckpointManager(url, async_save=False, chunk_bytes=1024)
+    with pytest.raises(KeyboardInterrupt):
+        redo.save(make_state(2, seed=1), force=True)
+    monkeypatch.undo()
+    again = CheckpointManager(url)
+    assert again.all_steps() == [2] and list(again.set_aside_steps()) == [2]
+    assert first_difference(again.restore(), make_state(2, seed=1)) is None
+
+
 def test_a_short_download_is_fetched_again_and_never_taken_for_corruption(bucket, flaky_endpoint):
     """A GET whose body came short (a proxy, a cut connection) made an intact step
     "corrupt": restore fell back to an older one and the next save set the intact step
