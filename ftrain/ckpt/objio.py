@@ -259,8 +259,8 @@ def download_tree(
         CheckpointStoreError: a request failed (after obstore's retries).
     """
     specs = selected_specs(manifest, only)
-    check_memory(step, specs)
     _check_objects(step, specs)
+    check_memory(step, specs)  # the shapes are backed by objects: a machine limit now
     out, tensors = allocate_tree(manifest, specs, only)
     jobs = [j for k, s in specs.items() for j in _whole_jobs(s, tensors[k])]
     _fetch(step, jobs, concurrency)
@@ -285,8 +285,8 @@ def download_owned(
     owned = {k: owner.owned_rows(k, s.shape) for k, s in specs.items()}
     whole = {k: s for k, s in specs.items() if owned[k] is None}
     row_bytes = sum(r[1] * specs[k].row_nbytes for k, r in owned.items() if r)
-    check_memory(step, whole, extra_bytes=row_bytes)  # before anything is allocated
     _check_objects(step, specs)
+    check_memory(step, whole, extra_bytes=row_bytes)  # before anything is allocated
     out, tensors = allocate_tree(manifest, whole, only)
     jobs = [j for k, s in whole.items() for j in _whole_jobs(s, tensors[k])]
     rows = {k: empty_rows(specs[k], r[1]) for k, r in owned.items() if r is not None}

@@ -13,6 +13,7 @@ checksum and the manifest.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from ftrain.ckpt.chunkio import read_chunk, read_chunks_into
 from ftrain.ckpt.format import (
     DIRECT_MIN_BYTES,
     ArraySpec,
+    CheckpointReadError,
     CorruptCheckpointError,
     array_zarr_json,
     check_key,
@@ -154,13 +156,20 @@ def _available_memory() -> int:
 
 
 def check_memory(where: object, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
-    """Refuse (as corruption) a step whose declared arrays (plus ``extra_bytes``: the rows
-    of other arrays a rank reads) do not fit in memory."""
+    """Refuse a step whose arrays (plus ``extra_bytes``: the rows of other arrays a rank
+    reads) do not fit in the memory available now, before anything is allocated: a
+    :class:`CheckpointReadError` (ENOMEM), a condition of this machine, so the step is not
+    judged corrupt (judged so, restore passed over an intact step and the next save set it
+    aside). Callers check the chunk sizes first, so a manifest declaring shapes its files
+    do not back is corruption, found before this."""
     total = sum(s.nbytes for s in specs.values()) + extra_bytes
     avail = _available_memory()
     if total > avail:
-        raise CorruptCheckpointError(
-            f"{where}: restoring needs {total:,} bytes of memory, only {avail:,} are available"
+        raise CheckpointReadError(
+            errno.ENOMEM,
+            f"{where}: restoring needs {total:,} bytes of memory, only {avail:,} are "
+            "available: a limit of this machine, not a fault of the checkpoint, which is "
+            "left as it is; free memory (or use a machine with more) and retry",
         )
 
 
@@ -183,7 +192,6 @@ def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -
     """Before allocating anything: every chunk file exists with its recorded size (so the
     declared shapes are backed by bytes on disk), and the whole result (plus
     ``extra_bytes``) fits in memory."""
-    check_memory(root, specs, extra_bytes)
     for path, want in chunk_files(root, specs):
         try:
             size = os.lstat(path).st_size
@@ -191,6 +199,7 @@ def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -
             raise unreadable(path, e, "chunk file is missing") from e
         if size != want:
             raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
+    check_memory(root, specs, extra_bytes)  # the shapes are backed: a machine limit now
 
 
 @contextlib.contextmanager

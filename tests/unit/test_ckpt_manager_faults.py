@@ -90,6 +90,45 @@ def test_too_many_open_files_at_a_restart_judges_no_step(tmp_path, monkeypatch, 
     assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
 
 
+def test_a_step_larger_than_the_memory_available_now_is_not_judged_corrupt(tmp_path, monkeypatch):
+    """The memory check called an intact step that did not fit in the memory available
+    at the moment (another process holding it) corrupt: restore fell back to an older step
+    (its steps trained again) and the next save of the newest number set it aside. Now it
+    is CheckpointReadError; once memory is free, the newest step restores."""
+    from ftrain.ckpt import reader
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (1, 2):
+            m.save(make_state(s), force=True)
+    monkeypatch.setattr(reader, "_available_memory", lambda: 64)
+    with pytest.raises(CheckpointReadError, match="bytes of memory, only 64 are available"):
+        CheckpointManager(tmp_path, async_save=False).restore()
+    monkeypatch.undo()
+    again = CheckpointManager(tmp_path, async_save=False)
+    assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
+
+
+def test_a_manifest_declaring_more_than_its_files_hold_is_corrupt_not_a_memory_limit(
+    tmp_path, monkeypatch
+):
+    """The sizes are checked before the memory: a shape its chunk files do not back is
+    the step's fault (restore falls back), whatever the memory."""
+    from ftrain.ckpt import reader
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (1, 2):
+            m.save(make_state(s), force=True)
+    chunk = tmp_path / "step_00000002" / "params" / "w" / "c.0.0"
+    chunk.write_bytes(chunk.read_bytes()[:-1])
+    monkeypatch.setattr(reader, "_available_memory", lambda: 64)
+    m = CheckpointManager(tmp_path, async_save=False)
+    with (
+        pytest.warns(RuntimeWarning, match="chunk is"),
+        pytest.raises(CheckpointReadError, match="only 64 are available"),
+    ):
+        m.restore()  # step 2 is passed over as corrupt; step 1 is intact, too large
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_save_failing_with_a_memory_error_leaves_the_step_unsaved_for_the_emergency_save(
     tmp_path, monkeypatch, async_save
