@@ -23,7 +23,7 @@ from pathlib import Path
 from ftrain import _json
 from ftrain.metrics import read_records
 
-__all__ = ["eval_owed", "last_run_ended", "reached_steps", "redo_range"]
+__all__ = ["eval_owed", "last_run_ended", "reached_steps", "recorded_commits", "redo_range"]
 
 # records whose "step" the run had reached (finished) when it wrote them
 _REACHED = frozenset(
@@ -77,6 +77,27 @@ def reached_steps(run_dir: Path) -> list[int]:
     beat = _heartbeat(run_dir / "heartbeat.json")
     if beat is not None and _after(beat.get("time"), branched):
         steps.append(beat["step"])
+    return steps
+
+
+def recorded_commits(run_dir: Path) -> list[int]:
+    """Steps the records show committed in the history being continued: a process that
+    resumed from step S (by any ``resume=``) and began a save has moved the steps after S
+    it found aside (the manager's branch point), so the commits recorded before it beyond
+    S are another history's; a fresh start's first save abandons all earlier ones."""
+    steps: list[int] = []
+    branch = None  # (from_step, steps recorded before it) of a process not yet saving
+    for r in read_records(run_dir):
+        kind, s = r.get("kind"), r.get("step")
+        if kind in ("start", "resume"):
+            frm = r.get("from_step")
+            branch = (frm if _is_step(frm) else -1, len(steps))
+        elif kind in _SETS_ASIDE and branch is not None:
+            frm, before = branch
+            steps = [x for x in steps[:before] if x <= frm] + steps[before:]
+            branch = None
+        if kind == "committed" and _is_step(s):
+            steps.append(s)
     return steps
 
 

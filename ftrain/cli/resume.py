@@ -25,7 +25,7 @@ from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import mapped_bytes
 from ftrain.cli.errors import ResumeError
 from ftrain.cli.overwrite import move_aside, move_run_aside
-from ftrain.cli.redo import last_run_ended, read_records, redo_range
+from ftrain.cli.redo import last_run_ended, read_records, recorded_commits, redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, flat_config, recorded_config
 from ftrain.dist import World, broadcast_json, gather_json
@@ -281,7 +281,9 @@ def _pick_step(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     if cfg.resume == "latest":
         if not steps:
             _refuse_lost_steps(cfg, manager)
-        return _LATEST if steps else None
+            return None
+        _refuse_newer_elsewhere(cfg, manager, steps[-1])
+        return _LATEST
     if cfg.resume not in steps:
         raise ResumeError(
             f"resume={cfg.resume} but step {cfg.resume} is not committed"
@@ -320,6 +322,37 @@ def _refuse_lost_steps(cfg: DictConfig, manager: CheckpointManager) -> None:
         f"{' and '.join(looked)} {'hold' if len(looked) > 1 else 'holds'} no committed step. Point checkpoint.dir (and "
         "checkpoint.fallback_dir) where they are, mount that storage, or start this run "
         "over with resume=none run.overwrite=true (the old records are moved aside)"
+    )
+
+
+def _refuse_newer_elsewhere(cfg: DictConfig, manager: CheckpointManager, newest: int) -> None:
+    """The run's records show a step committed after ``newest`` (the newest listed where
+    this start looks) in the history it continues, and its directory is not here at all:
+    a restart without the ``checkpoint.fallback_dir`` that took saves on a full disk, or
+    with another ``checkpoint.dir``. Resuming from ``newest`` redid every step since (and
+    said they were never committed).
+
+    Raises:
+        ResumeError: naming the newest recorded commit, where the run saved, where this
+            start looked, and the ways on (``resume=newest`` goes back on purpose).
+    """
+    run_dir = Path(cfg.run.dir)
+    missing = set(recorded_commits(run_dir)) - set(manager.all_steps())
+    missing -= _unlisted_commits(cfg, manager)  # there but damaged: restore says so
+    missing = {s for s in missing if s > newest}
+    if not missing:
+        return
+    saved_to = [r["checkpoint_dirs"] for r in read_records(run_dir) if r.get("checkpoint_dirs")]
+    there = f" (the run saved to {', '.join(saved_to[-1])})" if saved_to else ""
+    looked = " and ".join(
+        str(d) for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir))
+    )
+    raise ResumeError(
+        f"run.dir={cfg.run.dir} records step {max(missing)} committed{there}, but the "
+        f"newest step in {looked} is {newest}: resuming there would train steps "
+        f"{newest + 1}..{max(missing)} again. Point checkpoint.fallback_dir (and "
+        f"checkpoint.dir) where step {max(missing)} is, mount that storage, or go back to "
+        f"step {newest} on purpose with resume={newest}"
     )
 
 

@@ -618,6 +618,30 @@ def test_a_read_only_checkpoint_dir_with_a_fallback_resumes_and_saves_to_the_fal
     )
 
 
+def test_a_restart_without_the_fallback_that_holds_the_newest_steps_is_refused(cli, tmp_path):
+    """Steps 6 went to checkpoint.fallback_dir (the primary read-only); a restart that left
+    the fallback out resumed from the primary's step 4, said steps 5..6 "were not committed"
+    and trained them again. Now it is refused, naming the step and the way on; with the
+    fallback it resumes from 6, and resume=4 goes back on purpose."""
+    primary, fallback, run = tmp_path / "primary", tmp_path / "fallback", tmp_path / "run"
+    base = [f"checkpoint.dir={primary}", f"checkpoint.fallback_dir={fallback}"]
+    base += ["checkpoint.every_steps=2", "checkpoint.async_save=false", "trainer.eval_every=null"]
+    cli(run, *base, "trainer.max_steps=4", check=0)
+    with _read_only(primary):
+        cli(run, *base, "trainer.max_steps=6", check=0)
+    assert sorted(p.name for p in fallback.glob("step_*")) == ["step_00000006"]
+    refused = cli(run, *base[:1], *base[2:], "trainer.max_steps=8", check=2)
+    assert "records step 6 committed (the run saved to " in refused.stderr, refused.stderr
+    assert "would train steps 5..6 again" in refused.stderr and "resume=4" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert [r["from_step"] for r in records(run, "resume")] == [4]  # nothing started
+    cli(run, *base, "trainer.max_steps=8", check=0)
+    assert [r["from_step"] for r in records(run, "resume")] == [4, 6]
+    cli(run, *base[:1], *base[2:], "trainer.max_steps=8", "resume=6", check=2)  # not here
+    back = cli(run, *base[:1], *base[2:], "trainer.max_steps=6", "resume=4", check=0)
+    assert "resumed from step 4 (resume=4)" in back.stdout
+
+
 def test_a_bad_batch_just_after_an_async_save_waits_for_that_commit(cli, tmp_path):
     """Step 2's background save was still committing when step 3's batch held a token id
     past the vocabulary: the stop said "newest committed checkpoint: none (a re-run starts

@@ -4,7 +4,7 @@ within the history being continued, up to trainer.max_steps."""
 import json
 
 from ftrain.ckpt import advisor as adv
-from ftrain.cli.redo import reached_steps, redo_range
+from ftrain.cli.redo import reached_steps, recorded_commits, redo_range
 
 
 def _write(run, records, beat=None):
@@ -147,3 +147,24 @@ def test_a_restart_continues_only_its_own_jobs_history_after_resume_n(tmp_path):
     _write(tmp_path, [yesterday, *commit, today, commit[1]])
     assert committed_since_going_back(tmp_path, 3, "h:2:y") == [6]
     assert committed_since_going_back(tmp_path, 4, "h:2:y") == []  # resume=4 never ran
+
+
+def test_recorded_commits_are_those_of_the_history_being_continued(tmp_path):
+    """A process that resumed from S and began a save moved the steps after S aside: the
+    commits recorded before it beyond S are another history's. Until it saves, they are
+    still the run's (a kill before the first save leaves the old history listed)."""
+    recs = [{"kind": "start", "step": 0, "from_step": None}]
+    recs += [{"kind": "committed", "step": s} for s in (2, 4, 6)]
+    recs += [{"kind": "resume", "step": 2, "from_step": 2, "reason": "resume=2"}]
+    _write(tmp_path, recs)
+    assert recorded_commits(tmp_path) == [2, 4, 6]
+    recs += [{"kind": "save_started", "step": 3}, {"kind": "committed", "step": 3}]
+    _write(tmp_path, recs)
+    assert recorded_commits(tmp_path) == [2, 3]
+    recs += [{"kind": "resume", "step": 3, "from_step": 3, "reason": "resume=latest"}]
+    recs += [{"kind": "save_started", "step": 4}, {"kind": "committed", "step": 4}]
+    _write(tmp_path, recs)
+    assert recorded_commits(tmp_path) == [2, 3, 4]
+    recs += [{"kind": "start", "step": 0, "from_step": None}, {"kind": "save_started", "step": 1}]
+    _write(tmp_path, recs)
+    assert recorded_commits(tmp_path) == []  # a fresh start's first save: none of them
