@@ -24,6 +24,7 @@ refusal so every rank stops.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -39,6 +40,7 @@ from ftrain import _json
 
 __all__ = [
     "LOCK_NAME",
+    "RunDirDiskError",
     "RunDirError",
     "RunLock",
     "RunLockError",
@@ -67,29 +69,53 @@ class RunLockError(RunDirError):
     """Another run holds the run directory (exit 2; the message names it)."""
 
 
+class RunDirDiskError(RunDirError):
+    """The disk under a run or checkpoint directory is full (bytes or inodes), over quota
+    or failing: its state of the moment, not the config (exit 1: a supervisor restarts
+    once space is freed; exit 2 tells it not to)."""
+
+
+# what to do about a disk's state of the moment, by errno
+_DISK_FIX = {
+    errno.ENOSPC: "no free bytes or inodes: free space (df -h, df -i) and re-run",
+    errno.EDQUOT: "over the disk quota: free space or raise the quota and re-run",
+    errno.EIO: "a disk error: check the disk (dmesg) and re-run",
+}
+
+
+def _disk_or_dir_error(message: str, err: OSError, fix: str) -> RunDirError:
+    """``message: reason; fix`` as :class:`RunDirDiskError` for a full or failing disk
+    (its own fix), else :class:`RunDirError` with ``fix``."""
+    reason = err.strerror or str(err)
+    if err.errno in _DISK_FIX:
+        return RunDirDiskError(f"{message}: {reason} ({_DISK_FIX[err.errno]})", reason)
+    return RunDirError(f"{message}: {reason}{fix}", reason)
+
+
 def check_writable(path: str | os.PathLike, what: str) -> Path:
     """Create ``path`` if needed and prove a file can be written in it.
 
-    Root ignores permission bits, so this writes (and removes) a real file rather than
-    asking ``os.access``: a read-only mount, a full disk or a regular file in the way all
-    show up here, before anything is built.
+    Root ignores permission bits, so this writes (and removes) a real one-byte file rather
+    than asking ``os.access``: a read-only mount, a full disk (bytes or inodes) or a
+    regular file in the way all show up here, before anything is built.
 
     Raises:
-        RunDirError: ``path`` cannot be created or written; the message names it.
+        RunDirError: ``path`` cannot be created or written; the message names it
+            (:class:`RunDirDiskError` for a full or failing disk).
     """
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".ftrain-write-test-"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".ftrain-write-test-") as probe:
+            probe.write(b"x")  # a block too: a disk without free bytes still has inodes
+            probe.flush()
     except OSError as err:
-        reason = err.strerror or str(err)
-        if isinstance(err, FileExistsError | NotADirectoryError):
-            reason += " (a file is in the way of the directory)"
-        raise RunDirError(
-            f"{what}={str(path)!r} is not a writable directory: {reason}; "
-            f"point {what} at a directory this process can write",
-            reason,
+        way = " (a file is in the way of the directory)"
+        way = way if isinstance(err, FileExistsError | NotADirectoryError) else ""
+        raise _disk_or_dir_error(
+            f"{what}={str(path)!r} is not a writable directory",
+            err,
+            f"{way}; point {what} at a directory this process can write",
         ) from None
     return path
 
@@ -159,7 +185,7 @@ def acquire(run_dir: str | os.PathLike, argv: list[str] | None = None) -> RunLoc
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:
-        raise RunDirError(f"cannot create the run lock {path}: {err.strerror or err}") from None
+        raise _disk_or_dir_error(f"cannot create the run lock {path}", err, "") from None
     try:
         return _take(fd, path, argv)
     except BaseException:
@@ -191,9 +217,12 @@ def _take(fd: int, path: Path, argv: list[str] | None) -> RunLock:
         "started": time.time(),
         "argv": list(sys.argv if argv is None else argv),
     }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
-    os.fsync(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+    except OSError as err:  # a full disk: one line, exit 1 (was a traceback)
+        raise _disk_or_dir_error(f"cannot write the run lock {path}", err, "") from None
     return RunLock(path, fd, taken_over=previous if previous else {})
 
 
@@ -319,7 +348,9 @@ def check_checkpoint_dirs(cfg) -> None:
         return
     if not fallback or fallback_err is not None or _file_in_the_way(cfg.checkpoint.dir):
         if fallback_err is not None:
-            raise RunDirError(f"{primary_err}; and {fallback_err}") from None
+            both_disks = all(isinstance(e, RunDirDiskError) for e in (primary_err, fallback_err))
+            kind = RunDirDiskError if both_disks else RunDirError
+            raise kind(f"{primary_err}; and {fallback_err}") from None
         raise primary_err
     print(
         f"ftrain: warning: checkpoint.dir={str(cfg.checkpoint.dir)!r} is not writable "

@@ -3,6 +3,7 @@ test's signal handlers put back after it."""
 
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -29,3 +30,47 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size="1M", nr_inodes=None)``: a real tmpfs of that size mounted on a fresh
+    directory (a real ENOSPC, bytes or inodes), unmounted after the test; skips where
+    this process cannot mount."""
+    mounted = []
+
+    def mount(size: str = "1M", nr_inodes: int | None = None):
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        opts = f"size={size}" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True
+        )
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(directory, inodes: bool = False) -> None:
+    """Fill the file system of ``directory``: its bytes, and with ``inodes`` its inodes
+    (a tmpfs mounted with a small ``nr_inodes``: the default is millions)."""
+    try:
+        with open(os.path.join(directory, "filler"), "wb") as f:
+            while True:
+                f.write(b"\0" * (1 << 16))
+    except OSError:
+        pass
+    if not inodes:
+        return
+    n = 0
+    try:
+        while True:
+            open(os.path.join(directory, f"inode{n}"), "wb").close()
+            n += 1
+    except OSError:
+        pass

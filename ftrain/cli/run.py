@@ -87,7 +87,7 @@ from ftrain.dist import (
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
 from ftrain.optim import refresh_hyperparams
-from ftrain.runlock import RunDirError, claim_run_dir
+from ftrain.runlock import RunDirDiskError, RunDirError, claim_run_dir
 from ftrain.sharding import Sharder, shard_state
 from ftrain.signals import (
     EXIT_CONFIG,
@@ -193,7 +193,7 @@ def _train_from_config(cfg: DictConfig, early: StopFlag) -> int:
             parts = _setup(cfg, device, world)
         except _STARTUP_ERRORS as err:
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
-            return EXIT_CONFIG
+            return EXIT_ERROR if isinstance(err, RunDirDiskError) else EXIT_CONFIG
         except CheckpointReadError as err:  # the machine's limit of the moment: a restart may do
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
             return EXIT_ERROR

@@ -642,6 +642,26 @@ def test_a_restart_without_the_fallback_that_holds_the_newest_steps_is_refused(c
     assert "resumed from step 4 (resume=4)" in back.stdout
 
 
+def test_a_run_dir_on_a_full_disk_stops_in_one_line_with_exit_1(cli, tmpfs):
+    """A full run.dir disk at a restart was a 30-line ENOSPC traceback from the run lock's
+    write (bytes full) or "point run.dir at a directory this process can write", exit 2
+    (inodes full): a supervisor that skips exit 2 never restarted the run once the disk
+    was freed. Both are one line naming the fix, exit 1; the steps stay as they were."""
+    from tests.conftest import fill
+
+    disk = tmpfs("64M")
+    run = disk / "run"
+    base = ["checkpoint.every_steps=2", "checkpoint.async_save=false", "trainer.eval_every=null"]
+    cli(run, *base, "trainer.max_steps=2", check=0)
+    fill(disk)
+    out = cli(run, *base, "trainer.max_steps=4", check=1)
+    assert "ftrain: cannot start: run.dir=" in out.stderr and "df -h, df -i" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    (disk / "filler").unlink()
+    cli(run, *base, "trainer.max_steps=4", check=0)
+    assert [r["from_step"] for r in records(run, "resume")] == [2]
+
+
 def test_a_bad_batch_just_after_an_async_save_waits_for_that_commit(cli, tmp_path):
     """Step 2's background save was still committing when step 3's batch held a token id
     past the vocabulary: the stop said "newest committed checkpoint: none (a re-run starts

@@ -146,3 +146,24 @@ def test_mount_points_are_decoded_and_the_top_mount_wins(tmp_path):
     assert kind("/mnt/a b/run") == "cifs", "\\040 is a space"
     assert kind("/mnt/ab") == "overlay" and kind("/") == "overlay"
     assert runlock._fs_type(Path("/"), mountinfo=tmp_path / "missing") == "unknown"
+
+
+@pytest.mark.parametrize("inodes", [False, True], ids=["bytes", "inodes"])
+def test_a_full_disk_under_the_run_dir_is_its_state_not_the_config(tmpfs, inodes):
+    """A full run.dir disk said "point run.dir at a directory this process can write"
+    (exit 2: a supervisor never restarts), and a lock file that could be created but not
+    written was a raw ENOSPC traceback. Both are RunDirDiskError now (exit 1), naming
+    free space and inodes."""
+    from tests.conftest import fill
+
+    disk = tmpfs("256k", nr_inodes=64 if inodes else None)
+    run_dir = disk / "run"
+    run_dir.mkdir()
+    lock = run_dir / runlock.LOCK_NAME
+    lock.touch()  # its inode exists: creating it works, writing the record cannot
+    fill(disk, inodes)
+    with pytest.raises(runlock.RunDirDiskError, match=r"run.dir=.*df -h, df -i"):
+        runlock.check_writable(run_dir, "run.dir")
+    if not inodes:  # a full inode table still lets the lock's existing block be written
+        with pytest.raises(runlock.RunDirDiskError, match="cannot write the run lock"):
+            runlock.acquire(run_dir)
