@@ -19,11 +19,17 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
 
-from ftrain.ckpt import CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
+from ftrain.ckpt import (
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointStoreError,
+    CorruptCheckpointError,
+)
 from ftrain.ckpt.index import byte_count
 from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import mapped_bytes
-from ftrain.cli.errors import ResumeError
+from ftrain.cli.errors import ResumeError, ResumeReadError
 from ftrain.cli.overwrite import move_aside, move_run_aside
 from ftrain.cli.redo import last_run_ended, read_records, recorded_commits, redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
@@ -412,9 +418,10 @@ def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
     if world.active:  # every rank learns if one failed: none goes on to train alone
         decision = broadcast_json(_decide(gather_json(outcome)))
         if decision["do"] != "take":
-            raise ResumeError(  # on every rank alike (the failed one's own error, an
+            raise _stop_error(  # on every rank alike (the failed one's own error, an
                 # OSError say, was a traceback and exit 1 there while the others said why)
-                f"cannot resume step {chosen} on every rank: {decision['why']}"
+                decision,
+                f"cannot resume step {chosen} on every rank: {decision['why']}",
             ) from error
     return state
 
@@ -427,7 +434,7 @@ def _restore_copy(manager, step: int, fresh, copy, mmap: bool) -> tuple:
     try:
         state = _restore(manager, step, fresh, copy=copy, mmap=mmap)
     except Exception as err:
-        return None, {"error": f"{type(err).__name__}: {err}"}, err
+        return None, _error_outcome(err), err
     if int(state["step"]) != step:
         why = f"it restored step {int(state['step'])}, the coordinator chose {step}"
         return None, {"error": why}, None
@@ -460,7 +467,7 @@ def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
             _SKIPPED.update({s: why for s, why in skipped.items() if s != step})
             return state
         if decision["do"] == "stop":
-            raise ResumeError(f"cannot restore step {step}: {decision['why']}") from error
+            raise _stop_error(decision, f"cannot restore step {step}: {decision['why']}") from error
         # two copies of one step skipped: both reasons
         skipped[step] = "; ".join(filter(None, (skipped.get(step), decision["why"])))
     if skipped:
@@ -479,10 +486,27 @@ def _restore_rows(manager, step: int, fresh, sharder, copy=None) -> tuple:
     except CheckpointNotFoundError as err:  # a chunk of its rows, or the metadata, is bad
         return None, {"corrupt": "; ".join(getattr(err, "problems", None) or [str(err)])}, None
     except Exception as err:  # e.g. the checkpoint does not fit the model: no use trying older
-        return None, {"error": str(err)}, err
+        return None, _error_outcome(err, name=False), err
     if int(state["step"]) != step:
         return None, {"corrupt": f"it holds step {int(state['step'])}"}, None
     return state, {"ok": True}, None
+
+
+def _error_outcome(err: Exception, name: bool = True) -> dict:
+    """A rank's failed restore as its outcome (JSON): ``{"error": why}``, with ``"io"``
+    when it was the disk's or the machine's (an ``OSError``: every rank then stops with
+    exit 1, a supervisor retries; anything else is the config's, exit 2)."""
+    why = f"{type(err).__name__}: {err}" if name else str(err)
+    return {"error": why, "io": _of_the_moment(err)}
+
+
+def _of_the_moment(err: BaseException) -> bool:
+    """An ``OSError`` of the disk or the machine (EIO, a file system gone), not one of
+    ftrain's own: no step found (a rank seeing other storage) or an object store refusing
+    (a bucket, credentials) say something about the config."""
+    return isinstance(err, OSError) and not isinstance(
+        err, CheckpointNotFoundError | CheckpointStoreError
+    )
 
 
 def _decide(outcomes: list[dict] | None) -> dict | None:
@@ -493,8 +517,15 @@ def _decide(outcomes: list[dict] | None) -> dict | None:
     for kind, do in (("error", "stop"), ("corrupt", "skip")):
         bad = [f"rank {r}: {o[kind]}" for r, o in enumerate(outcomes) if kind in o]
         if bad:
-            return {"do": do, "why": "; ".join(bad)}
+            io = kind == "error" and all(o.get("io") for o in outcomes if "error" in o)
+            return {"do": do, "why": "; ".join(bad), "io": io}
     return {"do": "take"}
+
+
+def _stop_error(decision: dict, message: str) -> Exception:
+    """The error every rank raises for a "stop" decision: a read error of the moment
+    (exit 1) when every failed rank's was, else a refusal (exit 2)."""
+    return ResumeReadError(message) if decision.get("io") else ResumeError(message)
 
 
 # root attributes the CLI acts on -> the JSON types they may have (None: absent)
@@ -567,6 +598,11 @@ def _restore(
             )
         _note_skipped(caught)
         return state
+    except OSError as err:
+        if not _of_the_moment(err) or isinstance(err, CheckpointReadError | ResumeReadError):
+            raise
+        where = "the newest step" if step is None else f"step {step}"
+        raise ResumeReadError(f"cannot read {where}: {err}") from err  # one line, exit 1
     except ValueError as err:  # the checkpoint does not fit the configured model/optimizer
         listed = getattr(err, "differences", [str(err)])
         old = any("not in target: amp/" in d for d in listed)  # loss scale not under opt

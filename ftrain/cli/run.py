@@ -45,6 +45,7 @@ from ftrain.cli.build import (
     schedule_horizon,
 )
 from ftrain.cli.console import tolerate_lost_console
+from ftrain.cli.errors import ResumeReadError
 from ftrain.cli.finetune import (
     check_labels,
     check_patterns,
@@ -194,7 +195,7 @@ def _train_from_config(cfg: DictConfig, early: StopFlag) -> int:
         except _STARTUP_ERRORS as err:
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
             return EXIT_ERROR if isinstance(err, RunDirDiskError) else EXIT_CONFIG
-        except CheckpointReadError as err:  # the machine's limit of the moment: a restart may do
+        except (CheckpointReadError, ResumeReadError) as err:  # of the moment: a restart may do
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
             return EXIT_ERROR
         return _run(cfg, device, world, parts, early)

@@ -662,6 +662,28 @@ def test_a_run_dir_on_a_full_disk_stops_in_one_line_with_exit_1(cli, tmpfs):
     assert [r["from_step"] for r in records(run, "resume")] == [2]
 
 
+def test_an_io_error_reading_the_step_to_resume_is_one_line_and_exit_1(cli, cache_dir, tmp_path):
+    """An OSError outside the chunks' own checks (EIO injected where restore begins to
+    read) was a raw traceback on a single process; now one line, exit 1 (a supervisor
+    retries), and the step is left as it was."""
+    from ftrain.faults import inject_dir
+
+    run = tmp_path / "run"
+    base = ["checkpoint.every_steps=2", "checkpoint.async_save=false", "trainer.eval_every=null"]
+    cli(run, *base, "trainer.max_steps=2", check=0)
+    arm = tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "r", "phase": "restore_read", "rank": 0, "action": "eio"}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONPATH=path, FTRAIN_CHAOS_ARM=str(arm))
+    cmd = [sys.executable, "-m", "ftrain", f"run.dir={run}", *TINY, *base, "trainer.max_steps=4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 1 and arm.with_name("arm.json.fired").exists(), out.stderr
+    assert "ftrain: cannot start: cannot read the newest step: [Errno 5]" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    cli(run, *base, "trainer.max_steps=4", check=0)
+    assert [r["from_step"] for r in records(run, "resume")] == [2]
+
+
 def test_a_bad_batch_just_after_an_async_save_waits_for_that_commit(cli, tmp_path):
     """Step 2's background save was still committing when step 3's batch held a token id
     past the vocabulary: the stop said "newest committed checkpoint: none (a re-run starts

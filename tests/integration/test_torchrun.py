@@ -134,8 +134,11 @@ def test_a_rank_that_cannot_read_the_chosen_step_stops_every_rank_with_its_reaso
     assert rc != 0 and arm.with_name("arm.json.fired").exists(), out
     assert "cannot resume step 2 on every rank: rank 1:" in out, out
     assert "I/O error (injected at restore_read)" in out, out
-    # every rank exits 2 with the message: the failed rank's OSError was a traceback, exit 1
+    # every rank exits with the message: the failed rank's OSError was a traceback; an I/O
+    # error is the disk's state of the moment, exit 1 (it was exit 2, which a supervisor
+    # configured not to restart a config error never retried)
     assert out.count("ftrain: cannot start: cannot resume step 2 on every rank") == 2, out
+    assert re.search(r"exitcode\s*:\s*1\b", out) and not re.search(r"exitcode\s*:\s*2\b", out)
     assert "ftrain/cli/" not in out, out  # torchrun's agent prints its own traceback only
     assert CheckpointManager(run / "checkpoints", async_save=False).all_steps() == [2], out
     assert not [r for r in records(run, "step") if r.get("step", 0) > 2], out
