@@ -398,19 +398,30 @@ def build_manager(cfg: DictConfig) -> CheckpointManager:
     c = cfg.checkpoint
     save = [EveryNSteps(c.every_steps)] if c.every_steps else []
     save += [EveryNSeconds(c.every_seconds)] if c.every_seconds else []
-    keep = [LatestN(c.keep_last)] if c.keep_last else []
-    keep += [EveryKSteps(c.keep_every)] if c.keep_every else []
-    keep += [BestN(c.best_metric, c.keep_best, mode="min")] if c.keep_best else []
     return CheckpointManager(
         c.dir,
         save_policy=AnyOf(*save) if save else _Never(),
-        keep_policy=AnyOf(*keep) if keep else None,
+        keep_policy=keep_policy_of(c),
         async_save=c.async_save,
         fallback_directory=c.fallback_dir,
         compression=c.compression,
         incremental=c.incremental,
         storage_options=c.storage,
     )
+
+
+# the checkpoint keys that make the keep policy
+KEEP_KEYS = ("keep_last", "keep_every", "keep_best", "best_metric")
+
+
+def keep_policy_of(c) -> AnyOf | None:
+    """The keep policy of a ``checkpoint`` config (this run's, or the one a step recorded:
+    anything with ``get``); ``None``: keep every step."""
+    keep = [LatestN(c.get("keep_last"))] if c.get("keep_last") else []
+    keep += [EveryKSteps(c.get("keep_every"))] if c.get("keep_every") else []
+    best = c.get("keep_best")
+    keep += [BestN(c.get("best_metric") or "val_loss", best, mode="min")] if best else []
+    return AnyOf(*keep) if keep else None
 
 
 class _Never:

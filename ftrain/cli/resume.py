@@ -717,6 +717,39 @@ def _check_compat(cfg: DictConfig, meta: dict) -> list[str]:
     return bad + safe
 
 
+def _check_retention(cfg: DictConfig, meta: dict, manager: CheckpointManager) -> list[str]:
+    """A keep policy changed since the restored step was written (a requeue script that
+    lost ``checkpoint.keep_every``, a lowered ``keep_last``) deleted, at the next commit,
+    committed steps the old policy kept, with only "accepted change" said. Such a change
+    now needs ``run.allow_config_change=true``; accepted, it is named in the report.
+
+    Raises:
+        ResumeError: the steps the new policy would delete and the settings that changed.
+    """
+    from ftrain.ckpt.policies import KeepAll, StepInfo
+    from ftrain.cli.build import KEEP_KEYS, keep_policy_of
+
+    saved = ((meta.get("config") or {}).get("checkpoint")) or {}
+    changed = [k for k in KEEP_KEYS if k in saved and saved[k] != cfg.checkpoint.get(k)]
+    if not changed:
+        return []
+    infos = [StepInfo(e["step"], e["time"], e.get("metrics") or {}) for e in manager.index()]
+    kept = [
+        (keep_policy_of(c) or KeepAll()).keep(infos, time.time()) for c in (saved, cfg.checkpoint)
+    ]
+    doomed = sorted(kept[0] - kept[1] - {max((i.step for i in infos), default=-1)})
+    if not doomed:
+        return []
+    what = ", ".join(f"checkpoint.{k}: {saved[k]!r} -> {cfg.checkpoint.get(k)!r}" for k in changed)
+    line = f"the changed keep policy ({what}) deletes committed step(s) {', '.join(map(str, doomed))} at the next commit"
+    if not cfg.run.allow_config_change:
+        raise ResumeError(
+            f"{line}, which the checkpoint's policy keeps; resume with its settings, or "
+            "accept the deletion with run.allow_config_change=true"
+        )
+    return [line]
+
+
 def start_state(
     cfg: DictConfig,
     manager: CheckpointManager,
@@ -760,6 +793,7 @@ def start_state(
     meta = manager.metadata(step, copy=manager.restored_copy)  # what was restored
     host_rng = host_rng_start(cfg, world, meta)
     changes = _check_compat(cfg, meta)
+    changes += _check_retention(cfg, meta, manager)
     check_fingerprint(meta.get("data_fingerprint"), data_fp, bool(cfg.data.allow_changed))
     if meta.get("data_fingerprint") not in (None, data_fp):
         changes.append(

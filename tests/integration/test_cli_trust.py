@@ -684,6 +684,29 @@ def test_an_io_error_reading_the_step_to_resume_is_one_line_and_exit_1(cli, cach
     assert [r["from_step"] for r in records(run, "resume")] == [2]
 
 
+def test_a_keep_policy_change_that_would_delete_kept_steps_needs_consent(cli, tmp_path):
+    """A restart without checkpoint.keep_every (a requeue script that lost an override)
+    said only "accepted change" and its next commit deleted every step keep_every kept.
+    Now it is refused naming the steps; run.allow_config_change=true accepts it, said."""
+    run = tmp_path / "run"
+    base = ["checkpoint.every_steps=2", "checkpoint.async_save=false", "trainer.eval_every=null"]
+    base += ["checkpoint.keep_last=1"]
+    cli(run, *base, "checkpoint.keep_every=4", "trainer.max_steps=6", check=0)
+    ckpts = run / "checkpoints"
+    assert CheckpointManager(ckpts, async_save=False).all_steps() == [4, 6]
+    refused = cli(run, *base, "trainer.max_steps=8", check=2)
+    assert "(checkpoint.keep_every: 4 -> None) deletes committed step(s) 4 at the next" in (
+        refused.stderr
+    ), refused.stderr
+    assert CheckpointManager(ckpts, async_save=False).all_steps() == [4, 6]
+    cli(run, *base, "checkpoint.keep_last=2", "checkpoint.keep_every=4", "trainer.max_steps=8",
+        check=0)  # fmt: skip
+    assert CheckpointManager(ckpts, async_save=False).all_steps() == [4, 6, 8]  # more kept: fine
+    out = cli(run, *base, "trainer.max_steps=10", "run.allow_config_change=true", check=0)
+    assert "deletes committed step(s) 4, 6 at the next commit" in out.stdout, out.stdout
+    assert CheckpointManager(ckpts, async_save=False).all_steps() == [10]
+
+
 def test_a_bad_batch_just_after_an_async_save_waits_for_that_commit(cli, tmp_path):
     """Step 2's background save was still committing when step 3's batch held a token id
     past the vocabulary: the stop said "newest committed checkpoint: none (a re-run starts
