@@ -72,6 +72,7 @@ from pathlib import Path
 import crc32c
 
 from ftrain import _json
+from ftrain.ckpt import aside
 from ftrain.ckpt.format import (
     FORMAT_VERSION,
     READABLE_FORMATS,
@@ -111,7 +112,7 @@ MANIFEST = "manifest.json"
 # without a leading zero. "step_000000002" or Unicode digits matched too, as a second
 # step 2 that listings hid behind the first and retention of the first brought back.
 _NUM = r"([0-9]{8}|[1-9][0-9]{8,})"
-_STEP_RE = re.compile(rf"^step_{_NUM}$")
+_STEP_RE = STEP_DIR = re.compile(rf"^step_{_NUM}$")  # STEP_DIR: for other modules
 _TMP_RE = re.compile(rf"^step_{_NUM}\.tmp-[0-9a-z-]+$")
 _DEL_RE = re.compile(rf"^step_{_NUM}\.del-[0-9a-f]+$")
 _ASIDE_RE = re.compile(rf"^step_{_NUM}\.(replaced|superseded|unreadable)-[0-9a-f]+$")
@@ -443,7 +444,8 @@ def committed_steps(
 ) -> dict[int, Path]:
     """Every step under ``root`` with a valid marker, ``{step: path}`` (missing root: ``{}``).
 
-    ``on_invalid(path, reason)`` is called for ``step_*`` directories that do not count,
+    ``on_invalid(path, reason)`` is called for ``step_*`` directories that do not count
+    (among them the steps a set-aside journal names: :mod:`ftrain.ckpt.aside`),
     ``on_valid(path, marker)`` with the marker of each one that does.
 
     Raises:
@@ -456,9 +458,14 @@ def committed_steps(
         entries = list(os.scandir(root))
     except (FileNotFoundError, NotADirectoryError):
         return out
+    leaving = aside.pending(root)  # an abandoned history whose move aside a kill cut short
     for e in entries:
         m = _STEP_RE.match(e.name)
         if not m:
+            continue
+        if e.name in leaving:
+            if on_invalid is not None:
+                on_invalid(Path(e.path), _LEAVING)
             continue
         if e.is_symlink() or not e.is_dir():
             if on_invalid is not None:
@@ -474,6 +481,12 @@ def committed_steps(
             on_valid(Path(e.path), marker)
         out[int(m.group(1))] = Path(e.path)
     return dict(sorted(out.items()))
+
+
+_LEAVING = (
+    "a step of the history a resume went back from, named in .setting-aside.json: its move "
+    "aside was cut short, the next save finishes it"
+)
 
 
 def delete_step(step_dir: Path) -> None:

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDictBase
 
+from ftrain.ckpt import aside, hostrng
 from ftrain.ckpt import commit as protocol
-from ftrain.ckpt import hostrng
 from ftrain.ckpt import incremental as incr
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.format import (
@@ -216,6 +216,7 @@ class CheckpointManager:
         self._rewinds: list[int] = []
         self._written: set[int] = set()
         self._undeletable: set[str] = set()  # copies retention could not delete: warned once
+        self._journals_checked = False  # a set-aside journal a kill left (ftrain.ckpt.aside)
         self._invalid: dict[Path, str] = {}
         self._seals: dict[str, object] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
@@ -741,20 +742,21 @@ class CheckpointManager:
         listed), every step after the newest restore not after ``step`` (a look at an
         older step moves nothing back: when unsure, too little is set aside, never the
         current history). They stay on disk; ``ckpt list`` shows them."""
+        self._finish_cut_short()
         if not self._rewinds:  # no restore since the last commit: nothing to leave
             return  # (the list is emptied by a commit: a failed write keeps it, retried)
         locations = self._locations()
         rewound = max((r for r in self._rewinds if r <= step), default=None)
         went_back = rewound is not None and any(s > step for s in locations)
+        moves = []
         for s, paths in locations.items():
             branch = self._restored_from is not None and s > self._restored_from
             old = went_back and s > rewound
             if old or (branch and s not in self._written):
                 # the old history's copy of ``step`` itself too: left listed while the new
                 # one is written, a kill before the commit would resume the old history
-                why = "replaced" if s == step else "superseded"
-                for p in paths:
-                    self._set_aside_or_warn(s, p, why)
+                moves += [(s, p, "replaced" if s == step else "superseded") for p in paths]
+        self._move_aside(moves)
         if went_back:  # no longer saved (listed, deleted by retention or set aside before):
             # the new history may save those numbers again, the branch point's included
             self._written = {w for w in self._written if w <= rewound}
@@ -780,6 +782,40 @@ class CheckpointManager:
             return False
         log.info("[step=%d] deleted by keep policy", step)
         return True
+
+    def _move_aside(self, moves: list[tuple[int, object, str]]) -> None:
+        """Set ``(step, path, why)`` aside; two or more in one local directory behind its
+        journal (:mod:`ftrain.ckpt.aside`): a kill between the renames leaves none of them
+        listed."""
+        journaled = _journal_dirs(moves)
+        for root, names in journaled.items():
+            aside.write(root, names)
+        for s, p, why in sorted(moves, key=lambda m: -m[0]):
+            self._set_aside_or_warn(s, p, why)
+        for root in journaled:
+            self._journal_done(root)
+
+    def _finish_cut_short(self) -> None:
+        """Once per manager, writing: the moves aside a journal names that a kill cut short
+        are finished (the steps are not listed meanwhile)."""
+        if self._journals_checked:
+            return
+        self._journals_checked = True
+        for root in (d for d in self._dirs if isinstance(d, Path)):
+            names = aside.pending(root)
+            for name in sorted(names):
+                m = protocol.STEP_DIR.match(name)
+                if m and (root / name).is_dir():
+                    self._set_aside_or_warn(int(m.group(1)), root / name, "superseded")
+            if names:
+                self._journal_done(root)
+
+    @staticmethod
+    def _journal_done(root: Path) -> None:
+        try:
+            aside.done(root)
+        except OSError as e:  # the steps stay unlisted; a later manager retries
+            log.warning("could not remove %s (%s)", root / aside.JOURNAL, e)
 
     @staticmethod
     def _set_aside_or_warn(step: int, path, why: str) -> None:
@@ -1023,6 +1059,16 @@ class CheckpointManager:
             if exc is None:
                 raise
             log.exception("a checkpoint save failed while handling another exception")
+
+
+def _journal_dirs(moves: list[tuple[int, object, str]]) -> dict[Path, list[str]]:
+    """``{local directory: [step directory names]}`` of the directories ``moves`` sets two
+    or more steps aside in (one rename alone is atomic: no journal)."""
+    names: dict[Path, list[str]] = {}
+    for _, p, _ in moves:
+        if isinstance(p, Path):
+            names.setdefault(p.parent, []).append(p.name)
+    return {root: n for root, n in names.items() if len(n) > 1}
 
 
 def _newest_copy_first(paths: list) -> list:

@@ -714,3 +714,42 @@ def test_a_time_policy_counts_from_the_resume(tmp_path, monkeypatch):
         mono[0] += 30
         saved.append(m.save(make_state(s)))
     assert saved == [False, True, False] and m.all_steps() == [1, 3]
+
+
+def test_a_kill_between_the_renames_of_a_go_back_leaves_none_of_the_old_history_listed(
+    tmp_path, monkeypatch
+):
+    """resume=2 on a run that reached 4, then the first save moves 3 and 4 aside one rename
+    at a time: a kill between them left 2 and the old 4 listed (a hole at 3), and the next
+    plain restart resumed the abandoned step 4. The names are journaled first: a kill
+    anywhere leaves only the history resumed from 2 listed, and the next save finishes."""
+    from ftrain.ckpt import aside
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (1, 2, 3, 4):
+            m.save(make_state(s), force=True)
+    back = CheckpointManager(tmp_path, async_save=False)
+    back.restore(2)
+    real, calls = protocol.set_aside, []
+
+    def killed_after_one(path, why):
+        if calls:
+            raise KeyboardInterrupt("SIGKILL stand-in: the process ends here")
+        calls.append(path)
+        return real(path, why)
+
+    monkeypatch.setattr(protocol, "set_aside", killed_after_one)
+    with pytest.raises((KeyboardInterrupt, CheckpointSaveError)):
+        back.save(make_state(3), force=True)
+    monkeypatch.setattr(protocol, "set_aside", real)
+    back._writers.release()  # the process that held the directory is gone
+    assert (tmp_path / aside.JOURNAL).exists() and len(calls) == 1
+    again = CheckpointManager(tmp_path, async_save=False)
+    assert again.all_steps() == [1, 2], "no step of the old history is listed"
+    assert any("its move aside was cut short" in why for why in again.invalid_steps().values())
+    assert same(again.restore(), make_state(2))
+    assert again.save(make_state(3), force=True)
+    again.close()
+    assert again.all_steps() == [1, 2, 3] and not (tmp_path / aside.JOURNAL).exists()
+    assert sorted(again.set_aside_steps()) == [3, 4]  # the old 3 and 4, kept on disk
+    assert same(CheckpointManager(tmp_path, async_save=False).restore(3), make_state(3))

@@ -1,0 +1,74 @@
+"""The journal of a history being moved aside: ``DIR/.setting-aside.json``.
+
+Why. After a resume that went back (``resume=50`` on a run that reached 60), the first
+save moves the old history's later steps aside, one rename per step. A rename is atomic,
+several are not: a kill between them left some of the old history listed (50 and the
+old 60, a hole at 55), and the next plain restart resumed the abandoned step 60 and
+reported the run done, the training from 50 gone without a word.
+
+What. Before moving two or more steps of one directory, the manager writes their names
+here (written whole, then renamed into place and fsync'd); the listing
+(:func:`ftrain.ckpt.commit.committed_steps`) skips every step named, so from that moment
+the abandoned steps are out of every listing, restore and retention, kill or not; the
+manager removes the journal once every rename is done, and the next writing manager
+finishes a journal a kill left (:func:`pending`, then ``set_aside``). Object stores keep
+no journal (their set-aside is a copy per object, not a rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+from ftrain.ckpt.format import unreadable
+from ftrain.ckpt.store import fsync_dir
+
+__all__ = ["JOURNAL", "done", "pending", "write"]
+
+JOURNAL = ".setting-aside.json"
+
+
+def write(root: Path, names: list[str]) -> None:
+    """Record (durably) that the step directories ``names`` of ``root`` are being moved
+    aside."""
+    tmp = root / f"{JOURNAL}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "wb") as f:
+        f.write(json.dumps({"steps": sorted(names)}).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, root / JOURNAL)
+    fsync_dir(root)
+
+
+def pending(root: Path) -> set[str]:
+    """The step directory names a journal in ``root`` names (none: an empty set).
+
+    A journal that is not one ftrain wrote (damaged) names nothing: the steps are listed
+    as they would be without it.
+
+    Raises:
+        CheckpointReadError: a machine limit (EMFILE, ...) while reading it: the listing
+            cannot tell which steps count.
+    """
+    try:
+        raw = (root / JOURNAL).read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    except OSError as err:
+        error = unreadable(root / JOURNAL, err, "cannot read the set-aside journal")
+        if isinstance(error, OSError):  # a limit of the machine: nothing judged
+            raise error from err
+        return set()
+    try:
+        steps = json.loads(raw)["steps"]
+    except (ValueError, TypeError, KeyError):
+        return set()
+    return {s for s in steps if isinstance(s, str)} if isinstance(steps, list) else set()
+
+
+def done(root: Path) -> None:
+    """Every step the journal names is moved aside: remove it."""
+    (root / JOURNAL).unlink(missing_ok=True)
+    fsync_dir(root)
