@@ -499,6 +499,8 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
         except NonFiniteError as err:
             return _diverged(err, session)
         except CheckpointSaveError as err:  # each rank said which step did not commit
+            if world.active and _peer_gone(err):  # a rank died in the sharded save's exchange
+                return _peer_lost(err, session, world)
             return _save_failed(err, p.manager)
         except DataFormatError as err:
             return _bad_batch(err, session)
@@ -525,11 +527,17 @@ def _eval_owed(cfg: DictConfig, world: World, report: ResumeReport) -> bool:
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _peer_gone(err: RuntimeError) -> bool:
+def _peer_gone(err: BaseException) -> bool:
+    """Whether ``err``, or an error it was raised from (a sharded save failing because a
+    rank died in its collective), is a collective's peer gone."""
     import torch.distributed
 
     dist_error = getattr(torch.distributed, "DistNetworkError", ())
-    return isinstance(err, dist_error) or any(s in str(err) for s in _PEER_GONE)
+    while err is not None:
+        if isinstance(err, dist_error) or any(s in str(err) for s in _PEER_GONE):
+            return True
+        err = err.__cause__
+    return False
 
 
 def _peer_lost(err: RuntimeError, session: Session, world: World) -> int:
@@ -537,6 +545,8 @@ def _peer_lost(err: RuntimeError, session: Session, world: World) -> int:
     alone. One line, where a restart resumes, exit 1 (it was a 30-line traceback of
     torch's collective internals after the emergency save's lines)."""
     _settle(session)
+    while err.__cause__ is not None:  # the collective's own error, not the save's wrapper
+        err = err.__cause__
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return _stopped(
         RuntimeError(f"rank {world.rank}: another rank is gone ({first})"),

@@ -24,3 +24,22 @@ def test_a_quoted_searchpath_entry_is_read_without_its_quotes(tmp_path):
     spaced.mkdir()
     for entry in (f"'file://{tmp_path}'", f'"file://{tmp_path}"', f"'file://{spaced}'"):
         assert run_app([f"hydra.searchpath=[{entry}]", "--cfg", "job"], _never) == 0, entry
+
+
+def test_a_sharded_save_failing_because_a_rank_died_is_a_peer_gone():
+    """A rank SIGKILLed during a synchronous sharded save: the survivor's save failed in
+    the part exchange with gloo's "Connection closed by peer" and said "sharded save
+    failed: ... fix the cause (disk, permissions, the object store)". It is the one line
+    `another rank is gone` now: the save's error is searched down to its cause."""
+    from ftrain.ckpt import CheckpointSaveError
+    from ftrain.cli import run
+
+    gloo = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4567")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:
+            raise CheckpointSaveError("[step=12] sharded save failed") from e
+    except CheckpointSaveError as save_error:
+        assert run._peer_gone(save_error)
+    assert not run._peer_gone(CheckpointSaveError("[step=12] No space left on device"))
