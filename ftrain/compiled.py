@@ -25,7 +25,11 @@ still runs compiled, with the eager step's masks (tested), but not as a single g
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -63,15 +67,45 @@ AUTO_MIN_STEPS = 5_000
 CPP_WRAPPER = False
 
 
+@functools.cache
 def cxx_compiler_problem() -> str | None:
     """Why Inductor cannot build CPU kernels here (no working C++ compiler), or None. A
-    compile without one failed at the first step with a 100-line traceback."""
+    compile without one failed at the first step with a 100-line traceback. Inductor's
+    own probe runs only ``$CXX --version``, which a broken toolchain (a wrapper that
+    exits 0, a g++ without its headers) passes: a tiny shared library is built too, once
+    per process."""
     from torch._inductor import cpp_builder
 
     try:
-        cpp_builder.get_cpp_compiler()  # probes `$CXX --version` once per process
+        cxx = cpp_builder.get_cpp_compiler()  # probes `$CXX --version` once per process
     except Exception as err:  # InvalidCxxCompiler, or a toolchain probe that broke
         return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return _cannot_build(cxx)
+
+
+_PROBE_SOURCE = (
+    '#include <cmath>\nextern "C" double ftrain_probe(double x) { return std::sqrt(x); }\n'
+)
+
+
+def _cannot_build(cxx: str) -> str | None:
+    """Why ``cxx`` cannot build a shared library of C++ with a standard header, or None."""
+    with tempfile.TemporaryDirectory(prefix="ftrain-cxx-probe-") as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write(_PROBE_SOURCE)
+        try:
+            done = subprocess.run(
+                [cxx, "-shared", "-fPIC", "-O0", "-o", lib, src],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return f"the C++ compiler {cxx} did not run ({err})"
+        if done.returncode != 0 or not os.path.isfile(lib):
+            said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[0][:160]
+            return f"the C++ compiler {cxx} cannot build a test library ({said})"
     return None
 
 
@@ -152,7 +186,7 @@ class CompiledCore:
             p, b, opt_flat or structure(opt), micro, scale, in_place, keep
         )
         fn = self.cache.get(key)
-        t0, graphs = time.perf_counter(), _graphs()
+        t0, graphs, breaks = time.perf_counter(), _graphs(), _breaks()
         # one graph: it may write the donated buffers anywhere; the mark comes first
         written = _versions(args) if before_write is not None else None
         undo = before_write() if before_write is not None else None
@@ -172,6 +206,7 @@ class CompiledCore:
         compiled = _graphs() != graphs
         if first or compiled:  # a later compile: a guard failed mid-run
             self._report(time.perf_counter() - t0, aux, first, compiled)
+            _say_breaks(_graphs() - graphs, _new_breaks(breaks))
         new_p = carry_frozen(p[1], keep, new_t)
         return new_p, new_b, rebuild(layout, new_o), loss, norm, aux
 
@@ -291,6 +326,32 @@ def _trained_keys(key: tuple, pkeys: list[Key]) -> list[Key]:
 def _graphs() -> int:
     """How many graphs Dynamo has compiled in this process."""
     return counters["stats"]["unique_graphs"]
+
+
+def _breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far in this process, by reason."""
+    return dict(counters["graph_break"])
+
+
+def _new_breaks(before: dict[str, int]) -> list[str]:
+    return [r for r, n in counters["graph_break"].items() if n > before.get(r, 0)]
+
+
+def _say_breaks(graphs: int, reasons: list[str]) -> None:
+    """A step compiled in pieces (a graph break: a ``print`` or a ``.item()`` branch in the
+    loss) runs what lies between them eagerly, the forward and backward often: the step
+    said "compiled" all the same, a silent loss of most of what compiling buys."""
+    if graphs <= 1 and not reasons:
+        return
+    why = reasons[0].splitlines()[0][:160] if reasons else "reason not recorded"
+    more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+    print(
+        f"ftrain: warning: the step compiled as {max(graphs, 2)} graphs, not one: a graph "
+        f"break ({why}){more} runs the code between them eagerly; TORCH_LOGS=graph_breaks "
+        "names the line (remove prints and .item() branches from the loss)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _own_code(fn):

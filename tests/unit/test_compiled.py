@@ -75,10 +75,28 @@ def test_compiled_mlp_matches_eager_and_recompiles_only_for_new_shapes(capsys):
     assert _max_diff(a, b) < 1e-5
     assert compiled.core.compiles == 1 and compiled.core.compile_seconds > 0
     assert graphs[0] == graphs[-1], "Dynamo recompiled for the same shapes (lr, count changed)"
-    assert capsys.readouterr().err.count("compiled the step in") == 1
+    err = capsys.readouterr().err
+    assert err.count("compiled the step in") == 1 and "graphs, not one" not in err
     b, _ = compiled(b, make_data(8, seed=9))  # a new batch shape: one more compile
     b, _ = compiled(b, make_data(8, seed=10))
     assert compiled.core.compiles == 2
+
+
+def test_a_graph_break_in_the_loss_is_said_not_passed_over(capsys):
+    """A print in the user's loss split the step at the forward: Dynamo ran the forward
+    and backward eagerly and compiled only the update, while ftrain said "compiled the
+    step" and nothing else. The step's graphs and the break's reason are said now."""
+
+    def chatty_loss(model, batch):
+        print("in the loss")  # a graph break
+        return mse_loss(model, batch)
+
+    model, tx = _mlp(), _tx()
+    step = ftrain.make_step(model, chatty_loss, tx, compile=True)
+    state, _ = step(ftrain.init_state(model, tx, seed=0), make_data(16, seed=0))
+    err = capsys.readouterr().err
+    assert "compiled the step in" in err
+    assert "graphs, not one: a graph break (" in err and "TORCH_LOGS=graph_breaks" in err, err
 
 
 def test_compiled_donate_matches_pure_and_poisons_input():
@@ -385,3 +403,12 @@ def test_the_start_refuses_compile_true_on_several_ranks_naming_the_fixes():
         _check_compiler(t, torch.device("cpu"), World(0, 2))
     _check_compiler(OmegaConf.create({"compile": "auto"}), torch.device("cpu"), World(0, 2))
     _check_compiler(t, torch.device("cpu"), World())  # one rank, a compiler here: fine
+
+
+def test_a_cxx_that_answers_its_version_but_cannot_build_is_a_compiler_problem():
+    """Inductor's probe runs only `$CXX --version`: CXX=/bin/true passed it and the first
+    step failed with a 100-line InductorError. A tiny library is built too."""
+    problem = ftrain.compiled._cannot_build("/bin/true")
+    assert problem is not None and "/bin/true cannot build a test library" in problem
+    assert "did not run" in ftrain.compiled._cannot_build("/nonexistent/c++")
+    assert ftrain.compiled.cxx_compiler_problem() is None  # this machine's g++ builds it
