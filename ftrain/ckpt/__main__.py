@@ -240,11 +240,13 @@ def _checkpoints_at(where: str):
 
 
 def _run_checkpoints(where: str) -> str | list[str]:
-    """``where``, or a run directory's checkpoint locations (``checkpoints/`` and the
-    fallback the run used: :func:`ftrain.ckpt.readonly.run_locations`)."""
+    """``where``, or a run directory's (or a checkpoint directory's) checkpoint locations:
+    ``checkpoints/`` or the directory itself, and the fallback the run used
+    (:func:`ftrain.ckpt.readonly.run_locations`). A ``checkpoint.dir`` given as such listed
+    only its own steps, the newer ones its run saved to the fallback (a full disk) not."""
     from ftrain.ckpt.readonly import run_locations
 
-    if is_object_url(where) or not (Path(where) / "checkpoints").is_dir():
+    if is_object_url(where) or not Path(where).is_dir():
         return where
     found = run_locations(Path(where))
     return found if len(found) > 1 else found[0]

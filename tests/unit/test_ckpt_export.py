@@ -549,3 +549,23 @@ def test_the_ckpt_commands_name_a_run_directorys_checkpoint_dir_elsewhere(tmp_pa
     for argv in (["list", run], ["verify", run], ["show", run], ["diff", run, ck]):
         with pytest.raises(SystemExit, match=f"saved its checkpoints to {ck}: pass that"):
             main([str(a) for a in argv])
+
+
+def test_ckpt_list_of_a_checkpoint_dir_given_as_such_reads_its_fallback_too(tmp_path, capsys):
+    """``python -m ftrain.ckpt list CKPT_DIR`` (a checkpoint.dir outside the run directory)
+    listed only its own steps: the newer ones its run saved to the fallback (a full disk)
+    were missing and verify passed without them. The newest step's recorded fallback is
+    read as for a run directory."""
+    from ftrain.ckpt.__main__ import main
+
+    ck, fallback = tmp_path / "ck", tmp_path / "fb"
+    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    config = {"checkpoint": {"fallback_dir": str(fallback)}}
+    with ftrain.CheckpointManager(ck, async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(2)), force=True, metadata={"config": config})
+    with ftrain.CheckpointManager(fallback, async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(4)), force=True)
+    assert main(["list", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert f"== {fallback.resolve()} (fallback)" in out and out.index(" 2 ") < out.index(" 4 ")
+    assert main(["verify", str(ck), "4"]) == 0
