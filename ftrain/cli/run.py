@@ -11,6 +11,7 @@ import contextlib
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     own handler covers the rest) is one line and :data:`EXIT_FORCED`, not a traceback:
     nothing was saved by this process, the newest committed checkpoint is intact.
     """
+    # ftrain.ckpt logs each "[step=N] ..." warning and also warns it (for library users):
+    # on the command line the log line is enough (the warning repeated it with a source
+    # line of ftrain's, at every fallback save)
+    warnings.filterwarnings("ignore", message=r"\[step=\d+\] ", category=RuntimeWarning)
     try:
         if _early_signals.take((signal.SIGINT,)):  # a Ctrl-C while torch was importing
             raise KeyboardInterrupt

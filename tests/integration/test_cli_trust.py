@@ -628,8 +628,10 @@ def test_a_restart_without_the_fallback_that_holds_the_newest_steps_is_refused(c
     base += ["checkpoint.every_steps=2", "checkpoint.async_save=false", "trainer.eval_every=null"]
     cli(run, *base, "trainer.max_steps=4", check=0)
     with _read_only(primary):
-        cli(run, *base, "trainer.max_steps=6", check=0)
+        saved = cli(run, *base, "trainer.max_steps=6", check=0)
     assert sorted(p.name for p in fallback.glob("step_*")) == ["step_00000006"]
+    # said once by the log, not again as a RuntimeWarning with a source line of ftrain's
+    assert "saving to fallback" in saved.stderr and "RuntimeWarning" not in saved.stderr
     refused = cli(run, *base[:1], *base[2:], "trainer.max_steps=8", check=2)
     assert "records step 6 committed (the run saved to " in refused.stderr, refused.stderr
     assert "would train steps 5..6 again" in refused.stderr and "resume=4" in refused.stderr
