@@ -293,17 +293,25 @@ def _pick_step(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     if cfg.resume not in steps:
         raise ResumeError(
             f"resume={cfg.resume} but step {cfg.resume} is not committed"
-            f"{_why_unlisted(manager, int(cfg.resume))}; available steps: {steps or 'none'}"
+            f"{_why_unlisted(cfg, manager, int(cfg.resume))}; available steps: {steps or 'none'}"
         )
     return int(cfg.resume)
 
 
-def _why_unlisted(manager: CheckpointManager, step: int) -> str:
+def _why_unlisted(cfg: DictConfig, manager: CheckpointManager, step: int) -> str:
     """For a step asked for that is not listed: its directory, if one is there that does
-    not count (no valid marker: a save killed before its commit, or damage)."""
+    not count (no valid marker: a save killed before its commit, or damage); else, if the
+    run's records show it committed, that it is gone since (the keep policy, or by hand)."""
     name = f"step_{step:08d}"
     there = [(p, why) for p, why in manager.invalid_steps().items() if Path(str(p)).name == name]
-    return f" ({there[0][0]} is there but does not count: {there[0][1]})" if there else ""
+    if there:
+        return f" ({there[0][0]} is there but does not count: {there[0][1]})"
+    if step in recorded_commits(Path(cfg.run.dir)):
+        return (
+            " any more (the run's records show it committed; the keep policy, "
+            "checkpoint.keep_last/keep_every/keep_best, deleted it since, or it was removed)"
+        )
+    return ""
 
 
 def _refuse_lost_steps(cfg: DictConfig, manager: CheckpointManager) -> None:
