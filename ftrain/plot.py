@@ -131,6 +131,22 @@ def _out_path(run_dir: Path, out: str | Path | None) -> Path:
     return path if path.suffix else path.with_name(path.name + ".png")
 
 
+_NAMED_SEGMENTS = 6  # segments named in the legend; the rest are drawn, counted
+
+
+def _smoothed_by_step(segs: list[list[dict]]) -> dict[int, float]:
+    """The smoothed loss at every step, over the whole run (the last value each step
+    recorded: a redone step retraces its first attempt): smoothed per segment, a resume's
+    first steps and the steps before it disagreed at every seam."""
+    last: dict[int, float] = {}
+    for seg in segs:
+        for x, y in zip(*_series(seg, "step", "loss"), strict=True):
+            last[x] = y
+    steps = sorted(last)
+    window = max(1, len(steps) // 15)
+    return dict(zip(steps, smooth([last[x] for x in steps], window), strict=True))
+
+
 def plot_run(
     run_dir: str | Path, out: str | Path | None = None, *, title: str | None = None
 ) -> Path:
@@ -165,19 +181,22 @@ def plot_run(
     fig, (ax_loss, ax_lr) = plt.subplots(
         2, 1, sharex=True, figsize=(9, 6), height_ratios=(3, 1), layout="constrained"
     )
-    window = max(1, sum(len(_series(seg, "step", "loss")[0]) for seg in segs) // 15)
+    smoothed = _smoothed_by_step(segs)
     for i, seg in enumerate(segs):
         color = f"C{i % 10}"  # one colour per segment, shared by its loss, val loss and lr
+        named = i < _NAMED_SEGMENTS  # a run restarted 300 times: a legend of 600 lines
         xs, ys = _series(seg, "step", "loss")
         raw = "loss (faint: raw)" if i == 0 else None
         ax_loss.plot(xs, ys, lw=0.8, alpha=0.3, color=color, label=raw)
-        ax_loss.plot(
-            xs, smooth(ys, window), lw=1.6, color=color, label=f"loss smoothed (segment {i + 1})"
-        )
+        label = f"loss smoothed (segment {i + 1})" if named else None
+        ax_loss.plot(xs, [smoothed[x] for x in xs], lw=1.6, color=color, label=label)
         ax_lr.plot(*_series(seg, "step", "lr"), lw=1, color=color)
         xs, ys = _series(seg, "eval", "val_loss")
         if xs:
-            ax_loss.plot(xs, ys, "o--", ms=3, color=color, label=f"val loss (segment {i + 1})")
+            label = f"val loss (segment {i + 1})" if named else None
+            ax_loss.plot(xs, ys, "o--", ms=3, color=color, label=label)
+    if len(segs) > _NAMED_SEGMENTS:
+        ax_loss.plot([], [], " ", label=f"... {len(segs)} segments in all")
     for step in commit_steps(records):
         for ax in (ax_loss, ax_lr):
             ax.axvline(step, color="tab:green", lw=0.5, alpha=0.5)

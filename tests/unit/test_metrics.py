@@ -87,6 +87,38 @@ def test_plot_has_the_run_name_a_smoothed_loss_over_the_raw_one_and_commits_only
     assert (a, b, d) == (2.0, 2.0, 5.0) and nan != nan, "a NaN is passed through, not averaged"
 
 
+def test_plot_of_a_run_restarted_many_times_names_few_segments_and_smooths_across_seams(
+    tmp_path, monkeypatch
+):
+    """300 restarts gave a legend of 600 entries (the figure 4,669 px tall, 22 s to draw),
+    and each segment was smoothed on its own, so a redone step's smoothed value differed
+    from its first attempt's at every seam. The legend names six segments and counts the
+    rest; the smoothed curve is the whole run's."""
+    import matplotlib.pyplot as plt
+
+    w = MetricsWriter(tmp_path)
+    w.write("start", step=0)
+    loss = {s: 5.0 - 0.01 * s + (0.3 if s % 2 else -0.3) for s in range(1, 200)}
+    for start in range(0, 180, 10):  # each segment redoes the last 5 steps of the one before
+        if start:
+            w.write("resume", step=start - 5)
+        for s in range(max(1, start - 4), start + 10):
+            w.write("step", step=s, loss=loss[s], lr=1e-3)
+    w.close()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_run(tmp_path)
+    (fig,) = figures
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert len(labels) <= 8 and labels[-1] == "... 18 segments in all", labels
+    at: dict = {}
+    for line in fig.axes[0].lines[1::2][:18]:  # the smoothed curves, one per segment
+        for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True):
+            assert at.setdefault(x, y) == y, f"step {x}: the seams disagree"
+    monkeypatch.undo()
+    plt.close(fig)
+
+
 def test_smooth_is_the_centred_average_of_the_finite_values_in_linear_time():
     """Running sums (a slice per point was O(n * window): minutes for a million-step run)."""
     import math
