@@ -476,10 +476,13 @@ class Session:
         self.record(kind, step=step, reason=reason, committed=committed)
         if kind == "stop" and self.world.is_coordinator:  # the one line a person looks for
             by = f"by {reason}" if reason.startswith("SIG") else f"({reason})"
+            again = (
+                f"{committed}. Run the same command again to resume from it"
+                if committed is not None
+                else "none (a re-run starts fresh)"
+            )
             print(
-                f"ftrain: stopped {by} at step {step}; newest committed step: "
-                f"{committed}. Run the same command again to resume from it",
-                flush=True,
+                f"ftrain: stopped {by} at step {step}; newest committed step: {again}", flush=True
             )
         if self.cfg.run.plot and self.world.is_coordinator:
             self._plot(step)

@@ -325,9 +325,14 @@ class CsvLogger:
                 "Point logger.csv.path at a new file or move that file away"
             )
         try:
-            header = raw.split(b"\n", 1)[0].decode("utf-8").rstrip("\r")
             if b"\n" not in raw:
                 raise ValueError("no complete header line")
+            # the whole file, not its header only: a bad byte in a row failed the first
+            # rewrite (a new column) mid-run, and the logger was dropped
+            raw.decode("utf-8")
+            if b"\0" in raw:  # a crash's NUL-filled tail, kept as a row
+                raise ValueError("NUL bytes in the file (a crash's garbage)")
+            header = raw.split(b"\n", 1)[0].decode("utf-8").rstrip("\r")
         except ValueError as err:
             return self._set_aside(err)
         if not raw.endswith(b"\n"):
@@ -580,7 +585,9 @@ class LoggerSet:
                 if not _own_failure(err):
                     raise  # a library loop's Ctrl-C: the person wants to stop
                 log.warning(
-                    "ftrain: logger %s failed (%r); it is dropped, training goes on", name, err
+                    "ftrain: logger %s failed (%s); it is dropped, training goes on",
+                    name,
+                    _short(err),
                 )
                 self.loggers.pop(name)
                 with contextlib.suppress(Exception):
@@ -627,3 +634,10 @@ def _numeric(fields: Mapping[str, Any]) -> dict[str, float]:
         for k, v in fields.items()
         if k not in _NOT_METRICS and isinstance(v, int | float) and not isinstance(v, bool)
     }
+
+
+def _short(err: BaseException) -> str:
+    """An error in one short line: a ``UnicodeDecodeError``'s repr holds the whole file it
+    decoded (a 2,400-character warning for a 2 KB CSV)."""
+    text = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"

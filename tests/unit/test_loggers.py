@@ -141,20 +141,31 @@ def test_an_empty_csv_left_by_a_start_that_logged_nothing_is_not_damaged(tmp_pat
     assert not list(tmp_path.glob("metrics.csv.damaged-*")) and "CSV" not in caplog.text
 
 
-@pytest.mark.parametrize("damage", ["not utf-8", "torn header"])
+_DAMAGE = {
+    "not utf-8": b"step,ti\xff\xfe garbage\n1,2\n",
+    "torn header": b"step,ti",
+    # a bad byte in a row: the first new column's rewrite failed mid-run, the logger was
+    # dropped with the whole file in a one-line warning
+    "not utf-8 in a row": b"step,time,kind,loss\n1,2.0,step,\xff4.0\n",
+    "a crash's NUL tail": b"step,time,kind,loss\n1,2.0,step,4.0\n\0\0\0\0\n",
+}
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGE))
 def test_a_damaged_csv_is_set_aside_and_never_blocks_a_restart(tmp_path, damage, caplog):
     """Bytes that are not UTF-8 in the header refused the restart, exit 2, with 8 KiB of
     the file in the message and no path: the CSV mirrors metrics.jsonl, so a damaged one
     is moved aside, said once, and a new one begins."""
     path = tmp_path / "metrics.csv"
-    path.write_bytes(b"step,ti\xff\xfe garbage\n1,2\n" if damage == "not utf-8" else b"step,ti")
+    path.write_bytes(_DAMAGE[damage])
     with caplog.at_level(logging.WARNING):
         again = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r", start_step=2, resumed=True))
-    _log(again, {3: 3.25})
+    _log(again, {3: 3.25}, val={3: 3.3})  # val_loss widens the header: a rewrite
     again.close()
-    assert _csv_rows(path) == [("3", "step", "3.25", None)]
+    assert _csv_rows(path) == [("3", "step", "3.25", ""), ("3", "eval", "", "3.3")]
     aside = list(tmp_path.glob("metrics.csv.damaged-*"))
     assert len(aside) == 1 and f"moved to {aside[0].name}" in caplog.text
+    assert "dropped" not in caplog.text and max(map(len, caplog.messages)) < 400
 
 
 @pytest.mark.parametrize(
@@ -523,3 +534,22 @@ def test_a_single_wandb_tag_is_one_tag_not_its_letters(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or _Run())
     build_loggers({"wandb": {**WANDB, "tags": "foo"}}, RunInfo(tmp_path, "r")).close()
     assert seen["tags"] == ["foo"]
+
+
+def test_a_failing_logger_is_named_in_one_short_line(caplog):
+    """A UnicodeDecodeError's repr holds every byte it decoded: the warning of a dropped
+    logger was as long as the file (2,434 characters for a 2 KB CSV)."""
+
+    class Failing:
+        def log_metrics(self, kind, step, values):
+            raise UnicodeDecodeError("utf-8", b"x" * 5000, 7, 8, "invalid start byte")
+
+        def close(self):
+            pass
+
+    loggers = LoggerSet({"bad": Failing()})
+    with caplog.at_level(logging.WARNING):
+        loggers.log_metrics("step", 1, {"loss": 1.0})
+    (line,) = caplog.messages
+    assert "logger bad failed (UnicodeDecodeError: 'utf-8' codec can't decode" in line
+    assert len(line) < 300 and loggers.names == []
