@@ -353,6 +353,9 @@ def _refuse_newer_elsewhere(cfg: DictConfig, manager: CheckpointManager, newest:
     run_dir = Path(cfg.run.dir)
     missing = set(recorded_commits(run_dir)) - set(manager.all_steps())
     missing -= _unlisted_commits(cfg, manager)  # there but damaged: restore says so
+    # moved aside (a go-back's old history, whose records may lag: a kill before the save
+    # record was written) or being moved (the journal): not lost, left on purpose
+    missing -= set(manager.set_aside_steps())
     missing = {s for s in missing if s > newest}
     if not missing:
         return
