@@ -11,8 +11,9 @@ here (written whole, then renamed into place and fsync'd); the listing
 (:func:`ftrain.ckpt.commit.committed_steps`) skips every step named, so from that moment
 the abandoned steps are out of every listing, restore and retention, kill or not; the
 manager removes the journal once every rename is done, and the next writing manager
-finishes a journal a kill left (:func:`pending`, then ``set_aside``). Object stores keep
-no journal (their set-aside is a copy per object, not a rename).
+finishes a journal a kill left (:func:`pending`, then ``set_aside``). On an object store
+the journal is the object ``PREFIX/.setting-aside.json`` (one put is atomic; a step's
+set-aside there is a copy and a delete per object, so the window is wider than a rename's).
 """
 
 from __future__ import annotations
@@ -30,19 +31,23 @@ __all__ = ["JOURNAL", "done", "pending", "write"]
 JOURNAL = ".setting-aside.json"
 
 
-def write(root: Path, names: list[str]) -> None:
-    """Record (durably) that the step directories ``names`` of ``root`` are being moved
-    aside."""
+def write(root, names: list[str]) -> None:
+    """Record (durably) that the step directories ``names`` of ``root`` (a directory or an
+    ``ObjectRoot``) are being moved aside."""
+    data = json.dumps({"steps": sorted(names)}).encode()
+    if not isinstance(root, Path):
+        root.put(JOURNAL, data)
+        return
     tmp = root / f"{JOURNAL}.tmp-{secrets.token_hex(4)}"
     with open(tmp, "wb") as f:
-        f.write(json.dumps({"steps": sorted(names)}).encode())
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, root / JOURNAL)
     fsync_dir(root)
 
 
-def pending(root: Path) -> set[str]:
+def pending(root) -> set[str]:
     """The step directory names a journal in ``root`` names (none: an empty set).
 
     A journal that is not one ftrain wrote (damaged) names nothing: the steps are listed
@@ -51,7 +56,11 @@ def pending(root: Path) -> set[str]:
     Raises:
         CheckpointReadError: a machine limit (EMFILE, ...) while reading it: the listing
             cannot tell which steps count.
+        CheckpointStoreError: an object store failing.
     """
+    if not isinstance(root, Path):
+        raw = root.get(JOURNAL)
+        return set() if raw is None else _names(raw)
     try:
         raw = (root / JOURNAL).read_bytes()
     except (FileNotFoundError, NotADirectoryError):
@@ -61,6 +70,10 @@ def pending(root: Path) -> set[str]:
         if isinstance(error, OSError):  # a limit of the machine: nothing judged
             raise error from err
         return set()
+    return _names(raw)
+
+
+def _names(raw: bytes) -> set[str]:
     try:
         steps = json.loads(raw)["steps"]
     except (ValueError, TypeError, KeyError):
@@ -68,7 +81,10 @@ def pending(root: Path) -> set[str]:
     return {s for s in steps if isinstance(s, str)} if isinstance(steps, list) else set()
 
 
-def done(root: Path) -> None:
+def done(root) -> None:
     """Every step the journal names is moved aside: remove it."""
+    if not isinstance(root, Path):
+        root.delete([JOURNAL])
+        return
     (root / JOURNAL).unlink(missing_ok=True)
     fsync_dir(root)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import os
 import threading
 import time
 import warnings
@@ -801,17 +802,18 @@ class CheckpointManager:
         if self._journals_checked:
             return
         self._journals_checked = True
-        for root in (d for d in self._dirs if isinstance(d, Path)):
+        for root in self._dirs:
             names = aside.pending(root)
-            for name in sorted(names):
+            present = _step_dirs(root) if names else set()
+            for name in sorted(names & present):
                 m = protocol.STEP_DIR.match(name)
-                if m and (root / name).is_dir():
+                if m:
                     self._set_aside_or_warn(int(m.group(1)), root / name, "superseded")
             if names:
                 self._journal_done(root)
 
     @staticmethod
-    def _journal_done(root: Path) -> None:
+    def _journal_done(root) -> None:
         try:
             aside.done(root)
         except OSError as e:  # the steps stay unlisted; a later manager retries
@@ -1061,14 +1063,24 @@ class CheckpointManager:
             log.exception("a checkpoint save failed while handling another exception")
 
 
-def _journal_dirs(moves: list[tuple[int, object, str]]) -> dict[Path, list[str]]:
-    """``{local directory: [step directory names]}`` of the directories ``moves`` sets two
-    or more steps aside in (one rename alone is atomic: no journal)."""
-    names: dict[Path, list[str]] = {}
+def _journal_dirs(moves: list[tuple[int, object, str]]) -> dict[object, list[str]]:
+    """``{location: [step directory names]}`` of the locations ``moves`` sets steps aside
+    in: two or more in a directory (one rename alone is atomic), any on an object store
+    (a step's set-aside there is a copy and a delete per object)."""
+    names: dict[object, list[str]] = {}
     for _, p, _ in moves:
-        if isinstance(p, Path):
-            names.setdefault(p.parent, []).append(p.name)
-    return {root: n for root, n in names.items() if len(n) > 1}
+        names.setdefault(p.parent if isinstance(p, Path) else p.root, []).append(p.name)
+    return {root: n for root, n in names.items() if len(n) > 1 or not isinstance(root, Path)}
+
+
+def _step_dirs(root) -> set[str]:
+    """The names of the ``step_*`` directories (prefixes) in a location."""
+    if not isinstance(root, Path):
+        return set(root.list_dir("")[0])
+    try:
+        return {e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False)}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
 
 
 def _newest_copy_first(paths: list) -> list:

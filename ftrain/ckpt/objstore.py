@@ -70,6 +70,7 @@ from tensordict import TensorDictBase
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
+from ftrain.ckpt import aside
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CorruptCheckpointError, json_bytes, parse_json
 from ftrain.ckpt.location import PROBE_RETRY, CheckpointStoreError, describe_error, open_store
@@ -296,7 +297,12 @@ class ObjectRoot:
         for name in objects:
             if protocol._STEP_RE.match(name) and on_invalid is not None:
                 on_invalid(self / name, "an object, not a step prefix")
-        names = sorted(n for n in dirs if protocol._STEP_RE.match(n))
+        # an abandoned history whose move aside a kill cut short (ftrain.ckpt.aside)
+        leaving = aside.pending(self) if aside.JOURNAL in objects else set()
+        for name in sorted(leaving & set(dirs)):
+            if on_invalid is not None:
+                on_invalid(self / name, protocol._LEAVING)
+        names = sorted(n for n in dirs if protocol._STEP_RE.match(n) and n not in leaving)
         # every step's marker and manifest in one round of concurrent requests
         sealed = self._run(
             "", gather_bounded, [self._sealed_or_error(n) for n in names], self.concurrency

@@ -19,6 +19,7 @@ from zarr.storage import ObjectStore
 from ftrain.ckpt import (
     CheckpointLocationError,
     CheckpointManager,
+    CheckpointSaveError,
     CheckpointStoreError,
     LatestN,
 )
@@ -650,3 +651,38 @@ def test_a_mapped_restore_from_an_object_store_is_refused_naming_the_fix(bucket)
     m.close()
     with pytest.raises(ValueError, match="object store: leave mmap at False"):
         CheckpointManager(url).restore(mmap=True)
+
+
+def test_a_kill_during_a_go_backs_set_aside_on_s3_leaves_none_of_the_old_history_listed(
+    bucket, monkeypatch
+):
+    """resume to 2 over 2, 4, 6, then the first save sets 6 and 4 aside, a copy and a
+    delete per object each: a kill after the first left the old 4 listed and a plain
+    restart resumed the abandoned history. The journal object names them first."""
+    from ftrain.ckpt import aside
+    from ftrain.ckpt import commit as protocol
+
+    url = f"s3://{bucket}/ck"
+    with CheckpointManager(url, async_save=False, chunk_bytes=1024) as m:
+        for s in (2, 4, 6):
+            m.save(make_state(s), force=True)
+    back = CheckpointManager(url, async_save=False, chunk_bytes=1024)
+    back.restore(2)
+    calls = []
+
+    def killed_after_one(phase):
+        if phase == "delete_marker_removed":  # 6's marker deleted, 4 not touched yet
+            calls.append(phase)
+            raise KeyboardInterrupt("SIGKILL stand-in")
+
+    monkeypatch.setattr(protocol, "fault_hook", killed_after_one)
+    with pytest.raises((KeyboardInterrupt, CheckpointSaveError)):
+        back.save(make_state(3), force=True)
+    monkeypatch.undo()
+    again = CheckpointManager(url, async_save=False, chunk_bytes=1024)
+    assert again.all_steps() == [2], "no step of the old history is listed"
+    assert any("its move aside was cut short" in why for why in again.invalid_steps().values())
+    assert first_difference(again.restore(), make_state(2)) is None
+    assert again.save(make_state(3), force=True)
+    assert again.all_steps() == [2, 3] and aside.pending(again.directory) == set()
+    assert sorted(again.set_aside_steps()) == [4, 6]
