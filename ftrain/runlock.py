@@ -308,6 +308,8 @@ def claim_checkpoint_locations(cfg) -> list:
     try:
         for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)):
             where = parse_location(d, cfg.checkpoint.storage)
+            if not isinstance(where, Path):  # an endpoint that does not answer: said in
+                where.probe()  # seconds (the claim's requests retry for minutes each)
             claims.append(claim(where, run_dir, take_over=cfg.checkpoint.take_over))
     except BaseException:
         for c in claims:

@@ -256,7 +256,11 @@ def _roots(where: str) -> list:
     """The checkpoint locations ``where`` names, parsed: one, or a run directory's
     ``checkpoints/`` and the fallback it used."""
     found = _run_checkpoints(where)
-    return [_checkpoints_at(w) for w in (found if isinstance(found, list) else [found])]
+    roots = [_checkpoints_at(w) for w in (found if isinstance(found, list) else [found])]
+    for root in roots:
+        if not isinstance(root, Path):
+            root.probe()  # an endpoint that does not answer: said in seconds, not minutes
+    return roots
 
 
 def _each_location(cmd, roots: list, steps: list[int]) -> int:

@@ -55,6 +55,8 @@ def committed_steps_at(
             if i == 0:
                 raise FileNotFoundError(f"{root}: no such checkpoint directory")
             continue  # a fallback the run never had to write to
+        if not isinstance(root, Path):
+            root.probe()  # an endpoint that does not answer: said in seconds, not minutes
         why = (
             None
             if invalid is None

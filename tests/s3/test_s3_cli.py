@@ -57,6 +57,28 @@ def test_a_missing_bucket_exits_2_with_the_reason(
     # tested at the library level in test_s3_ckpt.py
 
 
+def test_an_endpoint_that_does_not_answer_is_said_in_seconds(
+    cli,  # noqa: F811
+    s3_server,
+    tmp_path,
+    monkeypatch,
+):
+    """Nothing listening at AWS_ENDPOINT_URL: the start claimed the location first, its
+    read and write of .owner.json each retrying for about three minutes (379 s, exit 2).
+    The quick listing probe comes first now."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    out = cli(tmp_path / "r1", "trainer.max_steps=2", "checkpoint.dir=s3://bkt/ck", check=2)
+    assert time.monotonic() - t0 < 60, "minutes of retries before the start said why"
+    assert "cannot use checkpoint location s3://bkt/ck" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("value", ["s3:bkt/ck", "s3:/bkt/ck", "gopher://h/ck", "s3://bkt/x/../ck"])
 def test_a_url_like_path_or_unknown_scheme_exits_2_before_anything_is_made(
     value, tmp_path, monkeypatch, capsys
@@ -201,3 +223,23 @@ def test_a_store_without_conditional_puts_still_refuses_a_second_run_dir(
     claim(root, tmp_path / "a")
     with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
         claim(root, tmp_path / "b")
+
+
+def test_the_read_only_tools_say_an_endpoint_that_does_not_answer_in_seconds(
+    s3_server, monkeypatch, capsys
+):
+    """`python -m ftrain.ckpt list s3://...` with the endpoint down printed an obstore error
+    after 2 min 54 s of retries; it probes first now."""
+    import socket
+    import time
+
+    from ftrain.ckpt.__main__ import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    assert main(["list", "s3://bkt/ck"]) == 2
+    assert time.monotonic() - t0 < 60
+    assert "cannot use checkpoint location s3://bkt/ck" in capsys.readouterr().err
