@@ -217,7 +217,6 @@ class CheckpointManager:
         self._rewinds: list[int] = []
         self._written: set[int] = set()
         self._undeletable: set[str] = set()  # copies retention could not delete: warned once
-        self._journals_checked = False  # a set-aside journal a kill left (ftrain.ckpt.aside)
         self._invalid: dict[Path, str] = {}
         self._seals: dict[str, object] = {}
         self.read_bytes = 0  # chunk payload bytes the last restore read (rows: its share)
@@ -785,53 +784,67 @@ class CheckpointManager:
         return True
 
     def _move_aside(self, moves: list[tuple[int, object, str]]) -> None:
-        """Set ``(step, path, why)`` aside; two or more in one local directory behind its
-        journal (:mod:`ftrain.ckpt.aside`): a kill between the renames leaves none of them
-        listed."""
-        journaled = _journal_dirs(moves)
-        for root, names in journaled.items():
-            aside.write(root, names)
+        """Set ``(step, path, why)`` aside behind a journal per location
+        (:mod:`ftrain.ckpt.aside`; two or more steps in a directory, any on an object
+        store): a kill between the moves leaves none of them listed. Once the moves are
+        done the journal goes, or names only the steps that failed to move (unlisted, for
+        the next save to move; a step the new history commits under a moved one's name is
+        never named)."""
+        journaled = []
+        for root, names in _journal_dirs(moves).items():
+            try:
+                aside.write(root, names)
+                journaled.append(root)
+            except OSError as e:  # a read-only location: its moves fail too (warned)
+                log.warning("could not write %s (%s)", root / aside.JOURNAL, e)
+        failed: dict[object, list[str]] = {}
         for s, p, why in sorted(moves, key=lambda m: -m[0]):
-            self._set_aside_or_warn(s, p, why)
+            if not self._set_aside_or_warn(s, p, why):
+                failed.setdefault(_location_of(p), []).append(p.name)
         for root in journaled:
-            self._journal_done(root)
+            self._settle_journal(root, failed.get(root, []))
 
     def _finish_cut_short(self) -> None:
-        """Once per manager, writing: the moves aside a journal names that a kill cut short
-        are finished (the steps are not listed meanwhile)."""
-        if self._journals_checked:
-            return
-        self._journals_checked = True
+        """Before each save: the moves aside a journal names (a kill cut them short, or
+        they failed) are finished; the steps are not listed meanwhile. One read per
+        location (a missing file; on an object store one request)."""
         for root in self._dirs:
             names = aside.pending(root)
-            present = _step_dirs(root) if names else set()
-            for name in sorted(names & present):
-                m = protocol.STEP_DIR.match(name)
-                if m:
-                    self._set_aside_or_warn(int(m.group(1)), root / name, "superseded")
-            if names:
-                self._journal_done(root)
+            if not names:
+                continue
+            present = _step_dirs(root)
+            left = [
+                name
+                for name in sorted(names & present)
+                if (m := protocol.STEP_DIR.match(name))
+                and not self._set_aside_or_warn(int(m.group(1)), root / name, "superseded")
+            ]
+            self._settle_journal(root, left)
+
+    def _settle_journal(self, root, left: list[str]) -> None:
+        """The journal of ``root`` after its moves: gone, or naming only ``left``."""
+        try:
+            if left:
+                aside.write(root, left)
+            else:
+                aside.done(root)
+        except OSError as e:  # the steps it names stay unlisted; the next save retries
+            log.warning("could not update %s (%s)", root / aside.JOURNAL, e)
 
     @staticmethod
-    def _journal_done(root) -> None:
+    def _set_aside_or_warn(step: int, path, why: str) -> bool:
+        """Move one step of the other history aside (True); a location that refuses (a
+        read-only primary after a disk error) keeps it, with a warning, and the save goes
+        on (to the fallback): failing here would stop every later save of the run."""
         try:
-            aside.done(root)
-        except OSError as e:  # the steps stay unlisted; a later manager retries
-            log.warning("could not remove %s (%s)", root / aside.JOURNAL, e)
-
-    @staticmethod
-    def _set_aside_or_warn(step: int, path, why: str) -> None:
-        """Move one step of the other history aside; a location that refuses (a read-only
-        primary after a disk error) keeps it listed, with a warning, and the save goes on
-        (to the fallback): failing here would stop every later save of the run."""
-        try:
-            aside = protocol.set_aside(path, why)
+            moved = protocol.set_aside(path, why)
         except OSError as e:
-            msg = f"[step={step}] could not move {path} aside ({e}); it stays listed"
+            msg = f"[step={step}] could not move {path} aside ({e}); it is kept"
             log.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
-            return
-        log.warning("[step=%d] moved %s aside to %s (another history)", step, path, aside)
+            return False
+        log.warning("[step=%d] moved %s aside to %s (another history)", step, path, moved)
+        return True
 
     def _set_aside_replaced_copies(self, step: int, final: Path) -> dict[int, list[Path]]:
         """After committing ``step``: its older copies elsewhere (the other location) are
@@ -1069,8 +1082,13 @@ def _journal_dirs(moves: list[tuple[int, object, str]]) -> dict[object, list[str
     (a step's set-aside there is a copy and a delete per object)."""
     names: dict[object, list[str]] = {}
     for _, p, _ in moves:
-        names.setdefault(p.parent if isinstance(p, Path) else p.root, []).append(p.name)
+        names.setdefault(_location_of(p), []).append(p.name)
     return {root: n for root, n in names.items() if len(n) > 1 or not isinstance(root, Path)}
+
+
+def _location_of(step_dir) -> object:
+    """The directory (or ``ObjectRoot``) a step directory is in."""
+    return step_dir.parent if isinstance(step_dir, Path) else step_dir.root
 
 
 def _step_dirs(root) -> set[str]:

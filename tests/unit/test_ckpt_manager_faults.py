@@ -753,3 +753,50 @@ def test_a_kill_between_the_renames_of_a_go_back_leaves_none_of_the_old_history_
     assert again.all_steps() == [1, 2, 3] and not (tmp_path / aside.JOURNAL).exists()
     assert sorted(again.set_aside_steps()) == [3, 4]  # the old 3 and 4, kept on disk
     assert same(CheckpointManager(tmp_path, async_save=False).restore(3), make_state(3))
+
+
+def test_a_journal_that_cannot_be_written_or_a_move_that_fails_never_fails_the_save(
+    tmp_path, monkeypatch
+):
+    """A location that refuses the journal (read-only) gets the moves without one, and the
+    save goes on, as before the journal; a move that fails keeps the journal, so that step
+    stays unlisted until the next writing manager moves it."""
+    from ftrain.ckpt import aside
+
+    def go_back(d, when):
+        with CheckpointManager(d, async_save=False) as m:
+            for s in (1, 2, 3, 4):
+                m.save(make_state(s), force=True)
+        back = CheckpointManager(d, async_save=False)
+        back.restore(2)
+        when(back)
+        return back
+
+    def no_journal(root, names):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(aside, "write", no_journal)
+    back = go_back(tmp_path / "a", lambda m: None)
+    assert back.save(make_state(3), force=True) and back.all_steps() == [1, 2, 3]
+    back.close()
+    monkeypatch.undo()
+
+    real, failing = protocol.set_aside, {"step_00000004"}
+
+    def refusing(path, why):
+        if path.name in failing:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, why)
+
+    monkeypatch.setattr(protocol, "set_aside", refusing)
+    back = go_back(tmp_path / "b", lambda m: None)
+    assert back.save(make_state(3), force=True)
+    back.close()
+    assert (tmp_path / "b" / aside.JOURNAL).exists()
+    assert back.all_steps() == [1, 2, 3], "the step that did not move stays unlisted"
+    failing.clear()
+    again = CheckpointManager(tmp_path / "b", async_save=False)
+    assert again.save(make_state(5), force=True)
+    again.close()
+    assert not (tmp_path / "b" / aside.JOURNAL).exists()
+    assert sorted(again.set_aside_steps()) == [3, 4] and again.all_steps() == [1, 2, 3, 5]
