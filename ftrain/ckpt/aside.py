@@ -6,12 +6,15 @@ several are not: a kill between them left some of the old history listed (50 and
 old 60, a hole at 55), and the next plain restart resumed the abandoned step 60 and
 reported the run done, the training from 50 gone without a word.
 
-What. Before moving two or more steps of one directory, the manager writes their names
-here (written whole, then renamed into place and fsync'd); the listing
-(:func:`ftrain.ckpt.commit.committed_steps`) skips every step named, so from that moment
-the abandoned steps are out of every listing, restore and retention, kill or not; the
-manager removes the journal once every rename is done, and the next writing manager
-finishes a journal a kill left (:func:`pending`, then ``set_aside``). On an object store
+What. Before moving two or more steps, the manager writes, in every location involved,
+the names of its steps being moved with each one's seal (its marker's
+``manifest_crc32c``), written whole, then renamed into place and fsync'd; the listing
+(:func:`ftrain.ckpt.commit.committed_steps`) skips a step named there *whose seal still
+matches*, so from that moment the abandoned steps are out of every listing, restore and
+retention, kill or not, while a step the new history commits under one of those names
+(another seal) is listed even if the journal outlives its moves (a removal that failed).
+The manager removes the journal once every move is done, and the next save finishes a
+journal a kill left (:func:`pending`, then ``set_aside``). On an object store
 the journal is the object ``PREFIX/.setting-aside.json`` (one put is atomic; a step's
 set-aside there is a copy and a delete per object, so the window is wider than a rename's).
 """
@@ -26,15 +29,15 @@ from pathlib import Path
 from ftrain.ckpt.format import unreadable
 from ftrain.ckpt.store import fsync_dir
 
-__all__ = ["JOURNAL", "done", "pending", "write"]
+__all__ = ["JOURNAL", "done", "leaving", "pending", "write"]
 
 JOURNAL = ".setting-aside.json"
 
 
-def write(root, names: list[str]) -> None:
-    """Record (durably) that the step directories ``names`` of ``root`` (a directory or an
-    ``ObjectRoot``) are being moved aside."""
-    data = json.dumps({"steps": sorted(names)}).encode()
+def write(root, sealed: dict[str, object]) -> None:
+    """Record (durably) that the step directories named in ``sealed`` (name -> seal) of
+    ``root`` (a directory or an ``ObjectRoot``) are being moved aside."""
+    data = json.dumps({"steps": dict(sorted(sealed.items()))}).encode()
     if not isinstance(root, Path):
         root.put(JOURNAL, data)
         return
@@ -47,8 +50,8 @@ def write(root, names: list[str]) -> None:
     fsync_dir(root)
 
 
-def pending(root) -> set[str]:
-    """The step directory names a journal in ``root`` names (none: an empty set).
+def pending(root) -> dict[str, object]:
+    """``{step directory name: seal}`` of the journal in ``root`` (none: empty).
 
     A journal that is not one ftrain wrote (damaged) names nothing: the steps are listed
     as they would be without it.
@@ -60,25 +63,34 @@ def pending(root) -> set[str]:
     """
     if not isinstance(root, Path):
         raw = root.get(JOURNAL)
-        return set() if raw is None else _names(raw)
+        return {} if raw is None else _names(raw)
     try:
         raw = (root / JOURNAL).read_bytes()
     except (FileNotFoundError, NotADirectoryError):
-        return set()
+        return {}
     except OSError as err:
         error = unreadable(root / JOURNAL, err, "cannot read the set-aside journal")
         if isinstance(error, OSError):  # a limit of the machine: nothing judged
             raise error from err
-        return set()
+        return {}
     return _names(raw)
 
 
-def _names(raw: bytes) -> set[str]:
+def _names(raw: bytes) -> dict[str, object]:
     try:
         steps = json.loads(raw)["steps"]
     except (ValueError, TypeError, KeyError):
-        return set()
-    return {s for s in steps if isinstance(s, str)} if isinstance(steps, list) else set()
+        return {}
+    if not isinstance(steps, dict):
+        return {}
+    return {n: seal for n, seal in steps.items() if isinstance(n, str)}
+
+
+def leaving(journal: dict[str, object], name: str, marker: dict) -> bool:
+    """Whether the step directory ``name``, whose marker is ``marker``, is one the journal
+    names for moving aside: the name *and* the seal (a step committed since under that
+    name is another)."""
+    return name in journal and journal[name] == marker.get("manifest_crc32c")
 
 
 def done(root) -> None:

@@ -458,14 +458,10 @@ def committed_steps(
         entries = list(os.scandir(root))
     except (FileNotFoundError, NotADirectoryError):
         return out
-    leaving = aside.pending(root)  # an abandoned history whose move aside a kill cut short
+    journal = aside.pending(root)  # an abandoned history whose move aside a kill cut short
     for e in entries:
         m = _STEP_RE.match(e.name)
         if not m:
-            continue
-        if e.name in leaving:
-            if on_invalid is not None:
-                on_invalid(Path(e.path), _LEAVING)
             continue
         if e.is_symlink() or not e.is_dir():
             if on_invalid is not None:
@@ -473,6 +469,8 @@ def committed_steps(
             continue
         try:
             marker, _ = read_committed(Path(e.path))
+            if aside.leaving(journal, e.name, marker):
+                raise CorruptCheckpointError(_LEAVING)
         except CorruptCheckpointError as err:
             if on_invalid is not None:
                 on_invalid(Path(e.path), str(err))

@@ -784,44 +784,45 @@ class CheckpointManager:
         return True
 
     def _move_aside(self, moves: list[tuple[int, object, str]]) -> None:
-        """Set ``(step, path, why)`` aside behind a journal per location
-        (:mod:`ftrain.ckpt.aside`; two or more steps in a directory, any on an object
-        store): a kill between the moves leaves none of them listed. Once the moves are
-        done the journal goes, or names only the steps that failed to move (unlisted, for
-        the next save to move; a step the new history commits under a moved one's name is
-        never named)."""
-        journaled = []
+        """Set ``(step, path, why)`` aside behind a journal in every location involved
+        (:mod:`ftrain.ckpt.aside`; two or more moves in all, or any on an object store): a
+        kill between the moves leaves none of them listed. Once the moves are done the
+        journal goes, or names only the steps that failed to move (unlisted, for the next
+        save to move)."""
+        journaled = {}
         for root, names in _journal_dirs(moves).items():
+            sealed = {n: self._seals.get(str(root / n)) for n in names}
             try:
-                aside.write(root, names)
-                journaled.append(root)
+                aside.write(root, sealed)
+                journaled[root] = sealed
             except OSError as e:  # a read-only location: its moves fail too (warned)
                 log.warning("could not write %s (%s)", root / aside.JOURNAL, e)
-        failed: dict[object, list[str]] = {}
+        failed: set[str] = set()
         for s, p, why in sorted(moves, key=lambda m: -m[0]):
             if not self._set_aside_or_warn(s, p, why):
-                failed.setdefault(_location_of(p), []).append(p.name)
-        for root in journaled:
-            self._settle_journal(root, failed.get(root, []))
+                failed.add(str(p))
+        for root, sealed in journaled.items():
+            self._settle_journal(root, {n: v for n, v in sealed.items() if str(root / n) in failed})
 
     def _finish_cut_short(self) -> None:
         """Before each save: the moves aside a journal names (a kill cut them short, or
-        they failed) are finished; the steps are not listed meanwhile. One read per
-        location (a missing file; on an object store one request)."""
+        they failed) are finished, for the directories whose seal still matches (a step
+        committed since under that name is the new history's); the steps are not listed
+        meanwhile. One read per location (a missing file; on an object store a request)."""
         for root in self._dirs:
-            names = aside.pending(root)
-            if not names:
+            journal = aside.pending(root)
+            if not journal:
                 continue
-            present = _step_dirs(root)
-            left = [
-                name
-                for name in sorted(names & present)
-                if (m := protocol.STEP_DIR.match(name))
-                and not self._set_aside_or_warn(int(m.group(1)), root / name, "superseded")
-            ]
+            left = {}
+            for name in sorted(set(journal) & _step_dirs(root)):
+                m = protocol.STEP_DIR.match(name)
+                if not (m and _sealed_as(root / name, journal[name])):
+                    continue  # gone, or a step of the new history under that name
+                if not self._set_aside_or_warn(int(m.group(1)), root / name, "superseded"):
+                    left[name] = journal[name]
             self._settle_journal(root, left)
 
-    def _settle_journal(self, root, left: list[str]) -> None:
+    def _settle_journal(self, root, left: dict) -> None:
         """The journal of ``root`` after its moves: gone, or naming only ``left``."""
         try:
             if left:
@@ -1078,12 +1079,23 @@ class CheckpointManager:
 
 def _journal_dirs(moves: list[tuple[int, object, str]]) -> dict[object, list[str]]:
     """``{location: [step directory names]}`` of the locations ``moves`` sets steps aside
-    in: two or more in a directory (one rename alone is atomic), any on an object store
-    (a step's set-aside there is a copy and a delete per object)."""
+    in, to journal: all of them when there are two or more moves (one rename alone is
+    atomic), any on an object store (a step's set-aside there is a copy and a delete per
+    object)."""
     names: dict[object, list[str]] = {}
     for _, p, _ in moves:
         names.setdefault(_location_of(p), []).append(p.name)
-    return {root: n for root, n in names.items() if len(n) > 1 or not isinstance(root, Path)}
+    if len(moves) > 1:  # old 3 in the primary, old 4 in the fallback: both journaled
+        return names
+    return {root: n for root, n in names.items() if not isinstance(root, Path)}
+
+
+def _sealed_as(step_dir, seal: object) -> bool:
+    """Whether ``step_dir``'s marker holds ``seal`` (an unreadable one does not)."""
+    try:
+        return protocol.read_committed(step_dir)[0].get("manifest_crc32c") == seal
+    except (CorruptCheckpointError, OSError):
+        return False
 
 
 def _location_of(step_dir) -> object:

@@ -298,11 +298,8 @@ class ObjectRoot:
             if protocol._STEP_RE.match(name) and on_invalid is not None:
                 on_invalid(self / name, "an object, not a step prefix")
         # an abandoned history whose move aside a kill cut short (ftrain.ckpt.aside)
-        leaving = aside.pending(self) if aside.JOURNAL in objects else set()
-        for name in sorted(leaving & set(dirs)):
-            if on_invalid is not None:
-                on_invalid(self / name, protocol._LEAVING)
-        names = sorted(n for n in dirs if protocol._STEP_RE.match(n) and n not in leaving)
+        journal = aside.pending(self) if aside.JOURNAL in objects else {}
+        names = sorted(n for n in dirs if protocol._STEP_RE.match(n))
         # every step's marker and manifest in one round of concurrent requests
         sealed = self._run(
             "", gather_bounded, [self._sealed_or_error(n) for n in names], self.concurrency
@@ -318,6 +315,8 @@ class ObjectRoot:
                         "denied?)"
                     )
                 marker, _ = self._check_committed(self / name, *raws)
+                if aside.leaving(journal, name, marker):
+                    raise CorruptCheckpointError(protocol._LEAVING)
             except CorruptCheckpointError as err:
                 if on_invalid is not None:
                     on_invalid(self / name, str(err))

@@ -684,5 +684,5 @@ def test_a_kill_during_a_go_backs_set_aside_on_s3_leaves_none_of_the_old_history
     assert any("its move aside was cut short" in why for why in again.invalid_steps().values())
     assert first_difference(again.restore(), make_state(2)) is None
     assert again.save(make_state(3), force=True)
-    assert again.all_steps() == [2, 3] and aside.pending(again.directory) == set()
+    assert again.all_steps() == [2, 3] and aside.pending(again.directory) == {}
     assert sorted(again.set_aside_steps()) == [4, 6]

@@ -800,3 +800,62 @@ def test_a_journal_that_cannot_be_written_or_a_move_that_fails_never_fails_the_s
     again.close()
     assert not (tmp_path / "b" / aside.JOURNAL).exists()
     assert sorted(again.set_aside_steps()) == [3, 4] and again.all_steps() == [1, 2, 3, 5]
+
+
+def test_a_go_back_over_two_locations_is_journaled_in_both(tmp_path, monkeypatch):
+    """Old 3 in the primary, old 4 in the fallback (saved while the primary was full): one
+    move per directory wrote no journal, and a kill after the first move left the old 3
+    listed for a plain restart to resume."""
+    from ftrain.ckpt import aside
+
+    primary, fallback = tmp_path / "p", tmp_path / "f"
+    with CheckpointManager(primary, async_save=False, fallback_directory=fallback) as m:
+        for s in (1, 2, 3):
+            m.save(make_state(s), force=True)
+    with CheckpointManager(fallback, async_save=False) as m:
+        m.save(make_state(4), force=True)
+    back = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
+    back.restore(2)
+    real = protocol.set_aside
+
+    def killed_after_one(path, why):
+        real(path, why)
+        raise KeyboardInterrupt("SIGKILL stand-in")
+
+    monkeypatch.setattr(protocol, "set_aside", killed_after_one)
+    with pytest.raises((KeyboardInterrupt, CheckpointSaveError)):
+        back.save(make_state(3), force=True)
+    monkeypatch.undo()
+    back._writers.release()
+    again = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
+    assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
+    assert again.save(make_state(3), force=True)
+    again.close()
+    assert not (primary / aside.JOURNAL).exists() and not (fallback / aside.JOURNAL).exists()
+    assert again.all_steps() == [1, 2, 3] and same(again.restore(3), make_state(3))
+
+
+def test_a_journal_that_outlives_its_moves_never_hides_the_new_historys_step(tmp_path, monkeypatch):
+    """The journal names steps with their seals: when its removal failed (a transient
+    error), the new step 3 committed under a moved step's name was unlisted, and the
+    next save set it aside as "another history"."""
+    from ftrain.ckpt import aside
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (1, 2, 3, 4):
+            m.save(make_state(s), force=True)
+    back = CheckpointManager(tmp_path, async_save=False)
+    back.restore(2)
+
+    def failing_done(root):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(aside, "done", failing_done)
+    assert back.save(make_state(3, n=32), force=True)
+    assert (tmp_path / aside.JOURNAL).exists() and back.all_steps() == [1, 2, 3]
+    monkeypatch.undo()
+    assert back.save(make_state(5, n=32), force=True)  # finishes the journal: nothing to move
+    back.close()
+    assert not (tmp_path / aside.JOURNAL).exists() and back.all_steps() == [1, 2, 3, 5]
+    assert sorted(back.set_aside_steps()) == [3, 4]  # the old 3 and 4 only
+    assert same(CheckpointManager(tmp_path, async_save=False).restore(3), make_state(3, n=32))
