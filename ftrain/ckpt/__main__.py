@@ -240,13 +240,14 @@ def _checkpoints_at(where: str):
 
 
 def _run_checkpoints(where: str) -> str | list[str]:
-    """``where``, or a run directory's (or a checkpoint directory's) checkpoint locations:
-    ``checkpoints/`` or the directory itself, and the fallback the run used
-    (:func:`ftrain.ckpt.readonly.run_locations`). A ``checkpoint.dir`` given as such listed
-    only its own steps, the newer ones its run saved to the fallback (a full disk) not."""
+    """``where``, or a run directory's checkpoint locations (``checkpoints/`` and the
+    fallback the run used: :func:`ftrain.ckpt.readonly.run_locations`). A checkpoint
+    directory given as such is read alone (a copy of one, or one set aside by
+    ``run.overwrite``, records a fallback that may hold another history now): ``list``
+    names the fallback its newest step records (:func:`_fallback_hint`)."""
     from ftrain.ckpt.readonly import run_locations
 
-    if is_object_url(where) or not Path(where).is_dir():
+    if is_object_url(where) or not (Path(where) / "checkpoints").is_dir():
         return where
     found = run_locations(Path(where))
     return found if len(found) > 1 else found[0]
@@ -466,10 +467,29 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "show":
             return cmd_show(roots, ns.steps)
         if ns.command == "list":
-            return _each_location(cmd_list, roots, [])
+            status = _each_location(cmd_list, roots, [])
+            _fallback_hint(roots)
+            return status
         return _each_location(cmd_verify, roots, ns.steps)
     except _TOOL_ERRORS as e:
         return _failed(e)
+
+
+def _fallback_hint(roots: list) -> None:
+    """A checkpoint directory (not a run directory) whose newest step records a
+    ``checkpoint.fallback_dir`` holding steps: named, since saves may have gone there (a
+    full disk) and its steps are not listed here."""
+    from ftrain.ckpt.readonly import _recorded_fallback
+
+    if len(roots) != 1 or not isinstance(roots[0], Path):
+        return
+    fallback = _recorded_fallback(roots[0])
+    if fallback and Path(fallback).is_absolute() and protocol.committed_steps(Path(fallback)):
+        print(
+            f"note: the newest step here records checkpoint.fallback_dir={fallback}, which "
+            "holds steps too (saves go there when this location fails): list it, or pass "
+            "the run directory to see both"
+        )
 
 
 _TOOL_ERRORS = (
