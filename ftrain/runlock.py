@@ -404,9 +404,15 @@ def claim_run_dir(cfg, world) -> RunLock:
         lock.release()
         raise
     if refused:
+        from ftrain.dist import broadcast_json
+
+        # the disk's state (exit 1) on every rank alike: a launcher taking any rank's exit
+        # code must not read "config, do not retry" (exit 2) for a full disk
+        disk = broadcast_json(isinstance(failed, RunDirDiskError))
         if failed is not None:
             raise failed
-        raise RunLockError(
+        kind = RunDirDiskError if disk else RunLockError
+        raise kind(
             f"the coordinator (rank 0) refused to start in run.dir {cfg.run.dir!r}; "
             "its message says why and what to change"
         )

@@ -52,6 +52,7 @@ from ftrain.ckpt.format import DIRECT_MIN_BYTES, ArraySpec, parse_dtype
 from ftrain.ckpt.reader import (
     allocate_tree,
     byte_view,
+    check_memory,
     check_no_links,
     check_sizes,
     chunk_files,
@@ -103,8 +104,10 @@ def read_tree_mapped(
     specs = selected_specs(manifest, only)
     check_no_links(root)  # first: nothing is opened, not even for a hint, through a link
     with prefetching(chunk_files(root, specs)):
-        check_sizes(root, specs)
+        check_sizes(root, specs, memory=False)
         regions = {k: _Region(specs[k].nbytes) for k in _to_map(specs)}
+        # memory for the arrays read into it; a mapped one is the page cache's, not anew
+        check_memory(root, {k: s for k, s in specs.items() if k not in regions})
         # destinations only for the arrays that are read: a mapped one is its region
         out, tensors = allocate_tree(
             manifest, {k: specs[k] for k in specs if k not in regions}, only

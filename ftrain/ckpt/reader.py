@@ -188,10 +188,12 @@ def chunk_files(
     ]
 
 
-def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -> None:
+def check_sizes(
+    root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0, *, memory: bool = True
+) -> None:
     """Before allocating anything: every chunk file exists with its recorded size (so the
-    declared shapes are backed by bytes on disk), and the whole result (plus
-    ``extra_bytes``) fits in memory."""
+    declared shapes are backed by bytes on disk), and (``memory``) the whole result (plus
+    ``extra_bytes``) fits in memory; a mapped restore needs none of it."""
     for path, want in chunk_files(root, specs):
         try:
             size = os.lstat(path).st_size
@@ -199,7 +201,8 @@ def check_sizes(root: Path, specs: dict[str, ArraySpec], extra_bytes: int = 0) -
             raise unreadable(path, e, "chunk file is missing") from e
         if size != want:
             raise CorruptCheckpointError(f"{path}: chunk is {size} bytes, expected {want}")
-    check_memory(root, specs, extra_bytes)  # the shapes are backed: a machine limit now
+    if memory:
+        check_memory(root, specs, extra_bytes)  # the shapes are backed: a machine limit now
 
 
 @contextlib.contextmanager

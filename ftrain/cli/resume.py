@@ -513,11 +513,11 @@ def _error_outcome(err: Exception, name: bool = True) -> dict:
 
 def _of_the_moment(err: BaseException) -> bool:
     """An ``OSError`` of the disk or the machine (EIO, a file system gone), not one of
-    ftrain's own: no step found (a rank seeing other storage) or an object store refusing
-    (a bucket, credentials) say something about the config."""
+    ftrain's own: no step found (a rank seeing other storage), an object store refusing
+    (a bucket, credentials) or a permission denied say something about the config."""
     return isinstance(err, OSError) and not isinstance(
-        err, CheckpointNotFoundError | CheckpointStoreError
-    )
+        err, CheckpointNotFoundError | CheckpointStoreError | PermissionError
+    )  # a permission stays refused: a retry would loop
 
 
 def _decide(outcomes: list[dict] | None) -> dict | None:
@@ -732,7 +732,9 @@ def _check_retention(cfg: DictConfig, meta: dict, manager: CheckpointManager) ->
     """A keep policy changed since the restored step was written (a requeue script that
     lost ``checkpoint.keep_every``, a lowered ``keep_last``) deleted, at the next commit,
     committed steps the old policy kept, with only "accepted change" said. Such a change
-    now needs ``run.allow_config_change=true``; accepted, it is named in the report.
+    now needs ``run.allow_config_change=true``; accepted, it is named in the report. The
+    policies are compared over the steps kept now plus the next commit; steps after the
+    restored one are the other history's, set aside (not deleted) at that commit.
 
     Raises:
         ResumeError: the steps the new policy would delete and the settings that changed.
@@ -742,13 +744,18 @@ def _check_retention(cfg: DictConfig, meta: dict, manager: CheckpointManager) ->
 
     saved = ((meta.get("config") or {}).get("checkpoint")) or {}
     changed = [k for k in KEEP_KEYS if k in saved and saved[k] != cfg.checkpoint.get(k)]
-    if not changed:
+    restored = meta.get("step")
+    if not changed or not isinstance(restored, int):
         return []
-    infos = [StepInfo(e["step"], e["time"], e.get("metrics") or {}) for e in manager.index()]
-    kept = [
-        (keep_policy_of(c) or KeepAll()).keep(infos, time.time()) for c in (saved, cfg.checkpoint)
+    now = time.time()
+    infos = [
+        StepInfo(e["step"], e["time"], e.get("metrics") or {})
+        for e in manager.index()
+        if e["step"] <= restored
     ]
-    doomed = sorted(kept[0] - kept[1] - {max((i.step for i in infos), default=-1)})
+    coming = [*infos, StepInfo(restored + 1, now, {})]  # the next commit counts too
+    kept = [(keep_policy_of(c) or KeepAll()).keep(coming, now) for c in (saved, cfg.checkpoint)]
+    doomed = sorted((kept[0] - kept[1]) & {i.step for i in infos})
     if not doomed:
         return []
     what = ", ".join(f"checkpoint.{k}: {saved[k]!r} -> {cfg.checkpoint.get(k)!r}" for k in changed)

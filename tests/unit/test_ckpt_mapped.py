@@ -262,3 +262,20 @@ def test_an_async_save_of_a_mapped_state_finishes_at_interpreter_exit(tmp_path):
     assert done.returncode == 0, done.stderr
     again = CheckpointManager(tmp_path / "b").restore()  # every chunk verified
     assert first_difference(again, make_state(1)) is None
+
+
+def test_a_mapped_restore_needs_memory_only_for_the_arrays_it_reads(tmp_path, monkeypatch):
+    """The memory check counted every array, the mapped ones too (file-backed, the page
+    cache's): a mapped resume of a state larger than the memory free at the moment
+    stopped (exit 1). Only the arrays read into memory count; a plain restore still
+    needs them all."""
+    from ftrain.ckpt import CheckpointReadError, reader
+
+    save_steps(tmp_path, 1)
+    specs = specs_of(read_committed(tmp_path / "step_00000001")[1])
+    read = sum(s.nbytes for k, s in specs.items() if not mappable(s))
+    monkeypatch.setattr(reader, "_available_memory", lambda: read + 4096)
+    m = CheckpointManager(tmp_path, async_save=False)
+    assert first_difference(m.restore(mmap=True), make_state(1)) is None
+    with pytest.raises(CheckpointReadError, match="bytes of memory"):
+        m.restore()
