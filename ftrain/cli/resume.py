@@ -351,12 +351,13 @@ def _refuse_newer_elsewhere(cfg: DictConfig, manager: CheckpointManager, newest:
             start looked, and the ways on (``resume=newest`` goes back on purpose).
     """
     run_dir = Path(cfg.run.dir)
-    missing = set(recorded_commits(run_dir)) - set(manager.all_steps())
+    missing = {s for s in recorded_commits(run_dir) if s > newest}
+    if not missing:  # the usual start: one read of the records, no listing
+        return
     missing -= _unlisted_commits(cfg, manager)  # there but damaged: restore says so
     # moved aside (a go-back's old history, whose records may lag: a kill before the save
     # record was written) or being moved (the journal): not lost, left on purpose
     missing -= set(manager.set_aside_steps())
-    missing = {s for s in missing if s > newest}
     if not missing:
         return
     saved_to = [r["checkpoint_dirs"] for r in read_records(run_dir) if r.get("checkpoint_dirs")]
