@@ -24,7 +24,7 @@ from tensordict import TensorDictBase
 from ftrain.cli.finetune import init_from, parse_init_from
 from ftrain.config import ConfigError
 from ftrain.dist import World, broadcast_json, gather_json
-from ftrain.metrics import read_records
+from ftrain.metrics.history import read_history
 
 __all__ = ["agreed_init_from", "earlier_init_step"]
 
@@ -32,7 +32,7 @@ __all__ = ["agreed_init_from", "earlier_init_step"]
 def earlier_init_step(run_dir: Path, value: str) -> int | None:
     """The base step the latest earlier start of this run read for ``init.from=value``."""
     found = None
-    for r in read_records(run_dir):
+    for r in read_history(run_dir):
         step = r.get("init_step")
         if r.get("kind") == "start" and r.get("init_from") == value and type(step) is int:
             found = step

@@ -18,10 +18,11 @@ advisory, so this is best effort, but it must not under- or over-state:
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 
 from ftrain import _json
-from ftrain.metrics import read_records
+from ftrain.metrics.history import STEP_RUN, read_history
 
 __all__ = ["eval_owed", "last_run_ended", "reached_steps", "recorded_commits", "redo_range"]
 
@@ -58,21 +59,24 @@ def redo_range(
     return (step + 1, last) if last > step else None
 
 
-def reached_steps(run_dir: Path) -> list[int]:
+def reached_steps(run_dir: Path) -> array:
     """Steps the records show as reached in the history being continued (see the module
-    doc), with the heartbeat's step if the latest process wrote one after it branched."""
-    steps: list[int] = []
+    doc), with the heartbeat's step if the latest process wrote one after it branched (an
+    ``array("q")``: a run logging every step for days has millions)."""
+    steps = array("q")
     branched = None  # time of the last go-back to an explicit step that committed
     going_back = None  # (from_step, time, steps recorded before it) of a go-back that has
-    for r in read_records(run_dir):  # not saved yet, in the process writing the records
+    for r in read_history(run_dir):  # not saved yet, in the process writing the records
         kind, s = r.get("kind"), r.get("step")
         if kind in ("start", "resume"):  # a new process: an uncommitted go-back never took
             going_back = (r["from_step"], r.get("time"), len(steps)) if _explicit(r) else None
         elif kind in _SETS_ASIDE and going_back is not None:  # the old history moved aside
             frm, branched, before = going_back
-            steps = [x for x in steps[:before] if x <= frm] + steps[before:]
+            steps = array("q", (x for x in steps[:before] if x <= frm)) + steps[before:]
             going_back = None
-        if kind in _REACHED and _is_step(s):
+        if kind == STEP_RUN:
+            steps.extend(r["steps"])
+        elif kind in _REACHED and _is_step(s):
             steps.append(s)
     beat = _heartbeat(run_dir / "heartbeat.json")
     if beat is not None and _after(beat.get("time"), branched):
@@ -87,7 +91,7 @@ def recorded_commits(run_dir: Path) -> list[int]:
     S are another history's; a fresh start's first save abandons all earlier ones."""
     steps: list[int] = []
     branch = None  # (from_step, steps recorded before it) of a process not yet saving
-    for r in read_records(run_dir):
+    for r in read_history(run_dir):
         kind, s = r.get("kind"), r.get("step")
         if kind in ("start", "resume"):
             frm = r.get("from_step")
@@ -135,7 +139,7 @@ def last_run_ended(run_dir: Path) -> bool:
     """Whether the latest process of the records reached its ``end`` record (then a fresh
     start redoes nothing of it: its steps were committed, elsewhere if not here)."""
     last = None
-    for r in read_records(run_dir):
+    for r in read_history(run_dir):
         if r.get("kind") in ("start", "resume", "end"):
             last = r.get("kind")
     return last == "end"
@@ -146,7 +150,7 @@ def eval_owed(run_dir: Path, step: int) -> bool:
     went first) and not made up since: a resume from that step evaluates it before its
     first step, or the run's val curve kept the gap for good."""
     owed = False
-    for r in read_records(run_dir):
+    for r in read_history(run_dir):
         if r.get("step") == step and r.get("kind") in ("eval", "eval_skipped"):
             owed = r["kind"] == "eval_skipped"
     return owed

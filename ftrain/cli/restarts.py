@@ -30,8 +30,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ftrain.cli.redo import read_records
 from ftrain.dist import World, broadcast_json
+from ftrain.metrics.history import read_history
 
 __all__ = ["continue_restarted_job", "elastic_job"]
 
@@ -57,7 +57,7 @@ def committed_since_going_back(run_dir: Path, step: int, job: str) -> list[int]:
     """Steps after ``step`` committed since ``job``'s last resume to ``resume=step``
     ([] if that job never resumed there, or committed nothing since)."""
     since: list[int] | None = None
-    for r in read_records(run_dir):
+    for r in read_history(run_dir):
         kind, s = r.get("kind"), r.get("step")
         if kind == "resume" and r.get("reason") == f"resume={step}" and r.get("elastic_job") == job:
             since = []
@@ -69,7 +69,7 @@ def committed_since_going_back(run_dir: Path, step: int, job: str) -> list[int]:
 def started_fresh(run_dir: Path, job: str) -> bool:
     """Whether ``job`` already made a fresh start (``resume=none``) in ``run_dir``."""
     return any(
-        r.get("kind") == "start" and r.get("elastic_job") == job for r in read_records(run_dir)
+        r.get("kind") == "start" and r.get("elastic_job") == job for r in read_history(run_dir)
     )
 
 

@@ -31,10 +31,11 @@ from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import mapped_bytes
 from ftrain.cli.errors import ResumeError, ResumeReadError
 from ftrain.cli.overwrite import move_aside, move_run_aside
-from ftrain.cli.redo import last_run_ended, read_records, recorded_commits, redo_range
+from ftrain.cli.redo import last_run_ended, recorded_commits, redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, flat_config, recorded_config
 from ftrain.dist import World, broadcast_json, gather_json
+from ftrain.metrics.history import read_history
 from ftrain.optim import refresh_hyperparams
 from ftrain.state.tree import replace
 from ftrain.step import learning_rate_metrics
@@ -324,7 +325,7 @@ def _refuse_lost_steps(cfg: DictConfig, manager: CheckpointManager) -> None:
         ResumeError: naming the newest recorded commit, where it was saved (runs that
             record it), where this start looked, and the ways on.
     """
-    records = list(read_records(Path(cfg.run.dir)))
+    records = read_history(Path(cfg.run.dir))
     committed = [r["step"] for r in records if r.get("kind") == "committed"]
     if not committed:
         return
@@ -360,7 +361,7 @@ def _refuse_newer_elsewhere(cfg: DictConfig, manager: CheckpointManager, newest:
     missing -= set(manager.set_aside_steps())
     if not missing:
         return
-    saved_to = [r["checkpoint_dirs"] for r in read_records(run_dir) if r.get("checkpoint_dirs")]
+    saved_to = [r["checkpoint_dirs"] for r in read_history(run_dir) if r.get("checkpoint_dirs")]
     there = f" (the run saved to {', '.join(saved_to[-1])})" if saved_to else ""
     looked = " and ".join(
         str(d) for d in filter(None, (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir))
@@ -670,7 +671,7 @@ def _unlisted_commits(cfg: DictConfig, manager: CheckpointManager) -> set[int]:
     invalid = {
         m.group(1) for p in manager.invalid_steps() if (m := _STEP_DIR.match(Path(str(p)).name))
     }
-    committed = {r["step"] for r in read_records(Path(cfg.run.dir)) if r.get("kind") == "committed"}
+    committed = {r["step"] for r in read_history(Path(cfg.run.dir)) if r.get("kind") == "committed"}
     return {s for s in committed if isinstance(s, int) and f"{s:08d}" in invalid}
 
 

@@ -129,7 +129,7 @@ def read_records(run_dir: str | os.PathLike) -> Iterator[dict]:
     bad, first_bad = 0, None
     with f:
         for number, raw in enumerate(f, start=1):
-            record = _parse(raw)
+            record = parse_line(raw)
             if record is not None:
                 yield record
             elif raw.endswith(b"\n") and raw.strip():
@@ -146,7 +146,7 @@ def read_records(run_dir: str | os.PathLike) -> Iterator[dict]:
         )
 
 
-def _parse(raw: bytes) -> dict | None:
+def parse_line(raw: bytes) -> dict | None:
     """One line as a record, or None if it is not a UTF-8 JSON object of the shape the
     readers rely on (:func:`_well_formed`)."""
     try:

@@ -503,7 +503,7 @@ def test_an_index_entry_with_a_step_past_int_is_rebuilt(tmp_path):
 def test_deeply_nested_owner_metrics_and_heartbeat_records_are_unreadable_not_fatal(tmp_path):
     from ftrain.ckpt.owner import claim
     from ftrain.cli.redo import _heartbeat
-    from ftrain.metrics.jsonl import _parse
+    from ftrain.metrics.jsonl import parse_line as _parse
 
     loc = tmp_path / "ckpt"
     loc.mkdir()

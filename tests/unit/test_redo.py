@@ -38,7 +38,7 @@ def test_a_resume_that_went_back_leaves_the_old_history_out(tmp_path):
     recs += [{"kind": "committed", "step": 8, "time": 109.5}]
     recs += [{"kind": "end", "step": 8, "time": 110.0}]
     _write(tmp_path, recs, {"step": 8, "time": 109.0})
-    assert reached_steps(tmp_path) == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8]
+    assert list(reached_steps(tmp_path)) == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8]
     assert redo_range(tmp_path, 8, until=20) is None
     # killed during the restore, before any commit: the old history is still the listed
     # one, and a start going back to 4 again redoes its steps 5..12 (as the first said)

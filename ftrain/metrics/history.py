@@ -1,0 +1,145 @@
+"""The run's records as the start-up checks read them: parsed once per process.
+
+A start asks the records several questions (which steps were committed, reached,
+evaluated; what the last process did; what an earlier start read), each once or more. A
+run logging every step for days holds millions of lines, and each full read took seconds
+(300,000 records: ~2 s a read, four reads at every restart). :func:`read_history` parses
+the file once and keeps what those questions use: every record but the ``step`` ones as it
+is, and each run of consecutive ``step`` records as one stand-in record holding just their
+step numbers (8 bytes a step). The file is append-only, so a later call parses only what was
+appended since; a file replaced, truncated or rewritten in place (the bytes before the end
+of the last parse differ) is read again whole. Bad lines are skipped and warned about as
+:func:`~ftrain.metrics.jsonl.read_records` does, once per parse.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftrain.metrics.jsonl import parse_line
+
+__all__ = ["STEP_RUN", "read_history"]
+
+log = logging.getLogger(__name__)
+
+# ``kind`` of the stand-in for consecutive step records (no writer uses it: not a name)
+STEP_RUN = "(steps)"
+
+# bytes before the parsed end compared at the next call: a rewrite of the file shows there
+_PROBE = 64
+
+
+@dataclass
+class _Parsed:
+    """What one file's earlier parses found, and where they stopped."""
+
+    identity: tuple[int, int]  # (st_dev, st_ino): a replaced file is another one
+    offset: int = 0  # end of the last whole line parsed
+    probe: bytes = b""
+    lines: int = 0
+    records: list[dict] = field(default_factory=list)
+
+
+_PARSED: dict[str, _Parsed] = {}
+
+
+def read_history(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of ``RUN_DIR/metrics.jsonl`` in order, each run of consecutive ``step``
+    records as one ``{"kind": STEP_RUN, "steps": array("q", ...)}``.
+
+    The list and its records are shared between calls: read them, do not change them. A
+    missing file gives ``[]``; one that cannot be read warns and gives ``[]`` (records are
+    advisory).
+
+    Example:
+        >>> commits = [r["step"] for r in read_history(run_dir) if r["kind"] == "committed"]
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            return _read(f, str(path))
+    except FileNotFoundError:
+        _PARSED.pop(str(path), None)
+        return []
+    except OSError as err:
+        log.warning("ftrain: cannot read %s (%s); its run records are ignored", path, err)
+        return []
+
+
+def _read(f, key: str) -> list[dict]:
+    st = os.fstat(f.fileno())
+    parsed = _PARSED.get(key)
+    if parsed is None or not _continues(f, st, parsed):
+        parsed = _Parsed(identity=(st.st_dev, st.st_ino))
+        _PARSED[key] = parsed
+    f.seek(parsed.offset)
+    tail = _parse_from(f, parsed)
+    return parsed.records if tail is None else [*parsed.records, tail]
+
+
+def _continues(f, st: os.stat_result, parsed: _Parsed) -> bool:
+    """Whether the file is the one parsed before with lines only appended to it."""
+    if (st.st_dev, st.st_ino) != parsed.identity or st.st_size < parsed.offset:
+        return False
+    start = max(0, parsed.offset - _PROBE)
+    f.seek(start)
+    return f.read(parsed.offset - start) == parsed.probe
+
+
+def _parse_from(f, parsed: _Parsed) -> dict | None:
+    """Parse the whole lines from the file position on into ``parsed``; the record of an
+    unterminated last line if it reads as one (a writer between its line and the newline
+    is not a torn line), kept out of ``parsed`` so the next call reads it again whole."""
+    bad, first_bad, tail = 0, None, None
+    for raw in f:
+        record = parse_line(raw)
+        if not raw.endswith(b"\n"):
+            tail = record if record is None else _stand_in(record)
+            break
+        parsed.lines += 1
+        parsed.offset += len(raw)
+        if record is not None:
+            _append(parsed.records, record)
+        elif raw.strip():
+            bad += 1
+            first_bad = first_bad or parsed.lines
+    if parsed.offset:
+        f.seek(max(0, parsed.offset - _PROBE))
+        parsed.probe = f.read(min(_PROBE, parsed.offset))
+    if bad:
+        log.warning(
+            "ftrain: %s: skipped %d unreadable or malformed line%s (first: line %d); run records are "
+            "advisory, training is not affected",
+            f.name,
+            bad,
+            "" if bad == 1 else "s",
+            first_bad,
+        )
+    return tail
+
+
+def _append(records: list[dict], record: dict) -> None:
+    if record["kind"] != "step":
+        records.append(record)
+    elif not _is_step(record["step"]):
+        return  # a step record without a step number (``null``) names no step reached
+    elif records and records[-1]["kind"] == STEP_RUN:
+        records[-1]["steps"].append(record["step"])
+    else:
+        records.append(_stand_in(record))
+
+
+def _stand_in(record: dict) -> dict | None:
+    if record["kind"] != "step":
+        return record
+    if not _is_step(record["step"]):
+        return None
+    return {"kind": STEP_RUN, "steps": array("q", [record["step"]])}
+
+
+def _is_step(value: object) -> bool:
+    return type(value) is int and value >= 0
