@@ -344,13 +344,31 @@ def _diff_line(k: str, a, b) -> bool:
     elif a[k].shape != b[k].shape or a[k].dtype != b[k].dtype:
         print(f"~ {k}: {a[k].dtype}{tuple(a[k].shape)} -> {b[k].dtype}{tuple(b[k].shape)}")
     elif not _bits(a[k]).equal(_bits(b[k])):
-        diff = (
-            (a[k].double() - b[k].double()).abs().max().item() if a[k].is_floating_point() else "-"
-        )
-        print(f"~ {k}: values differ (max abs diff {diff})")
+        print(f"~ {k}: values differ ({_how_far(a[k], b[k])})")
     else:
         return False
     return True
+
+
+def _how_far(x, y) -> str:
+    """How many elements of two same-shape, same-dtype arrays differ, and by how much at
+    most: exact for integers (Python ints: int64 extremes and uint64 do not wrap), float64
+    for floats, ``|x - y|`` for complex; a bool or bit-only difference (-0.0, a NaN's
+    payload) gives the count alone."""
+    x, y = x.reshape(-1), y.reshape(-1)
+    per = x.element_size()
+    differ = (_bits(x).view(-1, per) != _bits(y).view(-1, per)).any(dim=1)
+    count = f"{int(differ.sum()):,} of {x.numel():,} elements"
+    if x.dtype == torch.bool:
+        return count
+    xs, ys = x[differ], y[differ]
+    if x.is_complex():
+        far = (xs.to(torch.complex128) - ys.to(torch.complex128)).abs().max().item()
+    elif x.is_floating_point():
+        far = (xs.double() - ys.double()).abs().max().item()
+    else:
+        far = max(abs(int(p) - int(q)) for p, q in zip(xs.tolist(), ys.tolist(), strict=True))
+    return f"{count}, max abs diff {far}"
 
 
 def cmd_advise(run_dir: Path, mtbf_s: float | None) -> int:

@@ -328,6 +328,30 @@ def test_cli_diff_of_a_step_with_a_damaged_root_document_says_corrupt(tmp_path, 
     assert "cannot diff: CORRUPT" in out and "zarr.json" in out
 
 
+def test_cli_diff_says_how_far_integer_bool_and_float_arrays_differ(tmp_path, capsys):
+    """Integer and bool arrays said "max abs diff -"; int64 extremes must not wrap."""
+    from ftrain.ckpt.__main__ import main
+
+    def state(step, flags, big, w):
+        return TensorDict(
+            step=torch.tensor(step),
+            flags=torch.tensor(flags),
+            big=torch.tensor(big, dtype=torch.int64),
+            w=torch.tensor(w),
+        )
+
+    lo, hi = -(2**63), 2**63 - 1
+    with CheckpointManager(tmp_path) as m:
+        m.save(state(1, [True, False, True], [hi, 0], [0.0, 1.0]))
+        m.save(state(4, [True, True, True], [lo, 0], [-0.0, 1.25]))
+    assert main(["diff", str(tmp_path), "1", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "~ step: values differ (1 of 1 elements, max abs diff 3)" in out
+    assert "~ flags: values differ (1 of 3 elements)" in out
+    assert f"~ big: values differ (1 of 2 elements, max abs diff {2**64 - 1})" in out
+    assert "~ w: values differ (2 of 2 elements, max abs diff 0.25)" in out  # -0.0 counts
+
+
 def test_cli_list_show_verify_diff(tmp_path, capsys):
     from ftrain.ckpt.__main__ import main
 
