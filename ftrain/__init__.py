@@ -32,6 +32,9 @@ The command line: ``python -m ftrain +recipe=gpt2``; ``python -m ftrain.ckpt``;
 from ftrain import _early_signals  # noqa: F401  (installs on import; the CLI takes them)
 
 # isort: split
+from ftrain import _early_env  # noqa: F401  (checks on import: torch's import reads it)
+
+# isort: split
 from ftrain import ckpt, data, lora, nn, optim, rng, state
 from ftrain.ckpt import (
     AnyOf,

@@ -1,0 +1,59 @@
+"""Environment settings that break the torch import itself, said in one line first.
+
+``import ftrain`` imports tensordict, which imports ``torch._dynamo``, which creates
+``TORCHINDUCTOR_CACHE_DIR`` at import: set to a file, or a path that cannot be created,
+every ftrain command died in a 40-line ``FileExistsError`` traceback from inside torch
+before any ftrain code ran. Nothing here imports more than the standard library.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# variables torch reads while it is imported (not at the first compile)
+_AT_IMPORT = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
+class EnvironmentSettingError(ImportError):
+    """An environment variable torch reads at import names something it cannot use."""
+
+
+def problem() -> str | None:
+    """What is wrong with the environment for the torch import, or None."""
+    for var in _AT_IMPORT:
+        value = os.environ.get(var)
+        if not value:
+            continue
+        try:  # what torch does on import (it creates the directory too)
+            os.makedirs(value, exist_ok=True)
+        except OSError as err:
+            why = "not a directory" if os.path.lexists(value) else err.strerror
+            return (
+                f"{var}={value} cannot be torch's compile cache ({why}): point it at "
+                f"a directory this user can write, or unset it"
+            )
+    return None
+
+
+def _an_ftrain_command(argv: list[str]) -> bool:
+    """``python [-u ...] -m ftrain[.tool] ...`` or the ``ftrain`` console script."""
+    if "-m" in argv[1:]:
+        module = argv[argv.index("-m", 1) + 1 : argv.index("-m", 1) + 2]
+        return bool(module) and (module[0] == "ftrain" or module[0].startswith("ftrain."))
+    return os.path.basename(argv[1] if len(argv) > 1 else "") == "ftrain"
+
+
+def check() -> None:
+    """Exit 2 with one line (an ftrain command) or raise :class:`EnvironmentSettingError`
+    (a library import) if the torch import would fail on the environment."""
+    message = problem()
+    if message is None:
+        return
+    if _an_ftrain_command(list(getattr(sys, "orig_argv", []))):
+        print(f"ftrain: {message}", file=sys.stderr)
+        raise SystemExit(2)  # a setting: a supervisor's retry would fail the same way
+    raise EnvironmentSettingError(message)
+
+
+check()  # on import, in ftrain/__init__.py before torch
