@@ -415,7 +415,7 @@ def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
     started: one the coordinator could not build (a directory that cannot be made) left
     the other ranks in the loop, to fail there with a collective's traceback."""
     failed, loggers = None, LoggerSet()
-    if world.is_coordinator:
+    if world.is_coordinator and not _nothing_to_log(cfg, report):
         info = RunInfo(
             run_dir=Path(cfg.run.dir),
             name=str(cfg.run.name),
@@ -434,6 +434,13 @@ def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
     if agree_any(failed is not None):
         raise failed or LoggerError("the loggers could not start on rank 0 (its message says why)")
     return loggers
+
+
+def _nothing_to_log(cfg: DictConfig, report: ResumeReport) -> bool:
+    """A re-run of a finished run (no step left, no evaluation owed) logs nothing: its
+    loggers are not started (each re-run opened an empty W&B run and a TensorBoard file)."""
+    done = report.resumed and report.step >= int(cfg.trainer.max_steps)
+    return done and not eval_owed(Path(cfg.run.dir), report.step)
 
 
 def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> int:

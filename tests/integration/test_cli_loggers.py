@@ -59,6 +59,12 @@ def test_tensorboard_and_csv_from_the_cli_and_a_resume_that_redoes_steps(cli, tm
     assert _scalars(run / "tensorboard", "train/loss") == pytest.approx(losses, rel=1e-6)
     steps_in_csv = [int(r["step"]) for r in _csv_rows(run / "metrics.csv") if r["kind"] == "step"]
     assert steps_in_csv == [1, 2, 3, 4, 5, 6, 4, 5, 6], "csv appends the redone steps"
+    # a re-run of the finished run starts no logger (it began an empty TensorBoard file)
+    events = sorted(p.name for p in (run / "tensorboard").iterdir())
+    csv_bytes = (run / "metrics.csv").read_bytes()
+    assert "end reason=done committed=6" in cli(run, *args, check=0).stdout
+    assert sorted(p.name for p in (run / "tensorboard").iterdir()) == events
+    assert (run / "metrics.csv").read_bytes() == csv_bytes
     # checkpoints record no logger (no _target_ in their metadata): ftrain.eval reads them
     from ftrain.cli.evaluate import evaluate_run
 
