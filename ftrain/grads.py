@@ -56,11 +56,21 @@ def named_leaves(
 
 def loss_and_aux(out) -> tuple[torch.Tensor, Mapping]:
     """``loss_fn``'s result as ``(0-d loss, aux metrics)``; anything else is a TypeError."""
+    if isinstance(out, tuple) and len(out) != 2:
+        raise TypeError(
+            f"loss_fn must return a scalar tensor or (scalar tensor, dict), got a tuple of "
+            f"{len(out)}: ({', '.join(type(v).__name__ for v in out)})"
+        )
     loss, aux = out if isinstance(out, tuple) else (out, {})
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn must return a scalar tensor or (scalar tensor, dict), got {type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
+    if not loss.is_floating_point():  # autograd's own error named neither the loss nor a fix
+        raise TypeError(
+            f"loss_fn's loss is {loss.dtype}: it must be a real floating tensor (float32, "
+            "bfloat16, ...) to be differentiated; take the real part or a norm of a complex one"
         )
     if not isinstance(aux, Mapping):
         raise TypeError(

@@ -109,8 +109,8 @@ def _check(rank: int, alpha: float, targets: Sequence[str], dropout: float) -> N
         raise ValueError(
             f"LoRA targets must be a non-empty list of module names, got targets={targets!r}"
         )
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"LoRA dropout must be in [0, 1), got dropout={dropout!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ValueError(f"LoRA dropout must be a number in [0, 1), got dropout={dropout!r}")
 
 
 def _is_glob(target: str) -> bool:
@@ -126,7 +126,9 @@ def _chosen(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, nn.Modu
     globs = [t for t in targets if _is_glob(t)]
     chosen, wrong, used = [], [], set()
     for n, m in model.named_modules():
-        last = n.rsplit(".", 1)[-1] if n else None
+        if not n:  # the model itself: nothing to put an adapter in its place ("*" matched it)
+            continue
+        last = n.rsplit(".", 1)[-1]
         hits = [g for g in globs if isinstance(m, nn.Linear) and fnmatch.fnmatchcase(n, g)]
         used.update(hits + ([last] if last in names else []))
         if last in names and not isinstance(m, nn.Linear):
@@ -190,7 +192,17 @@ def apply_lora(
         ['0']
     """
     _check(rank, alpha, targets, dropout)
+    if not isinstance(generator, torch.Generator):  # it draws every adapter's A
+        raise TypeError(
+            f"apply_lora's generator must be a torch.Generator (e.g. "
+            f"torch.Generator().manual_seed(0)), got {generator!r}"
+        )
     chosen = _chosen(model, targets)
+    if not chosen and isinstance(model, nn.Linear):
+        raise ValueError(
+            "the model itself is an nn.Linear: LoRA replaces sub-modules of a model, so wrap "
+            "it first (torch.nn.Sequential(model), target '0')"
+        )
     if not chosen:
         raise ValueError(
             f"LoRA targets {list(targets)} match no module; the model's Linear layers are "

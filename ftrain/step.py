@@ -236,20 +236,27 @@ def check_params_match(model: nn.Module, pkeys: list[Key]) -> bool:
     )
 
 
-def check_opt_matches(tx, params: TensorDictBase, opt: Structure) -> bool:
+def check_opt_matches(
+    tx, params: TensorDictBase, opt: Structure, leaves: list[torch.Tensor] | None = None
+) -> bool:
     """The state's optimizer entries are those ``tx`` makes (once per layout): an AdamW
     state given to an SGD step failed inside the bucketed update, saying a transform "left
     out state entries" — a bug of the transform's, it read, not a state of another optimizer.
+    With ``leaves`` (the state's, in ``opt.keys`` order; not for a sharded state, whose
+    entries hold rows), their shapes and dtypes too: a moment of shape (1, 3) for a (4, 3)
+    weight was broadcast into it without a word.
 
     Raises:
         ValueError: naming the entries that differ and the fix.
     """
     try:  # on the meta device: the layout without allocating a single moment
-        made = structure(tx.init(params.to("meta")))[0]
+        made, made_leaves = structure(tx.init(params.to("meta")))
     except Exception:  # a transform that cannot start on meta: the update checks as before
         return True
     theirs, ours = set(made.keys), set(opt.keys)
     if theirs == ours:
+        if leaves is not None:
+            _check_opt_leaves(dict(zip(made.keys, made_leaves, strict=True)), opt.keys, leaves)
         return True
     missing, extra = sorted(theirs - ours), sorted(ours - theirs)
     raise ValueError(
@@ -261,6 +268,22 @@ def check_opt_matches(tx, params: TensorDictBase, opt: Structure) -> bool:
         + "; make the state with ftrain.init_state(model, tx) for the tx given to make_step "
         "(or restore a checkpoint of it with target=)"
     )
+
+
+def _check_opt_leaves(made: dict, keys: tuple[Key, ...], leaves: list[torch.Tensor]) -> None:
+    wrong = [
+        f"{'.'.join(k)} is {t.dtype}{tuple(t.shape)}, not {made[k].dtype}{tuple(made[k].shape)}"
+        for k, t in zip(keys, leaves, strict=True)
+        if t.shape != made[k].shape or t.dtype != made[k].dtype
+    ]
+    if wrong:
+        raise ValueError(
+            "the state's optimizer state does not fit its params: "
+            + "; ".join(wrong[:4])
+            + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else "")
+            + "; make it with ftrain.init_state(model, tx) or tx.init(params) of these params "
+            "(or restore a checkpoint of it with target=)"
+        )
 
 
 def _dotted(keys: list[Key]) -> list[str]:
@@ -454,7 +477,9 @@ def make_step(
         per_structure(
             matched_opt,
             (len(keys), keys[:1], keys[-1:]),
-            lambda: check_opt_matches(tx, state["params"], opt_flat[0]),
+            lambda: check_opt_matches(
+                tx, state["params"], opt_flat[0], opt_flat[1] if sharder is None else None
+            ),
         )
         if sharder is not None:
             _check_sharded(opt if not sharder.full else state["params"])

@@ -83,6 +83,7 @@ __all__ = ["CheckpointManager", "CheckpointNotFoundError", "CheckpointSaveError"
 
 log = logging.getLogger("ftrain.ckpt")
 _RESERVED_ATTRS = ("format_version", "step", "time", "metrics", "versions", "host_rng")
+_METADATA_ADDS = ("save", "path")  # keys metadata(step) adds to the step's attributes
 
 
 class CheckpointSaveError(RuntimeError):
@@ -91,6 +92,21 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointNotFoundError(FileNotFoundError):
     """No committed checkpoint (or none that verifies) matches the request."""
+
+
+def _json_value(name: str, value: object) -> None:
+    """``value`` as the writer will write it (strict JSON, sorted keys), or a ValueError
+    naming ``name`` (a tensor in the metadata said only "Object of type Tensor is not JSON
+    serializable"; a tuple key only "'<' not supported")."""
+    import json
+
+    try:
+        json.dumps(value, allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{name} must be JSON-serialisable (str, int, float, bool, None, lists and dicts "
+            f"with string keys; floats finite): {e}"
+        ) from None
 
 
 class CheckpointManager:
@@ -521,6 +537,12 @@ class CheckpointManager:
             raise ValueError(
                 f"metadata keys {clash} are reserved by the checkpoint format; rename them"
             )
+        hidden = sorted(set(attrs) & set(_METADATA_ADDS))
+        if hidden:  # metadata(step) puts its own there: the user's would never be read back
+            raise ValueError(
+                f"metadata keys {hidden} are taken by metadata(step), which adds the save's "
+                "facts and the step's path under them; rename them"
+            )
         attrs |= {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -531,12 +553,8 @@ class CheckpointManager:
                 str(r): v for r, v in (host_rng or {self.rank: hostrng.capture()}).items()
             },
         }
-        try:
-            import json
-
-            json.dumps(attrs, allow_nan=False, sort_keys=True)  # as the writer does
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"metadata/metrics must be JSON-serialisable: {e}") from e
+        for key, value in attrs.items():  # as the writer does, naming the key at fault
+            _json_value(f"metadata[{key!r}]" if key in (metadata or {}) else key, value)
         return attrs
 
     def _start_background(self, state: TensorDictBase, step: int, write, *args: object) -> None:

@@ -14,6 +14,7 @@ newest committed step and never touches an in-flight one::
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -33,6 +34,8 @@ __all__ = [
     "StepInfo",
     "YoungerThan",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ def check_policy(policy: object, method: str, arg: str) -> None:
     for p in members:
         if isinstance(p, AnyOf):
             check_policy(p, method, arg)
+        elif isinstance(p, type):  # KeepAll for KeepAll(): keep() unbound, failing every commit
+            raise TypeError(
+                f"{arg}={p.__name__} is a class: pass an instance, e.g. {p.__name__}() or "
+                f"{p.__name__}(...) with its arguments"
+            )
         elif not callable(getattr(p, method, None)):
             takes = _SAVE_POLICIES if method == "should_save" else _KEEP_POLICIES
             raise TypeError(f"{arg}={p!r} has no {method}(): {arg} takes {takes}")
@@ -161,7 +169,10 @@ class EveryKSteps:
 class BestN:
     """Keep the ``n`` best steps by ``metrics[metric]`` (``mode`` "min" or "max").
 
-    Steps without the metric (or with a non-finite value) are not kept by this policy.
+    Steps without the metric (or with a non-finite value) are not kept by this policy,
+    unless no committed step has it: then it keeps every step (a misspelt metric, or
+    metrics not passed to ``save``, deleted all but the newest step, the best among them)
+    and says so once.
     """
 
     metric: str
@@ -169,6 +180,11 @@ class BestN:
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(
+                f"metric must be the name of a metric passed to save(metrics=...), got "
+                f"metric={self.metric!r} (BestN(metric, n): the name comes first)"
+            )
         _count("n", self.n)
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got mode={self.mode!r}")
@@ -183,7 +199,33 @@ class BestN:
         return [-s for _, s in sorted(scored)]
 
     def keep(self, infos: list[StepInfo], now: float) -> set[int]:
-        return set(self.ranked(infos)[: self.n])
+        ranked = self.ranked(infos)
+        if ranked or not infos:
+            return set(ranked[: self.n])
+        if len(infos) > self.n:  # deleting would be a guess: keep them, and say why
+            _say_unranked(self, infos)
+        return {i.step for i in infos}
+
+
+_SAID_UNRANKED: set[tuple[str, int, str]] = set()
+
+
+def _say_unranked(policy: BestN, infos: list[StepInfo]) -> None:
+    """One warning per process and policy: no committed step has the policy's metric."""
+    key = (policy.metric, policy.n, policy.mode)
+    if key in _SAID_UNRANKED:
+        return
+    _SAID_UNRANKED.add(key)
+    seen = sorted({k for i in infos for k in i.metrics if isinstance(k, str)})
+    log.warning(
+        "ftrain: keep policy BestN(%r, %d): no committed step has a finite %r (their metrics: "
+        "%s), so it keeps every step until one does; if the metric has another name, fix "
+        "BestN's (a step's metrics are what save(..., metrics=) passed)",
+        policy.metric,
+        policy.n,
+        policy.metric,
+        ", ".join(seen) or "none",
+    )
 
 
 def finite_number(v: object) -> float | None:

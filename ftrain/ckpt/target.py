@@ -19,8 +19,8 @@ def check_only(manifest: dict, only: tuple[str, ...] | None) -> None:
             f"only={only!r} names no key; pass only=None for everything, or key paths among "
             f"the top-level keys {top}"
         )
-    for p in only:
-        if not any(n == p or n.startswith(p + "/") for n in names):
+    for p in only:  # "" is the root group's name, but selects no key (it restored nothing)
+        if not p or not any(n == p or n.startswith(p + "/") for n in names):
             raise ValueError(f"only={p!r} matches nothing in the checkpoint; top-level keys: {top}")
 
 

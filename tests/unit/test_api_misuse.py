@@ -42,11 +42,13 @@ def test_a_meta_template_restores_values_on_the_cpu(tmp_path):
     assert got["w"].device.type == "cpu" and torch.equal(got["w"], _state()["w"])
 
 
-@pytest.mark.parametrize("only", [(), []])
+@pytest.mark.parametrize("only", [(), [], "", [""], ["w", ""]])
 def test_an_empty_only_is_refused(tmp_path, only):
+    """``only=""`` (the root group's name) restored an empty TensorDict."""
     with CheckpointManager(tmp_path, async_save=False) as m:
         m.save(_state())
-        with pytest.raises(ValueError, match=r"names no key; pass only=None .*'step', 'w'"):
+        said = "names no key; pass only=None" if only in ((), []) else "only=.. matches nothing"
+        with pytest.raises(ValueError, match=said + r".*'step', 'w'"):
             m.restore(only=only)
 
 
@@ -119,6 +121,29 @@ def test_a_state_of_another_optimizer_is_named_as_such(donate):
         step(state, {"x": torch.ones(3, 4)})
     fitting = ftrain.init_state(model, sgd, seed=0)
     assert int(step(fitting, {"x": torch.ones(3, 4)})[0]["step"]) == 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_an_optimizer_state_that_does_not_fit_the_params_is_named(change, fused):
+    """A moment of shape (1, 4) for a (2, 4) weight was broadcast into it without a word
+    (the step ran, every row's moment made from row 0); a float64 moment for float32
+    params failed inside torch's _foreach_lerp."""
+    model = torch.nn.Linear(4, 2)
+    tx = ftrain.optim.adamw(1e-3, fused=fused)
+    state = ftrain.init_state(model, tx, seed=0)
+    opt = state["opt"].clone()
+    key = next(k for k in opt.keys(True, True) if "mu" in k and k[-1] == "weight")
+    opt[key] = opt[key][:1] if change == "shape" else opt[key].double()
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx)
+    said = "(1, 4)" if change == "shape" else "torch.float64(2, 4), not torch.float32(2, 4)"
+    with pytest.raises(ValueError, match=r"optimizer state does not fit its params: .*weight"):
+        try:
+            step(ftrain.replace(state, opt=opt), {"x": torch.ones(3, 4)})
+        except ValueError as err:
+            assert said in str(err) and "init_state" in str(err), err
+            raise
+    assert int(step(state, {"x": torch.ones(3, 4)})[0]["step"]) == 1
 
 
 def test_a_loss_that_does_not_depend_on_the_params_is_named():

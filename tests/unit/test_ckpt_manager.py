@@ -272,8 +272,15 @@ def test_bad_inputs_fail_in_the_caller(tmp_path):
         m.save(TensorDict({"x": torch.zeros(1)}, []))
     with pytest.raises(ValueError, match="reserved"):
         m.save(make_state(1), metadata={"step": 3})
-    with pytest.raises(ValueError, match="JSON"):
+    with pytest.raises(ValueError, match=r"metadata\['obj'\] must be JSON-serialisable"):
         m.save(make_state(1), metadata={"obj": object()})
+    with pytest.raises(ValueError, match=r"metadata\['w'\] must be JSON-serialisable"):
+        m.save(make_state(1), metadata={"cfg": {"a": 1}, "w": torch.zeros(2)})
+    with pytest.raises(ValueError, match="metrics must be JSON-serialisable"):
+        m.save(make_state(1), metrics={"loss": [float("nan")]})
+    for key in ("save", "path"):  # metadata(step) adds its own under them: never read back
+        with pytest.raises(ValueError, match=f"metadata keys \\['{key}'\\] are taken by metadata"):
+            m.save(make_state(1), metadata={key: 1})
     with pytest.raises(ValueError, match="not a valid node name"):
         m.save(TensorDict({"step": torch.tensor(1), "a/b": torch.zeros(1)}, []))
     # a name past the file system's 255 bytes: ENAMETOOLONG from the background writer,

@@ -69,6 +69,8 @@ def test_keep_policies():
         (lambda: AnyOf(), "at least one"),
         (lambda: LatestN(1.5), "must be a whole number, got n=1.5"),
         (lambda: EveryKSteps(True), "must be a whole number"),
+        (lambda: BestN(3, 2), "got metric=3 .BestN.metric, n.: the name comes first"),
+        (lambda: BestN("", 2), "got metric=''"),
     ],
 )
 def test_bad_arguments_name_the_value(make, match):
@@ -85,6 +87,12 @@ def test_a_policy_in_the_wrong_place_is_refused_at_the_manager(tmp_path):
         ({"keep_policy": EveryNSteps(2)}, "keep_policy=EveryNSteps(n=2) has no keep()"),
         ({"save_policy": LatestN(2)}, "save_policy=LatestN(n=2) has no should_save()"),
         ({"keep_policy": AnyOf(LatestN(1), EveryNSteps(2))}, "EveryNSteps(n=2) has no keep()"),
+        # the class for an instance: keep() unbound failed at every commit, index never written
+        (
+            {"keep_policy": KeepAll},
+            "keep_policy=KeepAll is a class: pass an instance, e.g. KeepAll()",
+        ),
+        ({"keep_policy": AnyOf(LatestN(1), LatestN)}, "keep_policy=LatestN is a class"),
     ):
         with pytest.raises(TypeError, match=re.escape(said)):
             CheckpointManager(tmp_path / "ck", **kw)
@@ -108,3 +116,33 @@ def test_a_keep_policy_that_raises_is_a_warning_not_a_lost_save(tmp_path):
                 m.save(TensorDict(step=torch.tensor(step), w=torch.ones(3)), force=True)
             m.wait()
         assert m.all_steps() == [1, 2]
+
+
+def test_best_n_whose_metric_no_step_has_keeps_every_step_and_says_so(tmp_path, caplog):
+    """A misspelt metric (or metrics never passed to save) ranked no step: every step but
+    the newest was deleted, the best among them, with no word."""
+    import logging
+
+    import torch
+    from tensordict import TensorDict
+
+    from ftrain.ckpt import CheckpointManager, policies
+
+    policies._SAID_UNRANKED.clear()
+    losses = [5.0, 4.0, 0.1, 2.0, 1.0]
+    typo = CheckpointManager(tmp_path / "ck", keep_policy=BestN("val_los", 2))
+    with caplog.at_level(logging.WARNING), typo as m:
+        for step, loss in enumerate(losses, start=1):
+            m.save(TensorDict(step=torch.tensor(step)), force=True, metrics={"val_loss": loss})
+        m.wait()
+        assert m.all_steps() == [1, 2, 3, 4, 5]
+    said = [r.getMessage() for r in caplog.records if "BestN('val_los', 2)" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "no committed step has a finite 'val_los' (their metrics: val_loss)" in said[0]
+    # once a step has it, ranking resumes: the best 2 and the newest are kept
+    with CheckpointManager(tmp_path / "ck", keep_policy=BestN("val_loss", 2)) as m:
+        m.save(TensorDict(step=torch.tensor(6)), force=True, metrics={"val_loss": 3.0})
+        m.wait()
+        assert m.all_steps() == [3, 5, 6]
+    # too few steps to delete any: nothing said
+    assert BestN("x", 5).keep(infos(), 0) == {10, 20, 30, 40, 50}

@@ -113,6 +113,20 @@ def test_apply_lora_errors_name_the_fix():
         lora.apply_lora(_gpt(), rank=2, alpha=4, targets=["ln_1"], generator=torch.Generator())
     with pytest.raises(ValueError, match="rank must be a positive int"):
         lora.apply_lora(_gpt(), rank=0, alpha=4, targets=["c_attn"], generator=torch.Generator())
+    g = torch.Generator()
+    with pytest.raises(
+        ValueError, match=r"dropout must be a number in \[0, 1\), got dropout='0.1'"
+    ):
+        lora.apply_lora(_gpt(), rank=2, alpha=4, targets=["c_attn"], generator=g, dropout="0.1")
+    with pytest.raises(TypeError, match="generator must be a torch.Generator .*got None"):
+        lora.apply_lora(_gpt(), rank=2, alpha=4, targets=["c_attn"], generator=None)
+    # "*" matched the model itself: setattr(model, "", ...) made a cycle the forward never used
+    linear = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"the model itself is an nn.Linear: .*Sequential"):
+        lora.apply_lora(linear, rank=1, alpha=1, targets=["*"], generator=g)
+    assert list(dict(linear.named_modules())) == [""]  # untouched
+    wrapped = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    assert lora.apply_lora(wrapped, rank=1, alpha=1, targets=["*"], generator=g) == ["0"]
     adapted = lora.apply_lora(
         _gpt(), rank=2, alpha=4, targets=["transformer.h.0.attn.*"], generator=torch.Generator()
     )

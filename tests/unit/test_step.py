@@ -534,6 +534,24 @@ def test_an_aux_metric_that_is_not_one_number_is_named_at_the_loss(aux, message,
         step(state, _batch(0))
 
 
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        (lambda loss: (loss, {}, 1), "got a tuple of 3: (Tensor, dict, int)"),
+        (lambda loss: (loss,), "got a tuple of 1: (Tensor)"),
+        (lambda loss: loss.to(torch.complex64), "loss is torch.complex64: it must be a real"),
+        (lambda loss: (loss > 0).long(), "loss is torch.int64: it must be a real floating"),
+    ],
+)
+def test_a_loss_of_the_wrong_shape_or_dtype_is_named_at_the_loss(result, message):
+    """A tuple of the wrong length was Python's "too many values to unpack"; a complex or
+    integer loss was autograd's error from deep inside the backward."""
+    model = _model()
+    step = make_step(model, lambda m, b: result(_mse(m, b)), _tx())
+    with pytest.raises(TypeError, match=re.escape(message)):
+        step(init_state(model, _tx(), seed=0), _batch(0))
+
+
 def test_float64_aux_metrics_keep_their_precision_and_counts_sum():
     model = _model()
 
