@@ -230,6 +230,8 @@ class CompiledCore:
                     continue
                 # nothing compiled (or the loss raised while tracing): the next call retries
                 del self.cache[key]
+                if isinstance(e, Exception):
+                    e.add_note(_TRACING_NOTE)
                 raise
 
     def explain(self, p, b, opt, micro, scale=None, in_place: bool = False, keep=None):
@@ -335,6 +337,17 @@ def _breaks() -> dict[str, int]:
 
 def _new_breaks(before: dict[str, int]) -> list[str]:
     return [r for r, n in counters["graph_break"].items() if n > before.get(r, 0)]
+
+
+# added to an error of the first compiled call: an error from the loss while it is traced
+# read like a torch bug ("Cannot access data pointer of Tensor that doesn't have storage")
+_TRACING_NOTE = (
+    "ftrain: this came from the step's first compiled call (trainer.compile / "
+    "make_step(compile=True)), which traces the loss with fake tensors under torch.func: code "
+    "that leaves torch (.numpy(), .tolist(), a NumPy or Python computation on tensor values) "
+    "cannot be traced; keep the loss in torch ops, or run without compile to see if it "
+    "trains eagerly"
+)
 
 
 def _say_breaks(graphs: int, reasons: list[str]) -> None:

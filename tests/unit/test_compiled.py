@@ -338,6 +338,25 @@ def test_a_loss_raising_while_a_new_layout_is_traced_leaves_the_donated_state_wh
     assert _max_diff(state, twin) < 1e-5
 
 
+def test_a_loss_that_leaves_torch_fails_the_compiled_step_with_a_note_saying_why():
+    """``.numpy()`` in the loss trains eagerly; compiled it failed with "Cannot access data
+    pointer of Tensor that doesn't have storage" and no word of the tracing."""
+
+    def numpy_loss(model, batch):
+        weight = float(model(batch["x"]).detach().numpy().mean())
+        loss, aux = mse_loss(model, batch)
+        return loss * weight, aux
+
+    model, tx = _mlp(), _tx()
+    step = ftrain.make_step(model, numpy_loss, tx, compile=True)
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - whatever torch raises
+        step(ftrain.init_state(model, tx, seed=0), make_data(16, seed=0))
+    note = " ".join(getattr(raised.value, "__notes__", []))
+    assert "first compiled call" in note and "(.numpy(), .tolist()" in note
+    eager = ftrain.make_step(model, numpy_loss, tx)
+    assert int(eager(ftrain.init_state(model, tx, seed=0), make_data(16, seed=0))[0]["step"]) == 1
+
+
 def test_a_donated_compiled_step_takes_a_state_of_inference_tensors():
     """Reading the leaves' version counters (to undo the mark after a failed trace) raised
     for inference tensors, which keep none, and left the state marked."""
