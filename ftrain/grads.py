@@ -86,6 +86,16 @@ def _check_aux(name, value) -> None:
     several elements reached ``.item()`` in the loop, a traceback far from the loss."""
     if not isinstance(name, str):
         raise TypeError(f"loss_fn's aux metric names must be strings, got {name!r}")
+    if name in _STEP_METRICS or name.startswith("lr_"):  # the step's own value replaced it
+        raise ValueError(
+            f"loss_fn's aux metric {name!r} is a name the step reports itself (loss, "
+            "grad_norm, lr, lr_<group>): rename it, e.g. 'aux_" + name + "'"
+        )
+    if name == "samples" and not _a_count(value):  # evaluate() weights batches by it
+        raise TypeError(
+            f"loss_fn's aux metric 'samples' is the batch's sample count (evaluate weights "
+            f"batches by it): it must be a whole number >= 0 or an integer tensor, got {value!r}"
+        )
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TypeError(
@@ -97,6 +107,15 @@ def _check_aux(name, value) -> None:
             f"loss_fn's aux metric {name!r} is a {type(value).__name__}: each aux metric "
             "must be a number or a one-element tensor"
         )
+
+
+_STEP_METRICS = frozenset({"loss", "grad_norm", "lr"})
+
+
+def _a_count(value) -> bool:
+    if isinstance(value, torch.Tensor):  # its value is not read: that would break a compile
+        return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def merge_aux(total: dict[str, torch.Tensor], aux: Mapping, k: int) -> None:

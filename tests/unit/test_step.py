@@ -517,6 +517,11 @@ def test_requires_grad_false_is_said_to_be_ignored():
         ({"label": "cat"}, "aux metric 'label' is a str"),
         ({3: torch.tensor(1.0)}, "aux metric names must be strings"),
         ([torch.tensor(1.0)], "must be a dict of name to scalar, got list"),
+        ({"loss": torch.tensor(1.0)}, "aux metric 'loss' is a name the step reports itself"),
+        ({"lr_head": 0.1}, "aux metric 'lr_head' is a name the step reports itself"),
+        ({"samples": 2.5}, "'samples' is the batch's sample count"),
+        ({"samples": -1}, "must be a whole number >= 0 or an integer tensor, got -1"),
+        ({"samples": torch.tensor(8.0)}, "'samples' is the batch's sample count"),
     ],
 )
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -530,7 +535,7 @@ def test_an_aux_metric_that_is_not_one_number_is_named_at_the_loss(aux, message,
 
     step = make_step(model, loss, _tx(), grad_accum=grad_accum)
     state = init_state(model, _tx(), seed=0)
-    with pytest.raises(TypeError, match=re.escape(message)):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
         step(state, _batch(0))
 
 
