@@ -197,6 +197,24 @@ def resolve(predicate: Predicate, keys: list[Path], leaves: list[torch.Tensor]) 
         >>> resolve(ndim_at_least(2), [("b",), ("w",)], [torch.zeros(2), torch.zeros(2, 2)])
         [1]
     """
-    return [
-        i for i, (k, t) in enumerate(zip(keys, leaves, strict=True)) if predicate(path_str(k), t)
-    ]
+    return [i for i, (k, t) in enumerate(zip(keys, leaves, strict=True)) if _picks(predicate, k, t)]
+
+
+def _picks(predicate: Predicate, key: Path, leaf: torch.Tensor) -> bool:
+    """One answer of a mask predicate, which must be ``(path, tensor) -> bool``: a lambda of
+    one argument failed with Python's own arity error from here, and ``'no'`` selected."""
+    try:
+        answer = predicate(path_str(key), leaf)
+    except TypeError as err:
+        if "positional argument" not in str(err):
+            raise
+        raise TypeError(
+            f"a mask predicate takes (path, tensor) and returns a bool, e.g. lambda path, t: "
+            f"t.ndim >= 2; {predicate!r} failed: {err}"
+        ) from None
+    if isinstance(answer, str):  # "no" is truthy: it would select the leaf
+        raise TypeError(
+            f"a mask predicate must return a bool, {predicate!r} returned {answer!r} for "
+            f"{path_str(key)!r}"
+        )
+    return bool(answer)

@@ -226,3 +226,20 @@ def test_the_norm_of_the_same_unmodified_tensors_is_computed_once(monkeypatch):
     global_norm_of(grads)
     global_norm_of(grads)
     assert len(calls) == 5  # outside the step nothing is remembered (.data writes, all_reduce)
+
+
+def test_a_mask_predicate_of_the_wrong_shape_is_named():
+    """A one-argument lambda failed with Python's own arity error from inside the masks
+    module; a predicate answering "no" selected the leaf (a string is truthy)."""
+    params = TensorDict({"b": torch.zeros(2), "w": torch.zeros(2, 2)}, [])
+    for mask, said in (
+        (lambda path: True, r"a mask predicate takes \(path, tensor\) and returns a bool"),
+        (lambda path, t: "no", "a mask predicate must return a bool, .* returned 'no' for 'b'"),
+    ):
+        tx = optim.adamw(1e-3, weight_decay=0.1, mask=mask)
+        with pytest.raises(TypeError, match=said):
+            tx.update(params.clone(), tx.init(params), params)
+    picked = masks.resolve(
+        lambda path, t: re.search("w", path), [("b",), ("w",)], [*params.values()]
+    )
+    assert picked == [1]  # a truthy answer other than a string still selects
