@@ -584,6 +584,9 @@ def check_trainer(t: DictConfig) -> None:
     _check_fault_keys(t)
 
 
+MIN_HANG_TIMEOUT_S = 1.0  # below it, the watchdog's own poll and the first step's allowance
+
+
 def _check_fault_keys(t: DictConfig) -> None:
     """``trainer.compile``, ``trainer.on_nonfinite`` and ``trainer.hang_timeout_s`` (see
     docs/configuration.md, docs/fault-tolerance.md)."""
@@ -602,6 +605,13 @@ def _check_fault_keys(t: DictConfig) -> None:
     if t.hang_timeout_s is not None and not t.hang_timeout_s > 0:
         raise ConfigError(
             f"trainer.hang_timeout_s must be > 0 seconds or null (off), got {t.hang_timeout_s}"
+        )
+    if t.hang_timeout_s is not None and t.hang_timeout_s < MIN_HANG_TIMEOUT_S:
+        # every start "hung" at its first step and exited 4, which supervisors restart
+        raise ConfigError(
+            f"trainer.hang_timeout_s={t.hang_timeout_s} is shorter than a step can be timed: "
+            f"every start would be called hung (exit 4) and restarted; use at least "
+            f"{MIN_HANG_TIMEOUT_S:g} s, longer than your slowest step, eval or save, or null (off)"
         )
 
 

@@ -280,6 +280,7 @@ def test_watchdog_rejects_a_non_positive_timeout(tmp_path):
     [
         ("trainer.hang_timeout_s=0", "trainer.hang_timeout_s must be > 0"),
         ("trainer.hang_timeout_s=-5", "trainer.hang_timeout_s must be > 0"),
+        ("trainer.hang_timeout_s=0.001", "0.001 is shorter than a step can be timed"),
         ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite must be stop, skip or continue"),
     ],
 )
