@@ -319,9 +319,27 @@ class CheckpointManager:
             CheckpointNotFoundError: ``step`` (that copy) is not committed.
             CorruptCheckpointError: its metadata does not verify.
         """
-        if step is None:  # restore(None) is the newest; metadata reads one named step
-            raise TypeError("metadata(step): name the step (latest_step() is the newest)")
-        step = _as_step(step, "metadata")
+        path = self._committed_path(step, copy, "metadata")
+        marker, manifest = protocol.read_committed(path)
+        attrs = read_root_attributes(path, manifest)
+        facts = ("bytes", "written_bytes", "linked_bytes", "blocking_seconds", "write_seconds")
+        save = {k: marker.get(k) for k in facts}
+        return attrs | {"save": save, "path": str(path)}
+
+    def arrays(self, step: int, copy: int | None = None) -> dict[str, tuple[tuple, str]]:
+        """The arrays of ``step`` as its sealed manifest records them: ``{key path: (shape,
+        dtype name)}`` (``"params/w": ((4, 3), "float32")``), nothing read but the manifest.
+
+        Raises:
+            CheckpointNotFoundError: as :meth:`metadata`.
+        """
+        manifest = protocol.read_committed(self._committed_path(step, copy, "arrays"))[1]
+        return {k: (tuple(a["shape"]), a["dtype"]) for k, a in manifest["arrays"].items()}
+
+    def _committed_path(self, step: int, copy: int | None, method: str):
+        if step is None:  # restore(None) is the newest; these read one named step
+            raise TypeError(f"{method}(step): name the step (latest_step() is the newest)")
+        step = _as_step(step, method)
         paths = self._locations().get(step) or []
         if copy is not None:
             paths = [p for p in paths if self._seals.get(str(p)) == copy]
@@ -330,11 +348,7 @@ class CheckpointManager:
                 f"step {step}{'' if copy is None else f' (copy {copy})'} is not committed; "
                 f"available: {self.all_steps()}"
             )
-        marker, manifest = protocol.read_committed(paths[0])
-        attrs = read_root_attributes(paths[0], manifest)
-        facts = ("bytes", "written_bytes", "linked_bytes", "blocking_seconds", "write_seconds")
-        save = {k: marker.get(k) for k in facts}
-        return attrs | {"save": save, "path": str(paths[0])}
+        return paths[0]
 
     # ---- saving ----------------------------------------------------------------
     def save(

@@ -37,7 +37,7 @@ from ftrain.config import config_hash, flat_config, recorded_config
 from ftrain.dist import World, broadcast_json, gather_json
 from ftrain.metrics.history import read_history
 from ftrain.optim import refresh_hyperparams
-from ftrain.state.tree import replace
+from ftrain.state.tree import flatten, replace
 from ftrain.step import learning_rate_metrics
 
 __all__ = [
@@ -375,16 +375,39 @@ def _refuse_newer_elsewhere(cfg: DictConfig, manager: CheckpointManager, newest:
     )
 
 
-def _first_choice(cfg: DictConfig, manager: CheckpointManager) -> int | None:
+def _first_choice(
+    cfg: DictConfig, manager: CheckpointManager, fresh: TensorDictBase | None = None
+) -> int | None:
     """Coordinator: :func:`_pick_step`, with the config checked on the candidate's metadata
     *before* restoring, so a changed model shape is reported as a config diff rather than
-    as a shape mismatch."""
+    as a shape mismatch (and, given the ``fresh`` state, as one that changes shapes)."""
     chosen = _pick_step(cfg, manager)
     if chosen is not None:
         meta = _candidate_metadata(manager, chosen)
         if meta is not None:
-            _check_compat(cfg, meta)
+            _check_compat(cfg, meta, lambda: _reshaped(manager, meta, fresh))
     return chosen
+
+
+def _reshaped(manager: CheckpointManager, meta: dict, fresh: TensorDictBase | None) -> list[str]:
+    """How the params and optimizer state this config makes differ in keys or shapes from
+    the step's (its manifest; a replicated layout only): [] when they fit or it cannot tell."""
+    if fresh is None or meta.get("layout") != "replicated" or not isinstance(meta.get("step"), int):
+        return []
+    try:
+        saved = manager.arrays(meta["step"])
+    except (OSError, ValueError):
+        return []  # the restore says what is wrong with the step
+    ours = {"/".join(k): tuple(t.shape) for k, t in zip(*flatten(fresh), strict=True)}
+    ours = {k: v for k, v in ours.items() if k.startswith(("params/", "opt/"))}
+    theirs = {k: v[0] for k, v in saved.items() if k.startswith(("params/", "opt/"))}
+    said = {
+        k: f"{theirs[k]} -> {ours[k]}" for k in ours.keys() & theirs.keys() if theirs[k] != ours[k]
+    }
+    said |= dict.fromkeys(theirs.keys() - ours.keys(), "only in the checkpoint")
+    said |= dict.fromkeys(ours.keys() - theirs.keys(), "not in the checkpoint")
+    params_first = sorted(said, key=lambda k: (not k.startswith("params/"), k))
+    return [f"{k}: {said[k]}" for k in params_first]
 
 
 _REFUSED = "the coordinator (rank 0) refused to resume; its message says why and what to change"
@@ -416,7 +439,7 @@ def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
     restored, mmap = {}, bool(cfg.checkpoint.mmap_restore)
 
     def pick() -> list | None:
-        chosen = _first_choice(cfg, manager)
+        chosen = _first_choice(cfg, manager, fresh)
         if chosen is None:
             return None
         step = None if chosen == _LATEST else chosen
@@ -464,7 +487,7 @@ def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
     fails with the same message; none is left waiting in a collective."""
 
     def candidates() -> list[list] | None:
-        chosen = _first_choice(cfg, manager)
+        chosen = _first_choice(cfg, manager, fresh)
         if chosen is None:
             return None
         copies = manager.committed_copies()  # every rank tries the same copy, in turn
@@ -713,7 +736,10 @@ def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     return (_checked_metadata(manager, step) or {}).get("schedule_horizon")
 
 
-def _check_compat(cfg: DictConfig, meta: dict) -> list[str]:
+def _check_compat(cfg: DictConfig, meta: dict, reshaped=None) -> list[str]:
+    """The config's changes since the step ``meta`` describes: ``bad`` ones refused unless
+    ``run.allow_config_change``, said with the state's shape changes ``reshaped()`` finds
+    (which no setting accepts: the advice to accept the change led to a 150-line refusal)."""
     saved = meta.get("config")
     if saved is None:
         return []
@@ -721,11 +747,21 @@ def _check_compat(cfg: DictConfig, meta: dict) -> list[str]:
     if bad and not cfg.run.allow_config_change:
         step = meta.get("step")
         where = f"python -m ftrain.ckpt show {cfg.checkpoint.dir} {step} prints the checkpoint's"
+        shapes = reshaped() if reshaped is not None else []
+        new_run = "start a new run (another run.name or resume=none run.overwrite=true)"
         raise ResumeError(
             f"the config differs from step {step}'s checkpoint in ways that change what a step computes:\n    "
             + "\n    ".join(_first(bad, f"differences ({where} config)"))
-            + "\n  resume with the checkpoint's values, start a new run (another run.name or resume=none "
-            "run.overwrite=true), or accept the change with run.allow_config_change=true"
+            + (
+                "\n  the state this config makes has other keys or shapes than the checkpoint's:\n    "
+                + "\n    ".join(_first(shapes, "differences"))
+                + f"\n  no setting continues this run with another state: resume with the "
+                f"checkpoint's values, or {new_run}; init.from={cfg.run.dir}:{step} starts "
+                "one from its params where the model is unchanged"
+                if shapes
+                else f"\n  resume with the checkpoint's values, {new_run}, or accept the change "
+                "with run.allow_config_change=true"
+            )
         )
     return bad + safe
 

@@ -72,6 +72,10 @@ def test_save_restore_roundtrip_and_metadata(tmp_path, async_save):
         m.wait()
         assert m.all_steps() == [10, 20] and m.latest_step() == 20
         assert same(m.restore(), make_state(20)) and same(m.restore(10), make_state(10))
+        assert m.arrays(10)["params/w"] == ((64, 8), "float32")
+        assert m.arrays(10)["params/b"] == ((8,), "bfloat16")
+        with pytest.raises(CheckpointNotFoundError):
+            m.arrays(11)
         meta = m.metadata(10)
     assert (
         meta["config_hash"] == "abc"
