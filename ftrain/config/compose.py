@@ -444,6 +444,7 @@ def _check_values(cfg: DictConfig) -> None:
     _check_checkpoint(cfg.checkpoint)
     _check_optim(cfg.optim)
     _check_groups(cfg.optim)
+    _check_gpt2_shape(cfg.model)
     _check_lora(cfg.model.get("lora"))
     _check_init(cfg.get("init"))
     _check_schedule(cfg.schedule)
@@ -451,6 +452,24 @@ def _check_values(cfg: DictConfig) -> None:
     _check_dist(cfg.dist)
     _check_shard(cfg)
     _check_best_metric(cfg)
+
+
+_GPT2_SHAPE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
+
+
+def _check_gpt2_shape(model: DictConfig) -> None:
+    """The built-in GPT-2's shape rules (``n_embd`` divisible by ``n_head``, ...) when the
+    config is composed: they lived only in the model's constructor, so a sweep found
+    ``model.n_head=4,3``'s second job impossible after the first had trained."""
+    if model.get("_target_") != "ftrain.cli.targets.gpt2":
+        return
+    from ftrain.recipes.gpt2 import GPTConfig  # torch-free: a dataclass
+
+    try:
+        GPTConfig(**{k: model.get(k) for k in _GPT2_SHAPE})
+    except (TypeError, ValueError) as err:
+        said = str(err).replace("GPTConfig.", "model.")
+        raise ConfigError(f"{said} (model={model.get('name')}: the built-in GPT-2)") from None
 
 
 def _check_finite(cfg: DictConfig) -> None:

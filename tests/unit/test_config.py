@@ -64,6 +64,10 @@ def test_recipe_overlay_and_builders():
         # a logger's key without choosing it: "Key 'tensorboard' is not in struct"
         ("logger.tensorboard.flush_secs=5", r"fix: the logger 'tensorboard' is not chosen: add"),
         ("logger.mine.x=5", r"fix: 'mine' is not a logger of ftrain's .*\+logger.mine._target_"),
+        # the built-in GPT-2's shape rules lived only in its constructor: a sweep trained
+        # model.n_head=4 before finding model.n_head=3 impossible
+        ("model.n_head=3", r"model.n_embd must be divisible by n_head, got n_embd=64 and n_head=3"),
+        ("model.dropout=1.0", r"model.dropout must be in \[0, 1\), got dropout=1.0 \(model=gpt2"),
     ],
 )
 def test_bad_config_is_one_clear_error(override, needle):

@@ -75,8 +75,13 @@ def test_a_target_that_cannot_be_built_is_one_config_error():
     with pytest.raises(ConfigError, match="fix: check that nopkg is importable"):
         build_model(load_config(["model._target_=nopkg.Model"]))
     # found and called, it refused a value: the fix names the values, not the import
+    from omegaconf import read_write
+
+    cfg = load_config([])  # the built-in GPT-2's shape is checked at load: past that check
+    with read_write(cfg):
+        cfg.model.n_head = 3
     with pytest.raises(ConfigError, match=r"fix: check the model\.\* values") as info:
-        build_model(load_config(["model.n_head=3"]))
+        build_model(cfg)
     assert "importable" not in str(info.value)
     with pytest.raises(ConfigError, match=r"optim._target_=.*bogus"):
         build_tx(load_config(["optim.b1=0.5", "optim._target_=ftrain.optim.bogus"]))
@@ -212,6 +217,9 @@ def test_sweep_refusals():
         plan_jobs(["run.dir=x", "optim.lr=1e-3,2e-3"])
     with pytest.raises(ConfigError, match="hydra.sweep.dir/hydra.sweep.subdir"):
         plan_jobs(["hydra.run.dir=x", "optim.lr=1e-3,2e-3"])
+    # found only when job 1 ran, after job 0 had trained
+    with pytest.raises(ConfigError, match="model.n_embd must be divisible by n_head, got .*=3"):
+        plan_jobs(["model.n_head=4,3"])
     # a fixed fallback: a later job resumed an earlier one's steps from it; a fixed logger
     # path: one CSV with two jobs' rows, one TensorBoard log_dir purged by the second job
     for fixed, key in (
