@@ -75,7 +75,14 @@ from ftrain.cli.sweep import exit_process, hang_exit_note
 from ftrain.cli.targets import unused_option_settings
 from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
 from ftrain.config import ConfigError, to_plain
-from ftrain.data import DataFingerprintError, DataFormatError, DataPathError, Loader, Source
+from ftrain.data import (
+    DataFingerprintError,
+    DataFormatError,
+    DataPathError,
+    Loader,
+    Source,
+    TokenRangeError,
+)
 from ftrain.data.sampler import rank_starts
 from ftrain.dist import (
     LaunchError,
@@ -629,17 +636,20 @@ def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
 
 
 def _bad_batch(err: DataFormatError, session: Session) -> int:
-    """Data that cannot be trained on, found in a batch (a token id the model has no row
-    for): the message names the data and the fix, exit 1 after the loop's emergency save.
-    A policy save still in flight is waited for first: it said "none (a re-run starts
-    fresh)" while that step was committing."""
+    """Data that cannot be trained on, found in a batch: the message names the data and
+    the fix, after the loop's emergency save; exit 2 for a token id the model has no row
+    for (the same command reads the same batch: a supervisor must not retry it), else 1
+    (a file truncated under the run: a retry after it is regenerated may go on). A policy
+    save still in flight is waited for first: it said "none (a re-run starts fresh)" while
+    that step was committing."""
     _settle(session)
-    return _stopped(
+    code = _stopped(
         err,
         session.manager,
         "the data or the config as the message says (fixed data has a new fingerprint: "
         "resume it with data.allow_changed=true)",
     )
+    return EXIT_CONFIG if isinstance(err, TokenRangeError) else code
 
 
 def _newest_committed(manager: CheckpointManager) -> str:

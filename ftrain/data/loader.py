@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.data.sampler import cursor_values, init_cursor, sample
-from ftrain.data.sources import DataFormatError, DataPathError, Source
+from ftrain.data.sources import DataFormatError, DataPathError, Source, TokenRangeError
 
 __all__ = ["Loader", "LoaderIterator", "check_token_ids", "val_batches"]
 
@@ -252,7 +252,8 @@ def check_token_ids(
     of ``F.cross_entropy`` (a source masking padding or prompt tokens).
 
     Raises:
-        DataFormatError: naming the id, the data, where it was read and the fix.
+        TokenRangeError: a DataFormatError naming the id, the data, where it was read and
+            the fix.
     """
     if vocab_size is None or not x.numel():
         return
@@ -264,7 +265,7 @@ def check_token_ids(
     bigger = (
         f"a model.vocab_size above {bad} (a new run once steps are committed: " if bad >= 0 else ""
     )
-    raise DataFormatError(
+    raise TokenRangeError(
         f"token id {bad} is outside the model's vocabulary [0, {vocab_size}) in the batch read "
         f"at {where} of {facts.get('path') or facts.get('kind', 'the data')!r}"
         + (f" (dtype {facts['dtype']})" if "dtype" in facts else "")

@@ -63,6 +63,11 @@ class DataFormatError(ValueError):
     """A data file exists but is corrupt, truncated or too small."""
 
 
+class TokenRangeError(DataFormatError):
+    """A batch holds a token id the model has no row for: the data (or ``data.dtype``)
+    does not fit the model, and reading it again fails the same way (exit 2, not 1)."""
+
+
 def _token_dtype(dtype) -> np.dtype:
     """``data.dtype`` as a numpy integer dtype: a float, bool or unknown dtype read token
     ids as garbage (a uint16 file as float16: every id 0, trained to the end) or failed
