@@ -697,12 +697,17 @@ def _check_optim(o: DictConfig) -> None:
             raise _bad(f"optim.{name}", o[name], "must be in [0, 1)")
     if "eps" in o and not o.eps > 0:
         raise _bad("optim.eps", o.eps, "must be > 0")
+    if "eps" in o and o.eps < _FLOAT32_TINY:  # it rounds to 0 in fp32: NaN at step 2
+        raise _bad(
+            "optim.eps", o.eps, f"must be at least {_FLOAT32_TINY:.3g} (smaller is 0 in float32)"
+        )
     if "weight_decay" in o and not o.weight_decay >= 0:
         raise _bad("optim.weight_decay", o.weight_decay, "must be >= 0")
     if "momentum" in o and not 0 <= o.momentum < 1:  # 1 or more: the velocity never decays
         raise _bad("optim.momentum", o.momentum, "must be in [0, 1)")
 
 
+_FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without torch
 _GROUP_KEYS = ("params", "lr", "b1", "b2", "eps", "weight_decay", "momentum", "nesterov")
 _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]*")
 

@@ -201,6 +201,12 @@ class WandbLogger:
             raise LoggerError(
                 f"logger.wandb.mode={mode!r} is invalid: use online, offline, disabled or null"
             )
+        tags = [tags] if isinstance(tags, str) else list(tags)
+        if not all(isinstance(t, str) for t in tags):  # an 8-line pydantic dump from wandb
+            raise LoggerError(
+                f"logger.wandb.tags={tags!r} is invalid: tags are strings; quote numbers "
+                '(logger.wandb.tags=\'["1","2"]\')'
+            )
         root = Path(dir) if dir else run.run_dir
         (root / "wandb").mkdir(parents=True, exist_ok=True)
         settings = {
@@ -208,7 +214,7 @@ class WandbLogger:
             "name": name or run.name,
             "entity": entity,
             "group": group,
-            "tags": ([tags] if isinstance(tags, str) else list(tags)) or None,  # "foo": f, o, o
+            "tags": tags or None,  # a lone "foo" is one tag, not f, o, o
             "dir": str(root),
             "id": _run_id(root / "wandb" / _RUN_ID_FILE, fresh=not run.resumed),
             "resume": "allow",

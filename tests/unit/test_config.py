@@ -67,6 +67,7 @@ def test_recipe_overlay_and_builders():
         # the built-in GPT-2's shape rules lived only in its constructor: a sweep trained
         # model.n_head=4 before finding model.n_head=3 impossible
         ("model.n_head=3", r"model.n_embd must be divisible by n_head, got n_embd=64 and n_head=3"),
+        ("optim.eps=1e-300", r"optim.eps=1e-300 is invalid: must be at least 1.18e-38"),
         ("model.dropout=1.0", r"model.dropout must be in \[0, 1\), got dropout=1.0 \(model=gpt2"),
     ],
 )

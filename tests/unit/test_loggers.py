@@ -534,6 +534,11 @@ def test_a_single_wandb_tag_is_one_tag_not_its_letters(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or _Run())
     build_loggers({"wandb": {**WANDB, "tags": "foo"}}, RunInfo(tmp_path, "r")).close()
     assert seen["tags"] == ["foo"]
+    # numbers were an 8-line pydantic dump ("2 validation errors for Settings ...")
+    with pytest.raises(
+        LoggerError, match=r"logger.wandb.tags=\[1, 2\] is invalid: tags are strings"
+    ):
+        build_loggers({"wandb": {**WANDB, "tags": [1, 2]}}, RunInfo(tmp_path, "r"))
 
 
 def test_a_failing_logger_is_named_in_one_short_line(caplog):
