@@ -53,7 +53,7 @@ def committed_steps_at(
         root = parse_location(where, storage)
         if isinstance(root, Path) and not root.is_dir():
             if i == 0:
-                raise FileNotFoundError(f"{root}: no such checkpoint directory")
+                raise FileNotFoundError(f"{root}: no such checkpoint directory{_colon_hint(root)}")
             continue  # a fallback the run never had to write to
         if not isinstance(root, Path):
             root.probe()  # an endpoint that does not answer: said in seconds, not minutes
@@ -143,6 +143,14 @@ def split_step(spec: str) -> tuple[str, int | None]:
     if m is None or ("://" not in spec and Path(spec).exists()):
         return spec, None
     return m["where"], int(m["step"])
+
+
+def _colon_hint(root: Path) -> str:
+    """``RUN:abc`` (not a step number) for ``RUN:STEP``: say what the colon takes."""
+    where, colon, after = str(root).rpartition(":")
+    if not colon or not Path(where).exists():
+        return ""
+    return f" ({where} exists: the part after ':' must be a step number, got {after!r})"
 
 
 def name_of(location: Locations) -> str:

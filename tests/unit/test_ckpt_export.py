@@ -275,6 +275,11 @@ def test_a_run_directory_whose_name_ends_in_colon_digits_is_not_read_as_run_step
     assert parse_init_from(str(run)) == (str(run / "checkpoints"), None)
     assert parse_init_from(f"{run}:2") == (str(run / "checkpoints"), 2)
     assert readonly.split_step("runs/absent:7") == ("runs/absent", 7)
+    # a step that is not a number: it said only "no such checkpoint directory"
+    with pytest.raises(
+        FileNotFoundError, match=r"exists: the part after ':' must be a step number, got 'abc'"
+    ):
+        readonly.read_subtree(f"{run / 'checkpoints'}:abc")
     assert readonly.split_step("s3://b/p:3") == ("s3://b/p", 3)
 
 

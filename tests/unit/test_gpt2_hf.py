@@ -122,6 +122,12 @@ def test_refusals_name_the_problem(tmp_path):
         gpt2_hf.read_hf(tmp_path / "pytorch_model.bin")
     with pytest.raises(gpt2_hf.HFFormatError, match="no such file"):
         gpt2_hf.read_hf(tmp_path / "absent")
+    crowded = tmp_path / "crowded"  # init.from_hf=/tmp printed every entry of /tmp
+    crowded.mkdir()
+    for i in range(20):
+        (crowded / f"f{i:02d}").write_text("")
+    with pytest.raises(gpt2_hf.HFFormatError, match=r"found: f00, .*, f07, \.\.\. \(12 more\)\)"):
+        gpt2_hf.read_hf(crowded)
     untied = {"wte.weight": torch.zeros(4, 2), "lm_head.weight": torch.ones(4, 2)}
     with pytest.raises(gpt2_hf.HFFormatError, match="untied head"):
         gpt2_hf.from_hf_names(untied)

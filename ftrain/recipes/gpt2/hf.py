@@ -239,7 +239,8 @@ def _files_of(path: Path) -> tuple[list[Path], Path | None]:
     if index.is_file():
         return [path / s for s in _shards(index)], config
     found = sorted(p.name for p in path.iterdir())
-    raise HFFormatError(f"{path} holds no model.safetensors (found: {found}){_PICKLE_HINT}")
+    shown = ", ".join(found[:8]) + (f", ... ({len(found) - 8} more)" if len(found) > 8 else "")
+    raise HFFormatError(f"{path} holds no model.safetensors (found: {shown}){_PICKLE_HINT}")
 
 
 def _shards(index: Path) -> list[str]:
