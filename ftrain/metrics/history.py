@@ -56,7 +56,13 @@ def read_history(run_dir: str | os.PathLike) -> list[dict]:
     advisory).
 
     Example:
-        >>> commits = [r["step"] for r in read_history(run_dir) if r["kind"] == "committed"]
+        >>> import tempfile
+        >>> run_dir = tempfile.mkdtemp()
+        >>> with open(f"{run_dir}/metrics.jsonl", "w") as f:
+        ...     _ = f.write('{"kind": "step", "step": 1}\n{"kind": "step", "step": 2}\n'
+        ...                 '{"kind": "committed", "step": 2}\n')
+        >>> [(r["kind"], list(r.get("steps", [r.get("step")]))) for r in read_history(run_dir)]
+        [('(steps)', [1, 2]), ('committed', [2])]
     """
     path = Path(run_dir) / "metrics.jsonl"
     try:
