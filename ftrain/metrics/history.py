@@ -59,8 +59,9 @@ def read_history(run_dir: str | os.PathLike) -> list[dict]:
         >>> import tempfile
         >>> run_dir = tempfile.mkdtemp()
         >>> with open(f"{run_dir}/metrics.jsonl", "w") as f:
-        ...     _ = f.write('{"kind": "step", "step": 1}\n{"kind": "step", "step": 2}\n'
-        ...                 '{"kind": "committed", "step": 2}\n')
+        ...     for line in ('{"kind": "step", "step": 1}', '{"kind": "step", "step": 2}',
+        ...                  '{"kind": "committed", "step": 2}'):
+        ...         print(line, file=f)
         >>> [(r["kind"], list(r.get("steps", [r.get("step")]))) for r in read_history(run_dir)]
         [('(steps)', [1, 2]), ('committed', [2])]
     """
