@@ -95,6 +95,7 @@ from ftrain.dist import (
 )
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
+from ftrain.metrics.history import forget_history
 from ftrain.optim import refresh_hyperparams
 from ftrain.runlock import RunDirDiskError, RunDirError, claim_run_dir
 from ftrain.sharding import Sharder, shard_state
@@ -492,6 +493,8 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
         evaluate = (
             session.evaluator(p.model, p.loss_fn, p.val, device, stop) if evaluating else None
         )
+        owed = bool(evaluating) and _eval_owed(cfg, world, p.report)
+        forget_history()  # the start's questions are answered: not held through the run
         session.start_progress(int(state["step"]), device)
         watchdog = _watchdog(cfg, session)
         try:
@@ -511,7 +514,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
                     donate=t.donate,
                     on_nonfinite=t.on_nonfinite,
                     watchdog=watchdog,
-                    evaluate_first=bool(evaluating) and _eval_owed(cfg, world, p.report),
+                    evaluate_first=owed,
                 )
             with _watching(watchdog, result):  # the final or stop save's commit may hang too
                 session.finish(result)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ftrain.metrics.jsonl import parse_line
 
-__all__ = ["STEP_RUN", "read_history"]
+__all__ = ["STEP_RUN", "forget_history", "read_history"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,12 @@ def read_history(run_dir: str | os.PathLike) -> list[dict]:
     except OSError as err:
         log.warning("ftrain: cannot read %s (%s); its run records are ignored", path, err)
         return []
+
+
+def forget_history() -> None:
+    """Drop what :func:`read_history` keeps (a start calls it once its checks are done: a
+    long run's records are not held in memory while it trains)."""
+    _PARSED.clear()
 
 
 def _read(f, key: str) -> list[dict]:

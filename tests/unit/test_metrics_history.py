@@ -104,6 +104,15 @@ def test_an_unterminated_last_line_counts_once_and_is_read_again_when_finished(t
     assert [r["step"] for r in read_history(tmp_path)] == [2, 4, 6]
 
 
+def test_forgotten_history_is_parsed_again(tmp_path, parses):
+    from ftrain.metrics.history import forget_history
+
+    _write(tmp_path, _line("committed", 2))
+    read_history(tmp_path)
+    forget_history()
+    assert [r["step"] for r in read_history(tmp_path)] == [2] and parses[0] == 2
+
+
 def test_bad_lines_are_warned_about_once_per_parse(tmp_path, caplog):
     _write(tmp_path, _line("committed", 2), b"not json\n", b"[1]\n", _line("committed", 4))
     with caplog.at_level(logging.WARNING):
