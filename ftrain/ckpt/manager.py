@@ -69,6 +69,7 @@ from ftrain.ckpt.policies import (
     best_policies,
     check_policy,
     newest_finite,
+    ranks_nothing,
 )
 from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.store import DEFAULT_WORKERS, groups_and_arrays, write_tree
@@ -744,6 +745,8 @@ class CheckpointManager:
         entries[step] = entry_for(step, final, save_seconds=total)
         infos = [StepInfo(s, e["time"], e.get("metrics") or {}) for s, e in entries.items()]
         keep = self.keep_policy.keep(infos, time.time()) | {step, max(locations)}
+        if ranks_nothing(self.keep_policy, infos):  # a lone BestN with nothing to rank
+            keep |= set(locations)
         keep |= newest_finite(entries)  # a diverged run never loses its last good step
         # A step whose metadata could not be read (maybe an EIO or EMFILE of the moment)
         # is not the policy's to judge: deleting it could lose committed work.

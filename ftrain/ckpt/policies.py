@@ -14,6 +14,7 @@ newest committed step and never touches an in-flight one::
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -169,10 +170,11 @@ class EveryKSteps:
 class BestN:
     """Keep the ``n`` best steps by ``metrics[metric]`` (``mode`` "min" or "max").
 
-    Steps without the metric (or with a non-finite value) are not kept by this policy,
-    unless no committed step has it: then it keeps every step (a misspelt metric, or
-    metrics not passed to ``save``, deleted all but the newest step, the best among them)
-    and says so once.
+    Steps without the metric (or with a non-finite value) are not kept by this policy.
+    While no committed step has it (a misspelt name, metrics not passed to ``save``, no
+    evaluation yet) it ranks nothing: as the manager's only keep policy it then deletes
+    nothing (:func:`ranks_nothing`: a misspelt metric deleted all but the newest step, the
+    best among them), and a name close to one the steps have is warned about once.
     """
 
     metric: str
@@ -200,32 +202,56 @@ class BestN:
 
     def keep(self, infos: list[StepInfo], now: float) -> set[int]:
         ranked = self.ranked(infos)
-        if ranked or not infos:
-            return set(ranked[: self.n])
-        if len(infos) > self.n:  # deleting would be a guess: keep them, and say why
-            _say_unranked(self, infos)
-        return {i.step for i in infos}
+        if not ranked and infos:
+            _say_close_name(self, infos)
+        return set(ranked[: self.n])
 
 
-_SAID_UNRANKED: set[tuple[str, int, str]] = set()
+def ranks_nothing(policy: object, infos: list[StepInfo]) -> bool:
+    """``policy`` is a lone :class:`BestN` that ranks none of ``infos``: the manager then
+    deletes nothing, and says so once (which steps are best is not known yet, or never)."""
+    if not isinstance(policy, BestN) or not infos or policy.ranked(infos):
+        return False
+    if len(infos) > policy.n:
+        _say_once(
+            ("lone", policy),
+            "ftrain: keep policy %r ranks no committed step (none has a finite %r; their "
+            "metrics: %s): nothing is deleted until one does",
+            policy,
+            policy.metric,
+            ", ".join(_metric_names(infos)) or "none",
+        )
+    return True
 
 
-def _say_unranked(policy: BestN, infos: list[StepInfo]) -> None:
-    """One warning per process and policy: no committed step has the policy's metric."""
-    key = (policy.metric, policy.n, policy.mode)
-    if key in _SAID_UNRANKED:
-        return
-    _SAID_UNRANKED.add(key)
-    seen = sorted({k for i in infos for k in i.metrics if isinstance(k, str)})
-    log.warning(
-        "ftrain: keep policy BestN(%r, %d): no committed step has a finite %r (their metrics: "
-        "%s), so it keeps every step until one does; if the metric has another name, fix "
-        "BestN's (a step's metrics are what save(..., metrics=) passed)",
-        policy.metric,
-        policy.n,
-        policy.metric,
-        ", ".join(seen) or "none",
-    )
+_SAID: set = set()
+
+
+def _say_once(key, message: str, *args) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        log.warning(message, *args)
+
+
+def _metric_names(infos: list[StepInfo]) -> list[str]:
+    return sorted({k for i in infos for k in i.metrics if isinstance(k, str)})
+
+
+def _say_close_name(policy: BestN, infos: list[StepInfo]) -> None:
+    """A metric no step has but one nearly named (``val_los`` beside ``val_loss``): the
+    steps this policy should keep are deleted by the others' rules, so say it once. A name
+    merely not reported yet (``val_loss`` before the first evaluation) is not close to
+    ``loss``: nothing said."""
+    close = difflib.get_close_matches(policy.metric, _metric_names(infos), n=1, cutoff=0.8)
+    if close:
+        _say_once(
+            ("close", policy),
+            "ftrain: keep policy %r: no committed step has %r, but they have %r: is that the "
+            "metric meant? (steps are kept by their metrics as save(..., metrics=) passed them)",
+            policy,
+            policy.metric,
+            close[0],
+        )
 
 
 def finite_number(v: object) -> float | None:

@@ -118,7 +118,7 @@ def test_a_keep_policy_that_raises_is_a_warning_not_a_lost_save(tmp_path):
         assert m.all_steps() == [1, 2]
 
 
-def test_best_n_whose_metric_no_step_has_keeps_every_step_and_says_so(tmp_path, caplog):
+def test_a_lone_best_n_whose_metric_no_step_has_deletes_nothing_and_says_so(tmp_path, caplog):
     """A misspelt metric (or metrics never passed to save) ranked no step: every step but
     the newest was deleted, the best among them, with no word."""
     import logging
@@ -128,7 +128,7 @@ def test_best_n_whose_metric_no_step_has_keeps_every_step_and_says_so(tmp_path, 
 
     from ftrain.ckpt import CheckpointManager, policies
 
-    policies._SAID_UNRANKED.clear()
+    policies._SAID.clear()
     losses = [5.0, 4.0, 0.1, 2.0, 1.0]
     typo = CheckpointManager(tmp_path / "ck", keep_policy=BestN("val_los", 2))
     with caplog.at_level(logging.WARNING), typo as m:
@@ -136,13 +136,27 @@ def test_best_n_whose_metric_no_step_has_keeps_every_step_and_says_so(tmp_path, 
             m.save(TensorDict(step=torch.tensor(step)), force=True, metrics={"val_loss": loss})
         m.wait()
         assert m.all_steps() == [1, 2, 3, 4, 5]
-    said = [r.getMessage() for r in caplog.records if "BestN('val_los', 2)" in r.getMessage()]
-    assert len(said) == 1, said
-    assert "no committed step has a finite 'val_los' (their metrics: val_loss)" in said[0]
+    said = [r.getMessage() for r in caplog.records if "val_los'" in r.getMessage()]
+    assert len(said) == 2, said  # nothing deleted; and the close name, each once
+    assert any("ranks no committed step (none has a finite 'val_los'" in m for m in said)
+    assert any("but they have 'val_loss': is that the metric meant?" in m for m in said)
     # once a step has it, ranking resumes: the best 2 and the newest are kept
     with CheckpointManager(tmp_path / "ck", keep_policy=BestN("val_loss", 2)) as m:
         m.save(TensorDict(step=torch.tensor(6)), force=True, metrics={"val_loss": 3.0})
         m.wait()
         assert m.all_steps() == [3, 5, 6]
-    # too few steps to delete any: nothing said
-    assert BestN("x", 5).keep(infos(), 0) == {10, 20, 30, 40, 50}
+
+
+def test_best_n_beside_other_policies_ranks_nothing_before_its_metric_and_keeps_it_bounded():
+    """With LatestN beside it, a BestN whose metric is not reported yet (the command line's
+    val_loss before the first evaluation) keeps nothing itself: retention stays bounded.
+    A metric only far from the steps' names (val_loss beside loss) is not warned about."""
+    from ftrain.ckpt import policies
+
+    policies._SAID.clear()
+    steps = [StepInfo(s, float(s), {"loss": 1.0 / s}) for s in range(1, 51)]
+    composed = AnyOf(LatestN(2), BestN("val_loss", 1))
+    assert composed.keep(steps, 0) == {49, 50}
+    assert not policies.ranks_nothing(composed, steps) and not policies._SAID
+    assert policies.ranks_nothing(BestN("val_loss", 1), steps)
+    assert not policies.ranks_nothing(BestN("loss", 1), steps)
