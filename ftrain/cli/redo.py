@@ -115,7 +115,7 @@ def _explicit(record: dict) -> bool:
 
 
 def _is_step(value: object) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value < 2**63  # the heartbeat's too (int64 arrays)
 
 
 def _after(time: object, branched: object) -> bool:

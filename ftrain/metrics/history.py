@@ -7,8 +7,9 @@ run logging every step for days holds millions of lines, and each full read took
 the file once and keeps what those questions use: every record but the ``step`` ones as it
 is, and each run of consecutive ``step`` records as one stand-in record holding just their
 step numbers (8 bytes a step). The file is append-only, so a later call parses only what was
-appended since; a file replaced, truncated or rewritten in place (the bytes before the end
-of the last parse differ) is read again whole. Bad lines are skipped and warned about as
+appended since; a file replaced, truncated or rewritten in place (the last 64 bytes before
+the end of the last parse differ: a rewrite elsewhere of the same length is not noticed,
+which no writer of the records does) is read again whole. Bad lines are skipped and warned about as
 :func:`~ftrain.metrics.jsonl.read_records` does, once per parse.
 """
 
@@ -155,4 +156,4 @@ def _stand_in(record: dict) -> dict | None:
 
 
 def _is_step(value: object) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value < 2**63

@@ -180,7 +180,9 @@ def _well_formed(record: dict) -> bool:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A whole number a step counter can hold (int64: a 20-digit step stopped every start
+    with an OverflowError in the start-up checks)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 def _is_number(value) -> bool:

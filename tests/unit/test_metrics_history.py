@@ -148,3 +148,17 @@ def test_the_start_up_questions_parse_each_line_once(tmp_path, parses):
     assert committed_since_going_back(tmp_path, 100, "job") == []
     assert not started_fresh(tmp_path, "job") and earlier_init_step(tmp_path, "x") is None
     assert parses[0] == len(lines) + 2
+
+
+def test_a_step_past_int64_is_a_malformed_line_not_a_failed_start(tmp_path, caplog):
+    """JSON integers have no bound: a 20-digit step raised OverflowError from the array of
+    step numbers, and every start of that run stopped with a traceback."""
+    from ftrain.cli.redo import redo_range
+
+    huge = 99999999999999999999
+    _write(tmp_path, _line("step", 1), _line("step", huge), _line("committed", huge))
+    (tmp_path / "heartbeat.json").write_text(json.dumps({"step": huge, "time": 2.0}))
+    with caplog.at_level(logging.WARNING):
+        assert _flat(read_history(tmp_path)) == [("step", 1)]
+        assert redo_range(tmp_path, 0) == (1, 1)
+    assert "skipped 2 unreadable or malformed lines" in caplog.text
