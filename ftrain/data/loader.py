@@ -257,6 +257,13 @@ def check_token_ids(
     """
     if vocab_size is None or not x.numel():
         return
+    if x.is_floating_point() or y.is_floating_point() or x.dtype == torch.bool:
+        facts = source.describe()  # F.embedding's own error was a traceback from the model
+        raise TokenRangeError(
+            f"the batch read at {where} of {facts.get('path') or facts.get('kind', 'the data')!r} "
+            f"holds {x.dtype} inputs and {y.dtype} targets: token ids must be integers (the "
+            "model has a vocabulary); make the source return integer tensors"
+        )
     lo, hi = int(x.min()), max(int(x.max()), int(y.max()))
     if lo >= 0 and hi < vocab_size:
         return

@@ -27,6 +27,7 @@ import hashlib
 import inspect
 import logging
 import os
+import stat
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -137,10 +138,51 @@ def _windows_to_td(w: np.ndarray | torch.Tensor) -> TensorDict:
 
 
 def _open_tokens(owner: object, file: Path) -> int:
-    """A read descriptor on ``file``, closed when ``owner`` is collected."""
-    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    """A read descriptor on ``file``, closed when ``owner`` is collected. Opened without
+    blocking and refused unless a regular file: a FIFO given as the token file blocked the
+    start in ``open`` for good, deaf to SIGTERM and SIGINT (only SIGKILL ended it)."""
+    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise DataPathError(
+            f"token file {str(file)!r} is {_file_kind(mode)}, not a regular file: point "
+            "data.path at token files written to disk (a pipe or device cannot be re-read "
+            "at a resume)"
+        )
+    os.set_blocking(fd, True)
     weakref.finalize(owner, os.close, fd)
     return fd
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+    kinds += ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+# a dtype and the one twice as wide that a file read with it may have been written with
+_WIDER = {"uint8": "uint16", "uint16": "uint32", "int16": "int32", "int32": "int64"}
+_PROBE_BYTES = 1 << 20
+
+
+def _refuse_half_width(fd: int, file: Path, dtype: np.dtype) -> None:
+    """A file written with twice the width of ``data.dtype`` (uint32 ids read as uint16):
+    every other id is the high half, 0 for a vocabulary below 65,536, so it trained on
+    ids interleaved with zeros without a word. The start of the file tells (every odd id
+    0, some even one not, over at least 64 ids)."""
+    wider = _WIDER.get(dtype.name)
+    size = os.fstat(fd).st_size
+    if wider is None or size % (2 * dtype.itemsize):
+        return
+    head = os.pread(fd, min(size, _PROBE_BYTES), 0)
+    ids = np.frombuffer(head[: len(head) - len(head) % (2 * dtype.itemsize)], dtype=dtype)
+    if len(ids) >= 64 and not ids[1::2].any() and ids[0::2].any():
+        raise DataFormatError(
+            f"token file {str(file)!r} read as data.dtype={dtype.name} has every other id 0 "
+            f"(of its first {len(ids):,}): it looks written as {wider}; set "
+            f"data.dtype={wider} (the dtype the file was written with)"
+        )
 
 
 class TokenFileSource(Source):
@@ -199,6 +241,8 @@ class TokenFileSource(Source):
             )
         if root.is_dir():
             self.file = root / f"{split}.bin"
+            if self.file.exists() and not self.file.is_file():  # a FIFO, a directory
+                _open_tokens(self, self.file)  # raises, naming what it is
             if not self.file.is_file():
                 found = sorted(p.name for p in root.iterdir())[:10]
                 raise DataPathError(
@@ -213,6 +257,7 @@ class TokenFileSource(Source):
         # stat of the path and the open would size one file and read another
         self._fd = _open_tokens(self, self.file)
         n_file = self._count_tokens()
+        _refuse_half_width(self._fd, self.file, self.dtype)
         self.lo, self.hi = 0, n_file
         self.splits_by_range = not root.is_dir()  # train and val share one file
         if self.splits_by_range:

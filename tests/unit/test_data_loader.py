@@ -153,6 +153,27 @@ def test_cuda_batches_arrive_on_device():
     )
 
 
+def test_float_token_ids_are_a_data_error_not_an_embedding_traceback():
+    """A custom source returning float inputs reached F.embedding: a traceback from the
+    model ("Expected tensor for argument #1 'indices' to have one of ... Long, Int")."""
+    from ftrain.data import TokenRangeError
+
+    class FloatSource(TensorSource):
+        def get(self, indices):
+            return super().get(indices).apply(lambda t: t.float())
+
+    src = FloatSource(torch.arange(81), block_size=BLOCK)
+    loader = make(src, global_batch=10, vocab_size=256, shuffle=False)
+    with loader.iter_from(init_cursor()) as it, pytest.raises(TokenRangeError) as err:
+        next(it)
+    assert "holds torch.float32 inputs and torch.float32 targets: token ids must be integers" in (
+        str(err.value)
+    )
+    plain = make(src, global_batch=10, shuffle=False)  # no vocabulary: a regression's floats
+    with plain.iter_from(init_cursor()) as it:
+        assert next(it)["x"].dtype == torch.float32
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("bad", [300, -1])
 def test_a_token_id_outside_the_vocabulary_is_a_data_error_naming_it(prefetch, bad):

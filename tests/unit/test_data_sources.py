@@ -80,6 +80,40 @@ def test_directory_without_split_file_says_what_is_there(tmp_path):
         TokenFileSource(tmp_path, block_size=4, split="val")
 
 
+@pytest.mark.parametrize("where", ["the file", "the split in a directory"])
+def test_a_fifo_as_the_token_file_is_refused_not_waited_on(tmp_path, where):
+    """A FIFO blocked the start in open() for good, deaf to SIGTERM and SIGINT."""
+    fifo = tmp_path / ("train.bin" if where != "the file" else "tokens.fifo")
+    os.mkfifo(fifo)
+    path = tmp_path if where != "the file" else fifo
+    with pytest.raises(
+        DataPathError, match=r"train.bin'|tokens.fifo' is a FIFO, not a regular file"
+    ):
+        TokenFileSource(path, block_size=4)
+    (tmp_path / "dir.bin").mkdir()
+    with pytest.raises(DataPathError, match="dir.bin' is a directory, not a regular file"):
+        TokenFileSource(tmp_path, block_size=4, split="dir")
+
+
+@pytest.mark.parametrize(
+    "written, read", [(np.uint32, "uint16"), (np.uint16, "uint8"), (np.int64, "int32")]
+)
+def test_a_file_written_twice_as_wide_as_data_dtype_is_refused(tmp_path, written, read):
+    """uint32 ids read as uint16: every other id a zero high half, trained on silently."""
+    rng = np.random.default_rng(0)
+    rng.integers(1, 256, 5000).astype(written).tofile(tmp_path / "train.bin")
+    wider = np.dtype(written).name
+    with pytest.raises(DataFormatError, match=f"every other id 0 .*set data.dtype={wider}"):
+        TokenFileSource(tmp_path, block_size=4, dtype=read)
+    assert len(TokenFileSource(tmp_path, block_size=4, dtype=wider)) == (5000 - 1) // 4
+    # ids of the right width with zeros in them: not a false alarm
+    ids = rng.integers(0, 256, 5000).astype(np.uint16)
+    ids[1::2] = 0
+    ids[1] = 7
+    ids.tofile(tmp_path / "train.bin")
+    assert len(TokenFileSource(tmp_path, block_size=4)) == (5000 - 1) // 4
+
+
 def test_truncated_file_is_a_clear_error(tmp_path):
     f = tmp_path / "train.bin"
     f.write_bytes(b"\x00" * 101)  # odd byte count: not uint16 tokens
