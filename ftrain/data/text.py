@@ -130,8 +130,9 @@ def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
     if binary:
         log.warning(
             "%d corpus file(s) hold NUL bytes, so they are not text (a binary file?) and "
-            "their NULs read as document ends: %s; leave them out with +data.exclude=[GLOB] or a "
-            "narrower data.path",
+            "their NULs read as document ends: %s; leave them out with a narrower data.path, a "
+            "glob of the text files (data.path='DIR/**/*.txt'), or TextCorpusSource(..., "
+            "exclude=[NAME]) in Python (a path component to skip)",
             len(binary),
             ", ".join(map(str, binary[:3])) + (", ..." if len(binary) > 3 else ""),
         )

@@ -418,6 +418,8 @@ def test_a_binary_file_among_the_text_is_named_in_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="ftrain.data"):
         TextCorpusSource(root, block_size=16, cache_dir=tmp_path / "cache")
     assert "1 corpus file(s) hold NUL bytes" in caplog.text and str(root / "tool") in caplog.text
+    # advice the command line can follow (+data.exclude=[GLOB] was an unknown key there)
+    assert "data.exclude" not in caplog.text and "a narrower data.path" in caplog.text
     caplog.clear()
     (root / "tool").unlink()
     with caplog.at_level("WARNING", logger="ftrain.data"):
