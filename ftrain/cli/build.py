@@ -335,6 +335,12 @@ def check_batch(trainer, source: Source, world_size: int = 1) -> None:
             of the world size, or a per-rank share not divisible by ``trainer.grad_accum``.
     """
     batch, accum, n = trainer.batch_size, trainer.grad_accum, len(source)
+    if n == 0:  # "use trainer.batch_size=0 or less" was the advice
+        raise ConfigError(
+            f"the training split holds no sample ({source.describe().get('kind', 'the source')} "
+            f"of data.block_size={source.block_size} tokens a sample): point the data at more "
+            "text, lower data.block_size, or fix the source's __len__"
+        )
     if batch > n:
         raise ConfigError(
             f"trainer.batch_size={batch} is larger than the training split ({n:,} "

@@ -188,6 +188,22 @@ def test_a_batch_the_data_or_the_ranks_cannot_take_is_refused(batch, accum, worl
     check_batch(OmegaConf.create({"batch_size": 8, "grad_accum": 2}), _Samples(), 2)  # fine
 
 
+def test_an_empty_training_split_is_named_not_given_batch_size_zero():
+    """A source of no samples was told "use trainer.batch_size=0 or less"."""
+
+    class Empty:
+        block_size = 64
+
+        def __len__(self):
+            return 0
+
+        def describe(self):
+            return {"kind": "mine"}
+
+    with pytest.raises(ConfigError, match=r"the training split holds no sample \(mine of data"):
+        check_batch(OmegaConf.create({"batch_size": 8, "grad_accum": 1}), Empty(), 1)
+
+
 @pytest.mark.parametrize(
     "overrides, warned",
     [
