@@ -230,7 +230,7 @@ class CompiledCore:
                     continue
                 # nothing compiled (or the loss raised while tracing): the next call retries
                 del self.cache[key]
-                if isinstance(e, Exception):
+                if isinstance(e, Exception) and not isinstance(e, _NOT_TRACING):
                     e.add_note(_TRACING_NOTE)
                 raise
 
@@ -338,6 +338,9 @@ def _breaks() -> dict[str, int]:
 def _new_breaks(before: dict[str, int]) -> list[str]:
     return [r for r, n in counters["graph_break"].items() if n > before.get(r, 0)]
 
+
+# errors of the first compiled call that are not the loss's tracing: no note for them
+_NOT_TRACING = (MemoryError, torch.OutOfMemoryError, InductorError)
 
 # added to an error of the first compiled call: an error from the loss while it is traced
 # read like a torch bug ("Cannot access data pointer of Tensor that doesn't have storage")

@@ -353,8 +353,8 @@ def _diff_line(k: str, a, b) -> bool:
 def _how_far(x, y) -> str:
     """How many elements of two same-shape, same-dtype arrays differ, and by how much at
     most: exact for integers (Python ints: int64 extremes and uint64 do not wrap), float64
-    for floats, ``|x - y|`` for complex; a bool or bit-only difference (-0.0, a NaN's
-    payload) gives the count alone."""
+    for floats, ``|x - y|`` for complex; a bool difference gives the count alone (a
+    bit-only one, ``-0.0`` against ``0.0``, counts, with a max abs diff of 0.0)."""
     x, y = x.reshape(-1), y.reshape(-1)
     per = x.element_size()
     differ = (_bits(x).view(-1, per) != _bits(y).view(-1, per)).any(dim=1)

@@ -756,7 +756,7 @@ def _check_compat(cfg: DictConfig, meta: dict, reshaped=None) -> list[str]:
                 "\n  the state this config makes has other keys or shapes than the checkpoint's:\n    "
                 + "\n    ".join(_first(shapes, "differences"))
                 + f"\n  no setting continues this run with another state: resume with the "
-                f"checkpoint's values, or {new_run}; init.from={cfg.run.dir}:{step} starts "
+                f"checkpoint's values, or {new_run}; init.from={cfg.checkpoint.dir}:{step} starts "
                 "one from its params where the model is unchanged"
                 if shapes
                 else f"\n  resume with the checkpoint's values, {new_run}, or accept the change "

@@ -493,11 +493,11 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
         evaluate = (
             session.evaluator(p.model, p.loss_fn, p.val, device, stop) if evaluating else None
         )
-        owed = bool(evaluating) and _eval_owed(cfg, world, p.report)
-        forget_history()  # the start's questions are answered: not held through the run
         session.start_progress(int(state["step"]), device)
         watchdog = _watchdog(cfg, session)
-        try:
+        try:  # (the owed evaluation is a collective: a rank gone there is said as below)
+            owed = bool(evaluating) and _eval_owed(cfg, world, p.report)
+            forget_history()  # the start's questions are answered: not held through the run
             with loader, loader.iter_from(state["data"].cpu()) as batches:
                 result = train_loop(
                     state,

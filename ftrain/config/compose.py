@@ -697,9 +697,11 @@ def _check_optim(o: DictConfig) -> None:
             raise _bad(f"optim.{name}", o[name], "must be in [0, 1)")
     if "eps" in o and not o.eps > 0:
         raise _bad("optim.eps", o.eps, "must be > 0")
-    if "eps" in o and o.eps < _FLOAT32_TINY:  # it rounds to 0 in fp32: NaN at step 2
+    if "eps" in o and o.eps < _FLOAT32_TINY:  # a subnormal or 0 in fp32: 1e-300, NaN at step 2
         raise _bad(
-            "optim.eps", o.eps, f"must be at least {_FLOAT32_TINY:.3g} (smaller is 0 in float32)"
+            "optim.eps",
+            o.eps,
+            f"must be at least {_FLOAT32_TINY:.3g}, float32's smallest normal number",
         )
     if "weight_decay" in o and not o.weight_decay >= 0:
         raise _bad("optim.weight_decay", o.weight_decay, "must be >= 0")

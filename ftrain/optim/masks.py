@@ -21,6 +21,7 @@ Example (GPT-2 style: decay matrices, not biases/norms/embeddings)::
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import re
 from collections.abc import Callable
 
@@ -203,15 +204,16 @@ def resolve(predicate: Predicate, keys: list[Path], leaves: list[torch.Tensor]) 
 def _picks(predicate: Predicate, key: Path, leaf: torch.Tensor) -> bool:
     """One answer of a mask predicate, which must be ``(path, tensor) -> bool``: a lambda of
     one argument failed with Python's own arity error from here, and ``'no'`` selected."""
-    try:
-        answer = predicate(path_str(key), leaf)
+    try:  # its signature, not a TypeError from its call: one inside it keeps its traceback
+        inspect.signature(predicate).bind(path_str(key), leaf)
     except TypeError as err:
-        if "positional argument" not in str(err):
-            raise
         raise TypeError(
             f"a mask predicate takes (path, tensor) and returns a bool, e.g. lambda path, t: "
-            f"t.ndim >= 2; {predicate!r} failed: {err}"
+            f"t.ndim >= 2; {predicate!r} cannot be called so: {err}"
         ) from None
+    except ValueError:  # no signature to read (a builtin): its call says
+        pass
+    answer = predicate(path_str(key), leaf)
     if isinstance(answer, str):  # "no" is truthy: it would select the leaf
         raise TypeError(
             f"a mask predicate must return a bool, {predicate!r} returned {answer!r} for "
