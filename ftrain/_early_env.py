@@ -37,11 +37,15 @@ def problem() -> str | None:
 
 
 def _an_ftrain_command(argv: list[str]) -> bool:
-    """``python [-u ...] -m ftrain[.tool] ...`` or the ``ftrain`` console script."""
-    if "-m" in argv[1:]:
-        module = argv[argv.index("-m", 1) + 1 : argv.index("-m", 1) + 2]
-        return bool(module) and (module[0] == "ftrain" or module[0].startswith("ftrain."))
-    return os.path.basename(argv[1] if len(argv) > 1 else "") == "ftrain"
+    """``python [-u ...] -m ftrain[.tool] ...`` or the ``ftrain`` console script (also as
+    torchrun starts it: ``python -u .../bin/ftrain ...``)."""
+    rest = argv[1:]
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]  # interpreter options
+    if rest[:1] == ["-m"]:
+        module = rest[1] if len(rest) > 1 else ""
+        return module == "ftrain" or module.startswith("ftrain.")
+    return bool(rest) and os.path.basename(rest[0]) == "ftrain"
 
 
 def check() -> None:

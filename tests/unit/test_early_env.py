@@ -47,3 +47,14 @@ def test_a_usable_cache_directory_is_created_and_the_command_runs(tmp_path):
     out = _run(tmp_path, "cache/inductor", "-m", "ftrain.ckpt", "list", str(tmp_path / "none"))
     assert (tmp_path / "cache" / "inductor").is_dir()
     assert "TORCHINDUCTOR_CACHE_DIR" not in out.stderr
+
+
+def test_the_commands_that_say_it_in_one_line_are_recognised():
+    from ftrain._early_env import _an_ftrain_command as cmd
+
+    assert cmd(["python", "-m", "ftrain", "x=1"]) and cmd(["python", "-u", "-m", "ftrain.ckpt"])
+    assert cmd(["python", "-X", "importtime", "-m", "ftrain"])
+    assert cmd(["python", "-u", "/venv/bin/ftrain", "run.dir=x"])  # torchrun's spelling
+    assert cmd(["/venv/bin/python", "/venv/bin/ftrain"])
+    assert not cmd(["python", "-c", "import ftrain"]) and not cmd(["python", "-m", "ftrainer"])
+    assert not cmd(["python", "train.py"]) and not cmd(["python"])
