@@ -222,6 +222,10 @@ class CheckpointManager:
         self._last_time: float | None = None
         # the last *committed* (step, time): a failed save rolls the policy clock back to it
         self._committed_last: tuple[int | None, float | None] = (None, None)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:  # keys host RNGs
+            raise ValueError(
+                f"rank must be a whole number >= 0 (this process's rank), got rank={rank!r}"
+            )
         self.rank = rank
         # The step this manager restored (the branch point of the history it continues) and
         # the steps it committed itself: a committed step newer than the branch point that
@@ -522,7 +526,12 @@ class CheckpointManager:
         return True
 
     def _read_step(self, state: TensorDictBase) -> int:
-        if not isinstance(state, TensorDictBase) or "step" not in state.keys():
+        if not isinstance(state, TensorDictBase):  # a plain dict was "needs ... 'step'"
+            raise TypeError(
+                f"save() needs a TensorDict, got {type(state).__name__}: wrap it, "
+                "TensorDict(state, batch_size=[]) (with a 0-d integer 'step' entry)"
+            )
+        if "step" not in state.keys():
             raise ValueError("save() needs a TensorDict with a 0-d integer 'step' entry")
         s = state["step"]
         integer = isinstance(s, torch.Tensor) and not (

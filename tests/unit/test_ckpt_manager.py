@@ -271,7 +271,12 @@ def test_save_fails_everywhere_raises(tmp_path):
 
 
 def test_bad_inputs_fail_in_the_caller(tmp_path):
+    for rank in ("0", -1, 0.5, True):  # accepted, and keyed the host RNG states by it
+        with pytest.raises(ValueError, match=f"rank must be a whole number >= 0 .*rank={rank!r}"):
+            CheckpointManager(tmp_path / "r", rank=rank)
     m = CheckpointManager(tmp_path)
+    with pytest.raises(TypeError, match=r"needs a TensorDict, got dict: wrap it"):
+        m.save({"step": torch.tensor(1), "w": torch.zeros(1)})
     with pytest.raises(ValueError, match="'step'"):
         m.save(TensorDict({"x": torch.zeros(1)}, []))
     with pytest.raises(ValueError, match="reserved"):
