@@ -236,6 +236,25 @@ def check_params_match(model: nn.Module, pkeys: list[Key]) -> bool:
     )
 
 
+def _check_layout(model: nn.Module, pkeys: list[Key], state: TensorDictBase) -> None:
+    """Once per layout: the params fit the model, and ``step`` is a 0-d integer counter (a
+    float step advanced to 1.0, 2.0, ... and only the first save refused it)."""
+    check_params_match(model, pkeys)
+    s = state.get("step", None)
+    if (
+        not isinstance(s, torch.Tensor)
+        or s.dim()
+        or s.is_floating_point()
+        or s.is_complex()
+        or s.dtype == torch.bool
+    ):
+        got = f"{s.dtype}{tuple(s.shape)}" if isinstance(s, torch.Tensor) else repr(s)
+        raise ValueError(
+            f"state['step'] must be a 0-d integer tensor (the step counter), got {got}; make "
+            "the state with ftrain.init_state(model, tx)"
+        )
+
+
 def check_opt_matches(
     tx, params: TensorDictBase, opt: Structure, leaves: list[torch.Tensor] | None = None
 ) -> bool:
@@ -468,7 +487,7 @@ def make_step(
             state = state.clone()
         cursor, micro = _split_batch(batch, grad_accum)
         pkeys, params = flatten(state["params"])
-        per_structure(matched, tuple(pkeys), lambda: check_params_match(model, pkeys))
+        per_structure(matched, tuple(pkeys), lambda: _check_layout(model, pkeys, state))
         bkeys, buffers = flatten(state["buffers"])
         gen = rng.generator(_dropout_key(state, rank), params[0].device)
         opt = state["opt"]

@@ -146,6 +146,17 @@ def test_an_optimizer_state_that_does_not_fit_the_params_is_named(change, fused)
     assert int(step(state, {"x": torch.ones(3, 4)})[0]["step"]) == 1
 
 
+@pytest.mark.parametrize("step", [torch.tensor(0.0), torch.tensor([0]), torch.tensor(False)])
+def test_a_step_counter_that_is_not_a_0d_integer_is_refused_at_the_step(step):
+    """A float step advanced to 1.0, 2.0, ...; only the first save refused it."""
+    model = torch.nn.Linear(4, 2)
+    tx = ftrain.optim.sgd(0.1)
+    state = ftrain.replace(ftrain.init_state(model, tx, seed=0), step=step)
+    run = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx)
+    with pytest.raises(ValueError, match=r"state\['step'\] must be a 0-d integer tensor"):
+        run(state, {"x": torch.ones(3, 4)})
+
+
 def test_a_loss_that_does_not_depend_on_the_params_is_named():
     """torch's "element 0 of tensors does not require grad and does not have a grad_fn"."""
     model = torch.nn.Linear(4, 2)
