@@ -295,12 +295,15 @@ def repeat_note(t: DictConfig, have: int) -> str | None:
     want = t.eval_batches * t.batch_size
     if want <= have:
         return None
-    return (
+    said = (
         f"evaluation reads {want} val samples (trainer.eval_batches={t.eval_batches} x "
         f"trainer.batch_size={t.batch_size}) but the val split holds {have}: samples repeat "
-        f"in every evaluation; trainer.eval_batches={max(1, have // t.batch_size)} reads "
-        "each at most once (or raise data.val_fraction)"
+        "in every evaluation; "
     )
+    more = "give the val split more data (data.val_fraction, or a bigger val.bin)"
+    if have < t.batch_size:  # fewer eval batches cannot help: one batch already repeats
+        return said + f"a batch of {t.batch_size} repeats them at any eval_batches: {more}"
+    return said + f"trainer.eval_batches={have // t.batch_size} reads each at most once (or {more})"
 
 
 def check_block_size(cfg) -> None:

@@ -332,6 +332,11 @@ def test_an_evaluation_larger_than_the_val_split_is_noted_with_the_count_that_fi
     assert "evaluation reads 36 val samples" in note and "the val split holds 30" in note
     assert "trainer.eval_batches=7 reads each at most once" in note
     assert eval_repeat_note(load_config(["trainer.eval_every=null"]), val) is None
+    # a val split smaller than one batch: "trainer.eval_batches=1 reads each at most once"
+    tiny = TensorSource(torch.arange(3 * 8 + 1), block_size=8)
+    cfg = load_config(["trainer.batch_size=4", "trainer.eval_every=10", "trainer.eval_batches=1"])
+    note = eval_repeat_note(cfg, tiny)
+    assert "a batch of 4 repeats them at any eval_batches: give the val split more data" in note
 
 
 def test_a_bad_group_setting_is_named_by_the_groups_own_key():
