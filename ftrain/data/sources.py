@@ -270,7 +270,8 @@ class TokenFileSource(Source):
             raise DataFormatError(
                 f"split {split!r} of {str(self.file)!r} has {self.num_tokens} tokens, fewer "
                 f"than block_size + 1 = {block_size + 1} needed for one sample; lower "
-                "block_size, add data, or change val_fraction"
+                "block_size or add data"
+                + (", or change val_fraction" if self.splits_by_range else f" to {split}.bin")
             )
         self._content = _content_digest
         self._fingerprint: str | None = None

@@ -167,8 +167,10 @@ def test_token_file_replaced_by_rename_keeps_the_file_opened(tmp_path):
 
 def test_too_small_for_one_block(tmp_path):
     write_tokens(tmp_path / "train.bin", 8)
-    with pytest.raises(DataFormatError, match="fewer than block_size"):
-        TokenFileSource(tmp_path, block_size=8)
+    with pytest.raises(DataFormatError, match="fewer than block_size.*add data to train.bin$"):
+        TokenFileSource(tmp_path, block_size=8)  # a directory's split: no val_fraction
+    with pytest.raises(DataFormatError, match="fewer than block_size.*or change val_fraction$"):
+        TokenFileSource(tmp_path / "train.bin", block_size=8)
 
 
 def test_out_of_range_indices(tmp_path):
