@@ -479,7 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     _check_step_count(p, ns)
     if ns.command == "advise":
-        return cmd_advise(Path(ns.directory), ns.mtbf)
+        try:
+            return cmd_advise(Path(ns.directory), ns.mtbf)
+        except PermissionError as e:
+            return _failed(e)
     try:
         roots = _roots(ns.directory)
         if ns.command == "show":
@@ -515,6 +518,7 @@ _TOOL_ERRORS = (
     CheckpointLocationError,
     CheckpointStoreError,
     CheckpointReadError,
+    PermissionError,  # a run directory of another user's (a traceback from pathlib before)
 )
 
 

@@ -175,6 +175,7 @@ def export_params(
             f"path such as {Path(out) / 'model.safetensors'}, or --format hf for a directory"
         )
     out = Path(out)
+    _refuse_inside(out, location)
     if out.exists():
         raise ExportError(f"{out} exists; export never overwrites, pick another path")
     if out.parent.exists() and not out.parent.is_dir():
@@ -189,6 +190,22 @@ def export_params(
     except OSError as err:  # a full disk, a file size limit, EIO: no half an export is left
         raise ExportError(f"writing {out} failed: {err}") from None
     return {"step": got, "tensors": len(tensors), "bytes": nbytes, "merged": merged}
+
+
+def _refuse_inside(out: Path, location) -> None:
+    """``out`` inside a checkpoint location read from: an export into a committed step was
+    a file the step's manifest does not list (``verify`` failed it), and the next
+    retention deleted the step with the export in it, or set it aside."""
+    for root in location if isinstance(location, list) else [location]:
+        if "://" in str(root):
+            continue
+        base, there = Path(root).resolve(), out.resolve()
+        if there == base or base in there.parents:
+            raise ExportError(
+                f"{out} is inside the checkpoint directory {root}: retention deletes what is "
+                "there with the steps, and a step holding it no longer verifies; export "
+                "outside it (e.g. beside the run directory)"
+            )
 
 
 def _stage_dir(out: Path) -> Path:

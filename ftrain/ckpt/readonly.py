@@ -52,8 +52,10 @@ def committed_steps_at(
     for i, where in enumerate(locations):
         root = parse_location(where, storage)
         if isinstance(root, Path) and not root.is_dir():
+            if i == 0 and _colon_hint(root):
+                raise StepSpecError(f"{root}: no such checkpoint directory{_colon_hint(root)}")
             if i == 0:
-                raise FileNotFoundError(f"{root}: no such checkpoint directory{_colon_hint(root)}")
+                raise FileNotFoundError(f"{root}: no such checkpoint directory")
             continue  # a fallback the run never had to write to
         if not isinstance(root, Path):
             root.probe()  # an endpoint that does not answer: said in seconds, not minutes
@@ -143,6 +145,10 @@ def split_step(spec: str) -> tuple[str, int | None]:
     if m is None or ("://" not in spec and Path(spec).exists()):
         return spec, None
     return m["where"], int(m["step"])
+
+
+class StepSpecError(FileNotFoundError):
+    """``RUN:abc``: a path whose ``:STEP`` is not a step number (a usage error, exit 2)."""
 
 
 def _colon_hint(root: Path) -> str:

@@ -39,7 +39,7 @@ from tensordict import TensorDict
 from ftrain.ckpt import CheckpointReadError, CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
-from ftrain.ckpt.readonly import name_of, read_model
+from ftrain.ckpt.readonly import StepSpecError, name_of, read_model
 from ftrain.cli.build import (
     build_model,
     check_block_size,
@@ -147,6 +147,8 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         raise ConfigError(f"{run} names step {at} but --step {step}: give the step once")
     try:
         got, tree, attrs = read_model(where, step if step is not None else at)
+    except StepSpecError as err:  # RUN:abc of a RUN that exists: a usage error, as below
+        raise ConfigError(str(err)) from None
     except CheckpointLocationError as err:  # RUN that reads as a URL ("r1:abc")
         tail = str(run).rsplit(":", 1)[-1]
         hint = f"; RUN:STEP takes a step number, got {tail!r}" if "://" not in str(run) else ""
@@ -160,6 +162,7 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
             "evaluate it in Python with ftrain.make_eval_step"
         )
     cfg = eval_config(recorded, list(overrides))
+    _refuse_cache_inside(cfg, where)
     device = pick_device(cfg.trainer.device)
     model, loss_fn = build_model(cfg)
     try:  # a missing parameter was evaluated fresh from the module, silently
@@ -198,6 +201,23 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         # more samples asked for than the split holds: some counted more than once
         "note": repeat_note(t, len(val)),
     }
+
+
+def _refuse_cache_inside(cfg: DictConfig, where) -> None:
+    """``data.cache_dir`` inside a checkpoint location read from: evaluation is read-only,
+    yet the tokenized corpus (MBs) was cached into the checkpoint directory."""
+    cache = cfg.data.get("cache_dir")
+    if not cache:
+        return
+    there = Path(cache).resolve()
+    for root in where if isinstance(where, list) else [where]:
+        if "://" not in str(root) and (
+            there == Path(root).resolve() or Path(root).resolve() in there.parents
+        ):
+            raise ConfigError(
+                f"data.cache_dir={cache} is inside the checkpoint directory {root}, which "
+                "ftrain.eval only reads; put the data cache elsewhere"
+            )
 
 
 def _perplexity(loss: float) -> float:
@@ -273,6 +293,7 @@ _ERRORS = (
     DataPathError,
     DataFormatError,
     FileNotFoundError,
+    PermissionError,  # a run directory of another user's: one line, exit 2
 )
 
 

@@ -121,6 +121,12 @@ def test_eval_errors_name_the_fix(tool, run8, env, tmp_path):
     assert out.returncode == 1 and "no such checkpoint directory" in out.stderr
     out = tool("ftrain.eval", "r1:abc", env=env)  # a step that is not a number
     assert out.returncode == 2 and "RUN:STEP takes a step number, got 'abc'" in out.stderr
+    out = tool("ftrain.eval", f"{run8}:abc", env=env)  # of a run that exists: exit 1 before
+    assert out.returncode == 2 and "the part after ':' must be a step number" in out.stderr
+    # the tokenized val data cached into the checkpoint directory eval only reads
+    out = tool("ftrain.eval", run8, f"data.cache_dir={run8 / 'checkpoints' / 'cache'}", env=env)
+    assert out.returncode == 2 and "is inside the checkpoint directory" in out.stderr
+    assert not (run8 / "checkpoints" / "cache").exists()
     assert "evaluates a model's params" not in out.stderr, out.stderr
     # the value checks of a training start apply (they were tracebacks)
     for bad, needle in [

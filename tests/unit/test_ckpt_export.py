@@ -55,6 +55,19 @@ def test_a_safetensors_export_to_a_directory_path_is_refused_not_written_as_a_fi
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_an_export_into_the_checkpoint_directory_is_refused(tmp_path, fmt):
+    """An export into a committed step made it fail verify, and the next retention deleted
+    the step with the export in it (or set it aside as unreadable)."""
+    _, ck = _saved(tmp_path)
+    before = sorted(p.name for p in ck.rglob("*"))
+    for out in (ck / "step_00000004" / "x.safetensors", ck / "model", ck):
+        with pytest.raises(ExportError, match="is inside the checkpoint directory"):
+            export_params(ck, out, format=fmt)
+    assert sorted(p.name for p in ck.rglob("*")) == before
+    assert export_params(ck, tmp_path / "beside.safetensors")["tensors"] > 0  # beside: fine
+
+
 def test_export_files_get_the_umask_mode_and_never_replace_one_made_meanwhile(
     tmp_path, monkeypatch
 ):

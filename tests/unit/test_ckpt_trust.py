@@ -326,6 +326,34 @@ def ckpt_cli(capsys, *args):
     return rc, out.out + out.err
 
 
+def test_ckpt_tools_on_a_directory_they_may_not_read_say_it_in_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    """Another user's run directory (mode 700 on a shared cluster): every tool stopped with
+    a traceback from pathlib (PermissionError). As root the bits do not stop a read, so the
+    denial is made where the tools look first."""
+    import pathlib
+
+    from ftrain.cli.evaluate import main as eval_main
+
+    real = pathlib.Path.is_dir
+
+    def denied(self):
+        if self.name == "checkpoints":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    (tmp_path / "checkpoints").mkdir()
+    monkeypatch.setattr(pathlib.Path, "is_dir", denied)
+    for cmd in ("list", "verify", "show"):
+        rc, out = ckpt_cli(capsys, cmd, tmp_path)
+        assert rc == 2 and "Permission denied" in out and "Traceback" not in out, out
+    rc, out = ckpt_cli(capsys, "export", tmp_path, tmp_path.parent / "x.safetensors")
+    assert rc == 2 and "Permission denied" in out
+    assert eval_main([str(tmp_path)]) == 2
+    assert "python -m ftrain.eval: [Errno 13] Permission denied" in capsys.readouterr().err
+
+
 def test_ckpt_tool_on_a_missing_or_empty_directory_exits_non_zero(tmp_path, capsys):
     for cmd in ("list", "verify", "show"):
         rc, out = ckpt_cli(capsys, cmd, tmp_path / "nope")
