@@ -12,7 +12,12 @@ so after ``import ftrain`` a plain ``zarr.open_group(step)`` reads bf16 leaves a
 """
 
 from ftrain.ckpt import zdtype  # noqa: F401  (registers the data types; format imports it too)
-from ftrain.ckpt.format import CheckpointFormatError, CheckpointReadError, CorruptCheckpointError
+from ftrain.ckpt.format import (
+    CheckpointAccessError,
+    CheckpointFormatError,
+    CheckpointReadError,
+    CorruptCheckpointError,
+)
 from ftrain.ckpt.incremental import LeafChangedError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
 from ftrain.ckpt.manager import CheckpointManager, CheckpointNotFoundError, CheckpointSaveError
@@ -36,6 +41,7 @@ __all__ = [
     "CheckpointLocationError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointAccessError",
     "CheckpointReadError",
     "CheckpointSaveError",
     "CheckpointStoreError",

@@ -525,7 +525,7 @@ _TOOL_ERRORS = (
 def _failed(e: Exception) -> int:
     """One line; exit 1 for a limit of this machine (retry), 2 otherwise."""
     print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
-    return 1 if isinstance(e, CheckpointReadError) else 2
+    return 1 if isinstance(e, CheckpointReadError) and not isinstance(e, PermissionError) else 2
 
 
 def _check_step_count(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

@@ -118,6 +118,12 @@ class CheckpointReadError(OSError):
     or is set aside. Retry once the limit is raised (a restart does)."""
 
 
+class CheckpointAccessError(CheckpointReadError, PermissionError):
+    """A checkpoint file this user may not read (EACCES, EPERM): not a fault of the
+    checkpoint either, so nothing is judged; unlike a machine limit a retry fails the same
+    way (the command line's exit 2)."""
+
+
 # The machine's resources of the moment, not the file: judged corrupt, an intact step was
 # passed over by restore (its steps trained again) and set aside by the next save.
 _OF_THE_MOMENT = frozenset(
@@ -130,6 +136,13 @@ def unreadable(path: object, err: OSError, what: str) -> Exception:
     (restore falls back to an older step, listing skips it) unless the cause is the
     machine's (too many open files, no memory): :class:`CheckpointReadError`, the step is
     not judged."""
+    if err.errno in (errno.EACCES, errno.EPERM):  # a permission: judged corrupt, an intact
+        return CheckpointAccessError(  # step was passed over and its steps trained again
+            err.errno,
+            f"{path}: {what} ({err.strerror}): a permission of this user, not a fault of the "
+            "checkpoint, which is left as it is; give this user read access to the run's "
+            "files (or run as their owner)",
+        )
     if err.errno in _OF_THE_MOMENT:
         return CheckpointReadError(
             err.errno,

@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     except _ERRORS as err:
         print(f"python -m ftrain.eval: {err}", file=sys.stderr)
         not_found = isinstance(err, FileNotFoundError) and not isinstance(err, DataPathError)
-        return 1 if not_found or isinstance(err, CheckpointReadError) else 2
+        limit = isinstance(err, CheckpointReadError) and not isinstance(err, PermissionError)
+        return 1 if not_found or limit else 2
     if r["note"]:
         print(f"python -m ftrain.eval: note: {r['note']}", file=sys.stderr)
     if ns.json:  # strict JSON: non-finite numbers as metrics.jsonl writes them ("nan")

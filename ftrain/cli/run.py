@@ -210,7 +210,7 @@ def _train_from_config(cfg: DictConfig, early: StopFlag) -> int:
             return EXIT_ERROR if isinstance(err, RunDirDiskError) else EXIT_CONFIG
         except (CheckpointReadError, ResumeReadError) as err:  # of the moment: a restart may do
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
-            return EXIT_ERROR
+            return EXIT_CONFIG if isinstance(err, PermissionError) else EXIT_ERROR
         return _run(cfg, device, world, parts, early)
     finally:
         # the run has ended: a signal now (SIGINT too) is noted, not a kill (143) or a

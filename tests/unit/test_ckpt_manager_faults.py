@@ -90,6 +90,39 @@ def test_too_many_open_files_at_a_restart_judges_no_step(tmp_path, monkeypatch, 
     assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
 
 
+@pytest.mark.parametrize("where", ["marker", "chunk"])
+def test_a_file_this_user_may_not_read_judges_no_step(tmp_path, monkeypatch, capsys, where):
+    """A chunk of another user's (mode 600) was "corrupt": restore fell back to the step
+    before, its steps trained again, and the intact step was set aside at the next save of
+    its number. Now CheckpointAccessError (a PermissionError): nothing judged; the tools
+    say it in one line, exit 2 (a retry fails the same way)."""
+    from ftrain.ckpt import chunkio
+    from ftrain.ckpt.format import CheckpointAccessError
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        for s in (1, 2):
+            m.save(make_state(s), force=True)
+    module = fmt if where == "marker" else chunkio
+    real_open = module.os.open
+
+    def denied_in_step_2(path, flags, *a, **k):
+        if "step_00000002" in str(path) and (where == "marker" or "/params/" in str(path)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(module.os, "open", denied_in_step_2)
+    with pytest.raises(CheckpointAccessError, match="a permission of this user, not a fault"):
+        CheckpointManager(tmp_path, async_save=False).restore()
+    from ftrain.ckpt.__main__ import main as ckpt_tool
+
+    capsys.readouterr()
+    assert ckpt_tool(["verify", str(tmp_path)]) == 2
+    assert "give this user read access" in capsys.readouterr().err
+    monkeypatch.setattr(module.os, "open", real_open)
+    again = CheckpointManager(tmp_path, async_save=False)
+    assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
+
+
 def test_a_step_larger_than_the_memory_available_now_is_not_judged_corrupt(tmp_path, monkeypatch):
     """The memory check called an intact step that did not fit in the memory available
     at the moment (another process holding it) corrupt: restore fell back to an older step
