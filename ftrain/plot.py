@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -124,10 +125,13 @@ class NothingToPlot(ValueError):
 
 def _out_path(run_dir: Path, out: str | Path | None) -> Path:
     """Where the figure goes: ``out`` (``.png`` added when it has no suffix, as matplotlib
-    would, so the path said is the file written), else ``RUN_DIR/training.png``."""
+    would, so the path said is the file written; a directory, existing or spelt with a
+    trailing ``/``, gets ``training.png`` inside), else ``RUN_DIR/training.png``."""
     if not out:
         return run_dir / "training.png"
     path = Path(out)
+    if str(out).endswith(("/", os.sep)) or path.is_dir():  # -o plots/ wrote ./plots.png
+        return path / "training.png"
     return path if path.suffix else path.with_name(path.name + ".png")
 
 
@@ -226,6 +230,7 @@ def plot_run(
     ax_lr.set_xlabel("step (green: checkpoint committed, red: resumed)")
     fig.suptitle(title or run_dir.resolve().name)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # -o plots/ of a directory to be
         fig.savefig(path, dpi=100, bbox_inches="tight")  # nothing clipped at the edges
     finally:
         plt.close(fig)

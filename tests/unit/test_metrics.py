@@ -53,6 +53,11 @@ def test_plot_marks_segments(tmp_path):
     assert [len(s) for s in segs] == [5, 4]
     path = plot_run(tmp_path)
     assert path.exists() and path.stat().st_size > 1000
+    # -o DIR/ (or an existing DIR) is inside it: it wrote DIR.png beside the directory
+    plots = tmp_path / "plots"
+    assert plot_run(tmp_path, f"{plots}/") == plots / "training.png"
+    assert (plots / "training.png").exists() and not (tmp_path / "plots.png").exists()
+    assert plot_run(tmp_path, plots) == plots / "training.png"
 
 
 def test_plot_has_the_run_name_a_smoothed_loss_over_the_raw_one_and_commits_only(
