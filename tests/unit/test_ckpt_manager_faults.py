@@ -63,40 +63,25 @@ def test_a_step_whose_metadata_cannot_be_read_for_a_moment_is_kept_not_deleted(
     assert same(again.restore(1), make_state(1))
 
 
-def test_too_many_open_files_at_a_restart_judges_no_step(tmp_path, monkeypatch, capsys):
-    """EMFILE reading the newest step's marker made it "not committed": restore took the
-    step before (its steps trained again) and the next save of that number set the intact
-    step aside. The restore now raises CheckpointReadError; the steps are as they were."""
-    with CheckpointManager(tmp_path, async_save=False) as m:
-        for s in (1, 2):
-            m.save(make_state(s), force=True)
-    real_open = os.open
-
-    def emfile_on_step_2(path, flags, *a, **k):
-        if "step_00000002" in str(path):
-            raise OSError(errno.EMFILE, "Too many open files", str(path))
-        return real_open(path, flags, *a, **k)
-
-    monkeypatch.setattr(fmt.os, "open", emfile_on_step_2)
-    with pytest.raises(CheckpointReadError, match="a limit of this machine"):
-        CheckpointManager(tmp_path, async_save=False).restore()
-    from ftrain.ckpt.__main__ import main as ckpt_tool
-
-    capsys.readouterr()
-    assert ckpt_tool(["verify", str(tmp_path)]) == 1  # one line, not a traceback
-    assert "a limit of this machine" in capsys.readouterr().err
-    monkeypatch.setattr(fmt.os, "open", real_open)
-    again = CheckpointManager(tmp_path, async_save=False)
-    assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
-
-
-@pytest.mark.parametrize("where", ["marker", "chunk"])
-def test_a_file_this_user_may_not_read_judges_no_step(tmp_path, monkeypatch, capsys, where):
-    """A chunk of another user's (mode 600) was "corrupt": restore fell back to the step
-    before, its steps trained again, and the intact step was set aside at the next save of
-    its number. Now CheckpointAccessError (a PermissionError): nothing judged; the tools
-    say it in one line, exit 2 (a retry fails the same way)."""
+@pytest.mark.parametrize(
+    "where, err, said, code",
+    [
+        ("marker", errno.EMFILE, "a limit of this machine", 1),
+        ("marker", errno.EACCES, "give this user read access", 2),
+        ("chunk", errno.EACCES, "give this user read access", 2),
+    ],
+)
+def test_a_file_the_machine_or_the_user_cannot_read_judges_no_step(
+    tmp_path, monkeypatch, capsys, where, err, said, code
+):
+    """EMFILE reading the newest step's marker made it "not committed", and a chunk or
+    marker of another user's (mode 600) was "corrupt": restore took the step before (its
+    steps trained again) and the next save of that number set the intact step aside. The
+    restore now raises CheckpointReadError (CheckpointAccessError, a PermissionError, for a
+    permission); the steps are as they were; the tools say it in one line, exit 1 for a
+    limit of the machine (retry), 2 for a permission (a retry fails the same way)."""
     from ftrain.ckpt import chunkio
+    from ftrain.ckpt.__main__ import main as ckpt_tool
     from ftrain.ckpt.format import CheckpointAccessError
 
     with CheckpointManager(tmp_path, async_save=False) as m:
@@ -105,19 +90,18 @@ def test_a_file_this_user_may_not_read_judges_no_step(tmp_path, monkeypatch, cap
     module = fmt if where == "marker" else chunkio
     real_open = module.os.open
 
-    def denied_in_step_2(path, flags, *a, **k):
+    def refused_in_step_2(path, flags, *a, **k):
         if "step_00000002" in str(path) and (where == "marker" or "/params/" in str(path)):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            raise OSError(err, os.strerror(err), str(path))
         return real_open(path, flags, *a, **k)
 
-    monkeypatch.setattr(module.os, "open", denied_in_step_2)
-    with pytest.raises(CheckpointAccessError, match="a permission of this user, not a fault"):
+    monkeypatch.setattr(module.os, "open", refused_in_step_2)
+    raised = CheckpointAccessError if err == errno.EACCES else CheckpointReadError
+    with pytest.raises(raised, match=said):
         CheckpointManager(tmp_path, async_save=False).restore()
-    from ftrain.ckpt.__main__ import main as ckpt_tool
-
     capsys.readouterr()
-    assert ckpt_tool(["verify", str(tmp_path)]) == 2
-    assert "give this user read access" in capsys.readouterr().err
+    assert ckpt_tool(["verify", str(tmp_path)]) == code  # one line, not a traceback
+    assert said in capsys.readouterr().err
     monkeypatch.setattr(module.os, "open", real_open)
     again = CheckpointManager(tmp_path, async_save=False)
     assert again.all_steps() == [1, 2] and same(again.restore(), make_state(2))
