@@ -79,8 +79,9 @@ def flaky_endpoint(s3_server, monkeypatch):
     ``503 SlowDown`` (S3's throttling reply) instead of forwarding them; ftrain is pointed
     at it. Yields ``{"fail": set of request numbers to refuse, "refused": [..], "seen": n,
     "down_until": time.monotonic() before which every request is refused (an outage),
-    "truncate": {path substring: how many GET bodies of it to cut in half (a matching
-    Content-Length: a proxy or a cut connection)}}``."""
+    "truncate": {object key suffix: how many GET bodies of it to cut in half (a matching
+    Content-Length: a proxy or a cut connection)}}``. A suffix, not a substring: ``w/c.1``
+    would also cut ``w/c.10.0``..``w/c.19.0`` and spend the count on the wrong chunks."""
     import http.client
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -114,7 +115,8 @@ def flaky_endpoint(s3_server, monkeypatch):
             resp = conn.getresponse()
             data = resp.read()
             with lock:
-                cut = [p for p, n in state["truncate"].items() if p in self.path and n > 0]
+                key = self.path.split("?")[0]
+                cut = [p for p, n in state["truncate"].items() if key.endswith(p) and n > 0]
                 if self.command == "GET" and cut:
                     state["truncate"][cut[0]] -= 1
                     data = data[: len(data) // 2]

@@ -556,9 +556,9 @@ def test_a_short_download_is_fetched_again_and_never_taken_for_corruption(bucket
     m = CheckpointManager(url, async_save=False, chunk_bytes=1024)
     m.save(make_state(1), force=True)
     m.save(make_state(2), force=True)
-    flaky_endpoint["truncate"]["step_00000002/params/w/c.1"] = 1
+    flaky_endpoint["truncate"]["step_00000002/params/w/c.1.0"] = 1
     assert first_difference(CheckpointManager(url).restore(), make_state(2)) is None
-    flaky_endpoint["truncate"]["step_00000002/params/w/c.1"] = 2
+    flaky_endpoint["truncate"]["step_00000002/params/w/c.1.0"] = 2
     with pytest.raises(CheckpointStoreError, match="a transfer fault, not the checkpoint's"):
         CheckpointManager(url).restore()
     again = CheckpointManager(url)
