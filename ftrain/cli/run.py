@@ -80,6 +80,7 @@ from ftrain.data import (
     DataFormatError,
     DataPathError,
     Loader,
+    SampleShapeError,
     Source,
     TokenRangeError,
 )
@@ -641,7 +642,7 @@ def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
 def _bad_batch(err: DataFormatError, session: Session) -> int:
     """Data that cannot be trained on, found in a batch: the message names the data and
     the fix, after the loop's emergency save; exit 2 for a token id the model has no row
-    for (the same command reads the same batch: a supervisor must not retry it), else 1
+    for or a source's window of the wrong shape (the same command reads the same batch: a supervisor must not retry it), else 1
     (a file truncated under the run: a retry after it is regenerated may go on). A policy
     save still in flight is waited for first: it said "none (a re-run starts fresh)" while
     that step was committing."""
@@ -652,7 +653,7 @@ def _bad_batch(err: DataFormatError, session: Session) -> int:
         "the data or the config as the message says (fixed data has a new fingerprint: "
         "resume it with data.allow_changed=true)",
     )
-    return EXIT_CONFIG if isinstance(err, TokenRangeError) else code
+    return EXIT_CONFIG if isinstance(err, (TokenRangeError, SampleShapeError)) else code
 
 
 def _newest_committed(manager: CheckpointManager) -> str:

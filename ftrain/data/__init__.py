@@ -17,11 +17,18 @@ from ftrain.data.fingerprint import (
     file_digest,
     make_fingerprint,
 )
-from ftrain.data.loader import Loader, LoaderIterator, check_token_ids, val_batches
+from ftrain.data.loader import (
+    Loader,
+    LoaderIterator,
+    check_sample_shapes,
+    check_token_ids,
+    val_batches,
+)
 from ftrain.data.sampler import cursor_values, data_key, epoch_order, init_cursor, sample
 from ftrain.data.sources import (
     DataFormatError,
     DataPathError,
+    SampleShapeError,
     Source,
     TensorSource,
     TokenFileSource,
@@ -41,12 +48,14 @@ __all__ = [
     "DataPathError",
     "Loader",
     "LoaderIterator",
+    "SampleShapeError",
     "Source",
     "TensorSource",
     "TextCorpusSource",
     "TokenFileSource",
     "TokenRangeError",
     "cache_dir",
+    "check_sample_shapes",
     "check_token_ids",
     "check_fingerprint",
     "cursor_values",

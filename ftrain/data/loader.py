@@ -22,9 +22,21 @@ import torch
 from tensordict import TensorDict
 
 from ftrain.data.sampler import cursor_values, init_cursor, sample
-from ftrain.data.sources import DataFormatError, DataPathError, Source, TokenRangeError
+from ftrain.data.sources import (
+    DataFormatError,
+    DataPathError,
+    SampleShapeError,
+    Source,
+    TokenRangeError,
+)
 
-__all__ = ["Loader", "LoaderIterator", "check_token_ids", "val_batches"]
+__all__ = [
+    "Loader",
+    "LoaderIterator",
+    "check_sample_shapes",
+    "check_token_ids",
+    "val_batches",
+]
 
 _POLL_S = 0.1
 
@@ -195,11 +207,11 @@ class Loader:
     def _read(self, cursor: TensorDict) -> TensorDict:
         indices, next_cursor = sample(cursor, self.key, **self._sample_kwargs())
         xy = self.source.get(indices)
+        epoch, position = cursor_values(cursor)
+        where = f"epoch {epoch}, position {position}"
+        check_sample_shapes(self.source, xy, len(indices), where)
         x, y = xy["x"], xy["y"]
-        if self.vocab_size is not None:
-            epoch, position = cursor_values(cursor)
-            where = f"epoch {epoch}, position {position}"
-            check_token_ids(self.source, x, y, self.vocab_size, where)
+        check_token_ids(self.source, x, y, self.vocab_size, where)
         if self._pin:
             x, y = x.pin_memory(), y.pin_memory()
         return TensorDict({"x": x, "y": y, "cursor": next_cursor}, batch_size=[])
@@ -242,6 +254,37 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_sample_shapes(source: Source, xy, n: int, where: str) -> None:
+    """``source.get`` of ``n`` indices returned tensors ``x`` and ``y`` of shape
+    ``[n, source.block_size]`` (any ``[n, L]``, the same for both, where the source sets no
+    ``block_size``): a short window trained on short contexts, and a missing row shifted
+    the batch, without a word.
+
+    Raises:
+        SampleShapeError: a DataFormatError naming the source, the shapes and the fix.
+    """
+    block = getattr(source, "block_size", None)
+    want = (n, block) if isinstance(block, int) else None
+    x, y = (xy.get(k, None) if hasattr(xy, "get") else None for k in ("x", "y"))
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (x, y)]
+    x_shape = shapes[0] or ()
+    any_length = len(x_shape) == 2 and x_shape[0] == n and shapes[1] == x_shape
+    if shapes == [want, want] or (want is None and any_length):
+        return
+    name = type(source).__name__
+    got = ", ".join(
+        f"{k} {'missing (not a tensor)' if s is None else s}"
+        for k, s in zip("xy", shapes, strict=True)
+    )
+    expected = f"{want}" if want is not None else f"({n}, L), the same for x and y"
+    raise SampleShapeError(
+        f"{name}.get() returned {got} for {n} samples in the batch read at {where}; a "
+        f"Source's get(indices) returns x and y of shape [len(indices), block_size] = "
+        f"{expected}: fix the source's get, or its block_size"
+        + (f" (it says {block})" if want is not None else "")
+    )
 
 
 def check_token_ids(
@@ -319,5 +362,6 @@ def val_batches(
     for b in range(n_batches):
         start = b * global_batch + rank * local
         xy = source.get(order[start : start + local])
+        check_sample_shapes(source, xy, local, f"evaluation batch {b}")
         check_token_ids(source, xy["x"], xy["y"], vocab_size, f"evaluation batch {b}")
         yield TensorDict({"x": xy["x"].to(dev), "y": xy["y"].to(dev)}, batch_size=[])

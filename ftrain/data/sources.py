@@ -64,6 +64,12 @@ class DataFormatError(ValueError):
     """A data file exists but is corrupt, truncated or too small."""
 
 
+class SampleShapeError(DataFormatError):
+    """A source's ``get`` returned windows of another shape than ``[len(indices),
+    block_size]``: a model would train on short (or long) contexts without a word, and
+    reading the batch again gives the same shape (exit 2, not 1)."""
+
+
 class TokenRangeError(DataFormatError):
     """A batch holds a token id the model has no row for: the data (or ``data.dtype``)
     does not fit the model, and reading it again fails the same way (exit 2, not 1)."""

@@ -174,6 +174,61 @@ def test_float_token_ids_are_a_data_error_not_an_embedding_traceback():
         assert next(it)["x"].dtype == torch.float32
 
 
+class Reshaped(TensorSource):
+    """A source of your own whose get cuts or drops what the contract promises."""
+
+    def __init__(self, tokens, cut, **kw):
+        super().__init__(tokens, **kw)
+        self.cut = cut
+
+    def get(self, indices):
+        return self.cut(super().get(indices))
+
+
+@pytest.mark.parametrize(
+    ("cut", "said"),
+    [
+        (lambda xy: xy.apply(lambda t: t[:, :-1]), "x (10, 3), y (10, 3)"),  # a short window
+        (lambda xy: xy[1:], "x (9, 4), y (9, 4) for 10 samples"),  # a row missing
+        (lambda xy: xy.exclude("y"), "y missing (not a tensor)"),
+        (lambda xy: xy.set("y", xy["y"][:, :2]), "x (10, 4), y (10, 2)"),
+    ],
+)
+def test_a_source_window_of_the_wrong_shape_is_refused_naming_the_shapes(cut, said):
+    """A custom source returning windows shorter than block_size trained on short
+    contexts without a word (the loader checked ids, not lengths); evaluation too."""
+    from ftrain.data import SampleShapeError
+
+    src = Reshaped(torch.arange(81), cut, block_size=BLOCK)
+    for vocab in (None, 256):  # with or without a vocabulary (a regression's floats)
+        loader = make(src, global_batch=10, vocab_size=vocab, shuffle=False)
+        with loader.iter_from(init_cursor()) as it, pytest.raises(SampleShapeError) as err:
+            next(it)
+        msg = str(err.value)
+        assert said in msg and "Reshaped.get() returned" in msg, msg
+        assert "[len(indices), block_size] = (10, 4)" in msg and "epoch 0, position 0" in msg
+    with pytest.raises(SampleShapeError, match="evaluation batch 0"):
+        next(val_batches(src, 2, 10))
+
+
+def test_a_source_without_block_size_needs_x_and_y_of_one_two_dim_shape():
+    """Duck-typed sources declaring no block_size: any window length, but x and y alike."""
+    from tensordict import TensorDict
+
+    from ftrain.data import SampleShapeError, check_sample_shapes
+
+    class Bare:
+        pass
+
+    ok = TensorDict(x=torch.zeros(3, 7, dtype=torch.long), y=torch.zeros(3, 7, dtype=torch.long))
+    check_sample_shapes(Bare(), ok, 3, "here")
+    flat = TensorDict(x=torch.zeros(3, dtype=torch.long), y=torch.zeros(3, dtype=torch.long))
+    other = TensorDict(x=ok["x"], y=torch.zeros(3, 6, dtype=torch.long))
+    for bad, n in ((ok, 4), (flat, 3), (other, 3)):
+        with pytest.raises(SampleShapeError, match=rf"\({n}, L\), the same for x and y"):
+            check_sample_shapes(Bare(), bad, n, "here")
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("bad", [300, -1])
 def test_a_token_id_outside_the_vocabulary_is_a_data_error_naming_it(prefetch, bad):
