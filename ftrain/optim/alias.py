@@ -13,6 +13,7 @@ from ftrain.optim.fused import applying_adamw
 from ftrain.optim.schedule import Schedule, rate_of
 from ftrain.optim.transform import (
     add_decayed_weights,
+    momentum_coefficient,
     scale_by_adam,
     scale_by_learning_rate,
     trace,
@@ -37,7 +38,7 @@ def sgd(
 
     Args:
         lr: learning rate (float >= 0) or schedule.
-        momentum: momentum coefficient, >= 0.
+        momentum: momentum coefficient, in [0, 1] (above 1 is refused: it diverges).
         nesterov: Nesterov momentum (requires ``momentum > 0``, as in torch).
         weight_decay: L2 penalty added to the gradient before momentum, >= 0.
 
@@ -51,6 +52,7 @@ def sgd(
         >>> from ftrain.optim import sgd
         >>> tx = sgd(0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     """
+    momentum = momentum_coefficient("sgd", "momentum", momentum)
     if nesterov and momentum == 0.0:
         raise ValueError(f"sgd with nesterov=True requires a positive momentum, got {momentum=}")
     members = []

@@ -65,6 +65,18 @@ def _number(
     return float(value)
 
 
+def momentum_coefficient(fn: str, name: str, value: float) -> float:
+    """A momentum in ``[0, 1]``: above 1 each step carries more than all of the last
+    one's buffer into the next, which grows without bound (the run diverges, later)."""
+    value = _number(fn, name, value, low=0.0)
+    if value > 1.0:
+        raise ValueError(
+            f"{fn} requires {name} <= 1 (a momentum above 1 grows its buffer every step "
+            f"until the run diverges; 0.9 is usual), got {name}={value!r}"
+        )
+    return value
+
+
 def _zero_count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
@@ -355,20 +367,21 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     State: ``trace`` (a TensorDict shaped like params).
 
     Args:
-        decay: the momentum coefficient, >= 0.
+        decay: the momentum coefficient, in [0, 1].
         nesterov: use Nesterov momentum (requires ``decay > 0``).
 
     Returns:
         A :class:`GradientTransformation` named ``trace``.
 
     Raises:
-        ValueError: for a negative or non-finite ``decay``, or ``nesterov`` with zero decay.
+        ValueError: for a ``decay`` outside [0, 1] or not finite, or ``nesterov`` with zero
+            decay.
 
     Example:
         >>> from ftrain.optim import chain, scale_by_learning_rate, trace
         >>> tx = chain(trace(0.9, nesterov=True), scale_by_learning_rate(0.1))
     """
-    decay = _number("trace", "decay", decay, low=0.0)
+    decay = momentum_coefficient("trace", "decay", decay)
     if nesterov and decay == 0.0:
         raise ValueError(f"trace with nesterov=True requires a positive decay, got {decay=}")
 
