@@ -240,7 +240,20 @@ def _read_first(location, steps: dict, step: int | None, only) -> tuple:
                 raise _DeletedMeanwhile(s) from None
             problems.append(f"step {s}: {e}")
             log.warning("[step=%d] %s is corrupt (%s)", s, steps[s], e)
-    raise CorruptCheckpointError(f"{name_of(location)}: no step verifies: " + "; ".join(problems))
+    if step is None:
+        raise CorruptCheckpointError(
+            f"{name_of(location)}: no step verifies: " + "; ".join(problems)
+        )
+    others = sorted(s for s in steps if s != step)
+    raise CorruptCheckpointError(
+        f"{name_of(location)}: step {step} does not verify ({problems[0].split(': ', 1)[1]}); "
+        + (
+            f"the other committed steps ({', '.join(map(str, others))}) were not read: name one, "
+            "or leave the step out for the newest that verifies"
+            if others
+            else "no other step is committed"
+        )
+    )
 
 
 def _vanished(path) -> bool:

@@ -590,3 +590,29 @@ def test_ckpt_list_of_a_checkpoint_dir_given_as_such_names_its_fallback(tmp_path
     out = capsys.readouterr().out
     assert f"records checkpoint.fallback_dir={fallback}, which holds steps too" in out
     assert " 4 " not in out  # not read from there
+
+
+def test_an_asked_for_step_that_is_corrupt_is_named_with_the_steps_that_were_not_read(tmp_path):
+    """export --step 4 of a damaged step 4 said "no step verifies" although step 2 did: the
+    other steps were never read. Now the message says step 4 does not verify and names
+    the others; without --step the newest that verifies is read."""
+    from ftrain.ckpt.format import CorruptCheckpointError
+
+    _, ck = _saved(tmp_path, step=2)
+    older = readonly.read_subtree(ck)[1]
+    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=1)
+    ftrain.CheckpointManager(ck, async_save=False).save(
+        ftrain.replace(state, step=torch.tensor(4)), force=True
+    )
+    chunk = next(p for p in (ck / "step_00000004" / "params").rglob("c*") if p.is_file())
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError) as err:
+        export_params(ck, tmp_path / "x.safetensors", step=4)
+    msg = str(err.value)
+    assert "step 4 does not verify (" in msg and "crc32c mismatch" in msg, msg
+    assert "the other committed steps (2) were not read: name one" in msg
+    assert "no step verifies" not in msg and not (tmp_path / "x.safetensors").exists()
+    got, tree, _ = readonly.read_subtree(ck)
+    assert got == 2 and torch.equal(tree["params", "0", "weight"], older["params", "0", "weight"])
