@@ -64,7 +64,9 @@ class _Invalid(dict):
 def _steps(root: Path, invalid: _Invalid | None = None) -> dict[int, Path]:
     """Committed steps; exits 1 with a message if ``root`` is missing or holds none."""
     if not root.is_dir():
-        raise SystemExit(f"{root}: no such checkpoint directory")
+        from ftrain.ckpt.readonly import missing_directory
+
+        raise SystemExit(missing_directory(root))
     steps = protocol.committed_steps(
         root, on_invalid=invalid if invalid is not None else _Invalid()
     )

@@ -37,6 +37,14 @@ log = logging.getLogger("ftrain.ckpt")
 Locations = str | Path | list  # one checkpoint location, or a run's primary and fallback
 
 
+def missing_directory(root: Path) -> str:
+    """Why ``root`` is no checkpoint directory: absent, or something else of that name."""
+    if root.exists() or root.is_symlink():
+        what = "a file" if root.is_file() else "a dangling link or a special file"
+        return f"{root} is {what}, not a checkpoint directory: give a run directory or its checkpoints/"
+    return f"{root}: no such checkpoint directory"
+
+
 def committed_steps_at(
     location: Locations, storage: Mapping | None = None, invalid: list | None = None
 ) -> dict[int, object]:
@@ -55,7 +63,7 @@ def committed_steps_at(
             if i == 0 and _colon_hint(root):
                 raise StepSpecError(f"{root}: no such checkpoint directory{_colon_hint(root)}")
             if i == 0:
-                raise FileNotFoundError(f"{root}: no such checkpoint directory")
+                raise FileNotFoundError(missing_directory(root))
             continue  # a fallback the run never had to write to
         if not isinstance(root, Path):
             root.probe()  # an endpoint that does not answer: said in seconds, not minutes

@@ -355,11 +355,23 @@ def test_ckpt_tools_on_a_directory_they_may_not_read_say_it_in_one_line(
 
 
 def test_ckpt_tool_on_a_missing_or_empty_directory_exits_non_zero(tmp_path, capsys):
+    """A file or a dangling link given for the directory was "no such checkpoint
+    directory" too, though it plainly exists: said what it is."""
+    from ftrain.cli.evaluate import main as eval_main
+
+    (tmp_path / "a.safetensors").write_bytes(b"{}")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
     for cmd in ("list", "verify", "show"):
         rc, out = ckpt_cli(capsys, cmd, tmp_path / "nope")
         assert rc == 1 and "no such checkpoint directory" in out
         rc, out = ckpt_cli(capsys, cmd, tmp_path)
         assert rc == 1 and "no committed checkpoints" in out
+        rc, out = ckpt_cli(capsys, cmd, tmp_path / "a.safetensors")
+        assert rc == 1 and "a.safetensors is a file, not a checkpoint directory" in out, out
+        rc, out = ckpt_cli(capsys, cmd, tmp_path / "gone")
+        assert rc == 1 and "gone is a dangling link or a special file" in out, out
+    assert eval_main([str(tmp_path / "a.safetensors")]) == 1
+    assert "a.safetensors is a file, not a checkpoint directory" in capsys.readouterr().err
 
 
 def test_ckpt_tool_refuses_steps_a_command_would_drop(tmp_path, capsys):
