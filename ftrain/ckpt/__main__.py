@@ -5,6 +5,7 @@
 
     python -m ftrain.ckpt list ckpt            # committed steps, bytes, metrics
     python -m ftrain.ckpt show ckpt 400        # metadata and arrays of one step (default: newest)
+    python -m ftrain.ckpt show runs/a:400      # DIR:STEP, as export, diff and eval take it
     python -m ftrain.ckpt verify ckpt [400]    # check every chunk's size and crc32c (default: all)
     python -m ftrain.ckpt diff ckpt 300 400    # arrays that differ between two steps
     python -m ftrain.ckpt diff runs/a:300 runs/b:300  # ... of two runs (default: newest step)
@@ -479,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("steps", type=int, nargs="*")
     p.add_argument("--mtbf", type=_duration, help="advise: mean time between failures (6h)")
     ns = p.parse_args(argv)
+    _take_colon_step(p, ns)
     _check_step_count(p, ns)
     if ns.command == "advise":
         try:
@@ -528,6 +530,21 @@ def _failed(e: Exception) -> int:
     """One line; exit 1 for a limit of this machine (retry), 2 otherwise."""
     print(f"python -m ftrain.ckpt: {e}", file=sys.stderr)
     return 1 if isinstance(e, CheckpointReadError) and not isinstance(e, PermissionError) else 2
+
+
+def _take_colon_step(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """``show DIR:STEP`` / ``verify DIR:STEP``, as export, eval, diff and init.from take
+    it (it was "looks like a URL but is not one")."""
+    from ftrain.ckpt.readonly import split_step
+
+    if ns.command not in ("show", "verify", "list"):
+        return
+    where, step = split_step(ns.directory)
+    if step is None:
+        return
+    if ns.steps and ns.steps != [step]:
+        p.error(f"{ns.directory} names step {step} but the steps given are {ns.steps}: give one")
+    ns.directory, ns.steps = where, [step]
 
 
 def _check_step_count(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

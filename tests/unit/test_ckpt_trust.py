@@ -654,3 +654,22 @@ def test_a_corrupt_copy_says_what_the_restore_tries_next(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"is corrupt .*; trying an older one$"):
         got = CheckpointManager(tmp_path, async_save=False).restore()
     assert int(got["step"]) == 1
+
+
+def test_show_and_verify_take_dir_colon_step_like_export_eval_and_diff(tmp_path, capsys):
+    """``ckpt show RUN:STEP`` was "looks like a URL but is not one" though export, eval,
+    diff and init.from take that spelling; a conflicting step and ``list DIR:STEP`` are
+    usage errors."""
+    with CheckpointManager(tmp_path / "checkpoints", async_save=False) as m:
+        for step in (2, 4):
+            m.save(make_state(step), force=True)
+    rc, out = ckpt_cli(capsys, "show", f"{tmp_path}:2")
+    assert rc == 0 and "step_00000002" in out and "step_00000004" not in out, out
+    rc, out = ckpt_cli(capsys, "verify", f"{tmp_path}:4")
+    assert rc == 0 and "step 4" in out and "step 2" not in out, out
+    rc, out = ckpt_cli(capsys, "show", f"{tmp_path}:2", "4")
+    assert rc == 2 and "names step 2 but the steps given are [4]" in out, out
+    rc, out = ckpt_cli(capsys, "list", f"{tmp_path}:2")
+    assert rc == 2 and "list takes no step" in out, out
+    rc, out = ckpt_cli(capsys, "show", f"{tmp_path}:7")
+    assert rc == 1 and "step 7 is not committed" in out and "available: [2, 4]" in out, out
