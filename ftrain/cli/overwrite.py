@@ -82,7 +82,7 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
 
 
 # a logger entry's keys that name where it writes (ftrain/conf/logger: csv.path,
-# tensorboard.log_dir, wandb.dir: W&B keeps the run id a resume continues under it)
+# tensorboard.log_dir, wandb.dir)
 def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path, ckpts: list[Path]) -> bool:
     """The loggers' files at places of the user's (``logger.csv.path=/data/m.csv``): into
     ``aside`` when inside run.dir, else renamed beside themselves. Left in place, the new
@@ -98,6 +98,11 @@ def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path, ckpts: list
         there = path.resolve()
         if any(inner.is_relative_to(there) for inner in holds):
             continue  # run.dir, a checkpoint dir or above one: moved as such
+        if _is_wandb_dir(cfg, key) and not there.is_relative_to(here):
+            # wandb's dir elsewhere: its offline-run-*-ID folders are per W&B run and the
+            # id lives in run.dir, so nothing mixes; it may be shared with other runs,
+            # whose folders a rename took along
+            continue
         if there.is_relative_to(here):
             moved |= _move_into(path, aside / there.relative_to(here))
         else:
@@ -105,6 +110,13 @@ def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path, ckpts: list
             path.rename(target)
             print(f"run.overwrite=true: moved {key}={path} to {target}")
     return moved
+
+
+def _is_wandb_dir(cfg: DictConfig, key: str) -> bool:
+    """``logger.NAME.dir`` of ftrain's W&B logger (not a logger of the user's own)."""
+    _, name, field = key.split(".", 2)
+    target = str(cfg.logger[name].get("_target_", ""))
+    return field == "dir" and target == "ftrain.metrics.loggers.WandbLogger"
 
 
 def _local_checkpoint_dirs(cfg: DictConfig, run_dir: Path) -> list[Path]:

@@ -166,9 +166,12 @@ _RUN_ID_FILE = "ftrain-run-id"
 class WandbLogger:
     """A Weights & Biases run, one per run directory, continued on every resume.
 
-    The run id is kept in ``DIR/wandb/ftrain-run-id`` (``DIR`` is ``dir``, default the run
-    directory): every resume opens the same run (``resume="allow"``); a fresh start (step 0,
-    no checkpoint restored) makes a new one. ftrain's step is
+    The run id is kept in ``RUN_DIR/wandb/ftrain-run-id``, in the run directory whatever
+    ``dir`` says (``dir``, default the run directory, holds wandb's own files): every resume
+    opens the same run (``resume="allow"``); a fresh start (step 0, no checkpoint restored)
+    makes a new one. Two runs sharing one ``dir`` each keep their own id (under ``dir`` the
+    second run's id replaced the first's, and the first's resume logged into the second's
+    W&B run). ftrain's step is
     logged as the metric ``step`` and every chart uses it as x axis (``define_metric``);
     wandb's own ``_step`` keeps counting, so steps redone after a crash are logged again and
     show as a second point at the same ``step``.
@@ -209,6 +212,7 @@ class WandbLogger:
             )
         root = Path(dir) if dir else run.run_dir
         (root / "wandb").mkdir(parents=True, exist_ok=True)
+        (Path(run.run_dir) / "wandb").mkdir(parents=True, exist_ok=True)
         settings = {
             "project": project,
             "name": name or run.name,
@@ -216,7 +220,7 @@ class WandbLogger:
             "group": group,
             "tags": tags or None,  # a lone "foo" is one tag, not f, o, o
             "dir": str(root),
-            "id": _run_id(root / "wandb" / _RUN_ID_FILE, fresh=not run.resumed),
+            "id": _run_id(Path(run.run_dir) / "wandb" / _RUN_ID_FILE, fresh=not run.resumed),
             "resume": "allow",
             "config": run.config,
             "settings": wandb.Settings(console="off", silent=True),
@@ -295,7 +299,8 @@ class CsvLogger:
 
     A metric that appears later (the first ``val_loss``) widens the header: the file is
     rewritten once with the new column. On resume rows are appended; a step that was redone
-    appears twice and its later row counts (pandas: ``drop_duplicates("step", keep="last")``).
+    appears twice and its later row counts (pandas: ``drop_duplicates(["step", "kind"],
+    keep="last")``: a step's train and eval rows share the step number).
     """
 
     requires = None

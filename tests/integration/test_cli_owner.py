@@ -135,6 +135,36 @@ def test_run_overwrite_moves_logger_files_at_the_users_own_places(tmp_path):
     assert (aside / "logs" / "tb").is_dir() and (aside / "metrics.jsonl").exists()
 
 
+def test_run_overwrite_leaves_a_wandb_dir_elsewhere_that_other_runs_share(tmp_path):
+    """logger.wandb.dir=/shared for several runs: run.overwrite of one renamed /shared,
+    taking the other runs' offline W&B runs along. W&B's folders there are per run id and
+    the id lives in run.dir (moved with the run), so /shared stays; one inside run.dir
+    still moves with the run."""
+    from omegaconf import OmegaConf
+
+    from ftrain.cli.overwrite import move_run_aside
+
+    run, shared = tmp_path / "run", tmp_path / "wb"
+    (run / "wandb").mkdir(parents=True)
+    (run / "wandb" / "ftrain-run-id").write_text("aaaa\n")
+    (shared / "wandb" / "offline-run-1-bbbb").mkdir(parents=True)  # another run's
+    target = "ftrain.metrics.loggers.WandbLogger"
+    cfg = OmegaConf.create(
+        {
+            "run": {"dir": str(run)},
+            "checkpoint": {"dir": str(run / "checkpoints"), "fallback_dir": None, "storage": None},
+            "logger": {"wandb": {"_target_": target, "dir": str(shared)}},
+        }
+    )
+    aside = move_run_aside(cfg)
+    assert (shared / "wandb" / "offline-run-1-bbbb").is_dir()
+    assert not list(tmp_path.glob("wb.overwritten-*"))
+    assert (aside / "wandb" / "ftrain-run-id").read_text() == "aaaa\n"
+    (run / "wb" / "wandb").mkdir(parents=True)  # inside run.dir: this run's own
+    cfg.logger.wandb.dir = str(run / "wb")
+    assert (move_run_aside(cfg) / "wb" / "wandb").is_dir() and not (run / "wb").exists()
+
+
 @pytest.mark.parametrize("inside", [True, False])
 def test_run_overwrite_leaves_a_logger_place_holding_the_checkpoints_to_their_move(
     tmp_path, inside

@@ -84,6 +84,14 @@ def test_csv_parses_back_widens_for_val_loss_and_appends_on_resume(tmp_path):
         ("2", "eval", "", "3.6"),
         ("2", "step", "3.4", ""),  # the redone step: its later row counts
     ]
+    # the documented recipe, drop_duplicates(["step", "kind"], keep="last"): by "step"
+    # alone (the docs until 2026-12-07) step 2's train row went, its eval row stayed
+    last = {(r["step"], r["kind"]): (r["loss"], r["val_loss"]) for r in rows}
+    assert last == {
+        ("1", "step"): ("4.0", ""),
+        ("2", "step"): ("3.4", ""),
+        ("2", "eval"): ("", "3.6"),
+    }
 
 
 def test_a_csv_removed_mid_run_begins_again_said_once(tmp_path, caplog):
@@ -321,6 +329,27 @@ def test_wandb_offline_run_holds_the_values_and_a_resume_continues_the_same_run(
     ]
     build_loggers({"wandb": WANDB}, RunInfo(tmp_path, "r")).close()  # a fresh start
     assert (tmp_path / "wandb" / "ftrain-run-id").read_text().strip() != run_id, "a new run"
+
+
+def test_two_runs_sharing_a_wandb_dir_each_resume_their_own_wandb_run(tmp_path, monkeypatch):
+    """logger.wandb.dir=/shared for runs a and b: the id was kept in /shared, b's start
+    replaced a's, and a's resume logged into b's W&B run. The id now lives in each run's
+    own directory."""
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'ftrain[wandb]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    shared = {**WANDB, "dir": str(tmp_path / "shared")}
+    ids = {}
+    for name in ("a", "b"):
+        build_loggers({"wandb": shared}, RunInfo(tmp_path / name, name)).close()
+        ids[name] = (tmp_path / name / "wandb" / "ftrain-run-id").read_text().strip()
+    assert ids["a"] != ids["b"]
+    again = build_loggers(
+        {"wandb": shared}, RunInfo(tmp_path / "a", "a", start_step=2, resumed=True)
+    )
+    assert again.loggers["wandb"].run.id == ids["a"]
+    again.close()
+    assert not (tmp_path / "shared" / "wandb" / "ftrain-run-id").exists()
 
 
 def test_wandb_unreachable_at_start_logs_offline_instead_of_refusing_the_run(
