@@ -8,6 +8,7 @@ or init the state, run :func:`ftrain.loop.train_loop`, close the checkpoint mana
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import sys
 import threading
@@ -548,16 +549,22 @@ def _eval_owed(cfg: DictConfig, world: World, report: ResumeReport) -> bool:
 
 # what gloo (and NCCL) say when the rank at the other end of a collective died or left
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# a collective that waited dist.timeout_s for a rank that stopped answering (SIGSTOP, a
+# hung thread, a swapped-out node): gloo's "Timed out waiting 8000ms for recv operation"
+_PEER_HUNG = re.compile(r"Timed out waiting \d+ ?ms for (recv|send)|collective operation timeout")
 
 
 def _peer_gone(err: BaseException) -> bool:
     """Whether ``err``, or an error it was raised from (a sharded save failing because a
-    rank died in its collective), is a collective's peer gone."""
+    rank died in its collective), is a collective's peer gone, or one that stopped
+    answering until dist.timeout_s ran out (a traceback of the collective before)."""
     import torch.distributed
 
     dist_error = getattr(torch.distributed, "DistNetworkError", ())
     while err is not None:
         if isinstance(err, dist_error) or any(s in str(err) for s in _PEER_GONE):
+            return True
+        if _PEER_HUNG.search(str(err)):
             return True
         err = err.__cause__
     return False
@@ -571,8 +578,14 @@ def _peer_lost(err: RuntimeError, session: Session, world: World) -> int:
     while err.__cause__ is not None:  # the collective's own error, not the save's wrapper
         err = err.__cause__
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    what = (
+        "another rank stopped answering for dist.timeout_s (hung or stopped: its log says "
+        "which; trainer.hang_timeout_s has a hung rank dump its stacks and exit 4)"
+        if _PEER_HUNG.search(str(err))
+        else "another rank is gone"
+    )
     return _stopped(
-        RuntimeError(f"rank {world.rank}: another rank is gone ({first})"),
+        RuntimeError(f"rank {world.rank}: {what} ({first})"),
         session.manager,
         "the lost rank's cause (its own log: killed, out of memory, its node)",
     )

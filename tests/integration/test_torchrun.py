@@ -242,6 +242,33 @@ def test_ranks_whose_nodes_hold_different_data_are_refused_at_start(cache_dir, t
     assert "Connection closed" not in out, out
 
 
+def _heartbeat_at(run, rank: int, step: int, proc, timeout: float = 180) -> dict:
+    """Rank ``rank``'s heartbeat once it has reached ``step`` (its pid inside)."""
+    beat = run / (f"heartbeat.rank{rank}.json" if rank else "heartbeat.json")
+    deadline, info = time.time() + timeout, {"step": -1}
+    while time.time() < deadline:
+        try:
+            info = json.loads(beat.read_text())
+            if info["step"] >= step:
+                return info
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.02)
+    raise AssertionError(f"rank {rank} never reached step {step} (last heartbeat {info})")
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_path):
     run = tmp_path / "run"
     proc = _torchrun(
@@ -252,20 +279,7 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_pat
         "checkpoint.async_save=false",
         extra=("--max-restarts=1",),
     )
-    beat = run / "heartbeat.rank1.json"
-    deadline = time.time() + 180
-    info = {"step": -1}
-    while time.time() < deadline:
-        try:
-            info = json.loads(beat.read_text())
-            if info["step"] >= 6:
-                break
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.02)
-    assert info["step"] >= 6, f"rank 1 never reached step 6 (last heartbeat {info})"
-    os.kill(info["pid"], signal.SIGKILL)
+    os.kill(_heartbeat_at(run, 1, 6, proc)["pid"], signal.SIGKILL)
     rc, out = _finish(proc)
     assert rc == 0, out
     # the survivor (if the collective failed before torchrun's SIGTERM reached it): one
@@ -275,6 +289,35 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_resumes(cache_dir, tmp_pat
     assert resumes and resumes[-1]["from_step"] >= 4
     assert "rank 0 restored" in resumes[-1]["host_rng"]
     assert CheckpointManager(run / "checkpoints", async_save=False).latest_step() == 40
+
+
+@pytest.mark.long  # ~60 s; CI checks the timeout's classification in test_cli_app.py
+def test_a_rank_that_stops_answering_is_one_line_after_dist_timeout_and_the_run_resumes(
+    cache_dir, tmp_path
+):
+    """Rank 1 SIGSTOPped (hung, swapped out): rank 0's all-reduce gave up after
+    dist.timeout_s with a 30-line traceback of gloo's "Timed out waiting 5000ms for recv
+    operation" and no word of the newest commit. Now one line naming the hung peer and
+    where a restart resumes; the restart resumes."""
+    run = tmp_path / "run"
+    common = ("checkpoint.every_steps=4", "checkpoint.async_save=false", "dist.timeout_s=5")
+    proc = _torchrun(run, cache_dir, "trainer.max_steps=400", *common)
+    stopped = _heartbeat_at(run, 1, 6, proc)["pid"]
+    survivor = _heartbeat_at(run, 0, 0, proc)["pid"]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        assert _gone(survivor, 120), "rank 0 still waits on the stopped rank"
+    finally:
+        os.kill(stopped, signal.SIGKILL)
+    rc, out = _finish(proc)
+    assert rc != 0 and "[rank0]: Traceback" not in out, out
+    assert "rank 0: another rank stopped answering for dist.timeout_s" in out, out
+    assert "Timed out waiting 5000ms" in out and "newest committed checkpoint: step" in out
+    last = CheckpointManager(run / "checkpoints", async_save=False).latest_step()
+    assert last is not None and last >= 4
+    rc, out = _finish(_torchrun(run, cache_dir, f"trainer.max_steps={last + 2}", *common))
+    assert rc == 0, out
+    assert records(run, "resume")[-1]["from_step"] == last
 
 
 def _run_with_a_failing_save(tmp_path, cache_dir, every: int, steps: int) -> str:

@@ -43,3 +43,21 @@ def test_a_sharded_save_failing_because_a_rank_died_is_a_peer_gone():
     except CheckpointSaveError as save_error:
         assert run._peer_gone(save_error)
     assert not run._peer_gone(CheckpointSaveError("[step=12] No space left on device"))
+
+
+def test_a_collective_timed_out_on_a_stopped_rank_is_a_peer_lost_not_a_traceback():
+    """Rank 1 SIGSTOPped: rank 0's all-reduce gave up after dist.timeout_s with gloo's
+    "Timed out waiting 8000ms for recv operation to complete", which matched none of the
+    peer-gone texts: a 30-line traceback, no "newest committed checkpoint" line."""
+    from ftrain.cli import run
+
+    for text in (
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+        "8000ms for recv operation to complete",
+        "[unbound_buffer.cc:133] Timed out waiting 8000ms for send operation to complete",
+        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)",
+    ):
+        assert run._peer_gone(RuntimeError(text)), text
+        assert run._PEER_HUNG.search(text)
+    assert not run._peer_gone(RuntimeError("Timed out waiting for the lock on runs/x/.lock"))
+    assert not run._PEER_HUNG.search("[pair.cc:553] Connection closed by peer")
