@@ -80,12 +80,11 @@ def _none_at(root: Path) -> str:
     """ "no committed checkpoints", with what to pass when ``root`` is one step's directory
     or a run directory whose run saved to another ``checkpoint.dir`` (every command but
     ``export`` said only "no committed checkpoints" there)."""
-    from ftrain.ckpt.readonly import saved_elsewhere
+    from ftrain.ckpt.readonly import moved_aside, saved_elsewhere
 
     hint = protocol.step_dir_hint(root)
-    return (
-        f"{root}: no committed checkpoints" + (f" ({hint})" if hint else "") + saved_elsewhere(root)
-    )
+    found = (f" ({hint})" if hint else "") + saved_elsewhere(root) + moved_aside(root)
+    return f"{root}: no committed checkpoints{found}"
 
 
 def _pick(roots, step: int | None) -> tuple[int, Path]:

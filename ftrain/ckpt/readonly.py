@@ -125,6 +125,33 @@ def saved_elsewhere(location: Locations) -> str:
     return f"; this run directory's run saved its checkpoints to {where}: pass that"
 
 
+def moved_aside(location: Locations) -> str:
+    """A hint for a location whose steps ``run.overwrite=true`` moved aside (into
+    ``RUN/overwritten-<time>/checkpoints``, or renamed ``DIR.overwritten-<time>``): a
+    fine-tune with ``init.from`` naming the run it overwrote, killed before its first
+    commit, found no base at its restart and did not say where the base went."""
+    first = location[0] if isinstance(location, list) else location
+    if not isinstance(first, str | Path) or "://" in str(first):
+        return ""
+    here = Path(first)
+    run = here.parent if here.name == "checkpoints" else here
+    copies = [
+        *run.glob("overwritten-*/checkpoints"),
+        *here.parent.glob(f"{here.name}.overwritten-*"),
+    ]
+    for copy in sorted(copies, key=lambda d: d.stat().st_mtime_ns, reverse=True):
+        try:
+            steps = sorted(protocol.committed_steps(copy))
+        except OSError:
+            continue
+        if steps:
+            return (
+                f"; run.overwrite=true moved earlier steps ({', '.join(map(str, steps))}) to "
+                f"{copy}: pass {copy}:{steps[-1]} to read them"
+            )
+    return ""
+
+
 def _recorded_fallback(checkpoints: Path) -> str | None:
     """``checkpoint.fallback_dir`` as the newest step there records it (None: none)."""
     steps = protocol.committed_steps(checkpoints)
@@ -203,6 +230,7 @@ def read_subtree(
         why = f" ({'; '.join(invalid)})" if invalid else ""
         raise FileNotFoundError(
             f"{name_of(location)}: no committed checkpoints{why}{saved_elsewhere(location)}"
+            f"{moved_aside(location)}"
         )
     if step is not None and step not in steps:
         raise FileNotFoundError(

@@ -616,3 +616,26 @@ def test_an_asked_for_step_that_is_corrupt_is_named_with_the_steps_that_were_not
     assert "no step verifies" not in msg and not (tmp_path / "x.safetensors").exists()
     got, tree, _ = readonly.read_subtree(ck)
     assert got == 2 and torch.equal(tree["params", "0", "weight"], older["params", "0", "weight"])
+
+
+def test_a_run_whose_steps_run_overwrite_moved_aside_names_where_they_went(tmp_path):
+    """init.from naming the run being overwritten, killed before the fine-tune's first
+    commit: the restart found "no committed checkpoints" in the run and did not say that
+    run.overwrite had moved the base to RUN/overwritten-<time>/checkpoints."""
+    from ftrain.ckpt.__main__ import main as ckpt_main
+
+    run = tmp_path / "run"
+    _, moved = _saved(tmp_path, step=3)
+    aside = run / "overwritten-20261207-112956"
+    aside.mkdir(parents=True)
+    moved.rename(aside / "checkpoints")
+    (run / "checkpoints").mkdir()  # the fine-tune's, nothing committed yet
+    with pytest.raises(FileNotFoundError) as err:
+        readonly.read_subtree(readonly.run_locations(run))
+    hint = f"run.overwrite=true moved earlier steps (3) to {aside / 'checkpoints'}: pass "
+    assert hint in str(err.value) and "checkpoints:3 to read them" in str(err.value)
+    with pytest.raises(SystemExit) as listed:  # the ckpt tools say it too
+        ckpt_main(["list", str(run)])
+    assert hint in str(listed.value.code)
+    got, _, _ = readonly.read_subtree(readonly.split_step(f"{aside / 'checkpoints'}:3")[0], step=3)
+    assert got == 3
