@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
 
+from ftrain.ckpt.readonly import StepSpecError
 from ftrain.cli.finetune import init_from, parse_init_from
 from ftrain.config import ConfigError
 from ftrain.dist import World, broadcast_json, gather_json
@@ -94,7 +95,10 @@ def _coordinator_read(cfg: DictConfig, fresh: TensorDictBase) -> tuple:
     """The step an earlier start read, while the base holds it; else as ``init.from``
     says (its newest step that verifies, unless it names one)."""
     value = str(cfg.init["from"])
-    _, named = parse_init_from(value)
+    try:
+        _, named = parse_init_from(value)
+    except StepSpecError as err:  # RUN:abc: one line, exit 2
+        raise ConfigError(f"init.from={value!r}: {err}") from None
     # resume=none starts over (its records are moved aside after this): nothing to keep
     again = named is None and cfg.resume != "none"
     earlier = earlier_init_step(Path(cfg.run.dir), value) if again else None

@@ -142,13 +142,14 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         >>> evaluate_run("runs/x", 400, ["trainer.eval_batches=8"])  # doctest: +SKIP
         {'step': 400, 'val_loss': 1.92, 'perplexity': 6.8, ...}
     """
-    where, at = parse_init_from(str(run))
+    try:
+        where, at = parse_init_from(str(run))
+    except StepSpecError as err:  # RUN:abc of a RUN that exists: a usage error, as below
+        raise ConfigError(str(err)) from None
     if step is not None and at is not None and step != at:
         raise ConfigError(f"{run} names step {at} but --step {step}: give the step once")
     try:
         got, tree, attrs = read_model(where, step if step is not None else at)
-    except StepSpecError as err:  # RUN:abc of a RUN that exists: a usage error, as below
-        raise ConfigError(str(err)) from None
     except CheckpointLocationError as err:  # RUN that reads as a URL ("r1:abc")
         tail = str(run).rsplit(":", 1)[-1]
         hint = f"; RUN:STEP takes a step number, got {tail!r}" if "://" not in str(run) else ""

@@ -200,9 +200,12 @@ def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
     used: :func:`ftrain.ckpt.readonly.run_locations`), a checkpoints directory, or an
     object-store URL of one.
     """
-    from ftrain.ckpt.readonly import run_locations, split_step
+    from ftrain.ckpt.readonly import StepSpecError, _colon_hint, run_locations, split_step
 
     where, step = split_step(value)
+    if step is None and "://" not in where and _colon_hint(Path(where)):
+        # RUN:abc, RUN:-1: "looks like a URL but is not one" named object storage
+        raise StepSpecError(f"{where}: no such run directory{_colon_hint(Path(where))}")
     if "://" not in where:
         run = Path(where)
         if (run / "checkpoints").is_dir():

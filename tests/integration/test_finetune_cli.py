@@ -182,6 +182,10 @@ def test_freeze_globs_groups_and_their_errors(cli, base_run, tmp_path):
         tmp_path / "missing", f"init.from={tmp_path / 'nope'}", "trainer.max_steps=1", check=2
     )
     assert "init.from=" in missing.stderr and "no such checkpoint directory" in missing.stderr
+    for tail in ("abc", "-1"):  # RUN:STEP of a run that exists: "looks like a URL" before
+        word = cli(tmp_path / "w", f"init.from={run}:{tail}", "trainer.max_steps=1", check=2)
+        assert f"the part after ':' must be a step number, got '{tail}'" in word.stderr
+        assert "URL" not in word.stderr and "Traceback" not in word.stderr, word.stderr
     bad_group = cli(
         tmp_path / "g", "+optim.groups.default.params=[x]", "trainer.max_steps=1", check=2
     )
