@@ -42,6 +42,21 @@ class TargetMismatchError(ValueError):
         )
 
 
+def _rooted_below(only, got: set, want: dict, target: TensorDictBase) -> list[str]:
+    """``restore(only="params", target=state["params"])``: a target rooted at the selected
+    subtree instead of at the state. Said first, since every key then differs."""
+    if only is None or want:
+        return []
+    inner = set(groups_and_arrays(target)[1])
+    for p in only:
+        if inner and {f"{p}/{k}" for k in inner} <= got:
+            return [
+                f"the target is rooted at {p!r}, not at the state: pass the state's "
+                "template (target=state; only= picks what is read)"
+            ]
+    return []
+
+
 def match_target(
     td: TensorDictBase, target: TensorDictBase, only: tuple[str, ...] | None
 ) -> TensorDictBase:
@@ -65,7 +80,7 @@ def match_target(
         if a.dtype != b.dtype:
             diffs.append(f"dtype of {k}: checkpoint {a.dtype}, target {b.dtype}")
     if diffs:
-        raise TargetMismatchError(diffs)
+        raise TargetMismatchError(_rooted_below(only, set(got), want, target) + diffs)
     for k, t in want.items():
         if t.device != got[k].device and not t.is_meta:  # a meta template: shapes only
             td[tuple(k.split("/"))] = got[k].to(t.device)

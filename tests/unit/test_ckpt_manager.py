@@ -158,6 +158,22 @@ def test_a_target_mismatch_lists_ten_differences_and_counts_the_rest(tmp_path):
     assert str(e.value).endswith("and 4 more")
 
 
+def test_a_target_rooted_at_the_only_subtree_is_said_first(tmp_path):
+    """restore(only="params", target=state["params"]) listed every key as "not in
+    target" without saying the template is rooted one level too low."""
+    from ftrain.ckpt.target import TargetMismatchError
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(make_state(3))
+    with pytest.raises(TargetMismatchError) as e:
+        m.restore(only="params", target=make_state(0)["params"])
+    assert e.value.differences[0].startswith("the target is rooted at 'params', not at the state")
+    assert same(m.restore(only="params", target=make_state(0))["params"], make_state(3)["params"])
+    with pytest.raises(TargetMismatchError) as e:  # a plain mismatch: no such line
+        m.restore(only="params", target=make_state(0)["opt"])
+    assert not any("rooted" in d for d in e.value.differences)
+
+
 def test_restore_only_and_target_validation(tmp_path):
     with CheckpointManager(tmp_path) as m:
         m.save(make_state(3))
