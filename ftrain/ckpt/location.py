@@ -156,7 +156,10 @@ def parse_location(value: str | Path, storage: Mapping | None = None):
                 f"checkpoint location {value!r} needs obstore ({e}): pip install 'ftrain[s3]'"
             ) from e
         return ObjectRoot.open(f"{scheme}://{rest.rstrip('/')}", storage)
-    if _URLISH_RE.match(value):  # two or more letters: "C:" is not a scheme
+    # two or more letters: "C:" is not a scheme. A directory of that name that exists is
+    # read as one: "./col:on/r", as the message below advises, lost its "./" on a trip
+    # through pathlib and was refused again
+    if _URLISH_RE.match(value) and not Path(value).is_dir():
         scheme = value.split(":")[0]
         raise CheckpointLocationError(
             f"checkpoint location {value!r} looks like a URL but is not one (it would be "

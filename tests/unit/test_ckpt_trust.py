@@ -673,3 +673,21 @@ def test_show_and_verify_take_dir_colon_step_like_export_eval_and_diff(tmp_path,
     assert rc == 2 and "list takes no step" in out, out
     rc, out = ckpt_cli(capsys, "show", f"{tmp_path}:7")
     assert rc == 1 and "step 7 is not committed" in out and "available: [2, 4]" in out, out
+
+
+def test_a_directory_whose_first_name_holds_a_colon_is_read_when_it_exists(
+    tmp_path, capsys, monkeypatch
+):
+    """``col:on/r`` (a directory that exists) was "looks like a URL", and the advised
+    ``./col:on/r`` lost its ``./`` in pathlib and was refused again. A name of that shape
+    that does not exist is still refused (``s3:/b`` would be a local directory)."""
+    from ftrain.ckpt.location import CheckpointLocationError, parse_location
+
+    monkeypatch.chdir(tmp_path)
+    with CheckpointManager(Path("col:on") / "r" / "checkpoints", async_save=False) as m:
+        m.save(make_state(2), force=True)
+    for spelling in ("col:on/r", "./col:on/r", "col:on/r:2"):
+        rc, out = ckpt_cli(capsys, "show", spelling)
+        assert rc == 0 and "step_00000002" in out, (spelling, out)
+    with pytest.raises(CheckpointLocationError, match="looks like a URL but is not one"):
+        parse_location("col:on/nothere")
