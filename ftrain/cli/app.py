@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from hydra.core.global_hydra import GlobalHydra
@@ -193,13 +193,25 @@ def app_help(overrides: list[str], config_name: str = "config") -> str:
         "",
     ]
     for group, options in _groups(overrides, config_name).items():
-        marked = [f"{o}*" if choices.get(group) == o else o for o in options]
+        chosen = _chosen(choices.get(group), cfg.get(group))
+        marked = [f"{o}*" if o in chosen else o for o in options]
         add = " (add one with +recipe=NAME)" if group == "recipe" else ""
         lines.append(f"  {group}: {', '.join(marked)}{add}")
     lines += ["", "== Config ==", "Override anything in the config (foo.bar=value)", ""]
     for key, node in cfg.items():
         lines += _keys_line(str(key), node)
     return "\n".join([*lines, "", _HELP_TAIL])
+
+
+def _chosen(choice, node) -> set[str]:
+    """A group's chosen options: Hydra records one name; a list default (``logger:
+    [jsonl]``, which went unmarked) it does not, and the composed config holds one entry
+    per option chosen."""
+    if isinstance(choice, str):
+        return {choice}
+    if isinstance(choice, Sequence):
+        return {str(c) for c in choice}
+    return {str(k) for k in node} if isinstance(node, DictConfig) else set()
 
 
 def _groups(overrides: list[str], config_name: str) -> dict[str, list[str]]:

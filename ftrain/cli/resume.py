@@ -756,7 +756,7 @@ def _check_compat(cfg: DictConfig, meta: dict, reshaped=None) -> list[str]:
                 "\n  the state this config makes has other keys or shapes than the checkpoint's:\n    "
                 + "\n    ".join(_first(shapes, "differences"))
                 + f"\n  no setting continues this run with another state: resume with the "
-                f"checkpoint's values, or {new_run}; init.from={cfg.checkpoint.dir}:{step} starts "
+                f"checkpoint's values, or {new_run}; init.from={_run_or_dir(cfg)}:{step} starts "
                 "one from its params where the model is unchanged"
                 if shapes
                 else f"\n  resume with the checkpoint's values, {new_run}, or accept the change "
@@ -764,6 +764,13 @@ def _check_compat(cfg: DictConfig, meta: dict, reshaped=None) -> list[str]:
             )
         )
     return bad + safe
+
+
+def _run_or_dir(cfg: DictConfig) -> str:
+    """How ``init.from`` names this run's steps: the run directory where they are its
+    ``checkpoints/`` (the spelling the docs use), else the checkpoint directory."""
+    in_run = Path(str(cfg.checkpoint.dir)) == Path(str(cfg.run.dir)) / "checkpoints"
+    return str(cfg.run.dir) if in_run else str(cfg.checkpoint.dir)
 
 
 def _check_retention(cfg: DictConfig, meta: dict, manager: CheckpointManager) -> list[str]:

@@ -150,7 +150,8 @@ def test_incompatible_config_is_refused_with_diff_and_override(cli, tmp_path):
         refused.stderr
     )
     assert "params/transformer/h/2/attn/c_attn/weight: only in the checkpoint" in refused.stderr
-    assert "allow_config_change" not in refused.stderr and "init.from=" in refused.stderr
+    assert "allow_config_change" not in refused.stderr
+    assert f"init.from={run}:2 starts one from its params" in refused.stderr  # RUN:STEP
     # a structural change (a model swapped, a block of keys added) listed every key: the
     # refusal and the accepted-change report show ten, then count the rest
     many = "+extra={" + ", ".join(f"k{i:02d}: {i}" for i in range(14)) + "}"

@@ -69,6 +69,15 @@ def test_user_options_are_listed_in_help(user_conf):
     assert "_schema" not in text
 
 
+def test_help_marks_the_chosen_loggers_of_the_list_default():
+    """logger: [jsonl] is a list default, which Hydra does not record as a choice: the
+    group listed no option marked, where the docs promise the chosen one is."""
+    assert "  logger: csv, jsonl*, tensorboard, wandb" in app_help([])
+    assert "  logger: csv*, jsonl*, tensorboard*, wandb" in app_help(
+        ["logger=[jsonl,csv,tensorboard]"]
+    )
+
+
 def test_a_target_that_cannot_be_built_is_one_config_error():
     with pytest.raises(ConfigError, match=r"model._target_='nopkg.Model' could not be built"):
         build_model(load_config(["model._target_=nopkg.Model"]))
