@@ -157,9 +157,11 @@ def parse_location(value: str | Path, storage: Mapping | None = None):
             ) from e
         return ObjectRoot.open(f"{scheme}://{rest.rstrip('/')}", storage)
     # two or more letters: "C:" is not a scheme. A directory of that name that exists is
-    # read as one: "./col:on/r", as the message below advises, lost its "./" on a trip
-    # through pathlib and was refused again
-    if _URLISH_RE.match(value) and not Path(value).is_dir():
+    # read as one ("./col:on/r", as the message below advises, lost its "./" on a trip
+    # through pathlib and was refused again), unless it starts with an object store's
+    # scheme: a leftover ./s3:bucket would take a typo for s3://bucket again
+    urlish = _URLISH_RE.match(value)
+    if urlish and (urlish.group(1).lower() in OBJECT_SCHEMES or not Path(value).is_dir()):
         scheme = value.split(":")[0]
         raise CheckpointLocationError(
             f"checkpoint location {value!r} looks like a URL but is not one (it would be "

@@ -150,6 +150,8 @@ def evaluate_run(run: str | Path, step: int | None = None, overrides=()) -> dict
         raise ConfigError(f"{run} names step {at} but --step {step}: give the step once")
     try:
         got, tree, attrs = read_model(where, step if step is not None else at)
+    except StepSpecError as err:  # RUN:abc:5: the :5 split off, RUN:abc is the same usage error
+        raise ConfigError(str(err)) from None
     except CheckpointLocationError as err:  # RUN that reads as a URL ("r1:abc")
         tail = str(run).rsplit(":", 1)[-1]
         hint = f"; RUN:STEP takes a step number, got {tail!r}" if "://" not in str(run) else ""

@@ -203,7 +203,12 @@ def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
     from ftrain.ckpt.readonly import StepSpecError, _colon_hint, run_locations, split_step
 
     where, step = split_step(value)
-    if step is None and "://" not in where and _colon_hint(Path(where)):
+    if (
+        step is None
+        and "://" not in where
+        and not Path(where).exists()
+        and _colon_hint(Path(where))
+    ):
         # RUN:abc, RUN:-1: "looks like a URL but is not one" named object storage
         raise StepSpecError(f"{where}: no such run directory{_colon_hint(Path(where))}")
     if "://" not in where:

@@ -38,7 +38,7 @@ def sgd(
 
     Args:
         lr: learning rate (float >= 0) or schedule.
-        momentum: momentum coefficient, in [0, 1] (above 1 is refused: it diverges).
+        momentum: momentum coefficient, in [0, 1) (1 or more is refused: it diverges).
         nesterov: Nesterov momentum (requires ``momentum > 0``, as in torch).
         weight_decay: L2 penalty added to the gradient before momentum, >= 0.
 

@@ -66,12 +66,13 @@ def _number(
 
 
 def momentum_coefficient(fn: str, name: str, value: float) -> float:
-    """A momentum in ``[0, 1]``: above 1 each step carries more than all of the last
-    one's buffer into the next, which grows without bound (the run diverges, later)."""
+    """A momentum in ``[0, 1)``, as the command line's ``optim.momentum``: at 1 the buffer
+    never decays (it grows without bound on a steady gradient), above 1 it grows faster
+    every step, and the run diverges later rather than at once."""
     value = _number(fn, name, value, low=0.0)
-    if value > 1.0:
+    if value >= 1.0:
         raise ValueError(
-            f"{fn} requires {name} <= 1 (a momentum above 1 grows its buffer every step "
+            f"{fn} requires {name} < 1 (a momentum of 1 or more grows its buffer every step "
             f"until the run diverges; 0.9 is usual), got {name}={value!r}"
         )
     return value
@@ -367,14 +368,14 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     State: ``trace`` (a TensorDict shaped like params).
 
     Args:
-        decay: the momentum coefficient, in [0, 1].
+        decay: the momentum coefficient, in [0, 1).
         nesterov: use Nesterov momentum (requires ``decay > 0``).
 
     Returns:
         A :class:`GradientTransformation` named ``trace``.
 
     Raises:
-        ValueError: for a ``decay`` outside [0, 1] or not finite, or ``nesterov`` with zero
+        ValueError: for a ``decay`` outside [0, 1) or not finite, or ``nesterov`` with zero
             decay.
 
     Example:

@@ -123,6 +123,8 @@ def test_eval_errors_name_the_fix(tool, run8, env, tmp_path):
     assert out.returncode == 2 and "RUN:STEP takes a step number, got 'abc'" in out.stderr
     out = tool("ftrain.eval", f"{run8}:abc", env=env)  # of a run that exists: exit 1 before
     assert out.returncode == 2 and "the part after ':' must be a step number" in out.stderr
+    out = tool("ftrain.eval", f"{run8}:abc:5", env=env)  # :5 split off, RUN:abc the same
+    assert out.returncode == 2 and "must be a step number, got 'abc'" in out.stderr, out.stderr
     # the tokenized val data cached into the checkpoint directory eval only reads
     out = tool("ftrain.eval", run8, f"data.cache_dir={run8 / 'checkpoints' / 'cache'}", env=env)
     assert out.returncode == 2 and "is inside the checkpoint directory" in out.stderr

@@ -294,6 +294,12 @@ def test_a_run_directory_whose_name_ends_in_colon_digits_is_not_read_as_run_step
     ):
         readonly.read_subtree(f"{run / 'checkpoints'}:abc")
     assert readonly.split_step("s3://b/p:3") == ("s3://b/p", 3)
+    # a directory b64 beside b64:4: b64:4 is the directory it names, not "got '4'"
+    (tmp_path / "b64").mkdir()
+    with ftrain.CheckpointManager(tmp_path / "b64:4" / "checkpoints", async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(2)), force=True)
+    named = str(tmp_path / "b64:4")
+    assert parse_init_from(named) == (str(tmp_path / "b64:4" / "checkpoints"), None)
 
 
 def test_a_damaged_marker_on_the_only_step_is_named_not_never_saved(tmp_path):

@@ -691,3 +691,6 @@ def test_a_directory_whose_first_name_holds_a_colon_is_read_when_it_exists(
         assert rc == 0 and "step_00000002" in out, (spelling, out)
     with pytest.raises(CheckpointLocationError, match="looks like a URL but is not one"):
         parse_location("col:on/nothere")
+    (tmp_path / "s3:bucket").mkdir()  # a leftover of an older typo: still refused
+    with pytest.raises(CheckpointLocationError, match="looks like a URL but is not one"):
+        parse_location("s3:bucket")

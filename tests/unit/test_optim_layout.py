@@ -188,9 +188,10 @@ def test_update_runs_without_host_sync():
         (lambda: optim.trace(-0.5), "decay=-0.5"),
         (lambda: optim.trace(0.0, nesterov=True), "decay=0.0"),
         (lambda: optim.sgd(0.1, nesterov=True), "momentum=0.0"),
-        # a momentum above 1 diverges (accepted until 2026-12-07; torch checks only >= 0)
-        (lambda: optim.trace(2.0), r"decay <= 1 .*got decay=2.0"),
-        (lambda: optim.sgd(0.1, momentum=1.5), r"sgd requires momentum <= 1 .*momentum=1.5"),
+        # a momentum of 1 or more diverges (accepted until 2026-12-07; torch checks only >= 0)
+        (lambda: optim.trace(2.0), r"decay < 1 .*got decay=2.0"),
+        (lambda: optim.sgd(0.1, momentum=1.5), r"sgd requires momentum < 1 .*momentum=1.5"),
+        (lambda: optim.sgd(0.1, momentum=1.0), r"sgd requires momentum < 1 .*momentum=1.0"),
         (lambda: optim.sgd(0.1, momentum=-0.1), "sgd requires momentum >= 0.0"),
         (lambda: optim.adamw(0.1, weight_decay=-0.1), "weight_decay=-0.1"),
     ],
