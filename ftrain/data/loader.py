@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 
@@ -191,6 +192,7 @@ class Loader:
         # held weakly: the prefetch thread holds this loader (its reader), so a strong
         # reference here kept a dropped iterator, and its thread, alive for good
         self._active: weakref.ref[LoaderIterator] | None = None
+        self._said_short = False
         # validate the arguments now rather than in the producer thread
         sample(init_cursor(), self.key, **self._sample_kwargs())
 
@@ -209,7 +211,12 @@ class Loader:
         xy = self.source.get(indices)
         epoch, position = cursor_values(cursor)
         where = f"epoch {epoch}, position {position}"
-        check_sample_shapes(self.source, xy, len(indices), where)
+        note = check_sample_shapes(
+            self.source, xy, len(indices), where, tokens=self.vocab_size is not None
+        )
+        if note and not self._said_short:
+            self._said_short = True  # once per loader: a padding source's every batch
+            warnings.warn(note, stacklevel=2)
         x, y = xy["x"], xy["y"]
         check_token_ids(self.source, x, y, self.vocab_size, where)
         if self._pin:
@@ -256,35 +263,59 @@ class Loader:
         self.close()
 
 
-def check_sample_shapes(source: Source, xy, n: int, where: str) -> None:
-    """``source.get`` of ``n`` indices returned tensors ``x`` and ``y`` of shape
-    ``[n, source.block_size]`` (any ``[n, L]``, the same for both, where the source sets no
-    ``block_size``): a short window trained on short contexts, and a missing row shifted
-    the batch, without a word.
+def check_sample_shapes(source: Source, xy, n: int, where: str, *, tokens: bool) -> str | None:
+    """``source.get`` of ``n`` indices returned tensors ``x`` and ``y`` of ``n`` rows, and
+    (``tokens``: the model has a vocabulary) token windows: ``x`` and ``y`` of one shape
+    ``[n, T]``, ``T`` at most ``source.block_size``. A missing row shifted the batch, and
+    ``y`` a token short of ``x``, without a word. Without a vocabulary only the rows are
+    checked (a regression's targets may be ``[n, 1]``).
+
+    Returns:
+        A note when token windows are shorter than ``block_size`` (a padding source's
+        batches may be; a cut window trains on short contexts): the caller warns once.
 
     Raises:
         SampleShapeError: a DataFormatError naming the source, the shapes and the fix.
     """
     block = getattr(source, "block_size", None)
-    want = (n, block) if isinstance(block, int) else None
+    block = block if isinstance(block, int) else None
     x, y = (xy.get(k, None) if hasattr(xy, "get") else None for k in ("x", "y"))
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (x, y)]
-    x_shape = shapes[0] or ()
-    any_length = len(x_shape) == 2 and x_shape[0] == n and shapes[1] == x_shape
-    if shapes == [want, want] or (want is None and any_length):
-        return
-    name = type(source).__name__
+    length = _window_length(shapes, n, block, tokens)
+    if length is not None:
+        short = tokens and block is not None and length < block
+        return (
+            f"{type(source).__name__}.get() returns windows of {length} tokens, fewer than its block_size={block}: the model sees shorter contexts than it was built for"
+            if short
+            else None
+        )
     got = ", ".join(
         f"{k} {'missing (not a tensor)' if s is None else s}"
         for k, s in zip("xy", shapes, strict=True)
     )
-    expected = f"{want}" if want is not None else f"({n}, L), the same for x and y"
-    raise SampleShapeError(
-        f"{name}.get() returned {got} for {n} samples in the batch read at {where}; a "
-        f"Source's get(indices) returns x and y of shape [len(indices), block_size] = "
-        f"{expected}: fix the source's get, or its block_size"
-        + (f" (it says {block})" if want is not None else "")
+    want = (
+        f"x and y of one shape [len(indices), T] = ({n}, T)"
+        + (f", T <= block_size = {block}" if block is not None else "")
+        if tokens
+        else f"x and y of {n} rows"
     )
+    raise SampleShapeError(
+        f"{type(source).__name__}.get() returned {got} for {n} samples in the batch read at "
+        f"{where}; a Source's get(indices) returns {want}: fix the source's get"
+        + (" or its block_size" if tokens and block is not None else "")
+    )
+
+
+def _window_length(shapes: list, n: int, block: int | None, tokens: bool) -> int | None:
+    """The windows' length if the shapes are well formed (see :func:`check_sample_shapes`;
+    0 for a batch that is not token windows), else None."""
+    x_shape, y_shape = shapes
+    if x_shape is None or y_shape is None or x_shape[:1] != (n,) or y_shape[:1] != (n,):
+        return None
+    if not tokens:
+        return 0
+    fits = len(x_shape) == 2 and y_shape == x_shape and (block is None or x_shape[1] <= block)
+    return x_shape[1] if fits else None
 
 
 def check_token_ids(
@@ -358,10 +389,15 @@ def val_batches(
         )
     n, total, local = len(source), n_batches * global_batch, global_batch // world
     order = torch.arange(total) * n // total if total <= n else torch.arange(total) % n
-    dev = torch.device(device)
+    dev, said_short = torch.device(device), False
     for b in range(n_batches):
         start = b * global_batch + rank * local
         xy = source.get(order[start : start + local])
-        check_sample_shapes(source, xy, local, f"evaluation batch {b}")
+        note = check_sample_shapes(
+            source, xy, local, f"evaluation batch {b}", tokens=vocab_size is not None
+        )
+        if note and not said_short:
+            said_short = True
+            warnings.warn(note, stacklevel=2)
         check_token_ids(source, xy["x"], xy["y"], vocab_size, f"evaluation batch {b}")
         yield TensorDict({"x": xy["x"].to(dev), "y": xy["y"].to(dev)}, batch_size=[])

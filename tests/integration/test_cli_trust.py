@@ -412,26 +412,29 @@ import torch
 from ftrain.data import TensorSource
 
 
-class Short(TensorSource):  # its windows one token short of block_size
+class Short(TensorSource):  # its targets one token short of its inputs
     def __init__(self, block_size, split="train"):
         super().__init__(torch.arange(4000) % 200, block_size=block_size)
 
     def get(self, indices):
-        return super().get(indices).apply(lambda t: t[:, :-1])
+        xy = super().get(indices)
+        xy["y"] = xy["y"][:, :-1]
+        return xy
 """
 
 
 def test_a_source_of_the_wrong_window_shape_is_one_message_and_exit_2(cli, tmp_path, monkeypatch):
-    """data._target_ = a source whose windows are shorter than block_size: trained on
-    31-token contexts without a word. Now refused at the first batch, exit 2 (the same
-    command reads the same shape), no traceback, nothing committed."""
+    """data._target_ = a source whose y is a token shorter than x: a shape error from
+    deep inside the loss, or (a missing row) a shifted batch. Now refused at the first
+    batch, exit 2 (the same command reads the same shape), no traceback, nothing
+    committed."""
     (tmp_path / "shortsrc.py").write_text(SHORT_SOURCE)
     run = tmp_path / "run"
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the fork server puts it on sys.path
     out = cli(run, "data._target_=shortsrc.Short", "trainer.max_steps=2", check=2)
     assert "Traceback" not in out.stderr, out.stderr
-    assert "Short.get() returned x (4, 31), y (4, 31) for 4 samples" in out.stderr, out.stderr
-    assert "block_size] = (4, 32)" in out.stderr
+    assert "Short.get() returned x (4, 32), y (4, 31) for 4 samples" in out.stderr, out.stderr
+    assert "= (4, T), T <= block_size = 32" in out.stderr
     assert _committed(run) == []
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -186,29 +187,50 @@ class Reshaped(TensorSource):
 
 
 @pytest.mark.parametrize(
-    ("cut", "said"),
+    ("cut", "said", "tokens_only"),
     [
-        (lambda xy: xy.apply(lambda t: t[:, :-1]), "x (10, 3), y (10, 3)"),  # a short window
-        (lambda xy: xy[1:], "x (9, 4), y (9, 4) for 10 samples"),  # a row missing
-        (lambda xy: xy.exclude("y"), "y missing (not a tensor)"),
-        (lambda xy: xy.set("y", xy["y"][:, :2]), "x (10, 4), y (10, 2)"),
+        (lambda xy: xy[1:], "x (9, 4), y (9, 4) for 10 samples", False),  # a row missing
+        (lambda xy: xy.exclude("y"), "y missing (not a tensor)", False),
+        (lambda xy: xy.set("y", xy["y"][:, :2]), "x (10, 4), y (10, 2)", True),  # y cut short
+        (lambda xy: xy.apply(lambda t: t.repeat(1, 2)), "x (10, 8), y (10, 8)", True),  # > block
     ],
 )
-def test_a_source_window_of_the_wrong_shape_is_refused_naming_the_shapes(cut, said):
-    """A custom source returning windows shorter than block_size trained on short
-    contexts without a word (the loader checked ids, not lengths); evaluation too."""
+def test_a_source_batch_of_the_wrong_shape_is_refused_naming_the_shapes(cut, said, tokens_only):
+    """A custom source whose get lost a row or cut y short trained on a shifted or
+    mismatched batch without a word (the loader checked ids, not shapes); evaluation too.
+    Without a vocabulary only the rows are checked (a regression's y may be [n, 1])."""
     from ftrain.data import SampleShapeError
 
     src = Reshaped(torch.arange(81), cut, block_size=BLOCK)
-    for vocab in (None, 256):  # with or without a vocabulary (a regression's floats)
+    for vocab in (None, 256):
         loader = make(src, global_batch=10, vocab_size=vocab, shuffle=False)
-        with loader.iter_from(init_cursor()) as it, pytest.raises(SampleShapeError) as err:
-            next(it)
+        with loader.iter_from(init_cursor()) as it:
+            if vocab is None and tokens_only:
+                assert next(it)["x"].shape[0] == 10
+                continue
+            with pytest.raises(SampleShapeError) as err:
+                next(it)
         msg = str(err.value)
         assert said in msg and "Reshaped.get() returned" in msg, msg
-        assert "[len(indices), block_size] = (10, 4)" in msg and "epoch 0, position 0" in msg
+        assert "epoch 0, position 0" in msg
+        assert ("(10, T), T <= block_size = 4" if vocab else "x and y of 10 rows") in msg, msg
     with pytest.raises(SampleShapeError, match="evaluation batch 0"):
-        next(val_batches(src, 2, 10))
+        next(val_batches(src, 2, 10, vocab_size=256))
+
+
+def test_token_windows_shorter_than_block_size_are_warned_about_once():
+    """A source whose windows came one token short trained on shorter contexts without a
+    word; a padding source's batches may be shorter by design: one warning, not an error."""
+    src = Reshaped(torch.arange(81), lambda xy: xy.apply(lambda t: t[:, :-1]), block_size=BLOCK)
+    loader = make(src, global_batch=10, vocab_size=256, shuffle=False, prefetch=0)
+    said = r"windows of 3 tokens, fewer than its block_size=4"
+    with pytest.warns(UserWarning, match=said), loader.iter_from(init_cursor()) as it:
+        batches = [next(it) for _ in range(3)]
+    assert [b["x"].shape for b in batches] == [(10, 3)] * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per loader
+        with loader.iter_from(init_cursor()) as it:
+            next(it)
 
 
 def test_a_source_without_block_size_needs_x_and_y_of_one_two_dim_shape():
@@ -221,12 +243,16 @@ def test_a_source_without_block_size_needs_x_and_y_of_one_two_dim_shape():
         pass
 
     ok = TensorDict(x=torch.zeros(3, 7, dtype=torch.long), y=torch.zeros(3, 7, dtype=torch.long))
-    check_sample_shapes(Bare(), ok, 3, "here")
+    assert check_sample_shapes(Bare(), ok, 3, "here", tokens=True) is None
     flat = TensorDict(x=torch.zeros(3, dtype=torch.long), y=torch.zeros(3, dtype=torch.long))
     other = TensorDict(x=ok["x"], y=torch.zeros(3, 6, dtype=torch.long))
     for bad, n in ((ok, 4), (flat, 3), (other, 3)):
-        with pytest.raises(SampleShapeError, match=rf"\({n}, L\), the same for x and y"):
-            check_sample_shapes(Bare(), bad, n, "here")
+        with pytest.raises(
+            SampleShapeError, match=rf"one shape \[len\(indices\), T\] = \({n}, T\)"
+        ):
+            check_sample_shapes(Bare(), bad, n, "here", tokens=True)
+    regression = TensorDict(x=torch.zeros(3, 8), y=torch.zeros(3, 1))
+    assert check_sample_shapes(Bare(), regression, 3, "here", tokens=False) is None
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
