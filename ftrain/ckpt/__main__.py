@@ -83,7 +83,9 @@ def _none_at(root: Path) -> str:
     from ftrain.ckpt.readonly import moved_aside, saved_elsewhere
 
     hint = protocol.step_dir_hint(root)
-    found = (f" ({hint})" if hint else "") + saved_elsewhere(root) + moved_aside(root)
+    found = (
+        (f" ({hint})" if hint else "") + saved_elsewhere(root) + moved_aside(root, with_step=False)
+    )
     return f"{root}: no committed checkpoints{found}"
 
 

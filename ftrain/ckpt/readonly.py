@@ -8,6 +8,7 @@ so this reader only lists committed steps and reads (and verifies) the selected 
 
 from __future__ import annotations
 
+import glob
 import logging
 import re
 from collections.abc import Mapping
@@ -125,31 +126,41 @@ def saved_elsewhere(location: Locations) -> str:
     return f"; this run directory's run saved its checkpoints to {where}: pass that"
 
 
-def moved_aside(location: Locations) -> str:
+def moved_aside(location: Locations, *, with_step: bool = True) -> str:
     """A hint for a location whose steps ``run.overwrite=true`` moved aside (into
-    ``RUN/overwritten-<time>/checkpoints``, or renamed ``DIR.overwritten-<time>``): a
-    fine-tune with ``init.from`` naming the run it overwrote, killed before its first
-    commit, found no base at its restart and did not say where the base went."""
+    ``RUN/overwritten-<time>/`` as ``checkpoints/``, or as the steps themselves when the
+    run saved into its own directory, or renamed ``DIR.overwritten-<time>``): a fine-tune
+    with ``init.from`` naming the run it overwrote, killed before its first commit, found no
+    base at its restart and did not say where the base went. ``with_step``: advise
+    ``DIR:STEP`` (init.from, eval, export), else the directory (list, verify, show)."""
     first = location[0] if isinstance(location, list) else location
     if not isinstance(first, str | Path) or "://" in str(first):
         return ""
     here = Path(first)
-    run = here.parent if here.name == "checkpoints" else here
+    name = glob.escape(here.name)
     copies = [
-        *run.glob("overwritten-*/checkpoints"),
-        *here.parent.glob(f"{here.name}.overwritten-*"),
+        *here.parent.glob(f"overwritten-*/{name}"),
+        *here.glob("overwritten-*/checkpoints"),
+        *here.glob("overwritten-*"),
+        *here.parent.glob(f"{name}.overwritten-*"),
     ]
-    for copy in sorted(copies, key=lambda d: d.stat().st_mtime_ns, reverse=True):
+    for copy in sorted(set(copies), key=_mtime, reverse=True):
         try:
             steps = sorted(protocol.committed_steps(copy))
         except OSError:
             continue
         if steps:
-            return (
-                f"; run.overwrite=true moved earlier steps ({', '.join(map(str, steps))}) to "
-                f"{copy}: pass {copy}:{steps[-1]} to read them"
-            )
+            how = f"pass {copy}:{steps[-1]} to read them" if with_step else "give that directory"
+            listed = ", ".join(map(str, steps))
+            return f"; run.overwrite=true moved earlier steps ({listed}) to {copy}: {how}"
     return ""
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _recorded_fallback(checkpoints: Path) -> str | None:

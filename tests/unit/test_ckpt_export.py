@@ -640,8 +640,22 @@ def test_a_run_whose_steps_run_overwrite_moved_aside_names_where_they_went(tmp_p
         readonly.read_subtree(readonly.run_locations(run))
     hint = f"run.overwrite=true moved earlier steps (3) to {aside / 'checkpoints'}: pass "
     assert hint in str(err.value) and "checkpoints:3 to read them" in str(err.value)
-    with pytest.raises(SystemExit) as listed:  # the ckpt tools say it too
+    with pytest.raises(SystemExit) as listed:  # the ckpt tools say it, naming the directory
         ckpt_main(["list", str(run)])
-    assert hint in str(listed.value.code)
-    got, _, _ = readonly.read_subtree(readonly.split_step(f"{aside / 'checkpoints'}:3")[0], step=3)
+    assert f"moved earlier steps (3) to {aside / 'checkpoints'}: give that directory" in str(
+        listed.value.code
+    )
+    # a run that saved into its own directory: the steps themselves went aside
+    own = tmp_path / "own"
+    (own / "overwritten-20261207-000000").mkdir(parents=True)
+    (aside / "checkpoints").rename(own / "overwritten-20261207-000000" / "x")
+    (own / "overwritten-20261207-000000" / "x" / "step_00000003").rename(
+        own / "overwritten-20261207-000000" / "step_00000003"
+    )
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"moved earlier steps \(3\) to .*own/overwritten-20261207-000000: pass",
+    ):
+        readonly.read_subtree(readonly.run_locations(own))
+    got, _, _ = readonly.read_subtree(own / "overwritten-20261207-000000", step=3)
     assert got == 3
