@@ -213,6 +213,8 @@ class WandbLogger:
         root = Path(dir) if dir else run.run_dir
         (root / "wandb").mkdir(parents=True, exist_ok=True)
         (Path(run.run_dir) / "wandb").mkdir(parents=True, exist_ok=True)
+        if run.resumed:
+            _say_id_left_behind(root, Path(run.run_dir))
         settings = {
             "project": project,
             "name": name or run.name,
@@ -250,6 +252,21 @@ class WandbLogger:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _say_id_left_behind(root: Path, run_dir: Path) -> None:
+    """A run from before 2026-12-07 with ``logger.wandb.dir`` elsewhere kept its W&B run
+    id under that directory, where another run sharing it may have replaced it: it is not
+    taken (it could continue another run's W&B run); one line says how to continue it."""
+    legacy, own = root / "wandb" / _RUN_ID_FILE, run_dir / "wandb" / _RUN_ID_FILE
+    if own.exists() or not legacy.exists() or legacy.resolve() == own.resolve():
+        return
+    print(
+        f"ftrain: wandb: this run's W&B id is kept in {own} (since 2026-12-07); the one in "
+        f"{legacy} may be another run's sharing that directory and is not taken: a new W&B "
+        f"run starts. To continue that one, copy {legacy} to {own} before resuming",
+        flush=True,
+    )
 
 
 def _run_id(path: Path, *, fresh: bool) -> str:
