@@ -12,13 +12,17 @@ the other stream (if that one still works), and later output to that stream is d
 The wrapper also hands its stream whole lines: ``print`` writes the text and its newline
 in two calls, so under torchrun, where the ranks share one terminal or pipe, two ranks'
 lines ran together (``...in 0.05s[rank=1][step=5] resumed ...``) and a line-by-line reader
-missed both. A partial line waits for its newline or the next ``flush``.
+missed both. A partial line waits for its newline or the next ``flush``; whole lines are
+flushed through at once, so a block-buffered pipe does not cut one at its 8 KiB boundary.
+The prefetch and save threads print too: the partial line is kept under a lock (a
+re-entrant one: a signal handler's print runs on the thread it interrupted).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -36,32 +40,42 @@ class TolerantStream:
         self._inner, self._name, self._other = inner, name, other
         self.lost: OSError | None = None
         self._partial = ""  # text after the last newline, not yet handed on
+        self._lock = threading.RLock()
 
     def write(self, text: str) -> int:
-        if self.lost is None:
-            whole, newline, rest = (self._partial + text).rpartition("\n")
-            if len(rest) > _LONGEST_PARTIAL:  # no newline coming: do not hold it all
-                whole, newline, rest = whole + newline + rest, "", ""
-            self._partial = rest
-            if whole or newline:
-                self._hand_on(whole + newline)
+        with self._lock:
+            if self.lost is None:
+                whole, newline, rest = (self._partial + text).rpartition("\n")
+                if len(rest) > _LONGEST_PARTIAL:  # no newline coming: do not hold it all
+                    whole, newline, rest = whole + newline + rest, "", ""
+                self._partial = rest
+                if whole or newline:
+                    self._hand_on(whole + newline)
         return len(text)
 
+    def writelines(self, lines) -> None:
+        for line in lines:  # through write: whole lines, and a lost stream tolerated
+            self.write(line)
+
     def flush(self) -> None:
-        if self.lost is None and self._partial:
+        with self._lock:
             partial, self._partial = self._partial, ""
-            self._hand_on(partial)
+            if partial:
+                self._hand_on(partial)
+            elif self.lost is None:
+                try:
+                    self._inner.flush()
+                except OSError as err:
+                    self._lose(err)
+
+    def _hand_on(self, text: str) -> None:
+        """``text`` to the stream and through its buffer (lines whole on the descriptor)."""
         if self.lost is None:
             try:
+                self._inner.write(text)
                 self._inner.flush()
             except OSError as err:
                 self._lose(err)
-
-    def _hand_on(self, text: str) -> None:
-        try:
-            self._inner.write(text)
-        except OSError as err:
-            self._lose(err)
 
     def _lose(self, err: OSError) -> None:
         self.lost = err

@@ -1,6 +1,7 @@
 """The command's console streams: whole lines handed on, a lost stream never raising."""
 
 import io
+import re
 import sys
 
 from ftrain.cli.console import TolerantStream, tolerate_lost_console
@@ -53,3 +54,40 @@ def test_a_lost_stream_is_said_once_on_the_other_and_drops_the_rest():
     print("second", file=out)
     assert isinstance(out.lost, BrokenPipeError)
     assert len(err.calls) == 1 and "stdout is gone (Broken pipe)" in err.calls[0]
+
+
+def test_lines_from_threads_and_writelines_reach_a_block_buffered_pipe_whole():
+    """The prefetch and save threads print beside the loop: each line reaches the
+    descriptor whole (a block-buffered pipe flushed at its 8 KiB boundary, mid-line)."""
+    import threading
+
+    class Raw(io.RawIOBase):
+        def __init__(self):
+            self.chunks: list[bytes] = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.chunks.append(bytes(b))
+            return len(b)
+
+    raw = Raw()
+    inner = io.TextIOWrapper(io.BufferedWriter(raw, buffer_size=8192), encoding="utf-8")
+    out = TolerantStream(inner, "stdout")
+
+    def talk(tag):
+        for i in range(300):
+            print(f"[rank={tag}][step={i}] " + "x" * 37, file=out)
+
+    threads = [threading.Thread(target=talk, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.writelines(["a\n", "b", "c\n"])
+    assert all(chunk.endswith(b"\n") for chunk in raw.chunks)
+    lines = b"".join(raw.chunks).decode().splitlines()
+    assert len(lines) == 602 and lines[-2:] == ["a", "bc"]
+    pattern = re.compile(r"\[rank=[01]\]\[step=\d+\] x{37}")
+    assert all(pattern.fullmatch(line) for line in lines[:600]), "a line was cut or joined"
