@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ftrain._umask import plain_file_mode
 from ftrain.ckpt.commit import _pid_alive
 from ftrain.ckpt.location import CheckpointLocationError
 from ftrain.ckpt.readonly import read_model, read_subtree
@@ -266,21 +267,7 @@ def _save(save_file, tensors: dict, path: Path, step: int) -> None:
         save_file(tensors, str(path), metadata={"format": "pt", "ftrain_step": str(step)})
     except SafetensorError as err:  # an I/O error inside the Rust writer
         raise OSError(str(err)) from None
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it where Linux shows it (``os.umask``
-    must set one to read it: another thread creating a file meanwhile got mode 0666)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    umask = os.umask(0o077)  # elsewhere: a safe value for the instant it is set
-    os.umask(umask)
-    return umask
+    os.chmod(path, plain_file_mode())
 
 
 def _recorded_model(attrs: dict, step: int) -> dict:

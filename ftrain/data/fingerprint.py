@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from ftrain import _json
+from ftrain._umask import plain_file_mode
 
 __all__ = [
     "DataFingerprintError",
@@ -121,7 +122,10 @@ def unique_tmp(target: Path):
     block leaves it behind (an error, a KeyboardInterrupt): two processes with one pid (two
     containers on one cache volume) wrote the same ``.tmp-<pid>``, truncating each other's."""
     fd, name = tempfile.mkstemp(prefix=f"{target.name}.tmp-", dir=target.parent)
-    os.close(fd)
+    try:  # mkstemp's 0600 kept another user of a shared cache from reading it
+        os.fchmod(fd, plain_file_mode())
+    finally:
+        os.close(fd)
     try:
         yield Path(name)
     finally:

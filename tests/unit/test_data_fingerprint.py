@@ -91,3 +91,23 @@ def test_check_fingerprint_allowed_change_is_reported(caplog):
     with caplog.at_level(logging.WARNING, logger="ftrain.data.fingerprint"):
         assert check_fingerprint("old", "new", allow_changed=True) is True
     assert "old" in caplog.text and "new" in caplog.text
+
+
+def test_cache_files_get_the_umask_mode_so_a_shared_cache_is_readable(tmp_path):
+    """The corpus cache and the fingerprint records were written through mkstemp (0600):
+    a data.cache_dir shared by two users was unreadable to the second."""
+    from ftrain.data.text import tokenize_corpus
+
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("hello shared cache\n" * 50)
+    old = os.umask(0o022)
+    try:
+        token_file, _, made = tokenize_corpus([corpus], cache=tmp_path / "cache")
+        file_digest(corpus, cache=tmp_path / "cache")
+    finally:
+        os.umask(old)
+    written = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert made and token_file in written and len(written) >= 3, written
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == {
+        p.name: "0o644" for p in written
+    }
