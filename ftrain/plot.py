@@ -6,12 +6,14 @@ through step-to-step noise. The title names the run. Committed checkpoints are m
 committed is not marked: only ``committed`` records count), resume points as dashed red lines,
 and each segment of the run (between resumes) is drawn separately, so the seam a resume
 leaves — or doesn't — is visible: a correct resume continues the loss curve exactly
-where the redone steps overlap the first attempt.
+where the redone steps overlap the first attempt, and an attempt that differed keeps its own
+smoothed trend (see :func:`_smoothed_segments`).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 import os
 import sys
@@ -138,17 +140,32 @@ def _out_path(run_dir: Path, out: str | Path | None) -> Path:
 _NAMED_SEGMENTS = 6  # segments named in the legend; the rest are drawn, counted
 
 
-def _smoothed_by_step(segs: list[list[dict]]) -> dict[int, float]:
-    """The smoothed loss at every step, over the whole run (the last value each step
-    recorded: a redone step retraces its first attempt): smoothed per segment, a resume's
-    first steps and the steps before it disagreed at every seam."""
+def _smoothed_segments(segs: list[list[dict]]) -> list[dict[int, float]]:
+    """Each segment's smoothed loss at its own steps: a centred average over the whole
+    run's steps (the last value each step recorded: smoothed per segment alone, a
+    resume's first steps and the steps before it disagreed at every seam), with the
+    segment's own values at its own steps. With the whole run's last values alone, an
+    attempt a go-back abandoned (or a redo that differed) was drawn with the later
+    attempt's trend, and the two smoothed curves always coincided. A correct redo records
+    the same values, so its curve still continues the first attempt's exactly."""
+    own = [dict(zip(*_series(seg, "step", "loss"), strict=True)) for seg in segs]
     last: dict[int, float] = {}
-    for seg in segs:
-        for x, y in zip(*_series(seg, "step", "loss"), strict=True):
-            last[x] = y
+    for values in own:
+        last.update(values)
     steps = sorted(last)
     window = max(1, len(steps) // 15)
-    return dict(zip(steps, smooth([last[x] for x in steps], window), strict=True))
+    half = window // 2
+    out = []
+    for values in own:  # the steps within half a window of the segment's: O(run + windows)
+        if not values:
+            out.append({})
+            continue
+        lo = max(0, bisect.bisect_left(steps, min(values)) - half)
+        hi = min(len(steps), bisect.bisect_right(steps, max(values)) + half)
+        xs = steps[lo:hi]
+        ys = smooth([values.get(x, last[x]) for x in xs], window)
+        out.append({x: y for x, y in zip(xs, ys, strict=True) if x in values})
+    return out
 
 
 def plot_run(
@@ -185,8 +202,7 @@ def plot_run(
     fig, (ax_loss, ax_lr) = plt.subplots(
         2, 1, sharex=True, figsize=(9, 6), height_ratios=(3, 1), layout="constrained"
     )
-    smoothed = _smoothed_by_step(segs)
-    for i, seg in enumerate(segs):
+    for i, (seg, smoothed) in enumerate(zip(segs, _smoothed_segments(segs), strict=True)):
         color = f"C{i % 10}"  # one colour per segment, shared by its loss, val loss and lr
         named = i < _NAMED_SEGMENTS  # a run restarted 300 times: a legend of 600 lines
         xs, ys = _series(seg, "step", "loss")

@@ -124,6 +124,37 @@ def test_plot_of_a_run_restarted_many_times_names_few_segments_and_smooths_acros
     plt.close(fig)
 
 
+def test_plot_draws_an_abandoned_attempt_with_its_own_trend_not_the_later_ones(
+    tmp_path, monkeypatch
+):
+    """resume=20 with another lr: steps 21..40 of the first attempt (loss ~4) and the
+    second (loss ~3) were both smoothed from the last value of each step, so the first
+    attempt's bold curve lay exactly under the second's: the plot hid a resume that
+    differed."""
+    import matplotlib.pyplot as plt
+
+    w = MetricsWriter(tmp_path)
+    w.write("start", step=0)
+    for s in range(1, 41):
+        w.write("step", step=s, loss=4.0 + (0.1 if s % 2 else -0.1), lr=1e-3)
+    w.write("resume", step=20)
+    for s in range(21, 41):
+        w.write("step", step=s, loss=3.0 + (0.1 if s % 2 else -0.1), lr=6e-3)
+    w.close()
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_run(tmp_path)
+    (fig,) = figures
+    first, second = fig.axes[0].lines[1], fig.axes[0].lines[3]  # the smoothed curves
+    mine = dict(zip(first.get_xdata(), first.get_ydata(), strict=True))
+    theirs = dict(zip(second.get_xdata(), second.get_ydata(), strict=True))
+    assert all(abs(mine[s] - 4.0) < 0.11 for s in range(22, 40)), mine
+    assert all(abs(theirs[s] - 3.0) < 0.11 for s in range(24, 40)), theirs
+    assert all(abs(mine[s] - 4.0) < 0.11 for s in range(3, 20)), "not pulled by the redo"
+    monkeypatch.undo()
+    plt.close(fig)
+
+
 def test_smooth_is_the_centred_average_of_the_finite_values_in_linear_time():
     """Running sums (a slice per point was O(n * window): minutes for a million-step run)."""
     import math
