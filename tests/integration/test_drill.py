@@ -70,3 +70,32 @@ def test_bad_drill_settings_and_overrides_are_clear_errors(tmp_path):
     assert typo.returncode != 0 and "drill.only='machin,kill': machin; choose from" in typo.stderr
     empty = _drill("drill.only=,", timeout=120)
     assert empty.returncode != 0 and "no scenario named" in empty.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~80 s
+def test_the_drill_fails_a_world_size_resume_whose_params_differ_past_rounding(tmp_path):
+    """With model.dropout=0.1 (per-rank dropout streams: other results on another world
+    size by design) the params differed by 4e-1 and the drill said "PASS ... within 4.4e-01
+    (reduction rounding)": it printed the difference and never compared it."""
+    proc = _drill(f"drill.dir={tmp_path / 'drill'}", "drill.only=world_size", "model.dropout=0.1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL world_size" in proc.stdout and "more than reduction rounding" in proc.stdout
+    assert "model.dropout=0" in proc.stdout and "verdict: FAIL" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~90 s
+def test_the_drill_passes_off_multiple_steps_and_sparse_logging(tmp_path):
+    """drill.steps=10 with commits every 4: corrupt_newest expected a resume from 10 - 4 =
+    6, though the commit before the final save is 8 (a false FAIL); trainer.log_every=4
+    left step 5 without a record and `machine` failed with the bare message "5"."""
+    proc = _drill(
+        f"drill.dir={tmp_path / 'drill'}",
+        "drill.only=corrupt_newest",
+        "drill.steps=10",
+        "trainer.log_every=4",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from 8, bit-identical" in proc.stdout, proc.stdout
+    assert "PASS machine" in proc.stdout and proc.stdout.strip().endswith("verdict: PASS")
