@@ -70,7 +70,7 @@ from ftrain.cli.resume import (
     start_state,
     val_change_note,
 )
-from ftrain.cli.session import Session
+from ftrain.cli.session import Session, rerun_command
 from ftrain.cli.startup import same_config_on_every_rank, same_data_on_every_rank
 from ftrain.cli.sweep import exit_process, hang_exit_note
 from ftrain.cli.targets import unused_option_settings
@@ -525,7 +525,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
         except CheckpointSaveError as err:  # each rank said which step did not commit
             if world.active and _peer_gone(err):  # a rank died in the sharded save's exchange
                 return _peer_lost(err, session, world)
-            return _save_failed(err, p.manager)
+            return _save_failed(err, p.manager, cfg.resume)
         except DataFormatError as err:
             return _bad_batch(err, session)
         except RuntimeError as err:
@@ -588,6 +588,7 @@ def _peer_lost(err: RuntimeError, session: Session, world: World) -> int:
         RuntimeError(f"rank {world.rank}: {what} ({first})"),
         session.manager,
         "the lost rank's cause (its own log: killed, out of memory, its node)",
+        session.cfg.resume,
     )
 
 
@@ -646,10 +647,10 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
     return watchdog
 
 
-def _save_failed(err: CheckpointSaveError, manager: CheckpointManager) -> int:
+def _save_failed(err: CheckpointSaveError, manager: CheckpointManager, resume) -> int:
     """A checkpoint that did not commit stops the run (a week of training must not go on
     unsaved): one message, where a re-run resumes, exit 1 (no traceback)."""
-    return _stopped(err, manager, "the cause (disk, permissions, the object store)")
+    return _stopped(err, manager, "the cause (disk, permissions, the object store)", resume)
 
 
 def _bad_batch(err: DataFormatError, session: Session) -> int:
@@ -665,6 +666,7 @@ def _bad_batch(err: DataFormatError, session: Session) -> int:
         session.manager,
         "the data or the config as the message says (fixed data has a new fingerprint: "
         "resume it with data.allow_changed=true)",
+        session.cfg.resume,
     )
     return EXIT_CONFIG if isinstance(err, (TokenRangeError, SampleShapeError)) else code
 
@@ -679,11 +681,12 @@ def _newest_committed(manager: CheckpointManager) -> str:
     return f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
 
 
-def _stopped(err: Exception, manager: CheckpointManager, fix: str) -> int:
+def _stopped(err: Exception, manager: CheckpointManager, fix: str, resume="latest") -> int:
     where = _newest_committed(manager)
+    command, why = rerun_command(resume)
     print(
-        f"ftrain: {err}\nftrain: newest committed checkpoint: {where}; fix {fix} and re-run "
-        "the same command to resume",
+        f"ftrain: {err}\nftrain: newest committed checkpoint: {where}; fix {fix} and {command} "
+        f"to resume{why}",
         file=sys.stderr,
     )
     return EXIT_ERROR

@@ -64,6 +64,20 @@ def _run_wide(fields: dict, world: World, keys) -> dict:
     return out
 
 
+def rerun_command(resume) -> tuple[str, str]:
+    """What a stop message tells a person (or a supervisor) to run to resume, and why not
+    simply the same command: with ``resume=none`` it refused the committed steps (exit 2:
+    "never restart") or, with ``run.overwrite=true``, started over; with ``resume=N`` it
+    went back to step N again."""
+    if str(resume) == "latest":
+        return "run the same command again", ""
+    if str(resume) == "none":
+        why = "refuse the committed steps, or with run.overwrite=true start over"
+    else:
+        why = f"go back to step {resume} again"
+    return "run it again with resume=latest", f" (this command's resume={resume} would {why})"
+
+
 class Session:
     """Context manager around one run; closing it waits for the last checkpoint commit."""
 
@@ -476,8 +490,9 @@ class Session:
         self.record(kind, step=step, reason=reason, committed=committed)
         if kind == "stop" and self.world.is_coordinator:  # the one line a person looks for
             by = f"by {reason}" if reason.startswith("SIG") else f"({reason})"
+            command, why = rerun_command(self.cfg.resume)
             again = (
-                f"{committed}. Run the same command again to resume from it"
+                f"{committed}. {command.capitalize()} to resume from it{why}"
                 if committed is not None
                 else "none (a re-run starts fresh)"
             )

@@ -354,7 +354,9 @@ def test_the_redo_report_counts_steps_that_were_not_logged(cli, popen_cli, tmp_p
 @pytest.mark.slow
 def test_sigterm_saves_at_the_step_reached_and_resume_continues(cli, popen_cli, tmp_path):
     run = tmp_path / "run"
-    proc = popen_cli(run, "trainer.max_steps=400", "checkpoint.every_steps=1000")
+    # started with resume=none: "run the same command again" would refuse the step the
+    # stop commits (exit 2, "never restart": a requeued job stopped for good)
+    proc = popen_cli(run, "trainer.max_steps=400", "checkpoint.every_steps=1000", "resume=none")
     _wait_for_step(run, proc, 3)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -362,6 +364,10 @@ def test_sigterm_saves_at_the_step_reached_and_resume_continues(cli, popen_cli, 
     reached = records(run, "stop")[-1]["step"]
     assert _committed(run) == [reached]
     assert "SIGTERM received" in out
+    assert (
+        f"newest committed step: {reached}. Run it again with resume=latest to resume from it "
+        "(this command's resume=none would refuse the committed steps" in out
+    ), out
     cli(run, f"trainer.max_steps={reached + 2}", check=0)
     assert records(run, "resume")[-1]["from_step"] == reached
     assert _committed(run)[-1] == reached + 2
@@ -381,7 +387,10 @@ def test_sigterm_during_a_long_evaluation_saves_without_finishing_it(cli, popen_
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, out
     stopped = records(run, "stop")[-1]["step"]
-    assert f"ftrain: stopped by SIGTERM at step {stopped}; newest committed step: {stopped}" in out
+    assert (
+        f"ftrain: stopped by SIGTERM at step {stopped}; newest committed step: {stopped}. Run "
+        "the same command again to resume from it\n" in out
+    ), out
     (skipped,) = records(run, "eval_skipped")
     assert skipped["step"] == stopped and _committed(run) == [stopped]
     assert skipped["reason"] == "stop requested during the evaluation"

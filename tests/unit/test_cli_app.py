@@ -61,3 +61,15 @@ def test_a_collective_timed_out_on_a_stopped_rank_is_a_peer_lost_not_a_traceback
         assert run._PEER_HUNG.search(text)
     assert not run._peer_gone(RuntimeError("Timed out waiting for the lock on runs/x/.lock"))
     assert not run._PEER_HUNG.search("[pair.cc:553] Connection closed by peer")
+
+
+def test_a_stop_tells_to_resume_with_resume_latest_when_the_command_would_not():
+    """The stop said "Run the same command again to resume" whatever resume= was: with
+    resume=none the same command refused the committed steps (exit 2: never restart) or,
+    with run.overwrite=true, started over; with resume=N it went back to N again."""
+    from ftrain.cli.session import rerun_command
+
+    assert rerun_command("latest") == ("run the same command again", "")
+    command, why = rerun_command("none")
+    assert command == "run it again with resume=latest" and "refuse the committed steps" in why
+    assert rerun_command(2)[1] == " (this command's resume=2 would go back to step 2 again)"
