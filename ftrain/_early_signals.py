@@ -45,6 +45,13 @@ def install() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
+def waiting(signals: tuple[int, ...]) -> str | None:
+    """The name of the first pending signal of ``signals``, kept for :func:`take` (a sweep
+    planning hundreds of jobs asks between them)."""
+    first = next((s for s in _pending if s in signals), None)
+    return None if first is None else signal.Signals(first).name
+
+
 def take(signals: tuple[int, ...]) -> list[str]:
     """The names of pending ``signals`` (then forgotten) and their handlers back to what
     they were; the caller installs its own."""

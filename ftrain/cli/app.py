@@ -32,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ftrain.config import ConfigError, load_config
 from ftrain.config.compose import compose_raw, hydra_session, register_all
-from ftrain.signals import EXIT_CONFIG, EXIT_OK
+from ftrain.signals import EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED
 
 __all__ = ["app_help", "parse_args", "run_app"]
 
@@ -114,11 +114,17 @@ def run_app(argv: list[str], train: Callable[[DictConfig], int]) -> int:
         if any(getattr(args, k) for k in _HYDRA_SHOWS) or args.cfg in ("hydra", "all"):
             return _hydra_shows(args, overrides)
         if args.multirun:
-            from ftrain.cli.sweep import carried_over, plan_jobs, run_sweep
+            from ftrain.cli.sweep import StoppedWhilePlanning, carried_over, plan_jobs, run_sweep
 
             carried = carried_over(argv)  # the jobs an earlier process of it ran, if any
             carried.now = carried.now or datetime.now()
-            jobs = plan_jobs(overrides, config_name=args.config_name or "config", now=carried.now)
+            try:
+                jobs = plan_jobs(
+                    overrides, config_name=args.config_name or "config", now=carried.now
+                )
+            except StoppedWhilePlanning as stopped:
+                print(stopped, flush=True)
+                return EXIT_PREEMPTED
             return run_sweep(jobs, train, carried)
         cfg = load_config(overrides, config_name=args.config_name or "config")
     except ConfigError as err:

@@ -280,3 +280,23 @@ def test_a_checkpoints_recorded_target_is_never_imported(cli, tmp_path, monkeypa
     assert "resumed from step 2" in accepted.stdout
     assert not (tmp_path / "IMPORTED").exists(), "the checkpoint's _target_ was imported"
     assert json.loads((forged / "heartbeat.json").read_text())["step"] == 3
+
+
+def test_a_stop_signal_while_a_sweep_plans_its_jobs_stops_it_before_job_0(cache_dir, tmp_path):
+    """Planning composes every job first (~0.35 s each): a SIGTERM then was acted on only
+    after all of them (hundreds of jobs outlast a scheduler's grace period, then SIGKILL).
+    Now the planning stops at the next job: one line, exit 3, nothing run."""
+    import signal
+    import time
+
+    sweep = tmp_path / "sweep"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "ftrain", "-m", *TINY, "trainer.seed=range(0,400)",
+           f"hydra.sweep.dir={sweep}", "trainer.max_steps=1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(6)  # importing or planning: both are before job 0
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3, out
+    assert "[sweep] SIGTERM came while planning the jobs" in out and "nothing ran" in out, out
+    assert not sweep.exists() or not _job_dirs(sweep)
