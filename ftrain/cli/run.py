@@ -518,6 +518,8 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
                     watchdog=watchdog,
                     evaluate_first=owed,
                 )
+            if result.status != "stopped":  # a signal from here on saves nothing, exits 0
+                stop.meaning = _LATE_MEANING
             with _watching(watchdog, result):  # the final or stop save's commit may hang too
                 session.finish(result)
         except NonFiniteError as err:

@@ -562,3 +562,21 @@ def test_a_resume_says_when_evaluation_reads_other_val_samples(cli, tmp_path):
     out = cli(run, *args, "trainer.max_steps=4", "trainer.eval_batches=3", check=0)
     assert "evaluation now reads" in out.stdout and "= 3 x" in out.stdout, out.stdout
     assert "checkpoint.keep_best ranks across both" in out.stdout
+
+
+def test_a_signal_after_the_final_commit_is_said_to_change_nothing(popen_cli, tmp_path):
+    """SIGTERM while the finished run draws its plot said "finishing this step, saving,
+    then exiting", though nothing is saved and the exit is 0: the loop's flag was still
+    installed with its meaning. Now it says the run is already ending."""
+    run = tmp_path / "run"
+    proc = popen_cli(run, "trainer.max_steps=2", "checkpoint.every_steps=2", "run.plot=true")
+    lines = []
+    for line in proc.stdout:  # the plot comes after this line (matplotlib: about a second)
+        lines.append(line)
+        if "end reason=done" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "SIGTERM received: the run is already ending" in out, out
+    assert "finishing this step, saving" not in out and _committed(run) == [2]
