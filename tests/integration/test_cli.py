@@ -38,6 +38,17 @@ def _wait_for_step(run_dir, proc, at_least, timeout=120):
     raise AssertionError("timed out waiting for the heartbeat")
 
 
+def _signal_at_line(proc, marker: str, sig) -> str:
+    """Send ``sig`` once ``marker`` appears in the run's output; return all its output."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            proc.send_signal(sig)
+            break
+    return "".join(seen) + proc.communicate(timeout=120)[0]
+
+
 def _wait_for_commit(run_dir, proc, timeout=120):
     """Async saves commit behind training: on a busy machine step 4's checkpoint may still be
     writing at step 7, so a test that needs a committed step waits for one."""
@@ -426,13 +437,8 @@ def test_second_sigint_exits_at_once_and_leaves_only_valid_checkpoints(cli, pope
     )
     _wait_for_step(run, proc, 3)
     proc.send_signal(signal.SIGINT)
-    seen = []
-    for line in proc.stdout:  # the first SIGINT is acknowledged before the second is sent
-        seen.append(line)
-        if "SIGINT received" in line:
-            proc.send_signal(signal.SIGINT)
-            break
-    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    # the first SIGINT is acknowledged before the second is sent
+    out = _signal_at_line(proc, "SIGINT received", signal.SIGINT)
     assert proc.returncode == 130, out
     assert "second SIGINT" in out
     committed = _committed(run)
@@ -570,13 +576,8 @@ def test_a_signal_after_the_final_commit_is_said_to_change_nothing(popen_cli, tm
     installed with its meaning. Now it says the run is already ending."""
     run = tmp_path / "run"
     proc = popen_cli(run, "trainer.max_steps=2", "checkpoint.every_steps=2", "run.plot=true")
-    lines = []
-    for line in proc.stdout:  # the plot comes after this line (matplotlib: about a second)
-        lines.append(line)
-        if "end reason=done" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    # the plot comes after this line (matplotlib: about a second)
+    out = _signal_at_line(proc, "end reason=done", signal.SIGTERM)
     assert proc.returncode == 0, out
     assert "SIGTERM received: the run is already ending" in out, out
     assert "finishing this step, saving" not in out and _committed(run) == [2]
