@@ -70,7 +70,7 @@ from ftrain.cli.resume import (
     start_state,
     val_change_note,
 )
-from ftrain.cli.session import Session, rerun_command
+from ftrain.cli.session import Asked, Session, rerun_command
 from ftrain.cli.startup import same_config_on_every_rank, same_data_on_every_rank
 from ftrain.cli.sweep import exit_process, hang_exit_note
 from ftrain.cli.targets import unused_option_settings
@@ -268,6 +268,7 @@ class _Parts:
     horizon: int
     loggers: LoggerSet
     shard: str  # dist.shard as it applies to this world (see _shard_mode)
+    asked: Asked  # resume and run.overwrite as the command gave them
 
 
 def _setup(cfg: DictConfig, device, world: World) -> _Parts:
@@ -283,6 +284,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_batch(cfg.trainer, train_src, world.size)
     _check_compiler(cfg.trainer, device, world)
     check_patterns(cfg, sorted(name for name, _ in model.named_parameters()))
+    asked = Asked(cfg.resume, bool(cfg.run.overwrite))  # the command's, for the stop message
     # resume=N / resume=none (run.overwrite): a torchrun restart continues the first attempt
     cfg, restart_note = continue_restarted_job(cfg, world)
     early = None  # resume=none: the fresh start's checks (init.from, groups) before the move
@@ -326,8 +328,9 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     report.notes += unused_option_settings(cfg)
     report.notes += [groups] if groups else []
     return _Parts(
-        model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard
-    )
+        model, loss_fn, tx, train_src, val_src, manager, state, report, horizon, loggers, shard,
+        asked,
+    )  # fmt: skip
 
 
 def _fresh(cfg: DictConfig, model: nn.Module, tx) -> TensorDictBase:
@@ -458,6 +461,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
     # The stop flag is outermost: a signal while the final save commits is still honoured
     # (the save completes, then the process exits) instead of killing the commit.
     with StopFlag() as stop, Session(cfg, world, p.manager, p.loggers) as session:
+        session.asked = p.asked
         if early.requested:  # received during start-up: stop at the first step boundary
             stop.request(early.reason)
         session.resumed(p.report)
@@ -527,7 +531,7 @@ def _run(cfg: DictConfig, device, world: World, p: _Parts, early: StopFlag) -> i
         except CheckpointSaveError as err:  # each rank said which step did not commit
             if world.active and _peer_gone(err):  # a rank died in the sharded save's exchange
                 return _peer_lost(err, session, world)
-            return _save_failed(err, p.manager, cfg.resume)
+            return _save_failed(err, p.manager, p.asked)
         except DataFormatError as err:
             return _bad_batch(err, session)
         except RuntimeError as err:
@@ -590,7 +594,7 @@ def _peer_lost(err: RuntimeError, session: Session, world: World) -> int:
         RuntimeError(f"rank {world.rank}: {what} ({first})"),
         session.manager,
         "the lost rank's cause (its own log: killed, out of memory, its node)",
-        session.cfg.resume,
+        session.asked,
     )
 
 
@@ -638,7 +642,7 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
         drain=session.wait_commits,  # the final save counts (and is recorded) once committed
         on_hang=lambda info: session.record("hang", **info),
         exit=exit_process,  # in a sweep, the next jobs go on in a fresh process
-        exit_note=hang_exit_note(),
+        exit_note=hang_exit_note() + _rerun_hint(session.asked),
     )
     # said once at start, so a log shows the watchdog was on (and with which allowances)
     print(
@@ -649,10 +653,10 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
     return watchdog
 
 
-def _save_failed(err: CheckpointSaveError, manager: CheckpointManager, resume) -> int:
+def _save_failed(err: CheckpointSaveError, manager: CheckpointManager, asked: Asked) -> int:
     """A checkpoint that did not commit stops the run (a week of training must not go on
     unsaved): one message, where a re-run resumes, exit 1 (no traceback)."""
-    return _stopped(err, manager, "the cause (disk, permissions, the object store)", resume)
+    return _stopped(err, manager, "the cause (disk, permissions, the object store)", asked)
 
 
 def _bad_batch(err: DataFormatError, session: Session) -> int:
@@ -668,7 +672,7 @@ def _bad_batch(err: DataFormatError, session: Session) -> int:
         session.manager,
         "the data or the config as the message says (fixed data has a new fingerprint: "
         "resume it with data.allow_changed=true)",
-        session.cfg.resume,
+        session.asked,
     )
     return EXIT_CONFIG if isinstance(err, (TokenRangeError, SampleShapeError)) else code
 
@@ -683,9 +687,15 @@ def _newest_committed(manager: CheckpointManager) -> str:
     return f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
 
 
-def _stopped(err: Exception, manager: CheckpointManager, fix: str, resume="latest") -> int:
+def _rerun_hint(asked: Asked) -> str:
+    """For the hang exit's line: how to resume when the command itself would not."""
+    command, why = rerun_command(asked)
+    return f"; {command} to resume{why}" if why else ""
+
+
+def _stopped(err: Exception, manager: CheckpointManager, fix: str, asked: Asked) -> int:
     where = _newest_committed(manager)
-    command, why = rerun_command(resume)
+    command, why = rerun_command(asked, committed=where.startswith("step"))
     print(
         f"ftrain: {err}\nftrain: newest committed checkpoint: {where}; fix {fix} and {command} "
         f"to resume{why}",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -64,17 +65,30 @@ def _run_wide(fields: dict, world: World, keys) -> dict:
     return out
 
 
-def rerun_command(resume) -> tuple[str, str]:
+@dataclass(frozen=True)
+class Asked:
+    """``resume`` and ``run.overwrite`` as the command line gave them (a torchrun restart
+    runs on with ``resume=latest``, but a relaunch of the command, a Slurm requeue, does
+    what the command says)."""
+
+    resume: object = "latest"
+    overwrite: bool = False
+
+
+def rerun_command(asked: Asked, committed: bool = True) -> tuple[str, str]:
     """What a stop message tells a person (or a supervisor) to run to resume, and why not
     simply the same command: with ``resume=none`` it refused the committed steps (exit 2:
     "never restart") or, with ``run.overwrite=true``, started over; with ``resume=N`` it
-    went back to step N again."""
-    if str(resume) == "latest":
+    went back to step N again. With nothing committed the same command starts afresh."""
+    resume = str(asked.resume)
+    if resume == "latest" or not committed:
         return "run the same command again", ""
-    if str(resume) == "none":
-        why = "refuse the committed steps, or with run.overwrite=true start over"
-    else:
-        why = f"go back to step {resume} again"
+    if resume == "none" and asked.overwrite:
+        return (
+            "run it again with resume=latest and without run.overwrite=true",
+            " (this command would start over)",
+        )
+    why = "refuse the committed steps" if resume == "none" else f"go back to step {resume} again"
     return "run it again with resume=latest", f" (this command's resume={resume} would {why})"
 
 
@@ -102,6 +116,7 @@ class Session:
         # saves accepted by the manager whose commit is not yet known: {step: wall start}
         self._pending: dict[int, float] = {}
         self.sharded = False  # the state (optimizer, or params too) is sharded (dist.shard)
+        self.asked = Asked(cfg.resume, bool(cfg.run.overwrite))  # _run sets the command's
         self._ckpt_group = None  # the async sharded saves' process group (made on first use)
         self._best_checked = False  # checkpoint.best_metric looked for in a step's metrics
         self.start_step: int | None = None  # the step this run started from (start_progress)
@@ -490,7 +505,7 @@ class Session:
         self.record(kind, step=step, reason=reason, committed=committed)
         if kind == "stop" and self.world.is_coordinator:  # the one line a person looks for
             by = f"by {reason}" if reason.startswith("SIG") else f"({reason})"
-            command, why = rerun_command(self.cfg.resume)
+            command, why = rerun_command(self.asked)
             again = (
                 f"{committed}. {command.capitalize()} to resume from it{why}"
                 if committed is not None

@@ -114,9 +114,14 @@ def test_a_hung_data_source_is_detected_dumped_saved_and_resumed(cache_dir, tmp_
         "trainer.hang_timeout_s=5",  # a slow fsync on a busy machine is not a hang
         "checkpoint.every_steps=3",
         "checkpoint.async_save=false",
+        "resume=none",  # the same command would refuse the steps: the exit line says so
         hang_at=5,
     )
     out = proc.stdout + proc.stderr
+    assert (
+        "so a supervisor restarts the run; run it again with resume=latest to resume "
+        "(this command's resume=none would refuse the committed steps)" in proc.stderr
+    ), proc.stderr
     assert "hang watchdog: exit 4 after 5 s without progress (25 s for the first step)" in out
     assert proc.returncode == EXIT_HUNG, out
     assert "no progress for" in proc.stderr and "exiting with code 4" in proc.stderr

@@ -66,10 +66,17 @@ def test_a_collective_timed_out_on_a_stopped_rank_is_a_peer_lost_not_a_traceback
 def test_a_stop_tells_to_resume_with_resume_latest_when_the_command_would_not():
     """The stop said "Run the same command again to resume" whatever resume= was: with
     resume=none the same command refused the committed steps (exit 2: never restart) or,
-    with run.overwrite=true, started over; with resume=N it went back to N again."""
-    from ftrain.cli.session import rerun_command
+    with run.overwrite=true, started over; with resume=N it went back to N again. The
+    advice follows the command's own values (a torchrun restart runs on with
+    resume=latest; a relaunch does what the command says)."""
+    from ftrain.cli.session import Asked, rerun_command
 
-    assert rerun_command("latest") == ("run the same command again", "")
-    command, why = rerun_command("none")
+    assert rerun_command(Asked("latest")) == ("run the same command again", "")
+    command, why = rerun_command(Asked("none"))
     assert command == "run it again with resume=latest" and "refuse the committed steps" in why
-    assert rerun_command(2)[1] == " (this command's resume=2 would go back to step 2 again)"
+    command, why = rerun_command(Asked("none", overwrite=True))
+    assert (
+        command.endswith("without run.overwrite=true") and why == " (this command would start over)"
+    )
+    assert rerun_command(Asked(2))[1] == " (this command's resume=2 would go back to step 2 again)"
+    assert rerun_command(Asked("none"), committed=False) == ("run the same command again", "")
