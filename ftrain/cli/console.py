@@ -14,8 +14,9 @@ in two calls, so under torchrun, where the ranks share one terminal or pipe, two
 lines ran together (``...in 0.05s[rank=1][step=5] resumed ...``) and a line-by-line reader
 missed both. A partial line waits for its newline or the next ``flush``; whole lines are
 flushed through at once, so a block-buffered pipe does not cut one at its 8 KiB boundary.
-The prefetch and save threads print too: the partial line is kept under a lock (a
-re-entrant one: a signal handler's print runs on the thread it interrupted).
+The prefetch and save threads print too: each thread's partial line is held apart, under a
+lock (a re-entrant one: a signal handler's print runs on the thread it interrupted), and the
+loss of a stream is announced on the other outside it.
 """
 
 from __future__ import annotations
@@ -39,18 +40,24 @@ class TolerantStream:
     def __init__(self, inner: TextIO, name: str, other=None) -> None:
         self._inner, self._name, self._other = inner, name, other
         self.lost: OSError | None = None
-        self._partial = ""  # text after the last newline, not yet handed on
+        # each thread's text after its last newline, not yet handed on: print writes the
+        # text and the newline in two calls, and another thread's line may come between
+        self._partial: dict[int, str] = {}
         self._lock = threading.RLock()
+        self._said = False  # the loss announced on the other stream
 
     def write(self, text: str) -> int:
+        me = threading.get_ident()
         with self._lock:
             if self.lost is None:
-                whole, newline, rest = (self._partial + text).rpartition("\n")
+                whole, newline, rest = (self._partial.pop(me, "") + text).rpartition("\n")
                 if len(rest) > _LONGEST_PARTIAL:  # no newline coming: do not hold it all
                     whole, newline, rest = whole + newline + rest, "", ""
-                self._partial = rest
+                if rest:
+                    self._partial[me] = rest
                 if whole or newline:
                     self._hand_on(whole + newline)
+        self._announce_loss()
         return len(text)
 
     def writelines(self, lines) -> None:
@@ -59,14 +66,15 @@ class TolerantStream:
 
     def flush(self) -> None:
         with self._lock:
-            partial, self._partial = self._partial, ""
-            if partial:
-                self._hand_on(partial)
+            held, self._partial = "".join(self._partial.values()), {}
+            if held:
+                self._hand_on(held)
             elif self.lost is None:
                 try:
                     self._inner.flush()
                 except OSError as err:
-                    self._lose(err)
+                    self.lost = err
+        self._announce_loss()
 
     def _hand_on(self, text: str) -> None:
         """``text`` to the stream and through its buffer (lines whole on the descriptor)."""
@@ -75,10 +83,16 @@ class TolerantStream:
                 self._inner.write(text)
                 self._inner.flush()
             except OSError as err:
-                self._lose(err)
+                self.lost = err
 
-    def _lose(self, err: OSError) -> None:
-        self.lost = err
+    def _announce_loss(self) -> None:
+        """The first failure, said once on the other stream: outside this stream's lock (the
+        other stream's write takes its own; both failing at once in two threads would
+        otherwise wait on each other)."""
+        with self._lock:
+            if self.lost is None or self._said:
+                return
+            self._said, err = True, self.lost
         other = self._other() if self._other is not None else None
         try:
             if other is not None and not getattr(other, "lost", None):

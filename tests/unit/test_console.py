@@ -77,17 +77,22 @@ def test_lines_from_threads_and_writelines_reach_a_block_buffered_pipe_whole():
     out = TolerantStream(inner, "stdout")
 
     def talk(tag):
-        for i in range(300):
+        for i in range(3000):  # print: the text, then the newline, in two writes
             print(f"[rank={tag}][step={i}] " + "x" * 37, file=out)
 
-    threads = [threading.Thread(target=talk, args=(t,)) for t in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between print's two writes
+    try:
+        threads = [threading.Thread(target=talk, args=(t,)) for t in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switching)
     out.writelines(["a\n", "b", "c\n"])
     assert all(chunk.endswith(b"\n") for chunk in raw.chunks)
     lines = b"".join(raw.chunks).decode().splitlines()
-    assert len(lines) == 602 and lines[-2:] == ["a", "bc"]
+    assert len(lines) == 6002 and lines[-2:] == ["a", "bc"]
     pattern = re.compile(r"\[rank=[01]\]\[step=\d+\] x{37}")
-    assert all(pattern.fullmatch(line) for line in lines[:600]), "a line was cut or joined"
+    assert all(pattern.fullmatch(line) for line in lines[:6000]), "a line was cut or joined"
