@@ -120,7 +120,10 @@ def run_app(argv: list[str], train: Callable[[DictConfig], int]) -> int:
             carried.now = carried.now or datetime.now()
             try:
                 jobs = plan_jobs(
-                    overrides, config_name=args.config_name or "config", now=carried.now
+                    overrides,
+                    config_name=args.config_name or "config",
+                    now=carried.now,
+                    stop_on_signal=not carried.results,
                 )
             except StoppedWhilePlanning as stopped:
                 print(stopped, flush=True)

@@ -105,10 +105,16 @@ def _in_torchrun() -> bool:
 
 
 def plan_jobs(
-    overrides: list[str], *, config_name: str = "config", now: datetime | None = None
+    overrides: list[str],
+    *,
+    config_name: str = "config",
+    now: datetime | None = None,
+    stop_on_signal: bool = True,
 ) -> list[Job]:
     """Every job of the sweep with its composed, checked config (nothing is run);
-    ``${now:...}`` is ``now`` (default: the time of planning).
+    ``${now:...}`` is ``now`` (default: the time of planning). ``stop_on_signal``: a stop
+    signal meanwhile raises :class:`StoppedWhilePlanning` (not in a sweep's continuation,
+    whose jobs already ran: the signal stops it between jobs, with its summary).
 
     Raises:
         ConfigError: under torchrun, a bad override or value in any job, a fixed
@@ -123,7 +129,9 @@ def plan_jobs(
     check_hydra_overrides(overrides, multirun=True)
     _refuse_fixed_dirs(overrides)
     with frozen_now(now):  # one ${now:...} for every job, as Hydra's one sweep.dir
-        jobs = [_planned(n, o, config_name) for n, o in enumerate(expand(overrides))]
+        jobs = [
+            _planned(n, o, config_name, stop_on_signal) for n, o in enumerate(expand(overrides))
+        ]
     if not jobs:  # range(0), an empty list: "0/0 jobs succeeded", exit 0, nothing trained
         raise ConfigError(
             f"the sweep {list(overrides)} has no jobs: a swept value list is empty "
@@ -144,9 +152,11 @@ class StoppedWhilePlanning(Exception):
         )
 
 
-def _planned(num: int, overrides: list[str], config_name: str) -> Job:
-    """Job ``num`` composed, unless a stop signal came meanwhile."""
-    if (came := _early_signals.waiting(STOP_SIGNALS)) is not None:
+def _planned(num: int, overrides: list[str], config_name: str, stop_on_signal: bool) -> Job:
+    """Job ``num`` composed, unless a stop signal came meanwhile (a Ctrl-C is Python's
+    KeyboardInterrupt here: one line and exit 130 at once, ftrain.cli.run.main)."""
+    came = _early_signals.waiting(STOP_SIGNALS) if stop_on_signal else None
+    if came is not None:
         raise StoppedWhilePlanning(came, num)
     return _job(num, overrides, config_name)
 

@@ -574,3 +574,19 @@ def test_stop_signals_held_across_a_sweeps_exec_are_let_through_by_the_new_proce
         [sys.executable, "-c", UNBLOCKED], capture_output=True, text=True, env=env, timeout=120
     )
     assert proc.stdout.strip() == ("False" if continued else "True"), proc.stderr
+
+
+def test_planning_stops_at_a_pending_stop_signal_except_in_a_sweeps_continuation(monkeypatch):
+    """A SIGTERM while the jobs are composed stops the planning at the next job; a sweep's
+    continuation (its earlier jobs ran: a hung job's fresh process) plans on, and the signal
+    stops it between jobs, with the summary of what ran."""
+    import signal
+
+    from ftrain import _early_signals
+    from ftrain.cli.sweep import StoppedWhilePlanning
+
+    monkeypatch.setattr(_early_signals, "_pending", [signal.SIGTERM])
+    with pytest.raises(StoppedWhilePlanning, match=r"SIGTERM came while planning the jobs \(0"):
+        plan_jobs(["optim.lr=1e-3,3e-3"])
+    assert len(plan_jobs(["optim.lr=1e-3,3e-3"], stop_on_signal=False)) == 2
+    assert _early_signals._pending == [signal.SIGTERM], "kept for the sweep's own flag"
