@@ -422,10 +422,11 @@ def world_size(plan: Plan) -> str:
     )
     if not worst <= ROUNDING:  # NaN too; it printed any difference as "rounding"
         raise DrillFailed(
-            f"params differ by {worst:.1e} (relative, the worst tensor) after the resume on {n} "
-            f"rank(s): more than reduction rounding ({ROUNDING:.0e}). Per-rank randomness "
-            "differs across world sizes by design (dropout: model.dropout=0 for this "
-            "scenario); otherwise the resumed run computes something else"
+            f"params differ by {worst:.1e} (relative to each tensor's largest value, the "
+            f"worst tensor) after the resume on {n} rank(s): more than reduction rounding "
+            f"gives ({ROUNDING:.0e}; ~1e-4 over 12 steps, growing with drill.steps). Per-rank "
+            "randomness differs across world sizes by design (dropout: model.dropout=0 for "
+            "this scenario); otherwise the resumed run computes something else"
         )
     return f"step {plan.commit} of {plan.nproc} ranks resumed on {n}: same sample order, params within {worst:.1e} (reduction rounding, at most {ROUNDING:.0e})"
 
