@@ -693,9 +693,11 @@ def _rerun_hint(asked: Asked) -> str:
     return f"; {command} to resume{why}" if why else ""
 
 
-def _stopped(err: Exception, manager: CheckpointManager, fix: str, asked: Asked) -> int:
+def _stopped(
+    err: Exception, manager: CheckpointManager, fix: str, asked: Asked | None = None
+) -> int:
     where = _newest_committed(manager)
-    command, why = rerun_command(asked, committed=where.startswith("step"))
+    command, why = rerun_command(asked or Asked(), committed=where.startswith("step"))
     print(
         f"ftrain: {err}\nftrain: newest committed checkpoint: {where}; fix {fix} and {command} "
         f"to resume{why}",

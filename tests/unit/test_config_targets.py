@@ -505,15 +505,17 @@ def test_what_a_sweep_carries_over_is_checked_and_never_inherited(monkeypatch, c
 
 
 def test_a_stop_signal_before_the_sweep_began_stops_it_before_its_first_job(monkeypatch, capsys):
-    """A SIGTERM recorded while the command imported torch or planned the jobs: the sweep's
-    own flag took it without a word and job 0 trained to its end (exit 0)."""
+    """A SIGTERM recorded before the first job (here: in a sweep's continuation, which plans
+    on through it): the sweep's own flag took it without a word and job 0 trained to its
+    end (exit 0). A fresh sweep stops while planning (the test above)."""
     import signal
 
     from ftrain import _early_signals
 
     monkeypatch.setattr(_early_signals, "_pending", [signal.SIGTERM])
     ran = []
-    assert run_sweep(plan_jobs(["optim.lr=1e-3,2e-3"]), lambda cfg: ran.append(1) or 0) == 3
+    jobs = plan_jobs(["optim.lr=1e-3,2e-3"], stop_on_signal=False)
+    assert run_sweep(jobs, lambda cfg: ran.append(1) or 0) == 3
     assert (
         ran == [] and "SIGTERM came between jobs: stopping before job 0" in capsys.readouterr().out
     )
