@@ -129,7 +129,8 @@ def saved_elsewhere(location: Locations) -> str:
 def moved_aside(location: Locations, *, with_step: bool = True) -> str:
     """A hint for a location whose steps ``run.overwrite=true`` moved aside (into
     ``RUN/overwritten-<time>/`` as ``checkpoints/``, or as the steps themselves when the
-    run saved into its own directory, or renamed ``DIR.overwritten-<time>``): a fine-tune
+    run saved into its own directory, or ``DIR/overwritten-<time>/`` for a directory
+    elsewhere; before 2026-12-07 that was renamed ``DIR.overwritten-<time>``): a fine-tune
     with ``init.from`` naming the run it overwrote, killed before its first commit, found no
     base at its restart and did not say where the base went. ``with_step``: advise
     ``DIR:STEP`` (init.from, eval, export), else the directory (list, verify, show)."""

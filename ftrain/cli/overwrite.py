@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -14,23 +17,7 @@ from ftrain.cli.errors import ResumeError
 from ftrain.cli.places import RUN_FILES, logger_places
 from ftrain.runlock import LOCK_NAME
 
-__all__ = ["RUN_RECORDS", "move_aside", "move_run_aside"]
-
-
-_NOT_STEPS = (OWNER, WRITER_LOCK)  # alone, a directory holds no steps to keep
-
-
-def move_aside(directory: Path) -> Path | None:
-    """Rename a non-empty directory to ``NAME.overwritten-<time>`` beside it (never delete).
-
-    This run's claim on the directory (``.owner.json``, :mod:`ftrain.ckpt.owner`) stays
-    with the directory, not with the old run's steps (alone, it is not "non-empty")."""
-    if not directory.is_dir() or all(p.name in _NOT_STEPS for p in directory.iterdir()):
-        return None
-    target = _free(directory.with_name(f"{directory.name}.overwritten-{_stamp()}"))
-    directory.rename(target)
-    _claim_stays(target, directory)
-    return target
+__all__ = ["RUN_RECORDS", "move_run_aside"]
 
 
 def _claim_stays(moved: Path, directory: Path) -> None:
@@ -57,12 +44,42 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
     Everything goes into ``RUN_DIR/overwritten-<time>/`` (``metrics.jsonl``, heartbeats,
     ``training.png``, hang dumps, the loggers' ``metrics.csv``, ``tensorboard/``, ``wandb/``,
     and ``checkpoint.dir`` when it lies inside ``run.dir``); a checkpoint or fallback
-    directory elsewhere is renamed beside itself to ``NAME.overwritten-<time>``. The run
-    lock stays. Returns the folder, or None if nothing was there.
+    directory elsewhere keeps its place, its entries go into ``DIR/overwritten-<time>/``.
+    The locks stay. Returns the folder, or None if nothing was there.
     """
     run_dir = Path(cfg.run.dir)
     places = _local_checkpoint_dirs(cfg, run_dir)  # refusals first: nothing moved yet
     aside = _free(run_dir / f"overwritten-{_stamp()}")
+    with _interrupt_after_the_move():
+        try:
+            return _move_run(cfg, run_dir, places, aside)
+        except OSError as e:
+            raise ResumeError(
+                f"run.overwrite=true could not move {e.filename} to {e.filename2}: "
+                f"{e.strerror}; nothing was deleted (what moved is in {aside}); fix that and "
+                "run the same command again, which moves the rest"
+            ) from e
+
+
+@contextmanager
+def _interrupt_after_the_move():
+    """Ctrl-C waits for the move (renames: milliseconds), then interrupts as usual. Mid-way
+    it split the old run: the records in one ``overwritten-<time>`` folder, and the
+    restart's overwrite moved the steps into another."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; the CLI moves on it
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _move_run(cfg: DictConfig, run_dir: Path, places: list[Path], aside: Path) -> Path | None:
     moved = False
     for pattern in RUN_RECORDS:
         for path in sorted(run_dir.glob(pattern)):
@@ -76,9 +93,19 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
         elif there.is_relative_to(here):
             moved |= _move_into(d, aside / there.relative_to(here))
             _claim_stays(aside / there.relative_to(here), d)
-        else:
-            print(f"run.overwrite=true: moved {d} to {move_aside(d)}")
+        elif (within := _move_within(d)) is not None:
+            print(f"run.overwrite=true: moved the old steps in {d} to {within}")
     return aside if moved else None
+
+
+def _move_within(directory: Path) -> Path | None:
+    """A checkpoint or fallback directory outside run.dir: its entries into
+    ``DIR/overwritten-<time>/``. Renaming the directory itself beside itself failed with a
+    traceback on a mount point (``EBUSY``: a dedicated checkpoint volume, the common case)
+    or under a parent this user may not write, after the run's records had moved, and took
+    along whatever else lived beside the steps' parent."""
+    aside = _free(directory / f"overwritten-{_stamp()}")
+    return aside if _move_entries(directory, aside) else None
 
 
 # a logger entry's keys that name where it writes (ftrain/conf/logger: csv.path,
@@ -135,7 +162,7 @@ def _local_checkpoint_dirs(cfg: DictConfig, run_dir: Path) -> list[Path]:
                 )
             continue
         d = Path(d)
-        if not (d.is_dir() and any(p.name != OWNER for p in d.iterdir())):
+        if not (d.is_dir() and any(_is_old_entry(p) for p in d.iterdir())):
             continue
         here, there = run_dir.resolve(), d.resolve()
         if there != here and here.is_relative_to(there):
@@ -150,17 +177,22 @@ def _local_checkpoint_dirs(cfg: DictConfig, run_dir: Path) -> list[Path]:
 
 
 def _move_entries(run_dir: Path, aside: Path) -> bool:
-    """Everything in ``run_dir`` into ``aside``, except the run lock (held by this start:
-    a second trainer must still find it), this run's claim and earlier overwrites' folders."""
-    keep = {LOCK_NAME, OWNER, aside.name}  # the lock and this run's claim stay
-    entries = [
-        p
-        for p in sorted(run_dir.iterdir())
-        if p.name not in keep and not p.name.startswith("overwritten-")
-    ]
+    """Everything in ``run_dir`` into ``aside``, except the locks (held by this start, or
+    waited on: a second trainer must still find them), this run's claim and earlier
+    overwrites' folders."""
+    entries = [p for p in sorted(run_dir.iterdir()) if _is_old_entry(p)]
     for path in entries:
         _move_into(path, aside / path.name)
     return bool(entries)
+
+
+_STAYS = (LOCK_NAME, OWNER, WRITER_LOCK)  # the locks and this run's claim
+
+
+def _is_old_entry(path: Path) -> bool:
+    """An entry of the old run's to move aside: not a lock, this run's claim, or an earlier
+    overwrite's folder."""
+    return path.name not in _STAYS and not path.name.startswith("overwritten-")
 
 
 def _move_into(path: Path, target: Path) -> bool:

@@ -30,7 +30,7 @@ from ftrain.ckpt.index import byte_count
 from ftrain.ckpt.location import parse_location
 from ftrain.ckpt.mapped import mapped_bytes
 from ftrain.cli.errors import ResumeError, ResumeReadError
-from ftrain.cli.overwrite import move_aside, move_run_aside
+from ftrain.cli.overwrite import move_run_aside
 from ftrain.cli.redo import last_run_ended, recorded_commits, redo_range
 from ftrain.cli.startup import host_rng_start, schedule_line
 from ftrain.config import config_hash, flat_config, recorded_config
@@ -48,7 +48,6 @@ __all__ = [
     "ResumeReport",
     "checkpoint_metadata",
     "compat_diff",
-    "move_aside",
     "move_run_aside",
     "start_state",
 ]

@@ -55,9 +55,30 @@ def test_run_overwrite_keeps_the_claim_with_the_checkpoint_dir(cli, tmp_path):
         "run.overwrite=true", check=0,
     )  # fmt: skip
     assert "moved" in out.stdout and CheckpointManager(ckpt).all_steps() == [2]
-    moved = [p for p in tmp_path.iterdir() if p.name.startswith("ext.overwritten-")]
+    moved = list(ckpt.glob("overwritten-*"))  # the directory keeps its place
     assert len(moved) == 1 and CheckpointManager(moved[0]).all_steps() == [2]
     assert not (ckpt / OWNER).exists() and not (moved[0] / OWNER).exists()
+    assert [p.name for p in tmp_path.iterdir() if "overwritten" in p.name] == []
+
+
+def test_run_overwrite_of_a_checkpoint_dir_that_is_a_mount_point(cli, tmp_path, tmpfs):
+    """A dedicated checkpoint volume: renaming the mount point itself aside failed (EBUSY)
+    with a traceback, after the run's records had moved. Its steps move within it; a file
+    of the user's beside them is kept (moved with them, never deleted)."""
+    ckpt, run = tmpfs("64M"), tmp_path / "run"
+    cli(run, f"checkpoint.dir={ckpt}", "trainer.max_steps=2", *SAVES, check=0)
+    (ckpt / "notes.txt").write_text("mine")
+    out = cli(
+        run, f"checkpoint.dir={ckpt}", "trainer.max_steps=2", *SAVES, "resume=none",
+        "run.overwrite=true", check=0,
+    )  # fmt: skip
+    assert "Traceback" not in out.stderr and "moved the old steps in" in out.stdout
+    (moved,) = ckpt.glob("overwritten-*")
+    assert CheckpointManager(moved).all_steps() == [2] and CheckpointManager(ckpt).all_steps() == [
+        2
+    ]
+    assert (moved / "notes.txt").read_text() == "mine"
+    assert list(run.glob("overwritten-*/metrics.jsonl"))  # the records moved too
 
 
 def test_a_run_dirs_own_checkpoints_refuse_a_run_elsewhere_pointed_at_them(
