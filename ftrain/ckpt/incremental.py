@@ -28,7 +28,8 @@ tensor is collected, but a dead weak reference never matches a new tensor. Nothi
 kept alive by the record.
 
 Guarantee against changes PyTorch does not track (writes through ``.data``, ``.numpy()``,
-DLPack or a raw pointer keep ``_version``): before a leaf is reused, ``save`` checks, on
+DLPack or a raw pointer keep ``_version``; ``torch.optim``'s fused kernels are made to
+count theirs by :mod:`ftrain.ckpt.untracked`): before a leaf is reused, ``save`` checks, on
 the caller's tensor,
 
 1. its *sample fingerprint*: the crc32c of :data:`WINDOWS` windows of :data:`WINDOW` bytes
@@ -270,8 +271,9 @@ def _changed(key: str, last: LastCommit, how: str) -> LeafChangedError:
     return LeafChangedError(
         f"state leaf {key!r} is the same tensor object, with the same version counter, as "
         f"in step {last.step} that this CheckpointManager committed, but {how}: it was "
-        "modified in place where PyTorch does not see it (through .data, .numpy(), DLPack "
-        "or a raw pointer). ftrain recognises unchanged leaves by identity and would have "
+        "modified in place where PyTorch does not see it (through .data, .numpy(), DLPack, "
+        "a raw pointer, or an optimizer kernel that does not count its writes: a step of "
+        "torch.optim's or a torch.optim.Optimizer subclass is counted). ftrain recognises unchanged leaves by identity and would have "
         f"linked step {last.step}'s copy. Make a new tensor instead (new = old + delta, or "
         "old.clone() and change the clone), or change it with an in-place op on the tensor "
         "itself (t.add_(...) bumps its version, so it is rewritten); "

@@ -74,6 +74,7 @@ from ftrain.ckpt.policies import (
 from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.store import DEFAULT_WORKERS, groups_and_arrays, write_tree
 from ftrain.ckpt.target import check_only, match_target
+from ftrain.ckpt.untracked import count_optimizer_writes
 from ftrain.ckpt.writerlock import WriterLock
 from ftrain.state.init import check_usable, pin, unpin
 
@@ -206,6 +207,8 @@ class CheckpointManager:
         self.chunk_bytes = _positive_int("chunk_bytes", chunk_bytes, DEFAULT_CHUNK_BYTES)
         self.io_workers = _positive_int("io_workers", io_workers, DEFAULT_WORKERS)
         self.incremental = incremental
+        if incremental:
+            count_optimizer_writes()  # fused torch.optim kernels leave _version alone
         # the step this manager last committed, its leaves' identities and entries: set
         # only after a commit succeeds, so a failed save never makes the next one link to
         # an uncommitted step

@@ -160,6 +160,35 @@ def test_in_place_update_with_a_version_bump_is_rewritten(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9, fused=True), id="sgd"),
+        pytest.param(lambda ps: torch.optim.AdamW(ps, lr=0.5, fused=True), id="adamw"),
+    ],
+)
+def test_a_fused_torch_optimizers_step_is_saved_not_linked(tmp_path, make):
+    """torch.optim's fused kernels write params and moments without bumping _version: a
+    loop saving after each step had a sparse update (two embedding rows) linked from the
+    step before, a stale step that verified; the audit caught it saves later."""
+    emb = torch.nn.Embedding(2048, 64)  # 512 KiB: rows 1500+ lie outside the windows
+    with manager(tmp_path, async_save=False) as m:
+        opt = make(list(emb.parameters()))
+        saved = []
+        for step in range(3):
+            if step:
+                emb(torch.tensor([1500 + step, 1900])).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            moments = {k: v for k, v in opt.state[emb.weight].items() if k != "step"}
+            state = TensorDict({"step": torch.tensor(step), "w": emb.weight, "opt": moments}, [])
+            m.save(state)
+            saved.append(state.clone())
+    for step in (1, 2):
+        assert same(manager(tmp_path).restore(step), saved[step]), step
+    verify_ok(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
     "mutate",
     [
         pytest.param(lambda b: b["wte"].data.mul_(2), id="data-whole-leaf"),
