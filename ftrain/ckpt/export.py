@@ -130,12 +130,27 @@ def _params(location, step, merge_lora, lora_alpha, with_buffers: bool):
             params, merged = merge(params, scalings), sorted(scalings)
         except ValueError as err:  # a tied or malformed adapter: named, not a traceback
             raise ExportError(f"--merge-lora: step {got}: {err}") from None
-    tensors = {}
+    tensors, paths = {}, {}
     for tree_part in (params, tree.get("buffers")) if with_buffers else (params,):
         if tree_part is not None:
             keys, leaves = flatten(tree_part)
-            tensors |= {path_str(k): t.contiguous() for k, t in zip(keys, leaves, strict=True)}
+            for k, t in zip(keys, leaves, strict=True):
+                _add_named(tensors, paths, k, t, got)
     return got, tensors, attrs, merged
+
+
+def _add_named(tensors: dict, paths: dict, key: tuple, t: torch.Tensor, step: int) -> None:
+    """``tensors[name] = t`` under its ``state_dict()`` name, refusing what the file cannot
+    hold as such: two key paths with one dotted name (``a``/``b.c`` and ``a.b``/``c``: the
+    second replaced the first, "exported" with one tensor fewer)."""
+    name = path_str(key)
+    if name in paths:
+        raise ExportError(
+            f"step {step}: params {'/'.join(paths[name])!r} and {'/'.join(key)!r} both export "
+            f"as {name!r} (state_dict names join keys with '.'); rename one of them"
+        )
+    paths[name] = key
+    tensors[name] = t.contiguous()
 
 
 def export_params(
@@ -267,6 +282,14 @@ def _save(save_file, tensors: dict, path: Path, step: int) -> None:
         save_file(tensors, str(path), metadata={"format": "pt", "ftrain_step": str(step)})
     except SafetensorError as err:  # an I/O error inside the Rust writer
         raise OSError(str(err)) from None
+    except KeyError as err:  # a dtype safetensors has no name for (complex32, complex128...)
+        dtype = err.args[0] if err.args else None
+        names = [n for n, t in tensors.items() if t.dtype == dtype] or ["?"]
+        raise ExportError(
+            f"step {step}: {names[0]!r} (and {len(names) - 1} more) is {dtype}, which "
+            "safetensors cannot hold; save the state with a dtype it has (float32, "
+            "complex64, ...) to export it"
+        ) from None
     os.chmod(path, plain_file_mode())
 
 

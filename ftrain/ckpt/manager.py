@@ -72,7 +72,7 @@ from ftrain.ckpt.policies import (
     ranks_nothing,
 )
 from ftrain.ckpt.reader import read_tree, specs_of
-from ftrain.ckpt.store import DEFAULT_WORKERS, groups_and_arrays, write_tree
+from ftrain.ckpt.store import DEFAULT_WORKERS, check_path_lengths, groups_and_arrays, write_tree
 from ftrain.ckpt.target import check_only, match_target
 from ftrain.ckpt.untracked import count_optimizer_writes
 from ftrain.ckpt.writerlock import WriterLock
@@ -415,6 +415,9 @@ class CheckpointManager:
         attrs = self._attributes(step, metrics, metadata, host_rng)
         _, leaves = groups_and_arrays(state)  # raises ValueError now, not in the background
         _check_leaves(leaves)
+        for root in self._dirs:
+            if isinstance(root, Path):
+                check_path_lengths(root, leaves)
         plan = (
             incr.plan_save(self._last_commit, leaves, self.chunk_bytes, self.compression)
             if self.incremental

@@ -42,6 +42,7 @@ from ftrain.ckpt.format import (
     DEFAULT_CHUNK_BYTES,
     DIRECT_MIN_BYTES,
     FORMAT_VERSION,
+    MAX_NDIM,
     NAME_RE,
     ArraySpec,
     CorruptCheckpointError,
@@ -53,7 +54,7 @@ from ftrain.ckpt.incremental import FallbackBytes, Reuse
 from ftrain.ckpt.links import DAMAGED, LINKED, link_chunk, link_document
 from ftrain.state.tree import nodes_and_leaves
 
-__all__ = ["groups_and_arrays", "merge_manifests", "write_tree"]
+__all__ = ["check_path_lengths", "groups_and_arrays", "merge_manifests", "write_tree"]
 
 log = logging.getLogger("ftrain.ckpt")
 
@@ -89,6 +90,11 @@ def _check_storable(key: str, t: torch.Tensor) -> None:
     save's host snapshot uses them as shape-only placeholders of linked device leaves.)"""
     if t.is_quantized:
         raise ValueError(f"leaf {key!r} is quantized ({t.dtype}); save t.dequantize()")
+    if t.dim() > MAX_NDIM:  # committed, then refused by every reader as corrupt
+        raise ValueError(
+            f"leaf {key!r} has {t.dim()} dimensions; a checkpoint array has at most {MAX_NDIM}: "
+            "save a reshaped view (t.flatten(0, k)) and reshape it back after restore"
+        )
     if t.layout != torch.strided:
         raise ValueError(f"leaf {key!r} is {t.layout}, not dense; save t.to_dense()")
 
@@ -110,6 +116,26 @@ def _check_name(path: tuple[str, ...]) -> None:
 
 
 _NAME_MAX = 255  # bytes in a file name: Linux's NAME_MAX (ext4, xfs, tmpfs)
+_PATH_MAX = 4096  # bytes in a path given to the kernel, its NUL included (Linux)
+# what a chunk's path adds beyond DIR and the key: the staging or set-aside step name
+# (step_00000400.tmp-<pid>-<hex>, .replaced-<hex>), "/c", one "/<index>" per dimension
+_STEP_NAME_ROOM = 64
+
+
+def check_path_lengths(directory: Path, arrays: dict[str, torch.Tensor]) -> None:
+    """Every chunk file's path fits the kernel's PATH_MAX under ``directory``: past it,
+    the writer failed later (at ``wait()``, an async save) with ``ENAMETOOLONG`` naming a
+    4 KB path, not the key, and the failure sent the save to the fallback directory."""
+    base = len(os.fsencode(os.path.abspath(directory))) + _STEP_NAME_ROOM
+    for key, t in arrays.items():
+        first = len(str(max(t.shape[0] - 1, 0))) if t.dim() else 1  # chunks split dim 0
+        need = base + len(key.encode()) + 3 + first + 2 * max(t.dim() - 1, 0)
+        if need >= _PATH_MAX:
+            raise ValueError(
+                f"leaf {key[:60]!r}... needs a path of about {need} bytes under {directory}; "
+                f"the kernel takes at most {_PATH_MAX - 1}: shorten its keys or nest them less "
+                "(or save into a directory with a shorter path)"
+            )
 
 
 def _chunk_jobs(tmp: Path, spec: ArraySpec, data: memoryview, rank: int, world: int) -> list:

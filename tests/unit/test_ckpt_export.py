@@ -47,6 +47,31 @@ def test_export_writes_the_buffers_so_a_strict_load_gives_the_same_model(tmp_pat
     assert torch.equal(fresh(x), model(x))
 
 
+def _own_state(tmp_path, params: dict):
+    from tensordict import TensorDict
+
+    state = TensorDict({"step": torch.tensor(3), "params": params}, [])
+    with ftrain.CheckpointManager(tmp_path / "ck", async_save=False) as m:
+        m.save(state)
+    return tmp_path / "ck"
+
+
+def test_two_params_with_one_dotted_name_are_refused_not_one_dropped(tmp_path):
+    """``a``/``b.c`` and ``a.b``/``c`` both export as ``a.b.c``: the file held one of
+    them, exit 0, "exported step 3: 1 tensors"."""
+    ck = _own_state(tmp_path, {"a": {"b.c": torch.ones(2)}, "a.b": {"c": torch.zeros(3)}})
+    with pytest.raises(ExportError, match=r"'a/b\.c' and 'a\.b/c' both export as 'a\.b\.c'"):
+        export_params(ck, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_dtype_safetensors_cannot_hold_is_named_not_a_keyerror(tmp_path):
+    ck = _own_state(tmp_path, {"w": torch.ones(2), "z": torch.ones(2, dtype=torch.complex128)})
+    with pytest.raises(ExportError, match=r"'z' \(and 0 more\) is torch.complex128"):
+        export_params(ck, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_a_safetensors_export_to_a_directory_path_is_refused_not_written_as_a_file(tmp_path):
     """``export RUN out/`` wrote a file named ``out`` and reported ``-> out/``."""
     _, ck = _saved(tmp_path)

@@ -312,6 +312,15 @@ def test_bad_inputs_fail_in_the_caller(tmp_path):
     # or a "failing disk" moved on to the fallback
     with pytest.raises(ValueError, match="300 bytes long.*at most 255 bytes"):
         m.save(TensorDict({"step": torch.tensor(1), "k" * 300: torch.zeros(1)}, []))
+    # 17 nested keys of 251 bytes: each a valid name, the chunk's path past PATH_MAX (the
+    # writer failed at wait() naming a 4 KB path, and went to the fallback)
+    deep = TensorDict({"step": torch.tensor(1)}, [])
+    deep[tuple(f"{i:02d}" + "k" * 249 for i in range(17))] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"needs a path of about \d+ bytes.*at most 4095"):
+        m.save(deep)
+    # 33 dimensions: committed, then every reader refused the step as corrupt
+    with pytest.raises(ValueError, match="'x' has 33 dimensions.*at most 32"):
+        m.save(TensorDict({"step": torch.tensor(1), "x": torch.ones((1,) * 33)}, []))
     m.close()
     assert m.all_steps() == []
 
