@@ -249,12 +249,9 @@ def _run_checkpoints(where: str) -> str | list[str]:
     directory given as such is read alone (a copy of one, or one set aside by
     ``run.overwrite``, records a fallback that may hold another history now): ``list``
     names the fallback its newest step records (:func:`_fallback_hint`)."""
-    from ftrain.ckpt.readonly import run_locations
+    from ftrain.ckpt.readonly import locations_of
 
-    if is_object_url(where) or not (Path(where) / "checkpoints").is_dir():
-        return where
-    found = run_locations(Path(where))
-    return found if len(found) > 1 else found[0]
+    return where if is_object_url(where) else locations_of(where)
 
 
 def _roots(where: str) -> list:
@@ -286,7 +283,11 @@ def _each_location(cmd, roots: list, steps: list[int]) -> int:
         held |= set(here)
         mine = [s for s in steps if s in here]
         if not (here or invalid) or (steps and not mine):
-            print("no committed steps" if not steps else "none of the steps named")
+            print(
+                "no committed steps" + _elsewhere(root, i)
+                if not steps
+                else "none of the steps named"
+            )
             continue
         status = max(status, cmd(root, mine))
     if not held:
@@ -295,6 +296,14 @@ def _each_location(cmd, roots: list, steps: list[int]) -> int:
         print(f"BAD  step {step}: not committed in any of the run's locations")
         status = 1
     return status
+
+
+def _elsewhere(root, i: int) -> str:
+    """For a run directory's own place holding nothing: the ``checkpoint.dir`` elsewhere its
+    records name (its steps before the saves went to the fallback)."""
+    from ftrain.ckpt.readonly import saved_elsewhere
+
+    return saved_elsewhere(root) if i == 0 else ""
 
 
 def _diff_args(args: list[str]) -> tuple[tuple[list, int | None], tuple[list, int | None]]:

@@ -25,6 +25,7 @@ from ftrain.ckpt.target import check_only
 
 __all__ = [
     "committed_steps_at",
+    "locations_of",
     "read_model",
     "read_subtree",
     "run_locations",
@@ -100,6 +101,33 @@ def run_locations(run_dir: Path) -> list[str]:
             if ("://" in d or Path(d).is_dir()) and there not in out:
                 out.append(there)
     return out
+
+
+def locations_of(where: str) -> str | list[str]:
+    """What the readers read for ``where`` (the ckpt tools, export, eval, init.from): a run
+    directory's locations (:func:`run_locations`), else ``where`` itself, alone (a copy
+    of a checkpoint directory, or one set aside by ``run.overwrite``, records a fallback
+    that may hold another history now). A run directory is one with ``checkpoints/`` or
+    whose records name its checkpoint directories: a run that saved to a
+    ``checkpoint.dir`` elsewhere and, its disk full, to a fallback inside the run
+    directory was read as holding nothing, and the primary it pointed to showed an older
+    step as the newest."""
+    if "://" in where:
+        return where
+    run = Path(where)
+    if (run / "checkpoints").is_dir() or _records_locations(run):
+        found = run_locations(run)
+        return found if len(found) > 1 else found[0]
+    return where
+
+
+def _records_locations(run_dir: Path) -> bool:
+    from ftrain.metrics import read_records
+
+    try:
+        return run_dir.is_dir() and any(r.get("checkpoint_dirs") for r in read_records(run_dir))
+    except OSError:
+        return False
 
 
 def saved_elsewhere(location: Locations) -> str:

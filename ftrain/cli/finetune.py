@@ -200,7 +200,7 @@ def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
     used: :func:`ftrain.ckpt.readonly.run_locations`), a checkpoints directory, or an
     object-store URL of one.
     """
-    from ftrain.ckpt.readonly import StepSpecError, _colon_hint, run_locations, split_step
+    from ftrain.ckpt.readonly import StepSpecError, _colon_hint, locations_of, split_step
 
     where, step = split_step(value)
     if (
@@ -211,12 +211,7 @@ def parse_init_from(value: str) -> tuple[str | list[str], int | None]:
     ):
         # RUN:abc, RUN:-1: "looks like a URL but is not one" named object storage
         raise StepSpecError(f"{where}: no such run directory{_colon_hint(Path(where))}")
-    if "://" not in where:
-        run = Path(where)
-        if (run / "checkpoints").is_dir():
-            found = run_locations(run)
-            return (found if len(found) > 1 else found[0]), step
-    return where, step
+    return locations_of(where), step
 
 
 def init_from(

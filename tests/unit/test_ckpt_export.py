@@ -246,6 +246,30 @@ def test_ckpt_list_show_verify_of_a_run_directory_read_its_fallback_too(tmp_path
     assert main(["show", str(run), "4"]) == 0  # the primary holding nothing any more
 
 
+def test_a_run_whose_checkpoint_dir_was_elsewhere_is_read_with_its_fallback(tmp_path, capsys):
+    """checkpoint.dir outside run.dir, and saves went to a fallback inside it (the primary
+    remounted read-only): the run directory read as holding nothing and sent the user to
+    the primary, whose list sent them back, and export of it took the older step."""
+    import json
+
+    from ftrain.ckpt.__main__ import main
+
+    run, primary = tmp_path / "run", tmp_path / "ck"
+    fallback = run / "fb"
+    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    with ftrain.CheckpointManager(primary, async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(2)), force=True)
+    with ftrain.CheckpointManager(fallback, async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(8)), force=True)
+    line = {"kind": "start", "step": 0, "checkpoint_dirs": [str(primary), str(fallback)]}
+    (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    assert main(["list", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"saved its checkpoints to {primary}: pass that" in out and " 8 " in out
+    assert main(["export", str(run), str(tmp_path / "m.safetensors")]) == 0
+    assert "exported step 8" in capsys.readouterr().out
+
+
 def test_a_run_directory_never_reads_another_runs_checkpoints(tmp_path, monkeypatch):
     """Records name paths as written (``runs/a/checkpoints``, relative): after ``mv runs/a
     runs/a_old`` and a new ``runs/a``, reading ``runs/a_old`` merged in the new run's steps.
