@@ -131,8 +131,9 @@ def check_path_lengths(directory: Path, arrays: dict[str, torch.Tensor]) -> None
         first = len(str(max(t.shape[0] - 1, 0))) if t.dim() else 1  # chunks split dim 0
         need = base + len(key.encode()) + 3 + first + 2 * max(t.dim() - 1, 0)
         if need >= _PATH_MAX:
+            shown = str(directory) if len(str(directory)) <= 80 else f"{str(directory)[:60]}..."
             raise ValueError(
-                f"leaf {key[:60]!r}... needs a path of about {need} bytes under {directory}; "
+                f"leaf {key[:60]!r}... needs a path of about {need} bytes under {shown}; "
                 f"the kernel takes at most {_PATH_MAX - 1}: shorten its keys or nest them less "
                 "(or save into a directory with a shorter path)"
             )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain import optim, rng
@@ -26,6 +27,8 @@ from ftrain.ckpt import (
     EveryNSteps,
     LatestN,
 )
+from ftrain.ckpt.location import is_object_url
+from ftrain.ckpt.store import check_path_lengths, groups_and_arrays
 from ftrain.cli.finetune import group_settings, labeller, lora_enabled, uses_groups
 from ftrain.cli.targets import (
     build_optimizer,
@@ -42,6 +45,7 @@ from ftrain.lora import apply_lora
 
 __all__ = [
     "build_manager",
+    "check_checkpoint_paths",
     "build_model",
     "build_sources",
     "build_tx",
@@ -417,6 +421,21 @@ def build_manager(cfg: DictConfig) -> CheckpointManager:
         incremental=c.incremental,
         storage_options=c.storage,
     )
+
+
+def check_checkpoint_paths(cfg: DictConfig, fresh: TensorDictBase) -> None:
+    """Every chunk of this state fits PATH_MAX under the local checkpoint directories: a
+    ``checkpoint.dir`` of ~4,000 bytes trained until its first save failed (ENAMETOOLONG,
+    the emergency save too), ``checkpoint.every_steps`` of compute lost per attempt."""
+    leaves = groups_and_arrays(fresh)[1]
+    for key in ("dir", "fallback_dir"):
+        where = cfg.checkpoint[key]
+        if not where or is_object_url(str(where)):
+            continue
+        try:
+            check_path_lengths(Path(where), leaves)
+        except ValueError as err:
+            raise ConfigError(f"checkpoint.{key} is too long for this state: {err}") from None
 
 
 # the checkpoint keys that make the keep policy

@@ -39,6 +39,7 @@ from ftrain.cli.build import (
     build_tx,
     check_batch,
     check_block_size,
+    check_checkpoint_paths,
     check_vocab,
     eval_repeat_note,
     evaluates,
@@ -291,12 +292,15 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     if cfg.resume == "none":
         tx = build_tx(cfg, schedule_horizon(cfg, None))
         early = _initialised(cfg, _fresh(cfg, model, tx), world)
+        check_checkpoint_paths(cfg, early[0])
     _overwrite(cfg, world)  # once every check that needs no checkpoint has passed
     manager = build_manager(cfg)
     saved = saved_horizon(cfg, manager)
     horizon = schedule_horizon(cfg, saved)
     tx = build_tx(cfg, horizon)
     fresh = early[0] if early else _fresh(cfg, model, tx)
+    if not early:
+        check_checkpoint_paths(cfg, fresh)
     shard = _shard_mode(cfg, world)
     # a sharded resume reads only this rank's rows, into DTensors on the sharder's mesh
     sharder = Sharder(full=shard == "full") if shard != "none" else None

@@ -1,5 +1,7 @@
 """The command line's own checks (ftrain.cli.app), without training."""
 
+import pytest
+
 from ftrain.cli.app import run_app
 from ftrain.signals import EXIT_CONFIG
 
@@ -80,3 +82,23 @@ def test_a_stop_tells_to_resume_with_resume_latest_when_the_command_would_not():
     )
     assert rerun_command(Asked(2))[1] == " (this command's resume=2 would go back to step 2 again)"
     assert rerun_command(Asked("none"), committed=False) == ("run the same command again", "")
+
+
+def test_a_checkpoint_dir_too_long_for_the_state_is_refused_at_the_start(tmp_path):
+    """A checkpoint.dir of ~4,000 bytes trained until its first save failed with
+    ENAMETOOLONG (and the emergency save too)."""
+    import torch
+    from tensordict import TensorDict
+
+    from ftrain.cli.build import check_checkpoint_paths
+    from ftrain.config import ConfigError
+
+    state = TensorDict({"step": torch.tensor(0), "opt": {"mu": {"w": torch.zeros(4, 4)}}}, [])
+    long = tmp_path / "/".join(["d" * 250] * 16)
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"checkpoint": {"dir": str(long), "fallback_dir": "s3://b/p"}})
+    with pytest.raises(ConfigError, match=r"checkpoint.dir is too long.*'opt/mu/w'.*4095"):
+        check_checkpoint_paths(cfg, state)
+    cfg.checkpoint.dir = str(tmp_path / "ok")
+    check_checkpoint_paths(cfg, state)  # an object store's path is not a file's
