@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import fields
@@ -521,6 +522,21 @@ def _non_finite(node, prefix: str = ""):
             yield key, v
 
 
+def _check_no_tilde(key: str, value) -> None:
+    """``run.dir='~/x'`` (quoted, as Hydra needs it) trained into a directory named ``~``
+    under the working directory, where ``ckpt list ~/x`` (the shell expands it) found
+    nothing, and a start from another directory started over. Refused, not expanded: a
+    run already in ``./~/x`` would have started fresh in ``$HOME/x``."""
+    if isinstance(value, str) and value.split("/", 1)[0].startswith("~"):
+        raise _bad(
+            key,
+            value,
+            "'~' is not expanded in a path here (it makes a directory named '~')",
+            f"give the full path ({key}={os.path.expanduser(value)}), or ./{value} for that "
+            "directory",
+        )
+
+
 def _check_run(cfg: DictConfig) -> None:
     """An empty ``run.dir=`` (or ``checkpoint.dir=``) put the records in the working
     directory and the checkpoints at ``/checkpoints``; ``run.overwrite=true`` without
@@ -540,6 +556,8 @@ def _check_run(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if isinstance(value, str) and not value.strip():
             raise _bad(key, value, "an empty path", f"give a directory, e.g. {key}=runs/x")
+    for key in ("run.dir", "checkpoint.dir", "checkpoint.fallback_dir"):
+        _check_no_tilde(key, OmegaConf.select(cfg, key))
     if cfg.run.get("overwrite") and cfg.resume != "none":
         raise _bad(
             "run.overwrite",

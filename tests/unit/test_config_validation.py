@@ -43,6 +43,9 @@ from ftrain.config import ConfigError, load_config
         ("+model.n_layers=2", ["model.n_layers"]),
         ("run.dir=", ["run.dir='' is invalid: an empty path"]),  # records in cwd, /checkpoints
         ("checkpoint.dir=", ["checkpoint.dir='' is invalid"]),
+        # quoted for Hydra, '~' was a directory named '~' under the working directory
+        ("run.dir='~/tl'", ["run.dir='~/tl' is invalid", "not expanded", "./~/tl"]),
+        ("checkpoint.fallback_dir='~'", ["checkpoint.fallback_dir='~' is invalid"]),
         ("run.overwrite=true", ["run.overwrite=True is invalid", "add resume=none"]),
         (
             "checkpoint.keep_best=2 trainer.eval_every=null",
