@@ -300,6 +300,8 @@ _TYPE_ERRORS = (
     "Invalid value assigned",
     "is not Optional",  # trainer.max_steps=null
 )
+# Hydra's override parser on a value it cannot tokenize
+_GRAMMAR_ERRORS = ("token recognition error", "mismatched input", "extraneous input")
 _CONTAINER_ERRORS = ("Cannot assign", "is not a ListConfig", "is not a DictConfig")
 
 
@@ -342,6 +344,12 @@ def _explain(err: Exception, overrides) -> str:
         hint = (
             "a comma makes Hydra read a list (or a sweep); quote a value that holds one: "
             "\"dist.backend='cpu:gloo,cuda:nccl'\""
+        )
+    elif any(t in msg for t in _GRAMMAR_ERRORS):  # run.dir=~/x, run.dir=/a b=c
+        hint = (
+            "Hydra could not read a value: quote one that holds characters of its grammar "
+            "(a space, '=', ',', brackets, '~'): \"run.dir='/data/my run'\"; a path under "
+            "your home is given in full (run.dir=$HOME/x: the shell expands $HOME)"
         )
     elif "Cannot find primary config" in msg:
         hint = "--config-name takes a config of ftrain's conf/ (the default: config) or of --config-dir"

@@ -43,6 +43,8 @@ from ftrain.config import ConfigError, load_config
         ("+model.n_layers=2", ["model.n_layers"]),
         ("run.dir=", ["run.dir='' is invalid: an empty path"]),  # records in cwd, /checkpoints
         ("checkpoint.dir=", ["checkpoint.dir='' is invalid"]),
+        # a value Hydra's grammar cannot read: the fix is quoting, not the key
+        ("run.dir=~/tl", ["token recognition error", "quote one that holds", "$HOME/x"]),
         # quoted for Hydra, '~' was a directory named '~' under the working directory
         ("run.dir='~/tl'", ["run.dir='~/tl' is invalid", "not expanded", "./~/tl"]),
         ("checkpoint.fallback_dir='~'", ["checkpoint.fallback_dir='~' is invalid"]),
