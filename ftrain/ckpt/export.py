@@ -230,11 +230,13 @@ def _stage_dir(out: Path) -> Path:
     died (SIGKILL: no ``finally`` ran) on this host. Hidden, so a leftover is never taken
     for a finished export; swept, so it does not keep a model's worth of disk."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for old in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+    # a legal name of 250 bytes made a stage name past NAME_MAX: ENAMETOOLONG, refused
+    prefix = os.fsencode(out.name)[:200].decode(errors="ignore")
+    for old in out.parent.glob(f".{glob.escape(prefix)}.tmp-*"):
         pid = old.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
-    stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    stage = out.with_name(f".{prefix}.tmp-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)  # a dead export's, whose pid this one reuses
     stage.mkdir()
     return stage

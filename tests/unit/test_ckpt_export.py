@@ -65,6 +65,13 @@ def test_two_params_with_one_dotted_name_are_refused_not_one_dropped(tmp_path):
     assert not (tmp_path / "m.safetensors").exists()
 
 
+def test_an_output_name_of_250_bytes_is_written(tmp_path):
+    """Its hidden staging directory's name passed NAME_MAX: refused, File name too long."""
+    ck = _own_state(tmp_path, {"w": torch.ones(2)})
+    out = tmp_path / ("m" * 238 + ".safetensors")
+    assert export_params(ck, out)["tensors"] == 1 and out.is_file()
+
+
 def test_a_dtype_safetensors_cannot_hold_is_named_not_a_keyerror(tmp_path):
     ck = _own_state(tmp_path, {"w": torch.ones(2), "z": torch.ones(2, dtype=torch.complex128)})
     with pytest.raises(ExportError, match=r"'z' \(and 0 more\) is torch.complex128"):
