@@ -118,7 +118,7 @@ def _check_name(path: tuple[str, ...]) -> None:
 _NAME_MAX = 255  # bytes in a file name: Linux's NAME_MAX (ext4, xfs, tmpfs)
 _PATH_MAX = 4096  # bytes in a path given to the kernel, its NUL included (Linux)
 # what a chunk's path adds beyond DIR and the key: the staging or set-aside step name
-# (step_00000400.tmp-<pid>-<hex>, .replaced-<hex>), "/c", one "/<index>" per dimension
+# (step_00000400.tmp-<pid>-<hex>, .replaced-<hex>); the file names are added per leaf
 _STEP_NAME_ROOM = 64
 
 
@@ -129,7 +129,8 @@ def check_path_lengths(directory: Path, arrays: dict[str, torch.Tensor]) -> None
     base = len(os.fsencode(os.path.abspath(directory))) + _STEP_NAME_ROOM
     for key, t in arrays.items():
         first = len(str(max(t.shape[0] - 1, 0))) if t.dim() else 1  # chunks split dim 0
-        need = base + len(key.encode()) + 3 + first + 2 * max(t.dim() - 1, 0)
+        chunk = 3 + first + 2 * max(t.dim() - 1, 0)  # "/c.11.0": one file name per chunk
+        need = base + len(key.encode()) + max(chunk, len("/zarr.json"))
         if need >= _PATH_MAX:
             shown = str(directory) if len(str(directory)) <= 80 else f"{str(directory)[:60]}..."
             raise ValueError(
