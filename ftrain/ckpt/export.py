@@ -146,7 +146,7 @@ def _add_named(tensors: dict, paths: dict, key: tuple, t: torch.Tensor, step: in
     name = path_str(key)
     if name in paths:
         raise ExportError(
-            f"step {step}: params {'/'.join(paths[name])!r} and {'/'.join(key)!r} both export "
+            f"step {step}: tensors {'/'.join(paths[name])!r} and {'/'.join(key)!r} both export "
             f"as {name!r} (state_dict names join keys with '.'); rename one of them"
         )
     paths[name] = key
@@ -287,10 +287,10 @@ def _save(save_file, tensors: dict, path: Path, step: int) -> None:
     except KeyError as err:  # a dtype safetensors has no name for (complex32, complex128...)
         dtype = err.args[0] if err.args else None
         names = [n for n, t in tensors.items() if t.dtype == dtype] or ["?"]
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
         raise ExportError(
-            f"step {step}: {names[0]!r} (and {len(names) - 1} more) is {dtype}, which "
-            "safetensors cannot hold; save the state with a dtype it has (float32, "
-            "complex64, ...) to export it"
+            f"step {step}: tensor {names[0]!r}{more} is {dtype}, which safetensors cannot "
+            "hold; save the state with a dtype it has (float32, complex64, ...) to export it"
         ) from None
     os.chmod(path, plain_file_mode())
 

@@ -415,9 +415,8 @@ class CheckpointManager:
         attrs = self._attributes(step, metrics, metadata, host_rng)
         _, leaves = groups_and_arrays(state)  # raises ValueError now, not in the background
         _check_leaves(leaves)
-        for root in self._dirs:
-            if isinstance(root, Path):
-                check_path_lengths(root, leaves)
+        if isinstance(self._dirs[0], Path):  # a fallback too long fails there, if ever used
+            check_path_lengths(self._dirs[0], leaves)
         plan = (
             incr.plan_save(self._last_commit, leaves, self.chunk_bytes, self.compression)
             if self.incremental

@@ -115,10 +115,17 @@ def locations_of(where: str) -> str | list[str]:
     if "://" in where:
         return where
     run = Path(where)
+    if _set_aside(run) is not None:  # its records' fallback may hold the new run's steps
+        return str(run / "checkpoints") if (run / "checkpoints").is_dir() else where
     if (run / "checkpoints").is_dir() or _records_locations(run):
         found = run_locations(run)
         return found if len(found) > 1 else found[0]
     return where
+
+
+def _set_aside(path: Path) -> str | None:
+    """The ``overwritten-<time>`` folder name ``path`` lies in (or is), if any."""
+    return next((p for p in reversed(path.parts) if p.startswith("overwritten-")), None)
 
 
 def _records_locations(run_dir: Path) -> bool:
@@ -147,6 +154,13 @@ def saved_elsewhere(location: Locations) -> str:
     where = named[-1][0] if named and isinstance(named[-1], list) and named[-1] else None
     if not isinstance(where, str):
         return ""
+    aside = _set_aside(Path(first))
+    if aside is not None and "://" not in where and (Path(where) / aside).is_dir():
+        # an old run set aside: run.overwrite moved its steps within that directory too
+        return (
+            f"; this run directory's run saved its checkpoints to {where}, and run.overwrite "
+            f"moved them to {Path(where) / aside}: pass that"
+        )
     if "://" not in where and (
         not Path(where).is_dir() or Path(where).resolve() == Path(first).resolve()
     ):

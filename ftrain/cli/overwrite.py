@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -49,16 +50,19 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
     """
     run_dir = Path(cfg.run.dir)
     places = _local_checkpoint_dirs(cfg, run_dir)  # refusals first: nothing moved yet
-    aside = _free(run_dir / f"overwritten-{_stamp()}")
+    asides = _Asides(_stamp())
     with _interrupt_after_the_move():
         try:
-            return _move_run(cfg, run_dir, places, aside)
+            moved = _move_run(cfg, run_dir, places, asides)
         except OSError as e:
+            to = f" to {e.filename2}" if e.filename2 else ""
             raise ResumeError(
-                f"run.overwrite=true could not move {e.filename} to {e.filename2}: "
-                f"{e.strerror}; nothing was deleted (what moved is in {aside}); fix that and "
-                "run the same command again, which moves the rest"
+                f"run.overwrite=true could not move {e.filename}{to}: {e.strerror}; nothing "
+                f"was deleted (moved so far: {asides.names()}); fix that and run the same "
+                "command again: it moves the rest into the same folders"
             ) from e
+        asides.finish()
+    return asides.of(run_dir) if moved else None
 
 
 @contextmanager
@@ -79,38 +83,70 @@ def _interrupt_after_the_move():
         raise KeyboardInterrupt
 
 
-def _move_run(cfg: DictConfig, run_dir: Path, places: list[Path], aside: Path) -> Path | None:
+def _move_run(cfg: DictConfig, run_dir: Path, places: list[Path], asides: _Asides) -> bool:
     moved = False
     for pattern in RUN_RECORDS:
         for path in sorted(run_dir.glob(pattern)):
-            moved |= _move_into(path, aside / path.name)
+            moved |= _move_into(path, asides.of(run_dir) / path.name)
     here = run_dir.resolve()
-    moved |= _move_logger_places(cfg, run_dir, aside, places)
+    moved |= _move_logger_places(cfg, run_dir, asides, places)
     for d in places:
+        if not d.is_dir():
+            continue  # inside a place moved before it (a fallback under checkpoint.dir)
         there = d.resolve()
         if there == here:  # checkpoints in run.dir itself: its entries go, the lock stays
-            moved |= _move_entries(run_dir, aside)
+            moved |= _move_entries(run_dir, asides.of(run_dir))
         elif there.is_relative_to(here):
-            moved |= _move_into(d, aside / there.relative_to(here))
-            _claim_stays(aside / there.relative_to(here), d)
-        elif (within := _move_within(d)) is not None:
-            print(f"run.overwrite=true: moved the old steps in {d} to {within}")
-    return aside if moved else None
+            inside = asides.of(run_dir) / there.relative_to(here)
+            moved |= _move_into(d, inside)
+            _claim_stays(inside, d)
+        elif _move_entries(d, asides.of(d)):
+            print(f"run.overwrite=true: moved the old steps in {d} to {asides.of(d)}")
+    return moved
 
 
-def _move_within(directory: Path) -> Path | None:
-    """A checkpoint or fallback directory outside run.dir: its entries into
-    ``DIR/overwritten-<time>/``. Renaming the directory itself beside itself failed with a
-    traceback on a mount point (``EBUSY``: a dedicated checkpoint volume, the common case)
-    or under a parent this user may not write, after the run's records had moved, and took
-    along whatever else lived beside the steps' parent."""
-    aside = _free(directory / f"overwritten-{_stamp()}")
-    return aside if _move_entries(directory, aside) else None
+UNFINISHED = ".unfinished"  # in an overwritten-<time> folder while the move fills it
+
+
+class _Asides:
+    """The ``overwritten-<time>`` folder of each directory the move takes entries from
+    (``run.dir``; a checkpoint or fallback directory outside it keeps its place, a mount
+    point too, and its entries move into ``DIR/overwritten-<time>/``: renaming it beside
+    itself failed on a mount point with ``EBUSY``, after the records had moved). Made on
+    first use and marked unfinished until the whole move is done; a move cut short (a
+    rename refused, a kill) left its folders marked, and the rerun fills those, so the
+    old run is never split between two folders."""
+
+    def __init__(self, stamp: str) -> None:
+        self.stamp, self.made = stamp, {}
+
+    def of(self, directory: Path) -> Path:
+        key = directory.resolve()
+        if key not in self.made:
+            folder = _unfinished(directory) or _free(directory / f"overwritten-{self.stamp}")
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / UNFINISHED).touch()
+            self.made[key] = folder
+        return self.made[key]
+
+    def names(self) -> str:
+        return ", ".join(map(str, self.made.values())) or "nothing"
+
+    def finish(self) -> None:
+        for folder in self.made.values():
+            (folder / UNFINISHED).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # nothing was moved into it
+
+
+def _unfinished(directory: Path) -> Path | None:
+    marked = [p for p in directory.glob("overwritten-*") if (p / UNFINISHED).exists()]
+    return max(marked, key=lambda p: p.stat().st_mtime_ns, default=None)
 
 
 # a logger entry's keys that name where it writes (ftrain/conf/logger: csv.path,
 # tensorboard.log_dir, wandb.dir)
-def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path, ckpts: list[Path]) -> bool:
+def _move_logger_places(cfg: DictConfig, run_dir: Path, asides: _Asides, ckpts: list[Path]) -> bool:
     """The loggers' files at places of the user's (``logger.csv.path=/data/m.csv``): into
     ``aside`` when inside run.dir, else renamed beside themselves. Left in place, the new
     run's CSV appended to the old run's rows, whose later steps then counted as the new
@@ -131,7 +167,7 @@ def _move_logger_places(cfg: DictConfig, run_dir: Path, aside: Path, ckpts: list
             # whose folders a rename took along
             continue
         if there.is_relative_to(here):
-            moved |= _move_into(path, aside / there.relative_to(here))
+            moved |= _move_into(path, asides.of(run_dir) / there.relative_to(here))
         else:
             target = _free(path.with_name(f"{path.name}.overwritten-{_stamp()}"))
             path.rename(target)
@@ -186,7 +222,9 @@ def _move_entries(run_dir: Path, aside: Path) -> bool:
     return bool(entries)
 
 
-_STAYS = (LOCK_NAME, OWNER, WRITER_LOCK)  # the locks and this run's claim
+# the locks, this run's claim, and a volume's own lost+found (root's, 0700: a rename
+# of it by another user failed, after the records had moved)
+_STAYS = (LOCK_NAME, OWNER, WRITER_LOCK, "lost+found")
 
 
 def _is_old_entry(path: Path) -> bool:
@@ -196,8 +234,10 @@ def _is_old_entry(path: Path) -> bool:
 
 
 def _move_into(path: Path, target: Path) -> bool:
+    """Rename ``path`` to ``target``, or beside it when taken (a rerun filling the folder of
+    a move cut short: rename() would replace a file there without a word)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    path.rename(target)
+    path.rename(_free(target))
     return True
 
 

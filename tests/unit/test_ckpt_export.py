@@ -74,7 +74,7 @@ def test_an_output_name_of_250_bytes_is_written(tmp_path):
 
 def test_a_dtype_safetensors_cannot_hold_is_named_not_a_keyerror(tmp_path):
     ck = _own_state(tmp_path, {"w": torch.ones(2), "z": torch.ones(2, dtype=torch.complex128)})
-    with pytest.raises(ExportError, match=r"'z' \(and 0 more\) is torch.complex128"):
+    with pytest.raises(ExportError, match=r"tensor 'z' is torch.complex128"):
         export_params(ck, tmp_path / "m.safetensors")
     assert not (tmp_path / "m.safetensors").exists()
 
@@ -275,6 +275,38 @@ def test_a_run_whose_checkpoint_dir_was_elsewhere_is_read_with_its_fallback(tmp_
     assert f"saved its checkpoints to {primary}: pass that" in out and " 8 " in out
     assert main(["export", str(run), str(tmp_path / "m.safetensors")]) == 0
     assert "exported step 8" in capsys.readouterr().out
+
+
+def test_a_run_set_aside_by_overwrite_is_read_alone_and_points_to_its_steps(tmp_path, capsys):
+    """RUN/overwritten-<time>/ holds the old run's metrics.jsonl: read as a run directory
+    with its records' fallback, it showed the new run's steps there as the old run's."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from ftrain.ckpt.__main__ import main
+    from ftrain.cli.overwrite import move_run_aside
+
+    run, ext, fb = tmp_path / "run", tmp_path / "ext", tmp_path / "fb"
+    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    with ftrain.CheckpointManager(ext, async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(2)), force=True)
+    with ftrain.CheckpointManager(fb, async_save=False) as m:
+        m.save(ftrain.replace(state, step=torch.tensor(4)), force=True)
+    line = {"kind": "start", "step": 0, "checkpoint_dirs": [str(ext), str(fb)]}
+    (run / "metrics.jsonl").parent.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    checkpoint = {"dir": str(ext), "fallback_dir": str(fb), "storage": {}}
+    cfg = OmegaConf.create({"run": {"dir": str(run)}, "checkpoint": checkpoint, "logger": {}})
+    old = move_run_aside(cfg)
+    with ftrain.CheckpointManager(fb, async_save=False) as m:  # the new run's
+        m.save(ftrain.replace(state, step=torch.tensor(100)), force=True)
+    assert readonly.locations_of(str(old)) == str(old)
+    with pytest.raises(SystemExit, match=f"moved them to {ext / old.name}: pass that"):
+        main(["list", str(old)])
+    assert main(["list", str(ext / old.name)]) == 0
+    out = capsys.readouterr().out
+    assert " 2 " in out and " 100 " not in out
 
 
 def test_a_run_directory_never_reads_another_runs_checkpoints(tmp_path, monkeypatch):

@@ -188,6 +188,47 @@ def test_a_fused_torch_optimizers_step_is_saved_not_linked(tmp_path, make):
     verify_ok(tmp_path / "ckpt")
 
 
+class _RawPointerSGD(torch.optim.Optimizer):
+    """A third party's optimizer: writes through .data (uncounted), keeps a list as state."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.5})
+        self.state = []  # not the dict torch's optimizers keep: the hook must not fail on it
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.sub_(group["lr"] * p.grad)
+
+
+def test_a_third_party_step_is_counted_and_an_unreadable_state_never_fails_it(tmp_path):
+    from ftrain.ckpt import untracked
+
+    untracked.count_optimizer_writes()
+    w = torch.nn.Parameter(torch.zeros(4096))
+    opt = _RawPointerSGD([w])
+    before = w._version
+    w.grad = torch.ones(4096)
+    opt.step()  # the list state: skipped, the params still counted
+    assert w._version > before and float(w[0]) == -0.5
+
+
+def test_a_compiled_fused_step_is_counted(tmp_path):
+    """Under torch.compile the hook was skipped, and the compiled fused kernels count
+    nothing either: versions stayed put."""
+    from ftrain.ckpt import untracked
+
+    untracked.count_optimizer_writes()
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    w.grad = torch.ones(8, 8)
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    opt.step()
+    before = (w._version, opt.state[w]["exp_avg"]._version)
+    torch.compile(opt.step)()
+    assert w._version > before[0] and opt.state[w]["exp_avg"]._version > before[1]
+
+
 @pytest.mark.parametrize(
     "mutate",
     [

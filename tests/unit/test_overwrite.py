@@ -46,8 +46,11 @@ def test_ctrl_c_mid_move_waits_for_the_whole_move(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_failed_rename_is_one_error_naming_what_moved(tmp_path, monkeypatch):
-    cfg = _old_run(tmp_path, tmp_path / "ckpt")
+def test_a_failed_rename_is_one_error_and_the_rerun_fills_the_same_folders(tmp_path, monkeypatch):
+    """A rerun after a refused rename moved the rest into a second overwritten-<time>
+    folder: the old run split in two, as a Ctrl-C had split it."""
+    ckpt = tmp_path / "ckpt"
+    cfg = _old_run(tmp_path, ckpt)
     real = overwrite._move_into
 
     def refused(path, target):
@@ -56,9 +59,34 @@ def test_a_failed_rename_is_one_error_naming_what_moved(tmp_path, monkeypatch):
         return real(path, target)
 
     monkeypatch.setattr(overwrite, "_move_into", refused)
-    with pytest.raises(ResumeError, match=r"could not move .*step_00000002 to .*overwritten-.*"):
+    with pytest.raises(ResumeError, match=r"could not move .*step_00000002 to .*overwritten-"):
         overwrite.move_run_aside(cfg)
-    assert (tmp_path / "ckpt" / "step_00000002").is_dir()  # nothing deleted
+    assert (ckpt / "step_00000002").is_dir()  # nothing deleted
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')  # the failed start's
+    monkeypatch.setattr(overwrite, "_stamp", lambda: "20991231-235959")  # a later second
+    monkeypatch.setattr(overwrite, "_move_into", real)
+    overwrite.move_run_aside(cfg)
+    (aside,) = ckpt.glob("overwritten-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints.json", "step_00000002"]
+    (records,) = (tmp_path / "run").glob("overwritten-*")
+    assert sorted(p.name for p in records.iterdir()) == ["metrics.jsonl", "metrics.jsonl-2"]
+    assert (records / "metrics.jsonl").read_text() == '{"step": 1}\n'  # never replaced
+
+
+def test_a_volumes_lost_and_found_and_a_nested_fallback(tmp_path):
+    """lost+found (root's, 0700) was moved as an old entry, and a fresh volume holding
+    only it counted as non-empty; a fallback inside checkpoint.dir, moved along with it,
+    was then moved again: 'could not move .../fb to None'."""
+    ckpt = tmp_path / "ckpt"
+    cfg = _old_run(tmp_path, ckpt)
+    (ckpt / "lost+found").mkdir()
+    (ckpt / "fb" / "step_00000004").mkdir(parents=True)
+    cfg.checkpoint.fallback_dir = str(ckpt / "fb")
+    overwrite.move_run_aside(cfg)
+    (aside,) = ckpt.glob("overwritten-*")
+    assert (aside / "fb" / "step_00000004").is_dir() and (ckpt / "lost+found").is_dir()
+    assert not list(aside.glob(f"**/{overwrite.UNFINISHED}"))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["lost+found", aside.name]
 
 
 def test_a_directory_holding_only_locks_and_earlier_overwrites_moves_nothing(tmp_path):
