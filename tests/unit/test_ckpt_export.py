@@ -253,23 +253,29 @@ def test_ckpt_list_show_verify_of_a_run_directory_read_its_fallback_too(tmp_path
     assert main(["show", str(run), "4"]) == 0  # the primary holding nothing any more
 
 
+def _two_locations(run, primary, fallback, newest: int):
+    """A run whose records name ``primary`` (step 2) and ``fallback`` (step ``newest``)."""
+    import json
+
+    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
+    for where, step in ((primary, 2), (fallback, newest)):
+        with ftrain.CheckpointManager(where, async_save=False) as m:
+            m.save(ftrain.replace(state, step=torch.tensor(step)), force=True)
+    line = {"kind": "start", "step": 0, "checkpoint_dirs": [str(primary), str(fallback)]}
+    run.mkdir(exist_ok=True)
+    (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    return state
+
+
 def test_a_run_whose_checkpoint_dir_was_elsewhere_is_read_with_its_fallback(tmp_path, capsys):
     """checkpoint.dir outside run.dir, and saves went to a fallback inside it (the primary
     remounted read-only): the run directory read as holding nothing and sent the user to
     the primary, whose list sent them back, and export of it took the older step."""
-    import json
 
     from ftrain.ckpt.__main__ import main
 
     run, primary = tmp_path / "run", tmp_path / "ck"
-    fallback = run / "fb"
-    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
-    with ftrain.CheckpointManager(primary, async_save=False) as m:
-        m.save(ftrain.replace(state, step=torch.tensor(2)), force=True)
-    with ftrain.CheckpointManager(fallback, async_save=False) as m:
-        m.save(ftrain.replace(state, step=torch.tensor(8)), force=True)
-    line = {"kind": "start", "step": 0, "checkpoint_dirs": [str(primary), str(fallback)]}
-    (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    _two_locations(run, primary, run / "fb", 8)
     assert main(["list", str(run)]) == 0
     out = capsys.readouterr().out
     assert f"saved its checkpoints to {primary}: pass that" in out and " 8 " in out
@@ -280,7 +286,6 @@ def test_a_run_whose_checkpoint_dir_was_elsewhere_is_read_with_its_fallback(tmp_
 def test_a_run_set_aside_by_overwrite_is_read_alone_and_points_to_its_steps(tmp_path, capsys):
     """RUN/overwritten-<time>/ holds the old run's metrics.jsonl: read as a run directory
     with its records' fallback, it showed the new run's steps there as the old run's."""
-    import json
 
     from omegaconf import OmegaConf
 
@@ -288,14 +293,7 @@ def test_a_run_set_aside_by_overwrite_is_read_alone_and_points_to_its_steps(tmp_
     from ftrain.cli.overwrite import move_run_aside
 
     run, ext, fb = tmp_path / "run", tmp_path / "ext", tmp_path / "fb"
-    state = ftrain.init_state(_bn_model(), ftrain.optim.sgd(0.1), seed=0)
-    with ftrain.CheckpointManager(ext, async_save=False) as m:
-        m.save(ftrain.replace(state, step=torch.tensor(2)), force=True)
-    with ftrain.CheckpointManager(fb, async_save=False) as m:
-        m.save(ftrain.replace(state, step=torch.tensor(4)), force=True)
-    line = {"kind": "start", "step": 0, "checkpoint_dirs": [str(ext), str(fb)]}
-    (run / "metrics.jsonl").parent.mkdir()
-    (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    state = _two_locations(run, ext, fb, 4)
     checkpoint = {"dir": str(ext), "fallback_dir": str(fb), "storage": {}}
     cfg = OmegaConf.create({"run": {"dir": str(run)}, "checkpoint": checkpoint, "logger": {}})
     old = move_run_aside(cfg)
