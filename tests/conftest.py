@@ -9,6 +9,11 @@ import pytest
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 
+# Every process a test starts (the CLI, torchrun's ranks) prints its Python stacks if it
+# dies of SIGSEGV/SIGBUS/SIGABRT: a rank that crashed once in ~20 runs of the sharding
+# worker (2026-12-07, exit -11, not reproduced) left only its peer's "connection closed".
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_put_back():
