@@ -61,8 +61,14 @@ def move_run_aside(cfg: DictConfig) -> Path | None:
                 f"was deleted (moved so far: {asides.names()}); fix that and run the same "
                 "command again: it moves the rest into the same folders"
             ) from e
-        asides.finish()
+        asides.finish(_local_dirs(cfg, run_dir))
     return asides.of(run_dir) if moved else None
+
+
+def _local_dirs(cfg: DictConfig, run_dir: Path) -> list[Path]:
+    """run.dir and the local checkpoint and fallback directories, empty ones included."""
+    named = (cfg.checkpoint.dir, cfg.checkpoint.fallback_dir)
+    return [run_dir, *(Path(d) for d in named if d and not is_object_url(str(d)))]
 
 
 @contextmanager
@@ -132,11 +138,17 @@ class _Asides:
     def names(self) -> str:
         return ", ".join(map(str, self.made.values())) or "nothing"
 
-    def finish(self) -> None:
+    def finish(self, places: list[Path]) -> None:
+        """The move is whole: no folder is unfinished, in ``places`` either (one a move cut
+        short filled completely: left marked, a later overwrite of another run would have
+        filled it with that run's entries, two runs in one folder)."""
         for folder in self.made.values():
             (folder / UNFINISHED).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 folder.rmdir()  # nothing was moved into it
+        for place in places:
+            for marker in place.glob(f"overwritten-*/{UNFINISHED}"):
+                marker.unlink(missing_ok=True)
 
 
 def _unfinished(directory: Path) -> Path | None:

@@ -68,6 +68,7 @@ def test_a_failed_rename_is_one_error_and_the_rerun_fills_the_same_folders(tmp_p
     overwrite.move_run_aside(cfg)
     (aside,) = ckpt.glob("overwritten-*")
     assert sorted(p.name for p in aside.iterdir()) == ["checkpoints.json", "step_00000002"]
+    assert not list(tmp_path.glob(f"**/{overwrite.UNFINISHED}"))  # the move is whole
     (records,) = (tmp_path / "run").glob("overwritten-*")
     assert sorted(p.name for p in records.iterdir()) == ["metrics.jsonl", "metrics.jsonl-2"]
     assert (records / "metrics.jsonl").read_text() == '{"step": 1}\n'  # never replaced
@@ -98,3 +99,28 @@ def test_a_directory_holding_only_locks_and_earlier_overwrites_moves_nothing(tmp
     (ckpt / ".writer.lock").touch()
     overwrite.move_run_aside(cfg)
     assert sorted(p.name for p in ckpt.iterdir()) == [".writer.lock", "overwritten-20261207-000000"]
+
+
+def test_a_place_a_cut_short_move_emptied_is_not_left_unfinished(tmp_path, monkeypatch):
+    """The checkpoint dir moved whole, the fallback refused: the rerun had nothing left to
+    move in the checkpoint dir and left its folder marked, for a later overwrite of another
+    run to fill."""
+    ckpt, fb = tmp_path / "ckpt", tmp_path / "fb"
+    cfg = _old_run(tmp_path, ckpt)
+    (fb / "step_00000004").mkdir(parents=True)
+    cfg.checkpoint.fallback_dir = str(fb)
+    real = overwrite._move_into
+
+    def refused(path, target):
+        if path.parent == fb:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, target)
+
+    monkeypatch.setattr(overwrite, "_move_into", refused)
+    with pytest.raises(ResumeError, match=r"could not move .*fb/step_00000004: Permission"):
+        overwrite.move_run_aside(cfg)
+    assert list(ckpt.glob(f"overwritten-*/{overwrite.UNFINISHED}"))
+    monkeypatch.setattr(overwrite, "_move_into", real)
+    overwrite.move_run_aside(cfg)
+    assert not list(tmp_path.glob(f"**/{overwrite.UNFINISHED}"))
+    assert list(fb.glob("overwritten-*/step_00000004"))
