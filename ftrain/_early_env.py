@@ -27,13 +27,25 @@ def problem() -> str | None:
             continue
         try:  # what torch does on import (it creates the directory too)
             os.makedirs(value, exist_ok=True)
+            _probe_write(value)  # a read-only one failed at the first compiled step
         except OSError as err:
-            why = "not a directory" if os.path.lexists(value) else err.strerror
+            why = "not a directory" if os.path.lexists(value) and not os.path.isdir(value) else None
             return (
-                f"{var}={value} cannot be torch's compile cache ({why}): point it at "
-                f"a directory this user can write, or unset it"
+                f"{var}={value} cannot be torch's compile cache ({why or err.strerror}): point "
+                f"it at a directory this user can write, or unset it"
             )
     return None
+
+
+def _probe_write(directory: str) -> None:
+    """Create and remove one file in ``directory`` (``os.access`` says yes to root on a
+    read-only mount): exists is not enough, Inductor writes its kernels there. A cache that
+    could not be written stopped a compiled run at its first step, exit 1, 118 lines."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix=".ftrain-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(path)
 
 
 def _an_ftrain_command(argv: list[str]) -> bool:

@@ -34,6 +34,7 @@ import time
 import types
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._dynamo.utils import counters
 from torch._inductor.exc import InductorError
 from torch.func import functional_call, grad_and_value
@@ -230,8 +231,9 @@ class CompiledCore:
                     continue
                 # nothing compiled (or the loss raised while tracing): the next call retries
                 del self.cache[key]
-                if isinstance(e, Exception) and not isinstance(e, _NOT_TRACING):
-                    e.add_note(_TRACING_NOTE)
+                note = _note_for(e)
+                if note:
+                    e.add_note(note)
                 raise
 
     def explain(self, p, b, opt, micro, scale=None, in_place: bool = False, keep=None):
@@ -340,7 +342,27 @@ def _new_breaks(before: dict[str, int]) -> list[str]:
 
 
 # errors of the first compiled call that are not the loss's tracing: no note for them
-_NOT_TRACING = (MemoryError, torch.OutOfMemoryError, InductorError)
+_NOT_TRACING = (MemoryError, torch.OutOfMemoryError)
+# the backend failed building what was traced (Inductor's own, or wrapped by Dynamo)
+_BACKEND = (InductorError, BackendCompilerFailed)
+
+_BACKEND_NOTE = (
+    "ftrain: the compiler (Inductor) failed building the step. If this step compiled "
+    "before, its cache may be damaged (a disk that filled, a kill mid-write), and it fails "
+    "so at every start: remove the cache directory (TORCHINDUCTOR_CACHE_DIR; by default "
+    "/tmp/torchinductor_<user>) and run again, or run eagerly with trainer.compile=false"
+)
+
+
+def _note_for(e: BaseException) -> str | None:
+    """What ftrain adds to an error of the step's first compiled call: a damaged compile
+    cache failed every start with the tracing note, which blamed the user's loss."""
+    if isinstance(e, _BACKEND):
+        return _BACKEND_NOTE
+    if isinstance(e, Exception) and not isinstance(e, _NOT_TRACING):
+        return _TRACING_NOTE
+    return None
+
 
 # added to an error of the first compiled call: an error from the loss while it is traced
 # read like a torch bug ("Cannot access data pointer of Tensor that doesn't have storage")

@@ -357,6 +357,20 @@ def test_a_loss_that_leaves_torch_fails_the_compiled_step_with_a_note_saying_why
     assert int(eager(ftrain.init_state(model, tx, seed=0), make_data(16, seed=0))[0]["step"]) == 1
 
 
+def test_a_backend_failure_says_the_cache_may_be_damaged_not_that_the_loss_is_wrong():
+    """A damaged Inductor cache (truncated .py/.so files) fails every start with
+    BackendCompilerFailed; the note blamed the loss's tracing (.numpy(), .tolist())."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from ftrain.compiled import _note_for
+
+    damaged = BackendCompilerFailed(print, RuntimeError("Failed to import x.py"), None)
+    assert "cache may be damaged" in _note_for(damaged)
+    assert "TORCHINDUCTOR_CACHE_DIR" in _note_for(damaged)
+    assert "(.numpy(), .tolist()" in _note_for(RuntimeError("no storage"))
+    assert _note_for(MemoryError()) is None
+
+
 def test_a_donated_compiled_step_takes_a_state_of_inference_tensors():
     """Reading the leaves' version counters (to undo the mark after a failed trace) raised
     for inference tensors, which keep none, and left the state marked."""

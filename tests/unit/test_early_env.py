@@ -58,3 +58,22 @@ def test_the_commands_that_say_it_in_one_line_are_recognised():
     assert cmd(["/venv/bin/python", "/venv/bin/ftrain"])
     assert not cmd(["python", "-c", "import ftrain"]) and not cmd(["python", "-m", "ftrainer"])
     assert not cmd(["python", "train.py"]) and not cmd(["python"])
+
+
+def test_a_cache_directory_this_user_cannot_write_is_said_too(tmp_path):
+    """It exists, so creating it succeeded: the run failed at its first compiled step,
+    exit 1, 118 lines from Inductor (a read-only mount; /proc/1 for root)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(ro)])
+    if done.returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        out = _run(tmp_path, str(ro), "-m", "ftrain.ckpt", "list", "x")
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"ftrain: TORCHINDUCTOR_CACHE_DIR={ro} cannot be torch's compile cache (Read-only "
+        "file system): point it at a directory this user can write, or unset it"
+    ]
