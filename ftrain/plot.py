@@ -244,13 +244,31 @@ def plot_run(
     ax_loss.legend(fontsize=7)
     ax_lr.set_ylabel("lr")
     ax_lr.set_xlabel("step (green: checkpoint committed, red: resumed)")
-    fig.suptitle(title or run_dir.resolve().name)
+    fig.suptitle(_drawable(title or run_dir.resolve().name))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # -o plots/ of a directory to be
         fig.savefig(path, dpi=100, bbox_inches="tight")  # nothing clipped at the edges
     finally:
         plt.close(fig)
     return path
+
+
+def _drawable(text: str) -> str:
+    """``text`` with the bytes of a non-UTF-8 file name (surrogate escapes) shown as U+FFFD:
+    matplotlib's font code refuses such a ``str`` with a ``TypeError``."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _print_path(path: Path) -> None:
+    """The output path as its bytes, so a script reading it gets the file's real name
+    (printing a non-UTF-8 name as ``str`` raised ``UnicodeEncodeError`` in a UTF-8 locale)."""
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:  # a text-only stream put in place by the caller
+        print(_drawable(str(path)))
+        return
+    sys.stdout.flush()
+    buffer.write(os.fsencode(path) + b"\n")
+    buffer.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default=None, help="figure title (default: the run's name)")
     args = parser.parse_args(argv)
     try:
-        print(plot_run(args.run_dir, args.out, title=args.title))
+        _print_path(plot_run(args.run_dir, args.out, title=args.title))
     except OSError as err:  # no such run; an output path that cannot be written
         print(f"ftrain.plot: {err}", file=sys.stderr)
         return 2

@@ -413,10 +413,7 @@ class CheckpointManager:
                 self._writers.claim(root, create=i == 0)
         self.wait()  # at most one save in flight
         attrs = self._attributes(step, metrics, metadata, host_rng)
-        _, leaves = groups_and_arrays(state)  # raises ValueError now, not in the background
-        _check_leaves(leaves)
-        if isinstance(self._dirs[0], Path):  # a fallback too long fails there, if ever used
-            check_path_lengths(self._dirs[0], leaves)
+        leaves = self._storable_leaves(state)
         plan = (
             incr.plan_save(self._last_commit, leaves, self.chunk_bytes, self.compression)
             if self.incremental
@@ -455,12 +452,15 @@ class CheckpointManager:
         uses. A failure is raised on every rank by the next ``save_sharded`` / ``wait``.
 
         Raises:
+            ValueError: the state cannot be stored (a bad key or leaf, a chunk path past
+                PATH_MAX), raised on every rank before anything is written.
             CheckpointSaveError: (sync) a rank could not write its part, or the commit
                 failed; (async) the previous save did.
         """
         t0 = time.perf_counter()
         self._check_usable()
         step, now = self._read_step(state), time.monotonic()
+        self._storable_leaves(state)  # the same on every rank: each raises, none waits
         self.wait()
         attrs = self._attributes(step, metrics, metadata, host_rng)
         self._last_step, self._last_time = step, now
@@ -498,6 +498,15 @@ class CheckpointManager:
             return save_all_ranks(self, state, step, attrs, extra, group, root=root)
 
         return self._first_location(step, "sharded save", write)
+
+    def _storable_leaves(self, state: TensorDictBase) -> dict[str, torch.Tensor]:
+        """The state's leaves, or the ``ValueError`` the writer would only meet in the
+        background (or, sharded, on every rank after trying the fallback as a failing disk)."""
+        _, leaves = groups_and_arrays(state)
+        _check_leaves(leaves)
+        if isinstance(self._dirs[0], Path):  # a fallback too long fails there, if ever used
+            check_path_lengths(self._dirs[0], leaves)
+        return leaves
 
     @property
     def failed(self) -> bool:

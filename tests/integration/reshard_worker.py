@@ -151,6 +151,7 @@ def empty_leaves(where: str, out: Path) -> None:
     w = torch.arange(4 * world * 3, dtype=torch.float32).reshape(4 * world, 3)
     leaves = {"w": w, "cols0": torch.zeros(4 * world, 0), "rows0": torch.zeros(0, 3)}
     manager = CheckpointManager(where, async_save=False, keep_policy=LatestN(1))
+    refused = _refused_before_writing(manager, sharder, local="://" not in where)
     for step in (1, 2):
         opt = {k: sharder.shard(v.clone()) for k, v in leaves.items()}
         state = TensorDict(
@@ -160,6 +161,7 @@ def empty_leaves(where: str, out: Path) -> None:
     back = CheckpointManager(where, async_save=False)
     whole, rows = back.restore(), back.restore(rows=sharder)
     mine = {
+        "refused": refused,
         "steps": manager.all_steps(),
         "whole": all(torch.equal(whole["opt", k], v) for k, v in leaves.items()),
         "rows": all(
@@ -170,6 +172,28 @@ def empty_leaves(where: str, out: Path) -> None:
     every = gather_json(mine)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(every))
+
+
+def _refused_before_writing(manager, sharder, local: bool) -> bool:
+    """A leaf no reader accepts (33 dimensions) and, locally, a chunk path past PATH_MAX
+    are refused on every rank before the collectives (they used to fail in every rank's
+    writer, go to the fallback as a failing disk, and come back as a CheckpointSaveError)."""
+    from tensordict import TensorDict
+
+    world = dist.get_world_size()
+    bad = [{"x": sharder.shard(torch.ones((2 * world,) + (1,) * 32))}]
+    if local:
+        deep = TensorDict({}, [])
+        deep[tuple(f"{i:02d}" + "k" * 249 for i in range(17))] = sharder.shard(torch.ones(world))
+        bad.append(deep)
+    said = []
+    for opt in bad:
+        state = TensorDict({"step": torch.tensor(1), "opt": opt}, batch_size=[])
+        try:
+            manager.save_sharded(state)
+        except ValueError as e:
+            said.append("dimensions" in str(e) or "needs a path" in str(e))
+    return said == [True] * len(bad) and manager.all_steps() == []
 
 
 if __name__ == "__main__":

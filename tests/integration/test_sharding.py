@@ -291,7 +291,8 @@ def test_an_async_sharded_save_runs_beside_the_training_on_every_rank(tmp_path):
 
 def check_empty_leaves(where: str, out: Path) -> None:
     """Sharded leaves with no elements save, keep and restore (whole and by rows) on 2
-    ranks at ``where`` (also run by tests/s3 with an ``s3://`` location)."""
+    ranks at ``where``, after states no reader could read were refused on every rank (also
+    run by tests/s3 with an ``s3://`` location)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.run(
@@ -302,7 +303,8 @@ def check_empty_leaves(where: str, out: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads(out.read_text()) == [{"steps": [2], "whole": True, "rows": True}] * 2
+    expected = {"refused": True, "steps": [2], "whole": True, "rows": True}
+    assert json.loads(out.read_text()) == [expected] * 2
 
 
 def test_sharded_leaves_with_no_elements_save_and_restore(tmp_path):

@@ -1,5 +1,7 @@
 import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -216,3 +218,20 @@ def test_plot_cli_paths_and_empty_runs_are_clear(tmp_path, capsys):
         assert main([str(tmp_path), "-o", str(bad)]) == 2, bad
         err = capsys.readouterr().err
         assert err.startswith("ftrain.plot: ") and "Traceback" not in err, err
+
+
+def test_plot_of_a_run_whose_name_is_not_utf8_draws_and_prints_its_real_path(
+    tmp_path, capsysbinary
+):
+    """A run directory named with a non-UTF-8 byte: matplotlib refused the title (a
+    ``TypeError`` traceback), and printing the path raised ``UnicodeEncodeError``."""
+    from ftrain.plot import main
+
+    run = Path(os.fsdecode(bytes(tmp_path) + b"/run\xff"))
+    w = MetricsWriter(run)
+    w.write("step", step=1, loss=1.0, lr=1e-3)
+    w.write("step", step=2, loss=0.5, lr=1e-3)
+    w.close()
+    assert main([str(run)]) == 0
+    assert capsysbinary.readouterr().out == bytes(tmp_path) + b"/run\xff/training.png\n"
+    assert (run / "training.png").stat().st_size > 1000
