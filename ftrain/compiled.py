@@ -220,6 +220,7 @@ class CompiledCore:
         compile_started()  # the hang watchdog allows this wait its first-step allowance
         watch_dynamo_compiles()  # and its recompiles, should a torch._dynamo.reset() intervene
         self._warm_caches(key, p[0], parts[2], args)
+        fresh = True  # one more try in a fresh cache, once
         while True:
             wrapper = wrappers.pop(0)
             fn = self.cache[key] = _compile(self._pure(key, *parts), wrapper)
@@ -228,6 +229,10 @@ class CompiledCore:
             except BaseException as e:
                 if wrappers and isinstance(e, InductorError):
                     _note(f"the C++ wrapper failed ({str(e).splitlines()[0][:160]}); Python's")
+                    continue
+                if fresh and isinstance(e, _BACKEND) and _into_a_fresh_cache(e):
+                    fresh = False
+                    wrappers.insert(0, wrapper)
                     continue
                 # nothing compiled (or the loss raised while tracing): the next call retries
                 del self.cache[key]
@@ -347,11 +352,46 @@ _NOT_TRACING = (MemoryError, torch.OutOfMemoryError)
 _BACKEND = (InductorError, BackendCompilerFailed)
 
 _BACKEND_NOTE = (
-    "ftrain: the compiler (Inductor) failed building the step. If this step compiled "
-    "before, its cache may be damaged (a disk that filled, a kill mid-write), and it fails "
-    "so at every start: remove the cache directory (TORCHINDUCTOR_CACHE_DIR; by default "
-    "/tmp/torchinductor_<user>) and run again, or run eagerly with trainer.compile=false"
+    "ftrain: the compiler (Inductor) failed building the step. Where its cache held files, "
+    "a new empty cache was tried too (said above), so a damaged cache is ruled out unless "
+    "none could be made: then remove the cache directory (TORCHINDUCTOR_CACHE_DIR; by "
+    "default /tmp/torchinductor_<user>) and run again. Otherwise run eagerly with "
+    "trainer.compile=false"
 )
+
+
+def _into_a_fresh_cache(e: BaseException) -> bool:
+    """After the backend failed with files in its cache: point Inductor at a new, empty
+    cache directory beside it (said), so the caller compiles once more. A cache damaged by
+    a disk that filled or a kill mid-write (truncated ``.py``/``.so`` files, which Inductor
+    reuses by name) failed every start, and a supervisor's restarts with it; a failure the
+    cache did not cause fails again there, with the note."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.utils import clear_caches
+
+    try:
+        old = cache_dir()
+        if not any(os.scandir(old)):  # nothing cached: the cache is not the cause
+            return False
+        new = tempfile.mkdtemp(prefix=os.path.basename(old) + ".fresh-", dir=os.path.dirname(old))
+    except OSError:
+        return False
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = new
+    clear_caches()  # the in-memory ones point into the old directory
+    _note(
+        f"it failed with the compile cache at {old} ({_first_line(e)}); compiling once more "
+        f"into a new cache at {new}. If this compiles, {old} is damaged (a disk that filled, "
+        "a kill mid-write): remove it (or set TORCHINDUCTOR_CACHE_DIR to the new one)"
+    )
+    return True
+
+
+def _first_line(e: BaseException) -> str:
+    """The last line of the backend's message that names the cause (Dynamo puts its own
+    'backend=... raised:' line first)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    cause = next((ln for ln in lines if "raised:" not in ln), lines[0] if lines else repr(e))
+    return cause[:160]
 
 
 def _note_for(e: BaseException) -> str | None:
