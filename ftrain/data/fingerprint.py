@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 _CHUNK = 8 << 20
 _PROBE = 64 << 10
 _N_MIDDLE_PROBES = 6
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: the inode and ctime joined the key
 
 
 class DataFingerprintError(ValueError):
@@ -81,24 +81,44 @@ def cache_path(override: str | os.PathLike | None = None) -> Path:
     return path.expanduser()
 
 
-def _full_digest(path: Path) -> str:
+def _opened(path: Path, fd: int | None):
+    """``path`` opened for reading, or the file a caller already holds open as ``fd``
+    (read through a duplicate: closing it leaves the caller's open)."""
+    return open(path, "rb") if fd is None else open(os.dup(fd), "rb")  # noqa: SIM115
+
+
+def _full_digest(path: Path, fd: int | None = None) -> str:
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with _opened(path, fd) as f:
+        f.seek(0)
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _probe_digest(path: Path, size: int) -> str:
+def _probe_digest(path: Path, size: int, fd: int | None = None) -> str:
     offsets = {0, max(size - _PROBE, 0)}
     offsets |= {size * (i + 1) // (_N_MIDDLE_PROBES + 1) for i in range(_N_MIDDLE_PROBES)}
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with _opened(path, fd) as f:
         for off in sorted(offsets):
             f.seek(off)
             h.update(off.to_bytes(8, "little"))
             h.update(f.read(_PROBE))
     return h.hexdigest()
+
+
+def file_identity(st: os.stat_result) -> dict:
+    """What says a file is unchanged, beside its path: its size, its mtime, and its inode
+    and ctime, which no copy tool can set back (``cp -p``/``rsync -a`` keep the size and
+    mtime of a rewritten file; a rename puts another file at the path)."""
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ino": st.st_ino,
+        "dev": st.st_dev,
+        "ctime_ns": st.st_ctime_ns,
+    }
 
 
 def _entry_path(path: Path, cache: Path) -> Path:
@@ -154,12 +174,17 @@ def remove_stale_tmp(folder: Path, older_than_s: float = STALE_TMP_S) -> int:
     return removed
 
 
-def file_digest(path: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> str:
-    """The content hash (BLAKE2b-128, hex) of a file, cached by path, size and mtime.
+def file_digest(
+    path: str | os.PathLike, *, cache: str | os.PathLike | None = None, fd: int | None = None
+) -> str:
+    """The content hash (BLAKE2b-128, hex) of a file, cached by path, size, mtime, inode
+    and ctime (:func:`file_identity`).
 
     Args:
         path: the file to hash.
         cache: cache directory override (see :func:`cache_dir`).
+        fd: the file as the caller opened it, hashed instead of what ``path`` names now
+            (a file renamed over ``path`` since is not the one the caller reads).
 
     Returns:
         32 hex characters. Equal for equal content wherever the file lives.
@@ -174,27 +199,27 @@ def file_digest(path: str | os.PathLike, *, cache: str | os.PathLike | None = No
         32
     """
     path = Path(path).resolve()
-    st = path.stat()
+    st = path.stat() if fd is None else os.fstat(fd)
     try:
         entry_file = _entry_path(path, cache_dir(cache))
     except OSError as e:  # a read-only HOME or cache volume: hashed, not cached
         log.warning(
             "fingerprint cache %s unusable (%s); hashing %s in full", cache_path(cache), e, path
         )
-        return _full_digest(path)
+        return _full_digest(path, fd)
     try:
         entry = _json.loads(entry_file.read_text())
     except (OSError, ValueError):
         entry = None
-    key = {"v": _CACHE_VERSION, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    key = {"v": _CACHE_VERSION, "path": str(path)} | file_identity(st)
     if isinstance(entry, dict) and all(entry.get(k) == v for k, v in key.items()):
-        if entry.get("probe") == _probe_digest(path, st.st_size):
+        if entry.get("probe") == _probe_digest(path, st.st_size, fd):
             return str(entry["digest"])
         log.warning("fingerprint cache: %s changed without a new mtime; re-hashing", path)
-    digest = _full_digest(path)
+    digest = _full_digest(path, fd)
     try:
         _write_json_atomic(
-            entry_file, {**key, "digest": digest, "probe": _probe_digest(path, st.st_size)}
+            entry_file, {**key, "digest": digest, "probe": _probe_digest(path, st.st_size, fd)}
         )
     except OSError as e:  # a read-only cache only costs a re-hash next time
         log.warning("fingerprint cache: could not write %s: %s", entry_file, e)

@@ -323,7 +323,8 @@ class TokenFileSource(Source):
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            content = self._content or file_digest(self.file, cache=self.cache_dir)
+            # the file this source opened and reads, not what the path names by now
+            content = self._content or file_digest(self.file, cache=self.cache_dir, fd=self._fd)
             self._fingerprint = make_fingerprint(
                 kind=self.kind,
                 tokenizer=self.tokenizer,

@@ -26,6 +26,7 @@ from ftrain.data.fingerprint import (
     _write_json_atomic,
     cache_dir,
     cache_path,
+    file_identity,
     remove_stale_tmp,
     unique_tmp,
 )
@@ -196,7 +197,7 @@ def tokenize_corpus(
     except (OSError, ValueError, KeyError, TypeError):
         pass
     remove_stale_tmp(folder)  # what a writer killed mid-way left behind
-    need = sum(st[1] for st in stats) + max(len(files) - 1, 0)
+    need = sum(st[1]["size"] for st in stats) + max(len(files) - 1, 0)
     meta = {"tokenizer": ByteTokenizer.id, "files": len(files)} | _cached_tokens(
         files, token_file, need
     )
@@ -225,14 +226,16 @@ def _cached_tokens(files: Sequence[Path], token_file: Path, need: int) -> dict[s
 
 
 # 2: each file's probe digest joined the key (a file rewritten with its old size and
-# mtime, as cp -p and rsync -a leave it, reused the old tokens)
-_CACHE_KEY_VERSION = 2
+# mtime, as cp -p and rsync -a leave it, reused the old tokens); 3: its inode and ctime
+# (an edit outside the probes, so rewritten, reused them all the same)
+_CACHE_KEY_VERSION = 3
 
 
 def _stat(f: Path) -> list:
-    """What keys a corpus file's tokens: path, size, mtime and a probe of its content."""
+    """What keys a corpus file's tokens: path, size, mtime, inode, ctime and a probe of its
+    content (:func:`ftrain.data.fingerprint.file_identity`)."""
     st = f.stat()
-    return [str(f.resolve()), st.st_size, st.st_mtime_ns, _probe_digest(f, st.st_size)]
+    return [str(f.resolve()), file_identity(st), _probe_digest(f, st.st_size)]
 
 
 class TextCorpusSource(TokenFileSource):

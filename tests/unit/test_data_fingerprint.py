@@ -40,7 +40,7 @@ def test_file_digest_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
     f = tokens(tmp_path / "t.bin", range(50_000))
     calls = []
     real = fp_mod._full_digest
-    monkeypatch.setattr(fp_mod, "_full_digest", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(fp_mod, "_full_digest", lambda p, fd=None: calls.append(p) or real(p, fd))
     d1 = file_digest(f)
     d2 = file_digest(f)
     assert d1 == d2 and len(calls) == 1, "a second start must not re-read the whole file"
@@ -54,6 +54,29 @@ def test_file_digest_is_cached_by_size_and_mtime(tmp_path, monkeypatch):
     # a new mtime re-hashes
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert file_digest(f) == d3 and len(calls) == 3
+    # same size, restored mtime, bytes changed between the probes: the ctime moved (no
+    # tool sets it back), so it re-hashes; the old key reused the old hash
+    st = f.stat()
+    with open(f, "r+b") as fh:
+        fh.seek(100_000 - 200)
+        fh.write(b"\x01" * 8)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file_digest(f) != d3 and len(calls) == 4
+
+
+def test_a_token_file_renamed_over_the_path_is_not_the_one_fingerprinted(tmp_path):
+    """The source reads the file it opened; its fingerprint hashed whatever the path named
+    when first asked, so a file renamed in between was recorded while the run trained on
+    the other, and a resume on it passed the check."""
+    (tmp_path / "a").mkdir()
+    a = tokens(tmp_path / "a" / "train.bin", range(200))
+    b = tokens(tmp_path / "b.bin", [*range(199), 7])
+    expected = TokenFileSource(tmp_path / "a", block_size=8).fingerprint
+    src = TokenFileSource(tmp_path / "a", block_size=8, cache_dir=tmp_path / "c")
+    os.replace(b, a)
+    assert src.fingerprint == expected
+    assert src.get([0])["x"].flatten()[0].item() == 0
+    assert TokenFileSource(tmp_path / "a", block_size=8).fingerprint != expected
 
 
 def test_tokens_use_data_cache_dir_and_an_unusable_cache_only_costs_a_rehash(

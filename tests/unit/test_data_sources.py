@@ -263,6 +263,24 @@ def test_text_corpus_cache_is_checked_against_its_content_and_its_sources(tmp_pa
     assert not list(src.file.parent.glob("*.tmp-*"))
 
 
+def test_a_large_text_file_edited_between_its_probes_is_tokenized_again(tmp_path):
+    """A 2 MB file rewritten with its old size and mtime, the edit missing the 64 KiB
+    probes (rsync -a of an edited copy): its old tokens were reused and a resume on them
+    passed the fingerprint check. Its inode and ctime are in the key now."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    big = root / "big.txt"
+    big.write_bytes(b"abcdefghij" * 200_000)
+    src = TextCorpusSource(root, block_size=16)
+    st = big.stat()
+    edited = tmp_path / "edited.txt"
+    edited.write_bytes(big.read_bytes()[:150_000] + b"Z" * 10 + big.read_bytes()[150_010:])
+    os.utime(edited, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(edited, big)  # what rsync -a does: a new file, the old size and mtime
+    again = TextCorpusSource(root, block_size=16)
+    assert again.tokenized and again.fingerprint != src.fingerprint
+
+
 def test_text_corpus_glob_and_errors(tmp_path):
     root = make_corpus(tmp_path / "corpus")
     src = TextCorpusSource(str(root / "**" / "c.txt"), block_size=8)
