@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ftrain._memory import MEMORY_RETRY, out_of_memory
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CheckpointFormatError, CheckpointReadError, CorruptCheckpointError
@@ -478,7 +479,17 @@ def cmd_export(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except Exception as e:
+        said = out_of_memory(e)
+        if said is None:
+            raise
+        print(f"python -m ftrain.ckpt: {said}. {MEMORY_RETRY}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] in (["export"], ["diff"]):
         try:
             return cmd_export(argv[1:]) if argv[0] == "export" else cmd_diff(argv[1:])

@@ -599,12 +599,25 @@ class CheckpointManager:
         """Run ``write(*args)`` in the one background save thread; ``state`` stays pinned
         (a donating step never overwrites it) until the write ends."""
         pin(state)
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._run_background,
             args=(state, step, write, *args),
             name=f"ftrain-ckpt-{step}",
         )
-        self._thread.start()
+        try:
+            thread.start()
+        except RuntimeError as e:  # no thread to be had (a thread or memory limit)
+            # written here instead: a raw RuntimeError lost the save, and the unstarted
+            # thread left behind made every later wait() and close() raise
+            log.warning(
+                "ftrain: cannot start the background save of step %d (%s); writing it in "
+                "the calling thread instead",
+                step,
+                e,
+            )
+            self._run_background(state, step, write, *args)
+            return
+        self._thread = thread
 
     def _run_background(self, state: TensorDictBase, step: int, write, *args: object) -> None:
         try:

@@ -22,6 +22,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain import _early_signals
+from ftrain._memory import out_of_memory
 from ftrain.ckpt import (
     CheckpointFormatError,
     CheckpointLocationError,
@@ -151,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
         with tolerate_lost_console():  # a dead `| tee` never stops training
             return _main(argv)
+    except Exception as err:
+        said = out_of_memory(err)
+        if said is None:
+            raise
+        print(f"ftrain: {said}. {_MEMORY_FIX}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print(
             "ftrain: interrupted (SIGINT) outside the training loop; nothing was saved by this "
@@ -158,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_FORCED
+
+
+_MEMORY_FIX = (
+    "The newest committed checkpoint is intact, and a restart resumes from it once the "
+    "process has more memory (a higher memory or address-space limit, fewer other "
+    "processes) or needs less (a smaller trainer.batch_size or model)"
+)
 
 
 def _main(argv: list[str] | None) -> int:

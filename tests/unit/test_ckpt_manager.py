@@ -430,3 +430,30 @@ def test_cli_list_show_verify_diff(tmp_path, capsys):
         [sys.executable, "-m", "ftrain.ckpt", "list", str(tmp_path)], capture_output=True, text=True
     )
     assert out.returncode == 0 and "step" in out.stdout
+
+
+def test_an_async_save_that_cannot_start_its_thread_is_written_in_the_caller(
+    tmp_path, monkeypatch, caplog
+):
+    """A thread limit or an address-space limit (``can't start new thread``): the save was
+    lost as a raw RuntimeError, and the unstarted thread kept making every later wait() and
+    close() raise ``cannot join thread before it is started``."""
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if thread.name.startswith("ftrain-ckpt"):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    m = CheckpointManager(tmp_path, async_save=True)
+    with caplog.at_level("WARNING"):
+        assert m.save(make_state(1), force=True)
+    assert "cannot start the background save of step 1" in caplog.text
+    m.wait()
+    assert m.all_steps() == [1]
+    assert torch.equal(m.restore(1)["params", "w"], make_state(1)["params", "w"])
+    assert m.save(make_state(2), force=True)
+    m.close()
+    monkeypatch.undo()
+    assert CheckpointManager(tmp_path).all_steps() == [1, 2]
