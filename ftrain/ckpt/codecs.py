@@ -71,11 +71,50 @@ class Codec:
         Raises:
             ValueError: the frame is damaged or does not decode to ``len(out)`` bytes.
         """
+        # the codecs fill only what the frame holds and return quietly: a frame of half
+        # the chunk left the rest as whatever the memory held, restored and exported
+        declared = _blosc_nbytes(data) if self.name != "zstd" else _zstd_content_size(data)
+        if declared != len(out):
+            raise ValueError(
+                f"{self.spec} cannot decode the chunk: its frame declares "
+                f"{'no size' if declared is None else f'{declared} bytes'}, the chunk holds "
+                f"{len(out)}"
+            )
         dest = np.frombuffer(out, dtype=np.uint8)
         try:
             self._impl(itemsize).decode(data, out=dest)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"{self.spec} cannot decode the chunk: {e}") from e
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+
+
+def _zstd_content_size(frame: bytes | memoryview) -> int | None:
+    """The content size a zstd frame's header declares (RFC 8878 3.1.1.1), or ``None``
+    (no size written, not a zstd frame). libzstd refuses a frame whose blocks decode to
+    another size than it declares, so a declared size equal to the chunk's means every
+    byte of the chunk is written."""
+    head = bytes(frame[:18])
+    if len(head) < 5 or int.from_bytes(head[:4], "little") != _ZSTD_MAGIC:
+        return None
+    desc = head[4]
+    single_segment = (desc >> 5) & 1
+    size_bytes = (1 if single_segment else 0, 2, 4, 8)[desc >> 6]
+    at = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[desc & 3]  # window, dictionary id
+    if size_bytes == 0 or len(head) < at + size_bytes:
+        return None
+    size = int.from_bytes(head[at : at + size_bytes], "little")
+    return size + 256 if size_bytes == 2 else size
+
+
+def _blosc_nbytes(frame: bytes | memoryview) -> int | None:
+    """The uncompressed size in a blosc frame's header, or ``None`` if its compressed size
+    is not the frame's length (a truncated or padded frame)."""
+    head = bytes(frame[:16])
+    if len(head) < 16 or int.from_bytes(head[12:16], "little") != len(frame):
+        return None
+    return int.from_bytes(head[4:8], "little")
 
 
 def parse_compression(value: str | None) -> Codec | None:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -114,3 +115,22 @@ def test_codec_names_canonicalise():
     assert parse_compression(None) is None and parse_compression("none") is None
     assert parse_compression("zstd").spec == "zstd:1"
     assert parse_compression("blosc-zstd").spec == "blosc-zstd:3"
+
+
+@pytest.mark.parametrize("spec", ["zstd:3", "blosc-lz4", "blosc-zstd"])
+def test_a_frame_that_decodes_short_is_refused_not_padded_with_old_memory(spec):
+    """A valid frame of half the chunk (its checksums resealed, or written by a broken
+    tool) decoded into the first half and left the rest as whatever the memory held:
+    restore returned it, verify said ok, export wrote it out. The frame's declared size
+    must be the chunk's."""
+    codec = parse_compression(spec)
+    data = np.arange(32, dtype=np.float32).tobytes()
+    whole = codec.encode(memoryview(data), 4)
+    out = bytearray(len(data))
+    codec.decode_into(whole, memoryview(out), 4)
+    assert bytes(out) == data
+    short = codec.encode(memoryview(data[:64]), 4)
+    with pytest.raises(ValueError, match="its frame declares 64 bytes, the chunk holds 128"):
+        codec.decode_into(short, memoryview(bytearray(len(data))), 4)
+    with pytest.raises(ValueError, match="cannot decode the chunk"):
+        codec.decode_into(whole[:-3], memoryview(bytearray(len(data))), 4)
