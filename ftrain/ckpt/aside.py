@@ -26,7 +26,7 @@ import os
 import secrets
 from pathlib import Path
 
-from ftrain.ckpt.format import unreadable
+from ftrain.ckpt.format import CorruptCheckpointError, read_bytes_nofollow
 from ftrain.ckpt.store import fsync_dir
 
 __all__ = ["JOURNAL", "done", "leaving", "pending", "write"]
@@ -64,16 +64,12 @@ def pending(root) -> dict[str, object]:
     if not isinstance(root, Path):
         raw = root.get(JOURNAL)
         return {} if raw is None else _names(raw)
-    try:
-        raw = (root / JOURNAL).read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
+    try:  # never through a link, never blocking on a FIFO, bounded: a FIFO in its place
+        # hung every listing (so every start), a link to /dev/zero read until memory ran out
+        raw = read_bytes_nofollow(root / JOURNAL)
+    except CorruptCheckpointError:  # missing or not a file ftrain wrote: names nothing
         return {}
-    except OSError as err:
-        error = unreadable(root / JOURNAL, err, "cannot read the set-aside journal")
-        if isinstance(error, OSError):  # a limit of the machine: nothing judged
-            raise error from err
-        return {}
-    return _names(raw)
+    return _names(raw)  # a limit of the machine or a permission is raised: nothing judged
 
 
 def _names(raw: bytes) -> dict[str, object]:

@@ -876,3 +876,29 @@ def test_a_journal_that_outlives_its_moves_never_hides_the_new_historys_step(tmp
     assert not (tmp_path / aside.JOURNAL).exists() and back.all_steps() == [1, 2, 3, 5]
     assert sorted(back.set_aside_steps()) == [3, 4]  # the old 3 and 4 only
     assert same(CheckpointManager(tmp_path, async_save=False).restore(3), make_state(3, n=32))
+
+
+@pytest.mark.parametrize("planted", ["fifo", "link to /dev/zero", "directory"])
+def test_a_special_file_as_the_set_aside_journal_names_nothing_and_blocks_nothing(
+    tmp_path, planted
+):
+    """A FIFO in the journal's place hung every listing and so every start (the manager's
+    __init__ reads it); a link to /dev/zero read until memory ran out. Such a journal
+    names nothing, as a damaged one does."""
+    from ftrain.ckpt import aside
+
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(make_state(1))
+    journal = tmp_path / aside.JOURNAL
+    if planted == "fifo":
+        os.mkfifo(journal)
+    elif planted == "directory":
+        journal.mkdir()
+    else:
+        journal.symlink_to("/dev/zero")
+    done = []
+    reader = threading.Thread(target=lambda: done.append(CheckpointManager(tmp_path).all_steps()))
+    reader.daemon = True  # a hang must fail the test, not keep pytest from ending
+    reader.start()
+    reader.join(timeout=30)
+    assert done == [[1]]
