@@ -25,6 +25,7 @@ Exit codes of ``python -m ftrain``:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -104,17 +105,17 @@ class StopFlag:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # os.write, not sys.stderr: a handler may interrupt a buffered write to stderr
         if signum == signal.SIGINT and self._interrupted:
-            os.write(2, b"second SIGINT: exiting now; the newest committed checkpoint is intact\n")
+            _say("second SIGINT: exiting now; the newest committed checkpoint is intact")
             os._exit(EXIT_FORCED)
         self._interrupted |= signum == signal.SIGINT
         name = signal.Signals(signum).name
         _RECEIVED.append(name)  # for a sweep: the stop outlives this flag (take_received)
         # flag first: a second signal can run its handler in the middle of this one
         if self.requested:  # a second notice, or one while the stop save runs
-            os.write(2, f"{name} received: already stopping ({self.reason})\n".encode())
+            _say(f"{name} received: already stopping ({self.reason})")
             return
         self.request(name)
-        os.write(2, f"{name} received: {self.meaning}\n".encode())
+        _say(f"{name} received: {self.meaning}")
 
     def install(self, signals: tuple[int, ...] = _HANDLED) -> StopFlag:
         """Install handlers for ``signals`` (default SIGTERM, SIGUSR1, SIGHUP, SIGQUIT and
@@ -137,3 +138,12 @@ class StopFlag:
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+def _say(line: str) -> None:
+    """One line to stderr from a signal handler: ``os.write`` (a handler may interrupt a
+    buffered write to ``sys.stderr``), and a console gone (a closed terminal's EIO, a dead
+    ``| tee``'s EPIPE, a full disk) is ignored: raised from the handler into whatever the
+    main thread was doing, it turned a stop into an error (exit 1) or a failed start."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode())

@@ -457,7 +457,8 @@ def _exec_the_rest(code: int, carried: Carried, results: list, job: Job) -> None
     flushing.start()
     flushing.join(2.0)  # what the jobs printed and Python still buffers: kept if it can be
     line = f"[sweep] job {job.num} ended with exit {code}: going on in a fresh process\n"
-    os.write(1, line.encode())
+    with contextlib.suppress(OSError):  # a console gone must not cost the rest of the sweep
+        os.write(1, line.encode())
     # held until the new process's handlers exist (ftrain._early_signals unblocks them):
     # a SIGTERM in its first milliseconds killed it (143) with no summary
     signal.pthread_sigmask(signal.SIG_BLOCK, _early_signals.SIGNALS)

@@ -601,6 +601,33 @@ def test_a_console_that_goes_away_never_stops_training(cache_dir, tmp_path):
     assert not records(run, "emergency_save")
 
 
+def test_a_stop_signal_after_the_console_went_away_still_stops_with_exit_3(cache_dir, tmp_path):
+    """``... 2>&1 | head`` (or a closed terminal) and then SIGTERM: the handler's notice
+    raised EPIPE/EIO from the handler into the step, so the stop became an error, exit 1,
+    with an emergency save recording ``BrokenPipeError``."""
+    run = tmp_path / "run"
+    env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    args = [f"run.dir={run}", *TINY, "trainer.max_steps=100000", "checkpoint.every_steps=1000"]
+    args += ["trainer.eval_every=null", "trainer.log_every=1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftrain", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    while not first_line(proc).startswith("[step=5]"):
+        pass
+    proc.stdout.close()  # stdout and stderr: nobody reads them any more
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 3
+    stop = records(run, "stop")[-1]
+    assert stop["reason"] == "SIGTERM" and not records(run, "emergency_save"), stop
+    step = CheckpointManager(run / "checkpoints", async_save=False).all_steps()[-1]
+    assert step == stop["step"] > 5
+
+
 @contextlib.contextmanager
 def _read_only(path: Path):
     """``path`` remounted read-only (a bind mount onto itself): a real EROFS, which root's
