@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,13 +292,37 @@ def _kill_at(run: Path, proc, step: int, ranks, after_commit: int) -> int:
 
 
 def _stop_group(proc) -> None:
-    """SIGKILL a scenario's torchrun and its ranks (its own process group), or the one
-    process of a single-process run."""
+    """SIGKILL a scenario's torchrun (its own process group) and its ranks, or the one
+    process of a single-process run. torchrun starts each rank in a session of its own,
+    so the ranks are found as torchrun's descendants first: killed with torchrun's group
+    alone they trained on as orphans."""
+    below = _descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
+    for pid in below:  # a rank leads its own group: its compile workers go with it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(
+                pid, signal.SIGKILL
+            )
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; none found elsewhere)."""
+    parent_of = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parent_of[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for c, p in parent_of.items() if p in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def _kill_when(run: Path, proc, step: int, ranks, after_commit: int) -> int:
@@ -434,9 +459,41 @@ def world_size(plan: Plan) -> str:
 SCENARIOS = (reference, machine, kill, kill_during_save, corrupt_newest, world_size)
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP to the drill: raised like Ctrl-C's KeyboardInterrupt, so the
+    scenario's torchrun group (in a session of its own, which a closed terminal's SIGHUP
+    never reaches) is stopped too; it trained on, orphaned, after the drill died."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame) -> None:
+    raise _Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the drill; returns 0 when every scenario passed."""
+    """Run the drill; returns 0 when every scenario passed (130 or 128 + the signal's
+    number when interrupted: the scenario's processes are stopped, its runs kept)."""
     plan = _parse(list(sys.argv[1:] if argv is None else argv))
+    main_thread = threading.current_thread() is threading.main_thread()
+    held = {s: signal.signal(s, _raise_stopped) for s in _STOPS} if main_thread else {}
+    try:
+        return _drill(plan)
+    except (KeyboardInterrupt, _Stopped) as stop:
+        name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
+        print(f"drill interrupted ({name}): its processes are stopped; runs kept in {plan.root}")
+        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + stop.signum
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+
+
+_STOPS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _drill(plan: Plan) -> int:
     chosen = [s for s in SCENARIOS if not plan.only or s.__name__ in plan.only]
     subset = f" only={','.join(s.__name__ for s in chosen)}" if plan.only else ""
     print(

@@ -2,8 +2,10 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -99,3 +101,35 @@ def test_the_drill_passes_off_multiple_steps_and_sparse_logging(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from 8, bit-identical" in proc.stdout, proc.stdout
     assert "PASS machine" in proc.stdout and proc.stdout.strip().endswith("verdict: PASS")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_drill_stopped_by_a_signal_stops_its_torchrun_and_ranks(tmp_path, sig):
+    """SIGTERM or SIGHUP (a closed terminal) to the drill killed only the drill: torchrun
+    and its ranks, in a session of their own, trained on as orphans."""
+    root = tmp_path / "drill"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "ftrain.drill", f"drill.dir={root}", "drill.steps=100000"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    metrics = root / "reference" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and '"kind": "step"' in metrics.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.5)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, out
+    assert f"drill interrupted ({signal.Signals(sig).name})" in out and str(root) in out, out
+    deadline = time.time() + 30
+    while _still_running(root) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _still_running(root)
+
+
+def _still_running(root) -> list[str]:
+    """Processes whose command line names ``root`` (the scenario's torchrun and ranks)."""
+    found = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True)
+    return found.stdout.split()
