@@ -403,9 +403,11 @@ def _duration(text: str) -> float:
 
 @contextlib.contextmanager
 def _terminate_unwinds():
-    """SIGTERM/SIGHUP as ``SystemExit(128 + signal)`` for the block: their default action
-    ended the process where it stood, leaving a model-sized staging file behind (the
-    ``finally`` that removes it never ran). Main thread only (signals are set there)."""
+    """SIGTERM/SIGHUP/SIGQUIT/SIGUSR1 (the trainer's stop signals: torchrun's, Slurm's
+    ``--signal=USR1``) as ``SystemExit(128 + signal)`` for the block, and Ctrl-C as
+    ``SystemExit(130)`` with no traceback: their default action ended the process where it
+    stood, leaving a model-sized staging file behind (the ``finally`` that removes it never
+    ran). Main thread only (signals are set there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -413,8 +415,9 @@ def _terminate_unwinds():
     def unwind(signum, frame):
         raise SystemExit(128 + signum)
 
-    sigs = (signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, unwind) for sig in sigs}
+    sigs = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGINT)
+    # one ignored on purpose (nohup's SIGHUP, a background job's SIGINT) stays ignored
+    previous = {s: signal.signal(s, unwind) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
     try:
         yield
     finally:

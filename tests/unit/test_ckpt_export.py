@@ -528,10 +528,18 @@ def _slow_export(tmp_path, ck, out, *extra):
     )
     proc = subprocess.Popen(
         _export_cmd(ck, out, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env,
+        text=True, env=env, preexec_fn=_default_sigint,
     )  # fmt: skip
     assert proc.stdout.readline().strip() == "WRITTEN", proc.stdout.read()
     return proc
+
+
+def _default_sigint() -> None:
+    """Ctrl-C as at a terminal: a job started with '&' (as CI's may be) ignores SIGINT, and
+    its children inherit that."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _gpt2_checkpoint(tmp_path):
@@ -571,17 +579,21 @@ def test_an_export_killed_mid_write_leaves_a_hidden_stage_the_next_export_remove
     assert [p.name for p in out.parent.iterdir()] == [out.name], "the dead stage is removed"
 
 
-def test_sigterm_mid_export_removes_the_stage_and_exits_143(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGQUIT", "SIGUSR1", "SIGINT"])
+def test_a_stop_signal_mid_export_removes_the_stage(tmp_path, sig):
     """SIGTERM's default action ended the process where it stood, leaving a model-sized
-    hidden temporary file behind for good; now the export unwinds and removes it."""
+    hidden temporary file behind for good; so did SIGQUIT and SIGUSR1 (the trainer's stop
+    signals), and SIGINT printed a traceback. Now the export unwinds and removes it."""
     import signal
 
+    signum = getattr(signal, sig)
     _, ck = _saved(tmp_path)
     out = tmp_path / "exports" / "m.safetensors"
     proc = _slow_export(tmp_path, ck, out)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 143
+    proc.send_signal(signum)
+    assert proc.wait(timeout=30) == 128 + signum
     assert list(out.parent.iterdir()) == [], "no stage or partial file is left"
+    assert "Traceback" not in proc.stdout.read()
 
 
 def test_export_takes_dir_colon_step_like_eval_and_diff(tmp_path):
@@ -745,3 +757,20 @@ def test_a_run_whose_steps_run_overwrite_moved_aside_names_where_they_went(tmp_p
         readonly.read_subtree(readonly.run_locations(own))
     got, _, _ = readonly.read_subtree(own / "overwritten-20261207-000000", step=3)
     assert got == 3
+
+
+def test_a_signal_ignored_on_purpose_stays_ignored_during_an_export():
+    """``nohup python -m ftrain.ckpt export ...``: SIGHUP is ignored so a closed terminal
+    does not end it; the export's unwinding handler took it over all the same."""
+    import signal
+
+    from ftrain.ckpt.__main__ import _terminate_unwinds
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _terminate_unwinds():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
