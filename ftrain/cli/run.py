@@ -228,6 +228,13 @@ def _train_from_config(cfg: DictConfig, early: StopFlag) -> int:
         except (CheckpointReadError, ResumeReadError) as err:  # of the moment: a restart may do
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
             return EXIT_CONFIG if isinstance(err, PermissionError) else EXIT_ERROR
+        except RuntimeError as err:  # a rank died in a start-up collective (the resume's)
+            if not (world.active and _peer_gone(err)):
+                raise
+            print(
+                f"ftrain: cannot start: {_lost_rank(err, world)}; {_START_AGAIN}", file=sys.stderr
+            )
+            return EXIT_ERROR
         return _run(cfg, device, world, parts, early)
     finally:
         # the run has ended: a signal now (SIGINT too) is noted, not a kill (143) or a
@@ -599,6 +606,24 @@ def _peer_lost(err: RuntimeError, session: Session, world: World) -> int:
     alone. One line, where a restart resumes, exit 1 (it was a 30-line traceback of
     torch's collective internals after the emergency save's lines)."""
     _settle(session)
+    return _stopped(
+        RuntimeError(_lost_rank(err, world)),
+        session.manager,
+        "the lost rank's cause (its own log: killed, out of memory, its node)",
+        session.asked,
+    )
+
+
+# a rank lost during start-up: nothing was trained or saved by this start
+_START_AGAIN = (
+    "nothing was trained or saved by this start, the newest committed checkpoint is intact; "
+    "fix the lost rank's cause (its own log: killed, out of memory, its node) and start again"
+)
+
+
+def _lost_rank(err: BaseException, world: World) -> str:
+    """``rank R: another rank is gone (the collective's first line)``, or that it stopped
+    answering for ``dist.timeout_s``."""
     while err.__cause__ is not None:  # the collective's own error, not the save's wrapper
         err = err.__cause__
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -608,12 +633,7 @@ def _peer_lost(err: RuntimeError, session: Session, world: World) -> int:
         if _PEER_HUNG.search(str(err))
         else "another rank is gone"
     )
-    return _stopped(
-        RuntimeError(f"rank {world.rank}: {what} ({first})"),
-        session.manager,
-        "the lost rank's cause (its own log: killed, out of memory, its node)",
-        session.asked,
-    )
+    return f"rank {world.rank}: {what} ({first})"
 
 
 def _shard_mode(cfg: DictConfig, world: World) -> str:

@@ -144,6 +144,29 @@ def test_a_rank_that_cannot_read_the_chosen_step_stops_every_rank_with_its_reaso
     assert not [r for r in records(run, "step") if r.get("step", 0) > 2], out
 
 
+def test_a_rank_killed_while_the_others_resume_is_one_line_on_them(cache_dir, tmp_path):
+    """Rank 1 SIGKILLed while it reads the step to resume: rank 0's start-up collective
+    failed with a 40-line traceback of gloo's internals (only the loop's collectives were
+    said in one line); the restart resumed all the same."""
+    from ftrain.faults import inject_dir
+
+    run = tmp_path / "run"
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=2", "checkpoint.every_steps=2"))
+    assert rc == 0, out
+    arm = tmp_path / "arm.json"
+    arm.write_text(json.dumps({"id": "k", "phase": "restore_read", "rank": 1}))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=4", env=env))
+    assert rc != 0 and arm.with_name("arm.json.fired").exists(), out
+    assert "ftrain: cannot start: rank 0: another rank is gone" in out, out
+    assert "the newest committed checkpoint is intact" in out, out
+    assert "ftrain/cli/" not in out, out  # no traceback of ftrain's
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=4"))
+    assert rc == 0 and "resum" in out, out
+    assert CheckpointManager(run / "checkpoints", async_save=False).all_steps()[-1] == 4
+
+
 @pytest.mark.long  # the check itself is unit-tested in CI (tests/unit/test_config.py)
 def test_a_global_batch_the_ranks_cannot_split_is_refused_at_start(cache_dir, tmp_path):
     """trainer.batch_size=3 on 2 ranks passed start-up and failed with a traceback on every
