@@ -722,7 +722,20 @@ def _newest_committed(manager: CheckpointManager) -> str:
         latest = manager.latest_step()
     except OSError as err:
         return f"unknown (the checkpoint location cannot be listed: {err})"
-    return f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
+    said = f"step {latest}" if latest is not None else "none (a re-run starts fresh)"
+    return said + _as_this_rank_saw_it()
+
+
+def _as_this_rank_saw_it() -> str:
+    """On a rank other than the coordinator, what it listed may be out of date by the
+    time it is read: rank 0 may still commit an emergency save. torchrun names the first
+    rank to fail as the root cause, so its line was the one read, and it said "none" or
+    an older step while rank 0 committed a newer one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        return ""
+    return f" as rank {dist.get_rank()} saw it (rank 0 may commit a newer one: its log says)"
 
 
 def _rerun_hint(asked: Asked) -> str:
