@@ -338,11 +338,22 @@ def check_manifest(where: object, name: str, marker: dict, raw: bytes | None) ->
         raise CorruptCheckpointError(f"{where}: {MARKER} does not match {MANIFEST}")
     manifest = parse_json(raw, f"{where}/{MANIFEST}")
     m = _STEP_RE.match(name)
-    if not m or marker.get("step") != int(m.group(1)) or manifest.get("step") != int(m.group(1)):
+    if (
+        not m
+        or not _same_step(marker, int(m.group(1)))
+        or not _same_step(manifest, int(m.group(1)))
+    ):
         raise CorruptCheckpointError(f"{where}: marker/manifest step does not match the name")
     if manifest.get("format_version") != marker["format_version"]:  # it says how to read docs
         raise CorruptCheckpointError(f"{where}: marker and manifest disagree on the format")
     return manifest
+
+
+def _same_step(doc: dict, step: int) -> bool:
+    """``doc["step"]`` is the whole number ``step``: ``true`` equals 1 in Python, so a step
+    directory ``step_00000001`` whose records said ``"step": true`` counted as step 1."""
+    value = doc.get("step")
+    return isinstance(value, int) and not isinstance(value, bool) and value == step
 
 
 def check_format(step_dir: object, marker: dict, manifest_raw: bytes | None) -> None:

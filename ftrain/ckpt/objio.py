@@ -43,6 +43,7 @@ from ftrain.ckpt.reader import (
     allocate_tree,
     byte_view,
     check_array_doc,
+    check_consolidated,
     check_memory,
     doc_checksum,
     selected_specs,
@@ -363,12 +364,14 @@ def verify_objects(step, manifest: dict) -> int:
         CorruptCheckpointError: any metadata or chunk fails verification.
     """
     specs = specs_of(manifest)
+    docs = {}
     for g in manifest["groups"]:
         rel = f"{g}/zarr.json" if g else "zarr.json"
-        step.read_document(rel, checksum=doc_checksum(manifest, rel))
+        docs[g] = step.read_document(rel, checksum=doc_checksum(manifest, rel))
     for s in specs.values():
         rel = f"{s.key}/zarr.json"
-        doc = step.read_document(rel, checksum=doc_checksum(manifest, rel))
-        check_array_doc(step / rel, doc, s, manifest["format_version"])
+        docs[s.key] = step.read_document(rel, checksum=doc_checksum(manifest, rel))
+        check_array_doc(step / rel, docs[s.key], s, manifest["format_version"])
+    check_consolidated(step / "zarr.json", docs)
     download_tree(step, manifest, concurrency=step.root.concurrency)
     return sum(s.nbytes for s in specs.values())

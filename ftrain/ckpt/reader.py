@@ -41,6 +41,7 @@ __all__ = [
     "allocate_tree",
     "byte_view",
     "check_array_doc",
+    "check_consolidated",
     "check_memory",
     "check_no_links",
     "check_sizes",
@@ -106,25 +107,86 @@ def doc_checksum(manifest: dict, rel: str) -> list | None:
     return docs[rel]
 
 
-def _check_array_meta(root: Path, spec: ArraySpec, manifest: dict) -> None:
+def _check_array_meta(root: Path, spec: ArraySpec, manifest: dict) -> dict:
     rel = f"{spec.key}/zarr.json"
     path = root.joinpath(*spec.key.split("/"), "zarr.json")
     doc = read_json(path, checksum=doc_checksum(manifest, rel))
     check_array_doc(path, doc, spec, manifest["format_version"])
+    return doc
+
+
+# what a plain Zarr v3 reader reads of an array's document, and must agree with the manifest
+_READ_FIELDS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "codecs")
+_READ_FIELDS += ("chunk_key_encoding",)
+# fields a v3 document may hold beside those; any other must say must_understand: false
+_OTHER_FIELDS = {"fill_value", "attributes", "storage_transformers", "dimension_names"}
 
 
 def check_array_doc(where: object, doc: dict, spec: ArraySpec, fmt: int) -> None:
     """An array's ``zarr.json`` agrees with its manifest entry (what plain readers use), as
-    format ``fmt`` (the step's, which the marker sealed) writes it.
+    format ``fmt`` (the step's, which the marker sealed) writes it: every field a reader
+    acts on, ftrain's own dtype attribute, and no extension a reader must understand.
 
     Raises:
         CorruptCheckpointError: a field differs; the message names it and both values.
     """
     want = array_zarr_json(spec, fmt)
-    for field in ("shape", "data_type", "chunk_grid", "codecs", "chunk_key_encoding"):
+    for field in _READ_FIELDS:
         if doc.get(field) != want[field]:
             raise CorruptCheckpointError(
                 f"{where}: {field} is {doc.get(field)!r}, the manifest says {want[field]!r}"
+            )
+    problem = _doc_extras(doc, spec)
+    if problem:
+        raise CorruptCheckpointError(f"{where}: {problem}")
+
+
+def _doc_extras(doc: dict, spec: ArraySpec) -> str | None:
+    """What else in an array's document a reader would act on wrongly, or refuse."""
+    if doc.get("storage_transformers", []) != []:
+        return f"storage_transformers is {doc['storage_transformers']!r}, ftrain writes none"
+    names = doc.get("dimension_names")
+    if names is not None and (not isinstance(names, list) or len(names) != len(spec.shape)):
+        return f"dimension_names is {names!r}, not one per dimension of {list(spec.shape)}"
+    ours = (
+        doc.get("attributes", {}).get("ftrain") if isinstance(doc.get("attributes"), dict) else None
+    )
+    if not isinstance(ours, dict) or ours.get("dtype") != spec.dtype:
+        return f"attributes.ftrain is {ours!r}, the manifest's dtype is {spec.dtype!r}"
+    for field in sorted(set(doc) - set(_READ_FIELDS) - _OTHER_FIELDS):
+        value = doc[field]
+        if not (isinstance(value, dict) and value.get("must_understand") is False):
+            return f"field {field!r} is an extension a reader must understand ({value!r})"
+    return None
+
+
+def check_consolidated(where: object, docs: dict[str, dict]) -> None:
+    """The root document's consolidated metadata (what ``zarr.open_group`` reads by
+    default, instead of each node's document) describes exactly the step's nodes as their
+    own documents do; a step without it (an older format) has nothing to check.
+
+    Raises:
+        CorruptCheckpointError: a node missing from it, one it adds, or one it describes
+            otherwise (a plain reader read another dtype or shape, silently).
+    """
+    inline = docs.get("", {}).get("consolidated_metadata")
+    if inline is None:
+        return
+    entries = inline.get("metadata") if isinstance(inline, dict) else None
+    nodes = {path: doc for path, doc in docs.items() if path}
+    if not isinstance(entries, dict) or set(entries) != set(nodes):
+        shown = sorted(entries)[:5] if isinstance(entries, dict) else entries
+        raise CorruptCheckpointError(
+            f"{where}: its consolidated metadata does not list the step's nodes ({shown!r})"
+        )
+    for path, doc in nodes.items():
+        entry = entries[path]
+        if doc.get("node_type") == "group" and isinstance(entry, dict):
+            entry = {k: v for k, v in entry.items() if k != "consolidated_metadata"}
+        if entry != doc:
+            raise CorruptCheckpointError(
+                f"{where}: its consolidated metadata of {path!r} differs from "
+                f"{path}/zarr.json (plain Zarr readers use the consolidated copy)"
             )
 
 
@@ -341,10 +403,13 @@ def verify_tree(root: Path, manifest: dict, *, workers: int = DEFAULT_WORKERS) -
         return root.verify_tree(manifest)
     specs = specs_of(manifest)
     check_no_links(root)
+    docs = {}
     for g in manifest["groups"]:
         rel = f"{g}/zarr.json" if g else "zarr.json"
-        read_json(root.joinpath(*rel.split("/")), checksum=doc_checksum(manifest, rel))
-    run_parallel(lambda s: _check_array_meta(root, s, manifest), specs.values(), workers)
+        docs[g] = read_json(root.joinpath(*rel.split("/")), checksum=doc_checksum(manifest, rel))
+    arrays = run_parallel(lambda s: _check_array_meta(root, s, manifest), specs.values(), workers)
+    docs |= dict(zip(specs, arrays, strict=True))
+    check_consolidated(root / "zarr.json", docs)
     for s in specs.values():  # one array's buffer at a time: verifying needs little memory
         if s.n_chunks:
             check_sizes(root, {s.key: s})

@@ -10,6 +10,7 @@ ftrain's ``bfloat16`` / float8 data types are registered with zarr-python (impor
 """
 
 import json
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +23,7 @@ from zarr.core.group import GroupMetadata
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.storage import MemoryStore
 
+from ftrain.ckpt import CheckpointManager
 from ftrain.ckpt.codecs import parse_compression
 from ftrain.ckpt.format import (
     _NATIVE,
@@ -169,3 +171,91 @@ def test_a_plain_zarr_walk_of_a_step_is_warning_free(tmp_path):
     want = json.loads((theirs / "zarr.json").read_bytes())
     canon = lambda d: json.loads(json.dumps(GroupMetadata.from_dict(d).to_dict()))  # noqa: E731
     assert canon(ours) == canon(want)
+
+
+def _edit_step_doc(step: Path, rel: str, edit) -> None:
+    from tests.unit.test_ckpt_fuzz import _reseal
+
+    doc = json.loads((step / rel).read_text())
+    edit(doc)
+    (step / rel).write_text(json.dumps(doc))
+    _reseal(step, rel)  # a consistent forgery: only the checks behind the checksums remain
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def edit(doc):
+        for p in path[:-1]:
+            doc = doc[p]
+        doc[path[-1]] = value
+
+    return edit
+
+
+_W = ("consolidated_metadata", "metadata", "params/w")
+_MISREAD = {
+    "consolidated dtype": ("zarr.json", _set(*_W, "data_type", "int32")),
+    "consolidated shape": ("zarr.json", _set(*_W, "shape", [4, 8])),
+    "consolidated node gone": ("zarr.json", lambda d: d[_W[0]][_W[1]].pop("params/w")),
+    "zarr_format 2": ("params/w/zarr.json", _set("zarr_format", 2)),
+    "node_type group": ("params/w/zarr.json", _set("node_type", "group")),
+    "must-understand extension": ("params/w/zarr.json", _set("ext", {"must_understand": True})),
+    "dimension_names of another rank": ("params/w/zarr.json", _set("dimension_names", ["a"])),
+    "ftrain dtype attribute": (
+        "params/w/zarr.json",
+        _set("attributes", "ftrain", "dtype", "int32"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MISREAD))
+def test_verify_refuses_documents_plain_zarr_readers_misread_or_refuse(tmp_path, capsys, case):
+    """Resealed edits of ``zarr.json`` that zarr-python misreads silently (the root's
+    consolidated copy, which ``open_group`` reads by default) or refuses passed ``ckpt
+    verify``: it compared five fields of each array's own document and never the
+    consolidated copy."""
+    from ftrain.ckpt.__main__ import main
+
+    state = TensorDict({"step": torch.tensor(1), "params": {"w": torch.ones(8, 4)}}, [])
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(state)
+    step = tmp_path / "step_00000001"
+    rel, edit = _MISREAD[case]
+    _edit_step_doc(step, rel, edit)
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "BAD  step 1" in capsys.readouterr().out
+
+
+def test_verify_accepts_what_a_reader_may_ignore(tmp_path, capsys):
+    """An extension marked must_understand: false, dimension names, another fill value."""
+    from ftrain.ckpt.__main__ import main
+
+    state = TensorDict({"step": torch.tensor(1), "params": {"w": torch.ones(8, 4)}}, [])
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(state)
+    step = tmp_path / "step_00000001"
+
+    def edit(doc):
+        doc |= {"ext": {"must_understand": False}, "dimension_names": ["r", "c"], "fill_value": 1}
+
+    _edit_step_doc(step, "params/w/zarr.json", edit)
+    _edit_step_doc(step, "zarr.json", lambda d: edit(d[_W[0]][_W[1]]["params/w"]))
+    assert main(["verify", str(tmp_path)]) == 0, capsys.readouterr()
+
+
+def test_a_step_recorded_as_true_is_not_step_1(tmp_path, capsys):
+    """``"step": true`` in the marker and manifest of ``step_00000001`` counted as committed
+    step 1 and verified ok (``True == 1`` in Python); ``format_version: true`` was refused."""
+    from tests.unit.test_ckpt_fuzz import _reseal
+
+    state = TensorDict({"step": torch.tensor(1), "params": {"w": torch.ones(8, 4)}}, [])
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(state)
+    step = tmp_path / "step_00000001"
+    for rel in ("manifest.json", "COMMITTED"):
+        doc = json.loads((step / rel).read_text())
+        doc["step"] = True
+        (step / rel).write_text(json.dumps(doc))
+        _reseal(step, rel)
+    assert CheckpointManager(tmp_path).all_steps() == []
