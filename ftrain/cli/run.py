@@ -694,7 +694,12 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
 def _save_failed(err: CheckpointSaveError, manager: CheckpointManager, asked: Asked) -> int:
     """A checkpoint that did not commit stops the run (a week of training must not go on
     unsaved): one message, where a re-run resumes, exit 1 (no traceback)."""
-    return _stopped(err, manager, "the cause (disk, permissions, the object store)", asked)
+    fix = (
+        "the memory shortage (a higher memory or address-space limit, fewer other processes)"
+        if out_of_memory(err)
+        else "the cause (disk, permissions, the object store)"
+    )
+    return _stopped(err, manager, fix, asked)
 
 
 def _bad_batch(err: DataFormatError, session: Session) -> int:

@@ -544,7 +544,7 @@ class Session:
             self._say(step, f"plot written to {path}")
         except NothingToPlot:
             self._say(step, "no step recorded yet: no plot")
-        except ImportError:
+        except ModuleNotFoundError:
             print(
                 "ftrain: matplotlib is not installed; skipping the plot (pip install matplotlib)",
                 file=sys.stderr,

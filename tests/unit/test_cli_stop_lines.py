@@ -22,3 +22,20 @@ def test_a_rank_but_the_coordinator_says_its_newest_step_may_be_out_of_date(tmp_
     assert "rank 0 may commit a newer one: its log says" in said
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     assert run._newest_committed(manager) == "none (a re-run starts fresh)"
+
+
+def test_a_save_that_ran_out_of_memory_says_so_not_the_disk(tmp_path, capsys):
+    """A save that failed for want of memory (a thread that could not start, the
+    allocator) said to fix "the cause (disk, permissions, the object store)"."""
+    from ftrain.ckpt import CheckpointSaveError
+    from ftrain.cli import run
+    from ftrain.cli.session import Asked
+
+    manager = CheckpointManager(tmp_path, async_save=False)
+    failed = CheckpointSaveError("[step=4] save failed")
+    failed.__cause__ = RuntimeError("can't start new thread")
+    assert run._save_failed(failed, manager, Asked()) == 1
+    err = capsys.readouterr().err
+    assert "fix the memory shortage" in err and "disk, permissions" not in err
+    run._save_failed(CheckpointSaveError("[step=4] save failed: ENOSPC"), manager, Asked())
+    assert "fix the cause (disk, permissions, the object store)" in capsys.readouterr().err
