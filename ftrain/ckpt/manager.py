@@ -240,6 +240,7 @@ class CheckpointManager:
         # newest of them not after N (a look at an older step moves nothing back)
         self._rewinds: list[int] = []
         self._written: set[int] = set()
+        self._generation = 0  # of this manager's last commit (see _next_generation)
         self._undeletable: set[str] = set()  # copies retention could not delete: warned once
         self._invalid: dict[Path, str] = {}
         self._seals: dict[str, object] = {}
@@ -492,12 +493,30 @@ class CheckpointManager:
         from ftrain.ckpt.sharded import save_all_ranks
 
         def extra(manifest: dict) -> dict:
-            return _marker_extra(manifest, attrs, blocking, t0)
+            return _marker_extra(manifest, attrs, blocking, t0, self._next_generation(step))
 
         def write(root):
             return save_all_ranks(self, state, step, attrs, extra, group, root=root)
 
         return self._first_location(step, "sharded save", write)
+
+    def _next_generation(self, step: int) -> int:
+        """The generation of the copy of ``step`` about to commit: one more than that of
+        any copy of ``step`` already committed in a location and of this manager's last
+        commit, so the copy saved last outranks the others by count, not by the wall
+        clock (:func:`_newest_copy_first`). Read from the locations at the commit: no copy
+        there is the usual case, and costs a missing marker per location."""
+        newest = self._generation
+        for root in self._dirs:
+            try:
+                marker, _ = protocol.read_committed(root / protocol.step_dirname(step))
+            except (CorruptCheckpointError, CheckpointFormatError, OSError, ValueError):
+                continue
+            found = marker.get("generation")
+            if isinstance(found, int) and not isinstance(found, bool):
+                newest = max(newest, found)
+        self._generation = newest + 1
+        return self._generation
 
     def _storable_leaves(self, state: TensorDictBase) -> dict[str, torch.Tensor]:
         """The state's leaves, or the ``ValueError`` the writer would only meet in the
@@ -717,7 +736,9 @@ class CheckpointManager:
                 attrs,
                 chunk_bytes=self.chunk_bytes,
                 compression=self.compression,
-                marker_extra=lambda m: _marker_extra(m, attrs, blocking, t0),
+                marker_extra=lambda m: _marker_extra(
+                    m, attrs, blocking, t0, self._next_generation(step)
+                ),
                 reuse=plan.reuse,
             )
         staging = protocol.begin(root, step)
@@ -731,7 +752,7 @@ class CheckpointManager:
                 compression=self.compression,
                 reuse=plan.reuse,
             )
-            extra = _marker_extra(manifest, attrs, blocking, t0)
+            extra = _marker_extra(manifest, attrs, blocking, t0, self._next_generation(step))
             return protocol.commit(staging, manifest, extra), manifest
         except BaseException:
             protocol.abort(staging)
@@ -1188,16 +1209,22 @@ def _newest_copy_first(paths: list) -> list:
     """Two committed copies of one step: the one saved last first. They differ after a
     redo whose old copy could not be moved aside (a primary remounted read-only after a
     disk error, the new copy in the fallback): reading the primary's first resumed the
-    history the run had left, silently. A copy whose save time cannot be read goes last;
-    on a tie the primary stays first."""
+    history the run had left, silently. Saved last means the higher marker generation
+    (the save time of the wall clock chose the old copy after a clock stepped back: a VM
+    restored from a snapshot, NTP); the save time orders only copies that both lack one
+    (older ftrain). A copy that cannot be read goes last; on a tie the primary stays
+    first."""
 
-    def saved_at(path) -> float:
+    def saved_at(path) -> tuple[int, float]:
         try:
-            _, manifest = protocol.read_committed(path)
+            marker, manifest = protocol.read_committed(path)
             when = read_root_attributes(path, manifest).get("time")
         except (CorruptCheckpointError, CheckpointFormatError, OSError, ValueError):
-            return float("-inf")
-        return float(when) if isinstance(when, (int, float)) else float("-inf")
+            return (-2, float("-inf"))
+        generation = marker.get("generation")
+        if not isinstance(generation, int) or isinstance(generation, bool):
+            generation = -1
+        return (generation, float(when) if isinstance(when, (int, float)) else float("-inf"))
 
     return sorted(paths, key=saved_at, reverse=True)  # stable: primary first on a tie
 
@@ -1318,10 +1345,11 @@ def _check_mmap(mmap: bool, rows, dirs: list) -> None:
         )
 
 
-def _marker_extra(manifest: dict, attrs: dict, blocking: float, t0: float) -> dict:
+def _marker_extra(manifest: dict, attrs: dict, blocking: float, t0: float, generation: int) -> dict:
     """The save facts recorded in the marker: the step's chunk bytes, how many of them this
     save wrote and how many it linked (or server-side copied) from the previous step,
-    time, blocking and total seconds."""
+    time, blocking and total seconds, and the copy's generation (which of two copies of a
+    step was saved last, whatever the wall clock said: :meth:`CheckpointManager._next_generation`)."""
     linked = manifest.get("linked_bytes", 0)
     return {
         "bytes": manifest["nbytes"],
@@ -1330,6 +1358,7 @@ def _marker_extra(manifest: dict, attrs: dict, blocking: float, t0: float) -> di
         "blocking_seconds": blocking,
         "time": attrs["time"],
         "write_seconds": time.perf_counter() - t0,
+        "generation": generation,
     }
 
 

@@ -561,14 +561,23 @@ def test_a_write_killed_after_going_back_leaves_no_old_copy_of_its_step_listed(
     assert same(fresh.restore(), make_state(3))
 
 
-def test_a_location_refusing_the_set_aside_does_not_stop_every_later_save(tmp_path, monkeypatch):
+@pytest.mark.parametrize("clock", ["right", "stepped back an hour"])
+def test_a_location_refusing_the_set_aside_does_not_stop_every_later_save(
+    tmp_path, monkeypatch, clock
+):
     """After going back, the primary refuses to move the old history's steps (remounted
     read-only after a disk error): a warning, and the saves go on (to the fallback), where
-    failing would leave the run unable to checkpoint again."""
+    failing would leave the run unable to checkpoint again. The copy saved last is read,
+    also when the wall clock stepped back between the histories (a VM restored from a
+    snapshot): the copies were ordered by their recorded save time, and the old history's
+    20 was read, and fallen back to past a damaged 30."""
     primary, fallback = tmp_path / "p", tmp_path / "f"
     with CheckpointManager(primary, async_save=False) as m:
         for s in (10, 20):
             m.save(make_state(s), force=True)
+    if clock != "right":
+        real_time = time.time
+        monkeypatch.setattr(time, "time", lambda: real_time() - 3600)
     m = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
     m.restore(10)
 
@@ -592,6 +601,11 @@ def test_a_location_refusing_the_set_aside_does_not_stop_every_later_save(tmp_pa
     both = CheckpointManager(primary, async_save=False, fallback_directory=fallback)
     assert same(both.restore(20), make_state(20, n=32))
     assert both.metadata(20)["path"] == str(fallback / "step_00000020")
+    chunk = next(p for p in (fallback / "step_00000030").rglob("c*") if p.is_file())
+    chunk.write_bytes(bytes(b ^ 0xFF for b in chunk.read_bytes()))  # past it: the new 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert same(both.restore(), make_state(20, n=32))
 
 
 def test_the_metadata_of_a_restored_copy_is_that_copys(tmp_path):
