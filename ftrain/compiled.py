@@ -220,7 +220,7 @@ class CompiledCore:
         compile_started()  # the hang watchdog allows this wait its first-step allowance
         watch_dynamo_compiles()  # and its recompiles, should a torch._dynamo.reset() intervene
         self._warm_caches(key, p[0], parts[2], args)
-        fresh = True  # one more try in a fresh cache, once
+        moved: tuple[str, str] | None = None  # (old, new) cache, once compiled in a new one
         while True:
             wrapper = wrappers.pop(0)
             fn = self.cache[key] = _compile(self._pure(key, *parts), wrapper)
@@ -230,10 +230,13 @@ class CompiledCore:
                 if wrappers and isinstance(e, InductorError):
                     _note(f"the C++ wrapper failed ({str(e).splitlines()[0][:160]}); Python's")
                     continue
-                if fresh and isinstance(e, _BACKEND) and _into_a_fresh_cache(e):
-                    fresh = False
-                    wrappers.insert(0, wrapper)
-                    continue
+                if moved is None and isinstance(e, _BACKEND):
+                    moved = _into_a_fresh_cache(e) or ("", "")
+                    if moved[0]:
+                        wrappers.insert(0, wrapper)
+                        continue
+                elif moved and moved[0]:  # it failed there too: the old cache was not the cause
+                    _back_to_the_cache(*moved)
                 # nothing compiled (or the loss raised while tracing): the next call retries
                 del self.cache[key]
                 note = _note_for(e)
@@ -360,22 +363,23 @@ _BACKEND_NOTE = (
 )
 
 
-def _into_a_fresh_cache(e: BaseException) -> bool:
+def _into_a_fresh_cache(e: BaseException) -> tuple[str, str] | None:
     """After the backend failed with files in its cache: point Inductor at a new, empty
-    cache directory beside it (said), so the caller compiles once more. A cache damaged by
-    a disk that filled or a kill mid-write (truncated ``.py``/``.so`` files, which Inductor
-    reuses by name) failed every start, and a supervisor's restarts with it; a failure the
-    cache did not cause fails again there, with the note."""
+    cache directory beside it (said), so the caller compiles once more; returns ``(old,
+    new)``. A cache damaged by a disk that filled or a kill mid-write (truncated
+    ``.py``/``.so`` files, which Inductor reuses by name) failed every start, and a
+    supervisor's restarts with it; a failure the cache did not cause fails again there
+    (:func:`_back_to_the_cache` then undoes the move)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     from torch._inductor.utils import clear_caches
 
     try:
         old = cache_dir()
         if not any(os.scandir(old)):  # nothing cached: the cache is not the cause
-            return False
+            return None
         new = tempfile.mkdtemp(prefix=os.path.basename(old) + ".fresh-", dir=os.path.dirname(old))
     except OSError:
-        return False
+        return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = new
     clear_caches()  # the in-memory ones point into the old directory
     _note(
@@ -383,7 +387,20 @@ def _into_a_fresh_cache(e: BaseException) -> bool:
         f"into a new cache at {new}. If this compiles, {old} is damaged (a disk that filled, "
         "a kill mid-write): remove it (or set TORCHINDUCTOR_CACHE_DIR to the new one)"
     )
-    return True
+    return old, new
+
+
+def _back_to_the_cache(old: str, new: str) -> None:
+    """The step failed in the new cache too: the old one was not the cause. Inductor goes
+    back to it (this process's later compiles stay warm) and the new one is removed."""
+    import shutil
+
+    from torch._inductor.utils import clear_caches
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+    clear_caches()
+    shutil.rmtree(new, ignore_errors=True)
+    _note(f"it failed in the new cache too: back to {old} (the cache is not the cause)")
 
 
 def _first_line(e: BaseException) -> str:

@@ -241,7 +241,7 @@ def test_compile_auto_compiles_only_runs_that_repay_it_and_can_be_one_graph():
     assert should_compile(False, 10**6) == (False, "trainer.compile=false")
 
 
-def test_only_a_failed_cpp_wrapper_compile_is_retried_with_pythons(monkeypatch, capsys):
+def test_only_a_failed_cpp_wrapper_compile_is_retried_with_pythons(monkeypatch, capsys, tmp_path):
     """Inductor failing at the first call: with the C++ wrapper on, compiled again with
     Python's (nothing ran yet); with it off the error is the user's, raised once."""
     from torch._inductor.exc import InductorError
@@ -267,9 +267,18 @@ def test_only_a_failed_cpp_wrapper_compile_is_retried_with_pythons(monkeypatch, 
     assert "the C++ wrapper failed" in capsys.readouterr().err
     monkeypatch.setattr(ftrain.compiled, "CPP_WRAPPER", False)
     step = ftrain.make_step(model, mse_loss, tx, compile=True)
-    with pytest.raises(InductorError):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
+    with pytest.raises(InductorError):  # an empty cache: not the cause, compiled once
         step(ftrain.init_state(model, tx, seed=0), make_data(16, seed=0))
     assert calls == [True, False, False], "a real failure is not compiled twice"
+    (tmp_path / "ind" / "kernel.py").write_text("")
+    with pytest.raises(InductorError):  # a cache with files: once more in a new one
+        step(ftrain.init_state(model, tx, seed=0), make_data(16, seed=0))
+    assert calls == [True, False, False, False, False]
+    # it failed there too: back to the old cache, the new one removed
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ind")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ind"]
+    assert "back to" in capsys.readouterr().err
 
 
 def test_a_donated_state_whose_compile_failed_is_still_whole(monkeypatch):
@@ -391,10 +400,10 @@ def test_a_backend_failure_with_a_cache_that_holds_files_moves_to_a_new_cache(
     old = tmp_path / "cache"
     old.mkdir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(old))
-    assert not _into_a_fresh_cache(failed)  # empty: the cache is not the cause
+    assert _into_a_fresh_cache(failed) is None  # empty: the cache is not the cause
     (old / "kernel.py").write_text("")
-    assert _into_a_fresh_cache(failed)
-    new = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    new = _into_a_fresh_cache(failed)[1]
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == new
     assert os.path.dirname(new) == str(tmp_path) and new.startswith(f"{old}.fresh-")
     assert os.listdir(new) == []
     err = capsys.readouterr().err
