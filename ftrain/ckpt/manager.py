@@ -241,6 +241,7 @@ class CheckpointManager:
         self._rewinds: list[int] = []
         self._written: set[int] = set()
         self._generation = 0  # of this manager's last commit (see _next_generation)
+        self._saved_clock: dict[int, tuple[float, float]] = {}  # step -> (wall, monotonic)
         self._undeletable: set[str] = set()  # copies retention could not delete: warned once
         self._invalid: dict[Path, str] = {}
         self._seals: dict[str, object] = {}
@@ -600,10 +601,12 @@ class CheckpointManager:
                 f"metadata keys {hidden} are taken by metadata(step), which adds the save's "
                 "facts and the step's path under them; rename them"
             )
+        wall = time.time()  # for people and keep policies; its true age by the monotonic
+        self._saved_clock[step] = (wall, time.monotonic())
         attrs |= {
             "format_version": FORMAT_VERSION,
             "step": step,
-            "time": time.time(),  # wall clock, for people and keep policies
+            "time": wall,
             "metrics": {str(k): _metric_json(k, v) for k, v in (metrics or {}).items()},
             "versions": versions(),
             "host_rng": {
@@ -800,8 +803,12 @@ class CheckpointManager:
         locations = self._set_aside_replaced_copies(step, final)
         entries = self._entries_of(locations)
         entries[step] = entry_for(step, final, save_seconds=total)
-        infos = [StepInfo(s, e["time"], e.get("metrics") or {}) for s, e in entries.items()]
-        keep = self.keep_policy.keep(infos, time.time()) | {step, max(locations)}
+        now = time.time()
+        infos = [
+            StepInfo(s, self._saved_at(s, e, now), e.get("metrics") or {})
+            for s, e in entries.items()
+        ]
+        keep = self.keep_policy.keep(infos, now) | {step, max(locations)}
         if ranks_nothing(self.keep_policy, infos):  # a lone BestN with nothing to rank
             keep |= set(locations)
         keep |= newest_finite(entries)  # a diverged run never loses its last good step
@@ -812,8 +819,20 @@ class CheckpointManager:
             if all([self._delete_or_warn(s, p) for p in locations[s]]):  # every copy tried
                 entries.pop(s, None)  # a copy left (a read-only disk) is still listed
         mark_best(entries, best_policies(self.keep_policy))
+        self._saved_clock = {s: c for s, c in self._saved_clock.items() if s in entries}
         self._entries = entries
         self._store_index()
+
+    def _saved_at(self, step: int, entry: dict, now: float) -> float:
+        """The save time a keep policy judges ``step`` by: for a step this manager saved,
+        ``now`` less its age on the monotonic clock, so a wall clock stepped since (NTP, a
+        VM restored from a snapshot) neither ages it nor makes it young (``YoungerThan``
+        deleted every step but the newest after a jump two days ahead); for the others the
+        recorded wall-clock time, all there is."""
+        wall, mono = self._saved_clock.get(step, (None, None))
+        if mono is None or wall != entry.get("time"):  # not (this copy) saved here
+            return entry["time"]
+        return now - (time.monotonic() - mono)
 
     def _entries_of(self, locations: dict[int, list[Path]]) -> dict[int, dict]:
         """Index entries of the listed steps: known ones reused, the rest read; a step

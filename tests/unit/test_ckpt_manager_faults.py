@@ -916,3 +916,25 @@ def test_a_special_file_as_the_set_aside_journal_names_nothing_and_blocks_nothin
     reader.start()
     reader.join(timeout=30)
     assert done == [[1]]
+
+
+@pytest.mark.parametrize("jump_s", [2 * 86400, -2 * 86400])
+def test_a_clock_jump_does_not_age_or_rejuvenate_this_managers_steps(
+    tmp_path, monkeypatch, jump_s
+):
+    """``YoungerThan(1 day)`` judged each step by its recorded wall-clock time: a clock
+    stepped two days ahead deleted every step but the newest, seconds after they were
+    saved; steps saved while it ran behind were deleted once it was put right. The steps
+    this manager saved are aged by the monotonic clock now."""
+    from ftrain.ckpt.policies import YoungerThan
+
+    real_time = time.time
+    if jump_s < 0:  # saved while the clock ran behind, judged once it is right
+        monkeypatch.setattr(time, "time", lambda: real_time() + jump_s)
+    m = CheckpointManager(tmp_path, async_save=False, keep_policy=YoungerThan(86400))
+    for s in range(1, 6):
+        m.save(make_state(s), force=True)
+    monkeypatch.setattr(time, "time", lambda: real_time() + max(jump_s, 0))
+    m.save(make_state(6), force=True)
+    assert m.all_steps() == [1, 2, 3, 4, 5, 6]
+    m.close()
