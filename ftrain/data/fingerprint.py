@@ -23,6 +23,7 @@ restored mtime in the probed regions. A file edited in place outside the probes
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -142,14 +143,39 @@ def unique_tmp(target: Path):
     block leaves it behind (an error, a KeyboardInterrupt): two processes with one pid (two
     containers on one cache volume) wrote the same ``.tmp-<pid>``, truncating each other's."""
     fd, name = tempfile.mkstemp(prefix=f"{target.name}.tmp-", dir=target.parent)
-    try:  # mkstemp's 0600 kept another user of a shared cache from reading it
-        os.fchmod(fd, plain_file_mode())
-    finally:
-        os.close(fd)
     try:
+        os.fchmod(fd, plain_file_mode())  # mkstemp's 0600 kept other users of a cache out
+        # held while the block writes: a sweep by another start passes a file it cannot
+        # lock (a writer stopped for an hour, a clock stepped ahead: its file looked dead,
+        # was removed, and the writer failed with a wrong "free that much space")
+        _lock_or_skip(fd)
         yield Path(name)
     finally:
+        os.close(fd)
         Path(name).unlink(missing_ok=True)
+
+
+def _lock_or_skip(fd: int) -> None:
+    """``flock`` ``fd`` (a file system without locks only loses the sweep's protection)."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _held_by_a_writer(path: Path) -> bool:
+    """A live :func:`unique_tmp` writer holds a lock on its file; a dead one's is free."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks here: the age alone decides, as before
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 # a temporary file untouched this long belongs to a writer that died (SIGKILL, power loss):
@@ -166,7 +192,7 @@ def remove_stale_tmp(folder: Path, older_than_s: float = STALE_TMP_S) -> int:
     try:
         for f in folder.glob("*.tmp-*"):
             with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
-                if f.stat().st_mtime < cutoff:
+                if f.stat().st_mtime < cutoff and not _held_by_a_writer(f):
                     f.unlink()
                     removed += 1
     except OSError:

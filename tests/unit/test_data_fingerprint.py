@@ -134,3 +134,21 @@ def test_cache_files_get_the_umask_mode_so_a_shared_cache_is_readable(tmp_path):
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == {
         p.name: "0o644" for p in written
     }
+
+
+def test_a_sweep_never_removes_a_live_writers_temporary_file(tmp_path):
+    """A cache sweep judged a temporary file dead by its age alone: a writer stopped for
+    an hour (or a clock stepped ahead in the sweeping process) lost its file, and failed
+    with "cannot be written ... free that much space", exit 2. A live writer holds a lock
+    on it; a dead one's (no lock) is still swept."""
+    from ftrain.data.fingerprint import remove_stale_tmp, unique_tmp
+
+    target = tmp_path / "tokens.u8"
+    dead = tmp_path / "tokens.u8.tmp-dead"
+    dead.write_bytes(b"left by a killed writer")
+    with unique_tmp(target) as tmp:
+        tmp.write_bytes(b"half written")
+        assert remove_stale_tmp(tmp_path, older_than_s=-1) == 1  # everything looks old
+        assert tmp.exists() and not dead.exists()
+        tmp.replace(target)
+    assert target.read_bytes() == b"half written"
