@@ -128,15 +128,8 @@ def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
                 if nul:  # not text, and its NULs read as document ends
                     binary.append(f)
         os.replace(tmp, target)
-    if binary:
-        log.warning(
-            "%d corpus file(s) hold NUL bytes, so they are not text (a binary file?) and "
-            "their NULs read as document ends: %s; leave them out with a narrower data.path, a "
-            "glob of the text files (data.path='DIR/**/*.txt'), or TextCorpusSource(..., "
-            "exclude=[NAME]) in Python (a path component to skip)",
-            len(binary),
-            ", ".join(map(str, binary[:3])) + (", ..." if len(binary) > 3 else ""),
-        )
+    binary_names = [str(f) for f in binary]
+    warn_binary(binary_names)
     log.info(
         "tokenized %d files (%d bytes) into %s in %.1fs",
         len(files),
@@ -144,7 +137,23 @@ def _tokenize_files(files: Sequence[Path], target: Path) -> dict[str, Any]:
         target,
         time.perf_counter() - t0,
     )
-    return {"num_tokens": n, "digest": h.hexdigest(), "probe": _probe_digest(target, n)}
+    probe = _probe_digest(target, n)
+    return {"num_tokens": n, "digest": h.hexdigest(), "probe": probe, "binary": binary_names}
+
+
+def warn_binary(names: list[str]) -> None:
+    """Said at every start that reads such a corpus, from the cache too (it was said only
+    by the start that tokenized it)."""
+    if not names:
+        return
+    log.warning(
+        "%d corpus file(s) hold NUL bytes, so they are not text (a binary file?) and "
+        "their NULs read as document ends: %s; leave them out with a narrower data.path, a "
+        "glob of the text files (data.path='DIR/**/*.txt'), or TextCorpusSource(..., "
+        "exclude=[NAME]) in Python (a path component to skip)",
+        len(names),
+        ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+    )
 
 
 _PIECE = 8 << 20  # a corpus file is copied this much at a time: a 5 GB file was read whole
@@ -192,6 +201,8 @@ def tokenize_corpus(
         meta = _json.loads(meta_file.read_text())
         size = token_file.stat().st_size
         if size == meta["num_tokens"] and _probe_digest(token_file, size) == meta["probe"]:
+            binary = meta.get("binary")
+            warn_binary([str(b) for b in binary] if isinstance(binary, list) else [])
             return token_file, meta, False
         log.warning("corpus cache %s is incomplete or corrupt; tokenizing again", token_file)
     except (OSError, ValueError, KeyError, TypeError):

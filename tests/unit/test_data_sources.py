@@ -461,6 +461,10 @@ def test_a_corpus_file_is_copied_piece_by_piece_with_the_same_tokens(tmp_path, m
         pieces, meta7, _ = text_mod.tokenize_corpus(sorted(root.iterdir()), cache=tmp_path / "c2")
     assert pieces.read_bytes() == whole.read_bytes() and meta7["digest"] == meta["digest"]
     assert "1 corpus file(s) hold NUL bytes" in caplog.text and "b.bin" in caplog.text
+    caplog.clear()  # a later start reads the cache: said again (it was said only once)
+    with caplog.at_level("WARNING", logger="ftrain.data"):
+        _, _, tokenized = text_mod.tokenize_corpus(sorted(root.iterdir()), cache=tmp_path / "c2")
+    assert not tokenized and "b.bin" in caplog.text
 
 
 def test_a_corpus_cache_that_cannot_be_written_is_a_data_path_error_naming_the_fix(tmp_path):
