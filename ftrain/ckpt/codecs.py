@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numcodecs import Blosc, Zstd
+from numcodecs import Blosc, Zstd, blosc
 
 __all__ = ["ALLOWED", "Codec", "parse_compression"]
 
@@ -41,6 +41,13 @@ class Codec:
     @property
     def spec(self) -> str:
         return f"{self.name}:{self.level}"
+
+    @property
+    def max_chunk_bytes(self) -> int | None:
+        """The largest chunk the codec takes, or ``None`` (no limit): Blosc's buffers stop
+        short of 2 GiB (``ValueError: Codec does not support buffers of > 2147483647
+        bytes`` from the background writer, after ``save()`` had returned)."""
+        return None if self.name == "zstd" else blosc.MAX_BUFFERSIZE
 
     def zarr_codec(self, itemsize: int) -> dict:
         """The codec entry of the array's ``zarr.json`` (zarr-python 3 spelling)."""

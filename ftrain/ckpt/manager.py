@@ -72,7 +72,13 @@ from ftrain.ckpt.policies import (
     ranks_nothing,
 )
 from ftrain.ckpt.reader import read_tree, specs_of
-from ftrain.ckpt.store import DEFAULT_WORKERS, check_path_lengths, groups_and_arrays, write_tree
+from ftrain.ckpt.store import (
+    DEFAULT_WORKERS,
+    check_chunk_sizes,
+    check_path_lengths,
+    groups_and_arrays,
+    write_tree,
+)
 from ftrain.ckpt.target import check_only, match_target
 from ftrain.ckpt.untracked import count_optimizer_writes
 from ftrain.ckpt.writerlock import WriterLock
@@ -205,6 +211,12 @@ class CheckpointManager:
         self.keep_policy = keep_policy or KeepAll()
         self.async_save = async_save
         self.chunk_bytes = _positive_int("chunk_bytes", chunk_bytes, DEFAULT_CHUNK_BYTES)
+        if codec and codec.max_chunk_bytes and self.chunk_bytes > codec.max_chunk_bytes:
+            raise ValueError(
+                f"chunk_bytes={chunk_bytes} is past the {codec.max_chunk_bytes} bytes "
+                f"compression={codec.spec!r} compresses at once: pass a smaller chunk_bytes "
+                "(the default is 32 MiB) or compression='zstd'"
+            )
         self.io_workers = _positive_int("io_workers", io_workers, DEFAULT_WORKERS)
         self.incremental = incremental
         if incremental:
@@ -524,6 +536,7 @@ class CheckpointManager:
         background (or, sharded, on every rank after trying the fallback as a failing disk)."""
         _, leaves = groups_and_arrays(state)
         _check_leaves(leaves)
+        check_chunk_sizes(leaves, self.chunk_bytes, self.compression)
         if isinstance(self._dirs[0], Path):  # a fallback too long fails there, if ever used
             check_path_lengths(self._dirs[0], leaves)
         return leaves

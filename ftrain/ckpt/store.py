@@ -54,7 +54,13 @@ from ftrain.ckpt.incremental import FallbackBytes, Reuse
 from ftrain.ckpt.links import DAMAGED, LINKED, link_chunk, link_document
 from ftrain.state.tree import nodes_and_leaves
 
-__all__ = ["check_path_lengths", "groups_and_arrays", "merge_manifests", "write_tree"]
+__all__ = [
+    "check_chunk_sizes",
+    "check_path_lengths",
+    "groups_and_arrays",
+    "merge_manifests",
+    "write_tree",
+]
 
 log = logging.getLogger("ftrain.ckpt")
 
@@ -137,6 +143,29 @@ def check_path_lengths(directory: Path, arrays: dict[str, torch.Tensor]) -> None
                 f"leaf {key[:60]!r}... needs a path of about {need} bytes under {shown}; "
                 f"the kernel takes at most {_PATH_MAX - 1}: shorten its keys or nest them less "
                 "(or save into a directory with a shorter path)"
+            )
+
+
+def check_chunk_sizes(
+    arrays: dict[str, torch.Tensor], chunk_bytes: int, compression: str | None
+) -> None:
+    """Every chunk fits the codec's largest buffer (Blosc: just under 2 GiB). A chunk is
+    at least one row of dim 0, so a leaf whose row is that large failed in the background
+    writer after ``save()`` had returned, naming neither the leaf nor the fix."""
+    codec = parse_compression(compression)
+    limit = codec.max_chunk_bytes if codec else None
+    if limit is None:
+        return
+    for key, t in arrays.items():
+        if t.dim() == 0 or t.numel() == 0:
+            continue
+        chunk = plan_array(key, t, chunk_bytes, codec.spec).chunk_nbytes
+        if chunk > limit:
+            raise ValueError(
+                f"leaf {key!r} needs chunks of {chunk} bytes (one row of its first dimension "
+                f"at least), past the {limit} bytes {codec.spec} compresses at once: save it "
+                "with compression='zstd' or none, or a view with more, smaller rows "
+                "(t.reshape(-1, n))"
             )
 
 

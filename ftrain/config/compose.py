@@ -704,11 +704,13 @@ def _check_mmap_restore(c: DictConfig) -> None:
 
 def _check_optim(o: DictConfig) -> None:
     lr = o.get("lr")
-    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+    # finite in float32 too, where it is applied: 1e300 trained into NaN at step 3
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and 0 < lr <= _FLOAT32_MAX):
         raise _bad(
             "optim.lr",
             lr,
-            "the learning rate (the schedule's peak) must be a finite number > 0",
+            f"the learning rate (the schedule's peak) must be a number > 0 and at most "
+            f"{_FLOAT32_MAX:.4g}, float32's largest",
             "set optim.lr (an optimizer YAML of your own needs an lr key)",
         )
     if o.clip is not None and not (o.clip > 0):
@@ -736,6 +738,7 @@ def _check_optim(o: DictConfig) -> None:
 
 
 _FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without torch
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 _GROUP_KEYS = ("params", "lr", "b1", "b2", "eps", "weight_decay", "momentum", "nesterov")
 _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]*")
 

@@ -134,3 +134,22 @@ def test_a_frame_that_decodes_short_is_refused_not_padded_with_old_memory(spec):
         codec.decode_into(short, memoryview(bytearray(len(data))), 4)
     with pytest.raises(ValueError, match="cannot decode the chunk"):
         codec.decode_into(whole[:-3], memoryview(bytearray(len(data))), 4)
+
+
+def test_a_chunk_blosc_cannot_take_is_refused_at_save_naming_the_leaf(tmp_path):
+    """A leaf whose one row of dim 0 is past 2 GiB (a chunk is at least a row): save()
+    returned True and the background writer failed with numcodecs' "Codec does not support
+    buffers of > 2147483647 bytes", naming neither the leaf nor the fix. A chunk_bytes past
+    the limit is refused when the manager is made. Meta leaves: no memory is needed."""
+    from ftrain.ckpt.store import check_chunk_sizes
+
+    m = CheckpointManager(tmp_path, compression="blosc-lz4", async_save=False)
+    wide = torch.empty(1, 2**31 + 4096, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match=r"leaf 'w' needs chunks of 2147487744 bytes"):
+        check_chunk_sizes({"w": wide}, m.chunk_bytes, m.compression)
+    tall = torch.empty(2**31 + 4096, dtype=torch.uint8, device="meta")  # many small rows
+    check_chunk_sizes({"w": tall}, m.chunk_bytes, m.compression)
+    check_chunk_sizes({"w": wide}, m.chunk_bytes, "zstd:1")  # zstd has no such limit
+    with pytest.raises(ValueError, match=r"chunk_bytes=3221225472 is past"):
+        CheckpointManager(tmp_path, compression="blosc-zstd", chunk_bytes=3 << 30)
+    assert m.all_steps() == []

@@ -68,6 +68,8 @@ def test_recipe_overlay_and_builders():
         # model.n_head=4 before finding model.n_head=3 impossible
         ("model.n_head=3", r"model.n_embd must be divisible by n_head, got n_embd=64 and n_head=3"),
         ("optim.eps=1e-300", r"optim.eps=1e-300 is invalid: must be at least 1.18e-38"),
+        # finite in float64, inf once applied in float32: NaN at step 3 (trained 2 steps)
+        ("optim.lr=1e300", r"optim.lr=1e\+300 is invalid: .* at most 3.403e\+38, float32's"),
         ("model.dropout=1.0", r"model.dropout must be in \[0, 1\), got dropout=1.0 \(model=gpt2"),
     ],
 )
