@@ -37,19 +37,23 @@ a non-finite value means:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDictBase
 
+from ftrain.ckpt.hostrng import Mark
 from ftrain.optim.base import tree_get
 from ftrain.signals import StopFlag
 from ftrain.state.init import is_donated
 from ftrain.step import _new_state
 from ftrain.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
 
 __all__ = ["NONFINITE_MODES", "LoopResult", "NonFiniteError", "SaveFn", "train_loop"]
 
@@ -148,10 +152,14 @@ def train_loop(
     Args:
         state: the state to start from (fresh or restored).
         step: ``step(state, batch) -> (state, metrics)``, e.g. from :func:`ftrain.make_step`.
-        batches: an iterable of batches (``ftrain.data.Loader.iter_from(state["data"])``).
+        batches: an iterable of batches (``ftrain.data.Loader.iter_from(state["data"])``;
+            a ``Loader`` itself starts at the state's cursor too).
         max_steps: stop when ``state["step"]`` reaches this.
         save: ``save(state, metrics, *, force, reason) -> bool``; called after every step
-            (its policy decides), with ``force=True`` at the end, on stop and on error.
+            (its policy decides), with ``force=True`` at the end, on stop and on error. Or
+            a :class:`ftrain.CheckpointManager`: its policy, the step's metrics recorded,
+            and every forced save committed before the loop returns or raises (a save
+            function of your own that calls an async manager's ``save`` returns first).
         evaluate: ``evaluate(state) -> {"val_loss": ...}``, called every ``eval_every`` steps;
             not called once a stop is requested (the stop save comes first), and it may
             return ``None`` to say it gave up part-way on one (recorded as ``eval_skipped``).
@@ -194,7 +202,7 @@ def train_loop(
     _check_counts(max_steps=max_steps, log_every=log_every, eval_every=eval_every)
     run = _Run(
         step=step,
-        save=save or (lambda *a, **k: False),
+        save=_save_fn(save),
         record=record or _noop_record,
         evaluate=evaluate,
         eval_every=eval_every,
@@ -209,9 +217,40 @@ def train_loop(
     )
     run.watchdog.start()
     try:
-        return run.loop(state, iter(batches))
+        return run.loop(state, _batches_from(batches, state))
     finally:
         run.watchdog.stop()
+
+
+def _save_fn(save) -> SaveFn:
+    """``save`` as the loop calls it. A :class:`ftrain.CheckpointManager` given itself
+    saves by its policy after each step, and a forced save (the end, a stop, an emergency)
+    is waited for: the loop returns or raises with it committed (``latest_step()`` right
+    after an async emergency save said ``None``, and a failed write was recorded as
+    saved)."""
+    if save is None:
+        return lambda *a, **k: False
+    if callable(save) or not (hasattr(save, "save") and hasattr(save, "wait")):
+        return save
+    manager = save
+
+    def into_manager(state, metrics, *, force: bool, reason: str) -> bool:
+        saved = manager.save(state, metrics=metrics, force=force)
+        if force:
+            manager.wait()
+        return saved
+
+    return into_manager
+
+
+def _batches_from(batches: Iterable, state: TensorDictBase) -> Iterator:
+    """The batch stream: a :class:`ftrain.data.Loader` given itself starts at the state's
+    cursor, as ``loader.iter_from(state["data"])`` does (iterated from its start, a resume
+    trained on the first batches again, silently)."""
+    iter_from = getattr(batches, "iter_from", None)
+    if callable(iter_from) and "data" in state.keys():
+        return iter_from(state["data"])
+    return iter(batches)
 
 
 def _check_mode(on_nonfinite: str, donate: bool) -> None:
@@ -274,7 +313,7 @@ class _Run:
 
     def loop(self, state, it) -> LoopResult:
         wd, in_step, returned, stop = self.watchdog, False, None, self.stop
-        start = int(state["step"])
+        start, mark = int(state["step"]), None
         try:
             if self.evaluate_first:
                 self._maybe_evaluate(state, start)
@@ -291,6 +330,7 @@ class _Run:
                         self.save(state, self.current, force=True, reason=reason)
                     return LoopResult(state, "stopped", reason, self.last, dict(self.current))
                 wd.phase("data", state, self.current, safe=True)
+                mark = (int(state["step"]), Mark())  # the host generators of this state
                 batch = next(it, _END)
                 if batch is _END:  # a finite iterable: the data's end, saved as an end
                     return self._exhausted(state, trained=int(state["step"]) > start)
@@ -315,6 +355,8 @@ class _Run:
                 self.current = dict(metrics.items())  # the saved step's own metrics
             if not (self.donate and in_step) or _still_whole(self.step, state):
                 wd.phase("save", state, self.current, safe=True)
+                if mark is not None and mark[0] == int(state["step"]):
+                    mark[1].put_back()  # the save records the saved state's generators
                 _emergency_save(self.save, state, self.current, err, self.record)
             raise
         return LoopResult(state, "finished", "done", self.last, dict(self.current))
@@ -472,14 +514,23 @@ def _still_whole(step: Callable, state) -> bool:
 
 
 def _emergency_save(save: SaveFn, state, last, err: BaseException, record) -> None:
+    """Save the last finished state; the original error matters more than the save's or
+    the record's (a ``record`` that raised here replaced it). A save that fails with the
+    step's metrics is tried once more without them: a metric the checkpoint cannot hold
+    (an ``evaluate`` returning a tensor of 3) failed the policy save and then this one,
+    and every step since the last commit was lost."""
+    fields: dict = {"step": int(state["step"]), "error": repr(err)}
     try:
-        saved = save(state, last, force=True, reason="emergency")
-        record("emergency_save", step=int(state["step"]), saved=bool(saved), error=repr(err))
-    except Exception as save_err:  # the original error matters more; report both
-        record(
-            "emergency_save",
-            step=int(state["step"]),
-            saved=False,
-            error=repr(err),
-            save_error=repr(save_err),
-        )
+        fields["saved"] = bool(save(state, last, force=True, reason="emergency"))
+    except Exception as save_err:
+        fields |= {"saved": False, "save_error": repr(save_err)}
+        if last:
+            try:
+                fields["saved"] = bool(save(state, {}, force=True, reason="emergency"))
+                fields["without_metrics"] = True
+            except Exception:  # noqa: BLE001 - the first failure is the one reported
+                pass
+    try:
+        record("emergency_save", **fields)
+    except Exception as record_err:  # noqa: BLE001 - never replaces the step's error
+        log.warning("ftrain: could not record the emergency save (%r): %s", record_err, fields)

@@ -240,6 +240,7 @@ def _check_layout(model: nn.Module, pkeys: list[Key], state: TensorDictBase) -> 
     """Once per layout: the params fit the model, and ``step`` is a 0-d integer counter (a
     float step advanced to 1.0, 2.0, ... and only the first save refused it)."""
     check_params_match(model, pkeys)
+    _check_param_shapes(model, pkeys, state["params"])
     s = state.get("step", None)
     if (
         not isinstance(s, torch.Tensor)
@@ -252,6 +253,39 @@ def _check_layout(model: nn.Module, pkeys: list[Key], state: TensorDictBase) -> 
         raise ValueError(
             f"state['step'] must be a 0-d integer tensor (the step counter), got {got}; make "
             "the state with ftrain.init_state(model, tx)"
+        )
+
+
+# a resume from such a state starts the user's data over, and nothing said so
+_NO_CURSOR = (
+    "the batches carry no 'cursor' (the data position after them), so the state's data "
+    "position stays where it was and a resume cannot find its place in your data: it "
+    "starts it over. Yield TensorDict(..., cursor=...) as ftrain.data.sample gives it, or "
+    "pass an ftrain.data.Loader (docs/custom-step.md)"
+)
+
+
+def _check_param_shapes(model: nn.Module, pkeys: list[Key], params: TensorDictBase) -> None:
+    """The state's params have the model's shapes (once per layout): a checkpoint of a
+    64-wide MLP restored without ``target=`` into a 32-wide one trained the 64-wide weights
+    silently; a GPT of another width failed deep inside torch ("Expected weight to be of
+    same shape as normalized_shape").
+
+    Raises:
+        ValueError: naming the params whose shapes differ and the fix.
+    """
+    want = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    wrong = [
+        f"{'.'.join(k)}: state {tuple(params[k].shape)}, model {want['.'.join(k)]}"
+        for k in pkeys
+        if tuple(params[k].shape) != want.get(".".join(k), tuple(params[k].shape))
+    ]
+    if wrong:
+        more = f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""
+        raise ValueError(
+            f"the state's params do not have the model's shapes: {'; '.join(wrong[:4])}{more}; "
+            "build the model the state was saved from, or restore with target= (a state of "
+            "this model) to have every difference named"
         )
 
 
@@ -478,6 +512,7 @@ def make_step(
     trainable = Trainable(getattr(tx.update, "frozen_of", None))
     matched: dict = {}  # parameter layouts checked against the model's
     matched_opt: dict = {}  # optimizer-state layouts checked against the tx's
+    said_no_cursor: list = []  # the batches carry no data position: said once
 
     def step(state: TensorDictBase, batch) -> tuple[TensorDict, TensorDict]:
         check_usable(state, "step")
@@ -486,6 +521,9 @@ def make_step(
             # second (out-of-place) graph compiled mid-run, tens of seconds into a step
             state = state.clone()
         cursor, micro = _split_batch(batch, grad_accum)
+        if cursor is None and not said_no_cursor:
+            said_no_cursor.append(True)
+            warnings.warn(_NO_CURSOR, UserWarning, stacklevel=2)
         pkeys, params = flatten(state["params"])
         per_structure(matched, tuple(pkeys), lambda: _check_layout(model, pkeys, state))
         bkeys, buffers = flatten(state["buffers"])

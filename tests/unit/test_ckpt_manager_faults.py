@@ -919,9 +919,7 @@ def test_a_special_file_as_the_set_aside_journal_names_nothing_and_blocks_nothin
 
 
 @pytest.mark.parametrize("jump_s", [2 * 86400, -2 * 86400])
-def test_a_clock_jump_does_not_age_or_rejuvenate_this_managers_steps(
-    tmp_path, monkeypatch, jump_s
-):
+def test_a_clock_jump_does_not_age_or_rejuvenate_this_managers_steps(tmp_path, monkeypatch, jump_s):
     """``YoungerThan(1 day)`` judged each step by its recorded wall-clock time: a clock
     stepped two days ahead deleted every step but the newest, seconds after they were
     saved; steps saved while it ran behind were deleted once it was put right. The steps

@@ -580,3 +580,117 @@ def test_a_metric_of_several_elements_from_a_users_step_is_named():
 
     with pytest.raises(TypeError, match=r"the step's metric 'per_sample' has shape \(4,\)"):
         train_loop(state, per_sample, _batches(), max_steps=2)
+
+
+def test_an_emergency_save_that_fails_on_the_metrics_is_made_without_them():
+    """An ``evaluate`` returning a value the checkpoint cannot hold failed the policy save
+    and then the emergency save with the same metrics: every step since the last commit was
+    lost. A ``record`` that raises there no longer replaces the step's error either."""
+    state, step = _setup()
+    saved = []
+
+    def save(s, metrics, *, force, reason):
+        if any(isinstance(v, torch.Tensor) and v.dim() for v in metrics.values()):
+            raise ValueError("metrics must be JSON-serialisable")
+        saved.append((int(s["step"]), reason))
+        return True
+
+    def records(kind, **fields):
+        if kind == "emergency_save":
+            raise OSError("the log's disk is full")
+
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        train_loop(
+            state, step, _batches(), max_steps=10, save=save, record=records,
+            evaluate=lambda s: {"extra": torch.ones(3)}, eval_every=2,
+        )  # fmt: skip
+    assert saved[-1] == (2, "emergency")
+
+
+def test_a_loader_given_itself_starts_at_the_states_cursor():
+    """``train_loop(restored, step, loader)``: the Loader iterated from its start, so a
+    resume trained on the first batches again and ended elsewhere than an unbroken run,
+    without a word."""
+    from ftrain.data import Loader
+    from ftrain.data.sources import TensorSource
+    from ftrain.rng import key
+
+    model = torch.nn.Linear(4, 1)
+    tx = ftrain.optim.sgd(0.01)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"].float()).pow(2).mean(), tx)
+    loader = Loader(TensorSource(torch.arange(200), block_size=4), global_batch=4, key=key(0))
+    whole = train_loop(ftrain.init_state(model, tx, seed=0), step, loader, max_steps=6)
+    half = train_loop(ftrain.init_state(model, tx, seed=0), step, loader, max_steps=3)
+    rest = train_loop(half.state, step, loader, max_steps=6)
+    assert ftrain.tree_equal(rest.state, whole.state)
+    loader.close()
+
+
+def test_an_emergency_save_records_the_host_generators_of_the_state_it_saves(tmp_path):
+    """A user's ``torch.nn.Dropout`` draws from torch's global generator: the emergency
+    save recorded it as the failed step's forward had left it, so a resume with
+    ``host_rng=True`` drew other masks than an unbroken run."""
+    from tensordict import TensorDict
+
+    from ftrain.ckpt import CheckpointManager
+
+    def setup(fail_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
+        )
+        tx, calls = ftrain.optim.sgd(0.1), []
+
+        def loss(m, b):
+            out = m(b["x"]).pow(2).mean()
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("the loss failed after the forward")
+            return out
+
+        return ftrain.make_step(model, loss, tx), ftrain.init_state(model, tx, seed=0)
+
+    def loop(step, state, manager=None):
+        batches = iter(lambda: TensorDict(x=torch.ones(2, 4), batch_size=[2]), None)
+
+        def save(s, metrics, *, force, reason):
+            if manager is None or reason == "policy":
+                return False
+            return manager.save(s, metrics=metrics, force=force)
+
+        return train_loop(state, step, batches, max_steps=6, save=save).state
+
+    with pytest.warns(UserWarning, match="cursor"):
+        whole = loop(*setup())
+        with CheckpointManager(tmp_path, async_save=False) as m, pytest.raises(RuntimeError):
+            loop(*setup(fail_at=4), manager=m)
+        step, _ = setup()
+        torch.manual_seed(123)  # what the resume puts back must win over this
+        with CheckpointManager(tmp_path, async_save=False) as m:
+            assert m.all_steps() == [3]
+            resumed = m.restore(host_rng=True)
+        end = loop(step, resumed)
+    assert ftrain.tree_equal(end, whole)
+
+
+def test_a_manager_given_as_save_has_its_emergency_save_committed_when_the_loop_raises(
+    tmp_path,
+):
+    """An async manager's emergency save was still being written when train_loop raised:
+    ``latest_step()`` said None, and a retry restarted from scratch. Given the manager
+    itself, the loop saves by its policy and waits for every forced save."""
+    from ftrain.ckpt import CheckpointManager
+
+    state, step = _setup()
+
+    def failing(s, b):
+        if int(s["step"]) == 2:
+            raise RuntimeError("boom")
+        return step(s, b)
+
+    with CheckpointManager(tmp_path, async_save=True, save_policy=ftrain.EveryNSteps(100)) as m:
+        with pytest.raises(RuntimeError, match="boom"):
+            train_loop(state, failing, _batches(), max_steps=10, save=m)
+        assert m.latest_step() == 2
+        done = train_loop(m.restore(), step, _batches(), max_steps=4, save=m)
+        assert m.latest_step() == 4 and int(done.state["step"]) == 4

@@ -567,3 +567,28 @@ def test_float64_aux_metrics_keep_their_precision_and_counts_sum():
     _, metrics = step(init_state(model, _tx(), seed=0), _batch(0))
     assert metrics["big"].dtype == torch.float64 and metrics["big"].item() == 1e300
     assert int(metrics["n"]) == 8  # counts sum over micro-batches
+
+
+def test_a_state_of_another_width_is_refused_naming_the_shapes():
+    """A checkpoint of a 64-wide MLP restored without target= into a 32-wide one trained
+    the 64-wide weights silently (the step checked the param names only)."""
+    wide, narrow = torch.nn.Linear(4, 64), torch.nn.Linear(4, 32)
+    tx = ftrain.optim.sgd(0.1)
+    state = ftrain.init_state(wide, tx, seed=0)
+    step = ftrain.make_step(narrow, lambda m, b: m(b["x"]).pow(2).mean(), tx)
+    with pytest.raises(ValueError, match=r"weight: state \(64, 4\), model \(32, 4\)"):
+        step(state, {"x": torch.ones(2, 4)})
+
+
+def test_batches_without_a_cursor_are_said_once_since_a_resume_restarts_them():
+    """A list of batches (or the README's random ones) carries no cursor: the state's data
+    position never moved, and a resume given the same batches trained them from the first
+    again, without a word."""
+    model = torch.nn.Linear(2, 1)
+    tx = ftrain.optim.sgd(0.1)
+    step = ftrain.make_step(model, lambda m, b: m(b["x"]).pow(2).mean(), tx)
+    state = ftrain.init_state(model, tx, seed=0)
+    with pytest.warns(UserWarning, match="the batches carry no 'cursor'") as said:
+        for _ in range(3):
+            state, _ = step(state, {"x": torch.ones(4, 2)})
+    assert len([w for w in said if "cursor" in str(w.message)]) == 1
