@@ -32,7 +32,8 @@ def out_of_memory(err: BaseException) -> str | None:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if _is_memory(e):
-            return f"out of memory{_where(e)}: {_first_line(e)}"
+            what = "threads" if "can't start new thread" in str(e) else "memory"
+            return f"out of {what}{_where(e)}: {_first_line(e)}"
         e = e.__cause__ or e.__context__
     return None
 

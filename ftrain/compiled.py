@@ -220,7 +220,7 @@ class CompiledCore:
         compile_started()  # the hang watchdog allows this wait its first-step allowance
         watch_dynamo_compiles()  # and its recompiles, should a torch._dynamo.reset() intervene
         self._warm_caches(key, p[0], parts[2], args)
-        moved: tuple[str, str] | None = None  # (old, new) cache, once compiled in a new one
+        moved: tuple | None = None  # (old, new, made) caches, once compiled in the other
         while True:
             wrapper = wrappers.pop(0)
             fn = self.cache[key] = _compile(self._pure(key, *parts), wrapper)
@@ -231,7 +231,7 @@ class CompiledCore:
                     _note(f"the C++ wrapper failed ({str(e).splitlines()[0][:160]}); Python's")
                     continue
                 if moved is None and isinstance(e, _BACKEND):
-                    moved = _into_a_fresh_cache(e) or ("", "")
+                    moved = _into_a_fresh_cache(e) or ("", "", False)
                     if moved[0]:
                         wrappers.insert(0, wrapper)
                         continue
@@ -363,13 +363,13 @@ _BACKEND_NOTE = (
 )
 
 
-def _into_a_fresh_cache(e: BaseException) -> tuple[str, str] | None:
-    """After the backend failed with files in its cache: point Inductor at a new, empty
-    cache directory beside it (said), so the caller compiles once more; returns ``(old,
-    new)``. A cache damaged by a disk that filled or a kill mid-write (truncated
-    ``.py``/``.so`` files, which Inductor reuses by name) failed every start, and a
-    supervisor's restarts with it; a failure the cache did not cause fails again there
-    (:func:`_back_to_the_cache` then undoes the move)."""
+def _into_a_fresh_cache(e: BaseException) -> tuple[str, str, bool] | None:
+    """After the backend failed with files in its cache: point Inductor at the cache
+    directory ``DIR.fresh`` beside it (said; empty the first time, reused by later starts),
+    so the caller compiles once more; returns ``(old, new, made)``. A cache damaged by a
+    disk that filled or a kill mid-write (truncated ``.py``/``.so`` files, which Inductor
+    reuses by name) failed every start, and a supervisor's restarts with it; a failure the
+    cache did not cause fails again there (:func:`_back_to_the_cache` undoes the move)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     from torch._inductor.utils import clear_caches
 
@@ -377,30 +377,35 @@ def _into_a_fresh_cache(e: BaseException) -> tuple[str, str] | None:
         old = cache_dir()
         if not any(os.scandir(old)):  # nothing cached: the cache is not the cause
             return None
-        new = tempfile.mkdtemp(prefix=os.path.basename(old) + ".fresh-", dir=os.path.dirname(old))
+        # one name, reused: a supervisor's restarts each made a cold cache of its own
+        new = old.rstrip(os.sep) + ".fresh"
+        made = not os.path.lexists(new)
+        os.makedirs(new, exist_ok=True)
     except OSError:
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = new
     clear_caches()  # the in-memory ones point into the old directory
     _note(
         f"it failed with the compile cache at {old} ({_first_line(e)}); compiling once more "
-        f"into a new cache at {new}. If this compiles, {old} is damaged (a disk that filled, "
-        "a kill mid-write): remove it (or set TORCHINDUCTOR_CACHE_DIR to the new one)"
+        f"in the cache at {new}. If this compiles, {old} is damaged (a disk that filled, a "
+        "kill mid-write): remove it (or set TORCHINDUCTOR_CACHE_DIR to the other one)"
     )
-    return old, new
+    return old, new, made
 
 
-def _back_to_the_cache(old: str, new: str) -> None:
-    """The step failed in the new cache too: the old one was not the cause. Inductor goes
-    back to it (this process's later compiles stay warm) and the new one is removed."""
+def _back_to_the_cache(old: str, new: str, made: bool) -> None:
+    """The step failed in the other cache too: the old one was not the cause. Inductor
+    goes back to it (this process's later compiles stay warm); the other one goes if this
+    attempt made it."""
     import shutil
 
     from torch._inductor.utils import clear_caches
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
     clear_caches()
-    shutil.rmtree(new, ignore_errors=True)
-    _note(f"it failed in the new cache too: back to {old} (the cache is not the cause)")
+    if made:
+        shutil.rmtree(new, ignore_errors=True)
+    _note(f"it failed in {new} too: back to {old} (the cache is not the cause)")
 
 
 def _first_line(e: BaseException) -> str:

@@ -470,6 +470,8 @@ class _Stopped(BaseException):
 
 
 def _raise_stopped(signum: int, _frame) -> None:
+    for sig in _STOPS:  # a second one (a supervisor's) must not cut the stopping short
+        signal.signal(sig, signal.SIG_IGN)
     raise _Stopped(signum)
 
 
@@ -483,7 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         return _drill(plan)
     except (KeyboardInterrupt, _Stopped) as stop:
         name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
-        print(f"drill interrupted ({name}): its processes are stopped; runs kept in {plan.root}")
+        with contextlib.suppress(OSError):  # the terminal a SIGHUP closed
+            print(
+                f"drill interrupted ({name}): its processes are stopped; runs kept in {plan.root}"
+            )
         return 130 if isinstance(stop, KeyboardInterrupt) else 128 + stop.signum
     finally:
         for sig, handler in held.items():

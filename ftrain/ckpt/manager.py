@@ -279,6 +279,9 @@ class CheckpointManager:
 
         def valid(path, marker: dict) -> None:
             seals[str(path)] = marker.get("manifest_crc32c")
+            found = marker.get("generation")
+            if isinstance(found, int) and not isinstance(found, bool):
+                self._generation = max(self._generation, found)
 
         for d in self._dirs:
             found = protocol.committed_steps(d, on_invalid=invalid.__setitem__, on_valid=valid)
@@ -474,7 +477,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._check_usable()
         step, now = self._read_step(state), time.monotonic()
-        self._storable_leaves(state)  # the same on every rank: each raises, none waits
+        self._storable_leaves(state, sharded=True)  # the same on every rank: all raise
         self.wait()
         attrs = self._attributes(step, metrics, metadata, host_rng)
         self._last_step, self._last_time = step, now
@@ -499,6 +502,7 @@ class CheckpointManager:
             self._after_commit(step, final, time.perf_counter() - t0, manifest)
         else:
             self._written.add(step)
+            self._saved_clock.pop(step, None)  # retention's, which the coordinator runs
 
     def _sharded_first(self, state, step: int, attrs: dict, t0: float, blocking: float, group):
         """:meth:`_write_first` for a sharded save: every rank learns the same failure, so
@@ -515,11 +519,12 @@ class CheckpointManager:
 
     def _next_generation(self, step: int) -> int:
         """The generation of the copy of ``step`` about to commit: one more than that of
-        any copy of ``step`` already committed in a location and of this manager's last
-        commit, so the copy saved last outranks the others by count, not by the wall
-        clock (:func:`_newest_copy_first`). Read from the locations at the commit: no copy
-        there is the usual case, and costs a missing marker per location."""
-        newest = self._generation
+        any copy of ``step`` committed in a location, of any step this manager listed and
+        of its last commit, and no less than the wall clock's milliseconds; so the copy
+        saved last outranks the others even when the clock stepped back between them
+        (:func:`_newest_copy_first`). Read from the locations at the commit: no copy there
+        is the usual case, and costs a missing marker per location."""
+        newest = self._generation  # also the highest any listing of this manager saw
         for root in self._dirs:
             try:
                 marker, _ = protocol.read_committed(root / protocol.step_dirname(step))
@@ -528,15 +533,19 @@ class CheckpointManager:
             found = marker.get("generation")
             if isinstance(found, int) and not isinstance(found, bool):
                 newest = max(newest, found)
-        self._generation = newest + 1
+        # at least the wall clock's milliseconds: a copy that could not be read now (a
+        # primary failing with EIO) is still outranked while the clock is right
+        self._generation = max(newest + 1, int(time.time() * 1000))
         return self._generation
 
-    def _storable_leaves(self, state: TensorDictBase) -> dict[str, torch.Tensor]:
+    def _storable_leaves(
+        self, state: TensorDictBase, sharded: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The state's leaves, or the ``ValueError`` the writer would only meet in the
         background (or, sharded, on every rank after trying the fallback as a failing disk)."""
         _, leaves = groups_and_arrays(state)
         _check_leaves(leaves)
-        check_chunk_sizes(leaves, self.chunk_bytes, self.compression)
+        check_chunk_sizes(leaves, self.chunk_bytes, self.compression, rows_only=sharded)
         if isinstance(self._dirs[0], Path):  # a fallback too long fails there, if ever used
             check_path_lengths(self._dirs[0], leaves)
         return leaves
@@ -650,14 +659,18 @@ class CheckpointManager:
                 step,
                 e,
             )
-            self._run_background(state, step, write, *args)
+            self._run_background(state, step, write, *args, in_caller=True)
             return
         self._thread = thread
 
-    def _run_background(self, state: TensorDictBase, step: int, write, *args: object) -> None:
+    def _run_background(
+        self, state: TensorDictBase, step: int, write, *args: object, in_caller: bool = False
+    ) -> None:
         try:
             write(*args)
         except BaseException as e:  # noqa: BLE001 - raised by the next call
+            if in_caller and not isinstance(e, Exception):
+                raise  # Ctrl-C in the caller's thread is the caller's, now
             self._error = e
             # said now too: a script that ends without wait() or close() never heard of it
             log.error(

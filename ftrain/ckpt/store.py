@@ -147,11 +147,16 @@ def check_path_lengths(directory: Path, arrays: dict[str, torch.Tensor]) -> None
 
 
 def check_chunk_sizes(
-    arrays: dict[str, torch.Tensor], chunk_bytes: int, compression: str | None
+    arrays: dict[str, torch.Tensor],
+    chunk_bytes: int,
+    compression: str | None,
+    rows_only: bool = False,
 ) -> None:
     """Every chunk fits the codec's largest buffer (Blosc: just under 2 GiB). A chunk is
     at least one row of dim 0, so a leaf whose row is that large failed in the background
-    writer after ``save()`` had returned, naming neither the leaf nor the fix."""
+    writer after ``save()`` had returned, naming neither the leaf nor the fix.
+    ``rows_only``: check one row (a sharded save plans its chunks by rank, at most 1 GiB
+    of whole rows)."""
     codec = parse_compression(compression)
     limit = codec.max_chunk_bytes if codec else None
     if limit is None:
@@ -159,13 +164,18 @@ def check_chunk_sizes(
     for key, t in arrays.items():
         if t.dim() == 0 or t.numel() == 0:
             continue
-        chunk = plan_array(key, t, chunk_bytes, codec.spec).chunk_nbytes
+        row = t.numel() // t.shape[0] * t.element_size()
+        chunk = row if rows_only else plan_array(key, t, chunk_bytes, codec.spec).chunk_nbytes
         if chunk > limit:
+            fix = (
+                "a view with more, smaller rows (t.reshape(-1, n))"
+                if chunk == row
+                else "a smaller chunk_bytes"
+            )
             raise ValueError(
-                f"leaf {key!r} needs chunks of {chunk} bytes (one row of its first dimension "
-                f"at least), past the {limit} bytes {codec.spec} compresses at once: save it "
-                "with compression='zstd' or none, or a view with more, smaller rows "
-                "(t.reshape(-1, n))"
+                f"leaf {key!r} needs chunks of {chunk} bytes ({chunk // row} row(s) of its "
+                f"first dimension), past the {limit} bytes {codec.spec} compresses at once: "
+                f"save it with compression='zstd' or none, or {fix}"
             )
 
 

@@ -544,7 +544,12 @@ class Session:
             self._say(step, f"plot written to {path}")
         except NothingToPlot:
             self._say(step, "no step recorded yet: no plot")
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as err:
+            if (err.name or "").partition(".")[0] != "matplotlib":  # one of its own imports
+                print(
+                    f"ftrain: could not write the plot ({err!r}); training is done", file=sys.stderr
+                )
+                return
             print(
                 "ftrain: matplotlib is not installed; skipping the plot (pip install matplotlib)",
                 file=sys.stderr,

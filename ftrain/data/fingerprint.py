@@ -116,8 +116,7 @@ def file_identity(st: os.stat_result) -> dict:
     return {
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
-        "ino": st.st_ino,
-        "dev": st.st_dev,
+        "ino": st.st_ino,  # not st_dev: NFS clients number a mount each their own way
         "ctime_ns": st.st_ctime_ns,
     }
 

@@ -175,8 +175,8 @@ def tokenize_corpus(
 ) -> tuple[Path, dict[str, Any], bool]:
     """Tokenize ``files`` once into the cache; later calls reuse the cached token file.
 
-    The cache entry is keyed by the tokenizer and each file's path, size and mtime, so
-    editing a file makes a new entry. A JSON sidecar written last marks it complete.
+    The cache entry is keyed by the tokenizer and each file's path, size, mtime, inode,
+    ctime and a probe of its content, so editing a file makes a new entry. A JSON sidecar written last marks it complete.
 
     Returns:
         ``(token_file, meta, tokenized_now)``; ``meta`` has ``num_tokens`` and ``digest``.

@@ -145,8 +145,12 @@ def test_a_chunk_blosc_cannot_take_is_refused_at_save_naming_the_leaf(tmp_path):
 
     m = CheckpointManager(tmp_path, compression="blosc-lz4", async_save=False)
     wide = torch.empty(1, 2**31 + 4096, dtype=torch.uint8, device="meta")
-    with pytest.raises(ValueError, match=r"leaf 'w' needs chunks of 2147487744 bytes"):
+    with pytest.raises(ValueError, match=r"leaf 'w' needs chunks of 2147487744 bytes \(1 row"):
         check_chunk_sizes({"w": wide}, m.chunk_bytes, m.compression)
+    rows = torch.empty(4, 2**30, dtype=torch.uint8, device="meta")  # 1 GiB rows
+    with pytest.raises(ValueError, match=r"\(2 row\(s\).*or a smaller chunk_bytes"):
+        check_chunk_sizes({"w": rows}, (2**31) - 2**26, m.compression)
+    check_chunk_sizes({"w": rows}, (2**31) - 2**26, m.compression, rows_only=True)  # sharded
     tall = torch.empty(2**31 + 4096, dtype=torch.uint8, device="meta")  # many small rows
     check_chunk_sizes({"w": tall}, m.chunk_bytes, m.compression)
     check_chunk_sizes({"w": wide}, m.chunk_bytes, "zstd:1")  # zstd has no such limit
