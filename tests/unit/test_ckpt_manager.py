@@ -454,6 +454,7 @@ def test_an_async_save_that_cannot_start_its_thread_is_written_in_the_caller(
     assert m.all_steps() == [1]
     assert torch.equal(m.restore(1)["params", "w"], make_state(1)["params", "w"])
     assert m.save(make_state(2), force=True)
+
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
