@@ -10,9 +10,10 @@ container's), read as a crash of ftrain's own. Nothing committed is touched by a
 from __future__ import annotations
 
 import errno
+import sys
 import traceback
 
-__all__ = ["MEMORY_RETRY", "out_of_memory"]
+__all__ = ["MEMORY_RETRY", "out_of_memory", "said_out_of_memory"]
 
 # what a read-only tool says after it
 MEMORY_RETRY = (
@@ -57,3 +58,13 @@ def _where(e: BaseException) -> str:
         return ""
     f = frames[-1]
     return f" in ftrain/{f.filename.rsplit('/ftrain/', 1)[1]}:{f.lineno} ({f.name})"
+
+
+def said_out_of_memory(prog: str, err: BaseException, fix: str = MEMORY_RETRY) -> bool:
+    """Print ``PROG: out of memory ... FIX`` on stderr if ``err`` is memory running out;
+    whether it was (else the caller re-raises ``err``)."""
+    said = out_of_memory(err)
+    if said is None:
+        return False
+    print(f"{prog}: {said}. {fix}", file=sys.stderr)
+    return True

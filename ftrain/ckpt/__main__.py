@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ftrain._memory import MEMORY_RETRY, out_of_memory
+from ftrain._memory import said_out_of_memory
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CheckpointFormatError, CheckpointReadError, CorruptCheckpointError
@@ -485,10 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
     except Exception as e:
-        said = out_of_memory(e)
-        if said is None:
+        if not said_out_of_memory("python -m ftrain.ckpt", e):
             raise
-        print(f"python -m ftrain.ckpt: {said}. {MEMORY_RETRY}", file=sys.stderr)
         return 1
 
 

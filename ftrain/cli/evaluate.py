@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tensordict import TensorDict
 
-from ftrain._memory import MEMORY_RETRY, out_of_memory
+from ftrain._memory import said_out_of_memory
 from ftrain.ckpt import CheckpointReadError, CorruptCheckpointError
 from ftrain.ckpt.format import CheckpointFormatError
 from ftrain.ckpt.location import CheckpointLocationError, CheckpointStoreError
@@ -320,10 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         limit = isinstance(err, CheckpointReadError) and not isinstance(err, PermissionError)
         return 1 if not_found or limit else 2
     except Exception as err:
-        said = out_of_memory(err)
-        if said is None:
+        if not said_out_of_memory("python -m ftrain.eval", err):
             raise
-        print(f"python -m ftrain.eval: {said}. {MEMORY_RETRY}", file=sys.stderr)
         return 1
     if r["note"]:
         print(f"python -m ftrain.eval: note: {r['note']}", file=sys.stderr)

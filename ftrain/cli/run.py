@@ -22,7 +22,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain import _early_signals
-from ftrain._memory import out_of_memory
+from ftrain._memory import out_of_memory, said_out_of_memory
 from ftrain.ckpt import (
     CheckpointFormatError,
     CheckpointLocationError,
@@ -153,10 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         with tolerate_lost_console():  # a dead `| tee` never stops training
             return _main(argv)
     except Exception as err:
-        said = out_of_memory(err)
-        if said is None:
+        if not said_out_of_memory("ftrain", err, _MEMORY_FIX):
             raise
-        print(f"ftrain: {said}. {_MEMORY_FIX}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(

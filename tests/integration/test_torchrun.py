@@ -114,6 +114,22 @@ def test_two_ranks_train_and_resume_on_one_rank_with_the_same_global_order(
     assert sa["samples"] == sb["samples"] and sa["step"] == sb["step"] == 6, (sa, sb)
 
 
+def _resume_with_rank_1_armed(run, cache_dir, arm: dict) -> tuple[int, str]:
+    """Two steps committed, then a resume to 4 whose rank 1 meets ``arm`` (the injector's
+    action, SIGKILL by default) as it reads the step; it must fail."""
+    from ftrain.faults import inject_dir
+
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=2", "checkpoint.every_steps=2"))
+    assert rc == 0, out
+    armed = run.parent / "arm.json"
+    armed.write_text(json.dumps({"phase": "restore_read", "rank": 1} | arm))
+    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(armed)}
+    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=4", env=env))
+    assert rc != 0 and armed.with_name("arm.json.fired").exists(), out
+    return rc, out
+
+
 def test_a_rank_that_cannot_read_the_chosen_step_stops_every_rank_with_its_reason(
     cache_dir, tmp_path
 ):
@@ -121,17 +137,9 @@ def test_a_rank_that_cannot_read_the_chosen_step_stops_every_rank_with_its_reaso
     disk, or a file system it sees differently): every rank stops before training, and the
     coordinator says which rank failed and why, instead of training into a collective that
     the failed rank never joins."""
-    from ftrain.faults import inject_dir
 
     run = tmp_path / "run"
-    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=2", "checkpoint.every_steps=2"))
-    assert rc == 0, out
-    arm = tmp_path / "arm.json"
-    arm.write_text(json.dumps({"id": "r", "phase": "restore_read", "rank": 1, "action": "eio"}))
-    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
-    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
-    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=4", env=env))
-    assert rc != 0 and arm.with_name("arm.json.fired").exists(), out
+    rc, out = _resume_with_rank_1_armed(run, cache_dir, {"id": "r", "action": "eio"})
     assert "cannot resume step 2 on every rank: rank 1:" in out, out
     assert "I/O error (injected at restore_read)" in out, out
     # every rank exits with the message: the failed rank's OSError was a traceback; an I/O
@@ -148,17 +156,9 @@ def test_a_rank_killed_while_the_others_resume_is_one_line_on_them(cache_dir, tm
     """Rank 1 SIGKILLed while it reads the step to resume: rank 0's start-up collective
     failed with a 40-line traceback of gloo's internals (only the loop's collectives were
     said in one line); the restart resumed all the same."""
-    from ftrain.faults import inject_dir
 
     run = tmp_path / "run"
-    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=2", "checkpoint.every_steps=2"))
-    assert rc == 0, out
-    arm = tmp_path / "arm.json"
-    arm.write_text(json.dumps({"id": "k", "phase": "restore_read", "rank": 1}))
-    path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
-    env = {"PYTHONPATH": path, "FTRAIN_CHAOS_ARM": str(arm)}
-    rc, out = _finish(_torchrun(run, cache_dir, "trainer.max_steps=4", env=env))
-    assert rc != 0 and arm.with_name("arm.json.fired").exists(), out
+    rc, out = _resume_with_rank_1_armed(run, cache_dir, {"id": "k"})  # killed there
     assert "ftrain: cannot start: rank 0: another rank is gone" in out, out
     assert "the newest committed checkpoint is intact" in out, out
     assert "ftrain/cli/" not in out, out  # no traceback of ftrain's

@@ -29,6 +29,16 @@ def _batches():
         yield {"x": torch.ones(4, 2)}
 
 
+def _failing_record(failing_kind: str):
+    """A ``record`` whose write of ``failing_kind`` records fails (a full metrics disk)."""
+
+    def record(kind, **fields):
+        if kind == failing_kind:
+            raise OSError("the metrics disk is full")
+
+    return record
+
+
 class Saves:
     def __init__(self):
         self.calls = []
@@ -538,10 +548,6 @@ def test_a_donated_step_whose_check_fails_saves_its_result():
             saved["loss"] = float(metrics["loss"])
         return force
 
-    def record(kind, **fields):
-        if kind == "nonfinite":
-            raise OSError("the metrics disk is full")
-
     with pytest.raises(OSError, match="metrics disk"):
         train_loop(
             state,
@@ -549,7 +555,7 @@ def test_a_donated_step_whose_check_fails_saves_its_result():
             batches(),
             max_steps=10,
             save=save,
-            record=record,
+            record=_failing_record("nonfinite"),
             donate=True,
             on_nonfinite="continue",
         )
@@ -595,13 +601,10 @@ def test_an_emergency_save_that_fails_on_the_metrics_is_made_without_them():
         saved.append((int(s["step"]), reason))
         return True
 
-    def records(kind, **fields):
-        if kind == "emergency_save":
-            raise OSError("the log's disk is full")
-
     with pytest.raises(ValueError, match="JSON-serialisable"):
         train_loop(
-            state, step, _batches(), max_steps=10, save=save, record=records,
+            state, step, _batches(), max_steps=10, save=save,
+            record=_failing_record("emergency_save"),
             evaluate=lambda s: {"extra": torch.ones(3)}, eval_every=2,
         )  # fmt: skip
     assert saved[-1] == (2, "emergency")
