@@ -535,11 +535,12 @@ def _slow_export(tmp_path, ck, out, *extra):
 
 
 def _default_sigint() -> None:
-    """Ctrl-C as at a terminal: a job started with '&' (as CI's may be) ignores SIGINT, and
-    its children inherit that."""
+    """Ctrl-C and Ctrl-\\ as at a terminal: a job started with '&' by a non-interactive
+    shell (as CI's may be) ignores SIGINT and SIGQUIT, and its children inherit that."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 def _gpt2_checkpoint(tmp_path):
