@@ -73,3 +73,18 @@ def test_the_checkpoint_tool_under_an_address_space_limit_says_it_in_one_line(tm
     assert "Traceback" not in proc.stderr and "Nothing was changed" in proc.stderr
     assert not out.exists()
     assert CheckpointManager(tmp_path / "ck").all_steps() == [1]
+
+
+def test_eval_says_it_in_one_line(monkeypatch, capsys):
+    """``python -m ftrain.eval`` out of memory (restoring the params, a batch): one line,
+    exit 1, not a traceback."""
+    from ftrain.cli import evaluate
+
+    def fails(*args, **kwargs):
+        raise RuntimeError(ALLOCATOR)
+
+    monkeypatch.setattr(evaluate, "evaluate_run", fails)
+    assert evaluate.main(["runs/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m ftrain.eval: out of memory")
+    assert "Nothing was changed" in err
