@@ -132,8 +132,9 @@ def cmd_list(root: Path, _: list[int]) -> int:
             nbytes, metrics = _summary(path)
             print(f"{step:>10}  {nbytes:>14}  {metrics}")
         except CorruptCheckpointError as e:
-            if _deleted_meanwhile(root, step):
-                print(f"{step:>10}  {'deleted':>14}  (by the run's retention while listing)")
+            how = _gone_how(root, step, "listing")
+            if how is not None:
+                print(f"{step:>10}  {'gone':>14}  {how}")
                 continue
             bad += 1
             print(f"{step:>10}  {'CORRUPT':>14}  {e}")
@@ -158,7 +159,7 @@ def _read_picked(roots, step: int | None, read) -> tuple[int, Path, object]:
         try:
             return got, path, read(path)
         except CorruptCheckpointError:
-            if not all(_deleted_meanwhile(r, got) for r in roots):
+            if any(_gone_how(r, got) is None for r in roots):
                 raise
             if step is not None:
                 raise SystemExit(
@@ -195,32 +196,61 @@ def cmd_verify(root: Path, args: list[int]) -> int:
         raise SystemExit(_none_at(root))
     todo = {s: steps.get(s) for s in args} if args else steps
     bad = 0 if args else len(invalid.damaged)  # a step directory without a valid marker
-    for step, path in todo.items():
-        try:
-            if path is None:
-                raise CorruptCheckpointError(f"step {step} is not committed")
-            _, manifest = protocol.read_committed(path)
-            read_root_attributes(path, manifest)
-            print(f"ok   step {step}: {verify_tree(path, manifest):,} bytes verified")
-        except CorruptCheckpointError as e:
-            if path is not None and _deleted_meanwhile(root, step):
-                print(f"gone step {step}: deleted while verifying (a live run's retention)")
-                continue
-            bad += 1
-            print(f"BAD  step {step}: {e}")
+    tried, verified = set(), 0
+    for _ in range(_REPICKS):
+        for step, path in todo.items():
+            tried.add(step)
+            outcome = _verify_one(root, step, path)
+            bad, verified = bad + (outcome == "bad"), verified + (outcome == "ok")
+        if args or verified:
+            break
+        # every step went away under a live run: verify what it committed since
+        todo = {s: p for s, p in _quiet_steps(root).items() if s not in tried}
+        if not todo:
+            break
     for path, why in invalid.items() if not args else ():
         print(f"{'BAD ' if path in invalid.damaged else 'left'} {path.name}: {why}")
+    if not args and not verified and not bad:
+        print("verified no step: each was deleted or set aside while it was read; run again")
+        return 1
     return 1 if bad else 0
 
 
-def _deleted_meanwhile(root, step: int) -> bool:
-    """Whether a step that failed to read is no longer committed at all: a live run's
-    retention deleted it after the listing (not corruption; a damaged step stays listed,
-    or is listed as invalid)."""
+def _verify_one(root: Path, step: int, path: Path | None) -> str:
+    """Verify one step and print its line: ``"ok"``, ``"bad"`` or ``"gone"``."""
+    try:
+        if path is None:
+            raise CorruptCheckpointError(f"step {step} is not committed")
+        _, manifest = protocol.read_committed(path)
+        read_root_attributes(path, manifest)
+        print(f"ok   step {step}: {verify_tree(path, manifest):,} bytes verified")
+        return "ok"
+    except CorruptCheckpointError as e:
+        how = _gone_how(root, step, "verifying") if path is not None else None
+        if how is not None:
+            print(f"gone step {step}: {how}")
+            return "gone"
+        print(f"BAD  step {step}: {e}")
+        return "bad"
+
+
+def _quiet_steps(root) -> dict:
+    """The committed steps, the invalid ones left out unsaid (the first listing said them)."""
+    return protocol.committed_steps(root, on_invalid={}.__setitem__)
+
+
+def _gone_how(root, step: int, doing: str = "reading") -> str | None:
+    """How a step that failed to read left the listing: deleted by a live run's retention,
+    or set aside by a resume that went back; ``None`` while it is still listed (a damaged
+    step stays listed, or is listed as invalid: that is corruption)."""
     invalid: dict = {}  # quietly: the first listing reported the invalid ones
     steps = protocol.committed_steps(root, on_invalid=invalid.__setitem__)
     name = protocol.step_dirname(step)
-    return step not in steps and not any(getattr(p, "name", None) == name for p in invalid)
+    if step in steps or any(getattr(p, "name", None) == name for p in invalid):
+        return None
+    if step in protocol.set_aside_steps(root):
+        return f"set aside while {doing} (a resume went back past it; kept, not a checkpoint)"
+    return f"deleted while {doing} (a live run's retention)"
 
 
 def _bits(t):

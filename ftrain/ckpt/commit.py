@@ -483,6 +483,8 @@ def committed_steps(
             if aside.leaving(journal, e.name, marker):
                 raise CorruptCheckpointError(_LEAVING)
         except CorruptCheckpointError as err:
+            if not os.path.lexists(e.path):
+                continue  # deleted or set aside since the scan: it left the listing, not damage
             if on_invalid is not None:
                 on_invalid(Path(e.path), str(err))
             continue
@@ -490,6 +492,13 @@ def committed_steps(
             on_valid(Path(e.path), marker)
         out[int(m.group(1))] = Path(e.path)
     return dict(sorted(out.items()))
+
+
+def step_vanished(step_dir) -> bool:
+    """``step_dir``'s marker is gone since it was listed: a live run's retention deleted the
+    step, or a go-back set it aside, while a reader read it. That is not damage; the reader
+    lists again. An object store: ``False`` (a deleted step reads as missing objects)."""
+    return isinstance(step_dir, Path) and not os.path.lexists(step_dir / MARKER)
 
 
 _LEAVING = (

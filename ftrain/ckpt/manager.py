@@ -290,6 +290,16 @@ class CheckpointManager:
         self._invalid, self._seals = invalid, seals
         return {s: _newest_copy_first(ps) if len(ps) > 1 else ps for s, ps in sorted(out.items())}
 
+    def _candidates(self, step: int | None, copy: int | None) -> list[tuple[int, Path]]:
+        """``[(step, path), ...]`` a restore tries in order: newest step first, each step's
+        newest copy first; only ``step`` (and the copy sealing ``copy``) when named."""
+        cands = [(s, p) for s, ps in reversed(self._locations().items()) for p in ps]
+        if step is not None:
+            cands = [(s, p) for s, p in cands if s == step]
+        if copy is not None:
+            cands = [(s, p) for s, p in cands if self._seals.get(str(p)) == copy]
+        return cands
+
     def _why_not_listed(self, step: int | None) -> str:
         """What a restore that found nothing can add: why the step's directory does not
         count (a damaged marker), or where a run directory keeps its checkpoints."""
@@ -1081,11 +1091,7 @@ class CheckpointManager:
                 f"restore(target=...) takes a TensorDict template (the fresh state, e.g. "
                 f"ftrain.init_state(...)), got {type(target).__name__}"
             )
-        cands = [(s, p) for s, ps in reversed(self._locations().items()) for p in ps]
-        if step is not None:
-            cands = [(s, p) for s, p in cands if s == step]
-        if copy is not None:
-            cands = [(s, p) for s, p in cands if self._seals.get(str(p)) == copy]
+        cands = self._candidates(step, copy)
         if not cands:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint{'' if step is None else f' for step {step}'}"
@@ -1093,8 +1099,9 @@ class CheckpointManager:
                 f"{[str(d) for d in self._dirs]}; available: {self.all_steps()}"
                 + self._why_not_listed(step)
             )
-        problems = []
-        for i, (s, path) in enumerate(cands):
+        problems, i, relists = [], 0, 0
+        while i < len(cands):
+            s, path = cands[i]
             try:
                 marker, manifest = protocol.read_committed(path)
                 specs_of(manifest)  # every field validated before anything acts on it
@@ -1105,8 +1112,18 @@ class CheckpointManager:
                 td = self._read(path, manifest, only_t, rows, mmap)
                 rng_states = hostrng.for_rank(attrs, self.rank) if host_rng else None
             except CorruptCheckpointError as e:
+                i += 1
+                if protocol.step_vanished(path) and relists < _RELISTS:
+                    # another process's retention or go-back took it: list again (a newer
+                    # step may be committed by now), never call it corrupt
+                    relists += 1
+                    problems.append(f"{path}: deleted while it was read (a live run)")
+                    log.info("[step=%d] %s was deleted while it was read: listing again", s, path)
+                    tried = cands[:i]
+                    cands = tried + [c for c in self._candidates(step, copy) if c not in tried]
+                    continue
                 problems.append(f"{path}: {e}")
-                msg = f"[step={s}] checkpoint {path} is corrupt ({e}){_next_try(cands[i + 1 :], s)}"
+                msg = f"[step={s}] checkpoint {path} is corrupt ({e}){_next_try(cands[i:], s)}"
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
                 continue
@@ -1128,7 +1145,10 @@ class CheckpointManager:
                 if rows is None:  # a sharded save rewrites every row: nothing to link
                     self._remember_restored(s, path, manifest, out)
             return out
-        err = CheckpointNotFoundError("no checkpoint verifies:\n  " + "\n  ".join(problems))
+        head = "no checkpoint verifies"
+        if relists == len(problems):
+            head = "every step tried was deleted while it was read (a live run's retention)"
+        err = CheckpointNotFoundError(f"{head}:\n  " + "\n  ".join(problems))
         err.problems = problems  # "path: why" of each candidate, for a caller's report
         raise err
 
@@ -1286,6 +1306,9 @@ def _as_step(step, call: str = "restore") -> int | None:
     except TypeError:
         newest = " (or None: the newest)" if call == "restore" else ""
         raise TypeError(f"{call}(step={step!r}): a step is an int{newest}") from None
+
+
+_RELISTS = 5  # a run deleting the newest step on every listing is not a reader's to outrun
 
 
 def _next_try(rest: list, step: int) -> str:

@@ -326,7 +326,7 @@ def _read_first(location, steps: dict, step: int | None, only) -> tuple:
             check_only(manifest, only)
             return s, read_tree(steps[s], manifest, only=only), attrs
         except CorruptCheckpointError as e:
-            if _vanished(steps[s]):
+            if protocol.step_vanished(steps[s]):
                 raise _DeletedMeanwhile(s) from None
             problems.append(f"step {s}: {e}")
             log.warning("[step=%d] %s is corrupt (%s)", s, steps[s], e)
@@ -344,13 +344,6 @@ def _read_first(location, steps: dict, step: int | None, only) -> tuple:
             else "no other step is committed"
         )
     )
-
-
-def _vanished(path) -> bool:
-    """The step's marker is gone (deleted or set aside since the listing)."""
-    if isinstance(path, Path):
-        return not (path / protocol.MARKER).exists()
-    return False  # an object store: a deleted step reads as missing objects, reported
 
 
 def read_model(

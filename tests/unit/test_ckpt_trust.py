@@ -482,6 +482,122 @@ def test_verify_of_a_live_run_does_not_call_retentions_deletes_corruption(
     assert "BAD  step 2:" in capsys.readouterr().out
 
 
+def test_a_step_deleted_between_the_scan_and_its_marker_read_left_the_listing(
+    tmp_path, monkeypatch, capsys
+):
+    """The listing scans the directory, then reads each marker: a step the live run's
+    retention deleted in between was `not committed: ... unreadable metadata`, and `list`
+    exited 1 (seen about once in 1,000 lists of a keep_last=1 run)."""
+    from ftrain.ckpt import __main__ as cli
+    from ftrain.ckpt import commit
+
+    saved(tmp_path, 1, 2, 3).close()
+    real = commit.read_committed
+
+    def retention_first(step_dir):
+        if step_dir.name == "step_00000001" and step_dir.exists():
+            commit.delete_step(step_dir)  # between the scan and the marker read
+        return real(step_dir)
+
+    monkeypatch.setattr(commit, "read_committed", retention_first)
+    assert cli.main(["list", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "not committed" not in err and "CORRUPT" not in out
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["2", "3"]
+
+
+def test_another_process_restore_lists_again_when_a_live_run_deletes_its_step(tmp_path):
+    """A reader's restore() listed 2, 4, 6; the run committed 8 and its retention deleted
+    2, 4 and 6 while 6 was read. It warned three times that healthy steps were corrupt and
+    raised CheckpointNotFoundError with step 8 on disk."""
+    from ftrain.ckpt.commit import delete_step
+
+    run = saved(tmp_path, 2, 4, 6)
+    reader = CheckpointManager(tmp_path, async_save=False)
+    real, seen = reader._read, []
+
+    def live_run_meanwhile(path, *args):
+        seen.append(path.name)
+        if len(seen) == 1:
+            run.save(make_state(8))
+            for s in (2, 4, 6):
+                delete_step(tmp_path / f"step_{s:08d}")
+        return real(path, *args)
+
+    reader._read = live_run_meanwhile
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "is corrupt" warning
+        assert int(reader.restore()["step"]) == 8
+    assert seen == ["step_00000006", "step_00000008"]
+    run.close()
+
+
+def test_a_named_step_deleted_while_a_reader_restores_it_says_so(tmp_path):
+    from ftrain.ckpt.commit import delete_step
+
+    run = saved(tmp_path, 2, 4)
+    reader = CheckpointManager(tmp_path, async_save=False)
+    real = reader._read
+
+    def retention_meanwhile(path, *args):
+        delete_step(path)
+        return real(path, *args)
+
+    reader._read = retention_meanwhile
+    with pytest.raises(CheckpointNotFoundError, match="deleted while it was read"):
+        reader.restore(2)
+    run.close()
+
+
+def test_verify_lists_again_when_every_step_it_listed_went_away(tmp_path, monkeypatch, capsys):
+    """`verify` of a keep_last=1 run printed only `gone step N` and exited 0: ok for a
+    monitoring job, with nothing checked. It now verifies what the run committed since, and
+    having verified nothing says so with exit 1."""
+    from ftrain.ckpt import __main__ as cli
+    from ftrain.ckpt.commit import delete_step
+
+    run = saved(tmp_path, 1)
+    real, newer = cli.verify_tree, iter([2, None])
+
+    def live_run_meanwhile(path, manifest):
+        if path.name == "step_00000001":
+            nxt = next(newer)
+            if nxt is not None:
+                run.save(make_state(nxt))
+            delete_step(path)
+        return real(path, manifest)
+
+    monkeypatch.setattr(cli, "verify_tree", live_run_meanwhile)
+    assert cli.main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "gone step 1: deleted while verifying" in out and "ok   step 2:" in out
+    run.close()
+
+    def every_step_deleted(path, manifest):
+        delete_step(path)
+        return real(path, manifest)
+
+    monkeypatch.setattr(cli, "verify_tree", every_step_deleted)
+    assert cli.main(["verify", str(tmp_path)]) == 1
+    assert "verified no step" in capsys.readouterr().out
+
+
+def test_verify_says_a_step_a_resume_set_aside_was_set_aside(tmp_path, monkeypatch, capsys):
+    from ftrain.ckpt import __main__ as cli
+
+    saved(tmp_path, 1, 2).close()
+    real = cli.verify_tree
+
+    def go_back_meanwhile(path, manifest):
+        if path.name == "step_00000002":
+            os.rename(path, path.with_name("step_00000002.superseded-abcd1234"))
+        return real(path, manifest)
+
+    monkeypatch.setattr(cli, "verify_tree", go_back_meanwhile)
+    assert cli.main(["verify", str(tmp_path)]) == 0
+    assert "gone step 2: set aside while verifying" in capsys.readouterr().out
+
+
 # ---- damaged advisory files: JSON nested past the recursion limit, numbers past float --
 DEEP = b"[" * 200_000  # RecursionError is no ValueError: it went past every handler
 
