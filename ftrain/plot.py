@@ -247,10 +247,36 @@ def plot_run(
     fig.suptitle(_drawable(title or run_dir.resolve().name))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # -o plots/ of a directory to be
-        fig.savefig(path, dpi=100, bbox_inches="tight")  # nothing clipped at the edges
+        _save(fig, path)
     finally:
         plt.close(fig)
     return path
+
+
+def _save(fig, path: Path) -> None:
+    """Write the figure to a temporary file beside ``path``, then rename it over: the run's
+    end and a ``python -m ftrain.plot`` of the same run both write ``training.png``, and a
+    viewer reading it mid-write saw half a PNG. A path that is not a regular file (``-o
+    /dev/stdout``, a FIFO) is written in place: renaming over it would replace it."""
+    import tempfile
+
+    from ftrain._umask import plain_file_mode
+
+    options = {"dpi": 100, "bbox_inches": "tight"}  # nothing clipped at the edges
+    if path.is_symlink():  # a link to a served copy stays a link: its target is replaced
+        path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        fig.savefig(path, **options)
+        return
+    fmt = path.suffix.lstrip(".").lower() or "png"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        os.fchmod(fd, plain_file_mode())  # mkstemp's 0600: as a plain write would leave it
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format=fmt, **options)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _drawable(text: str) -> str:

@@ -132,6 +132,31 @@ def test_plot_survives_damage_and_marks_commits_only(tmp_path):
     assert plot_run(tmp_path).stat().st_size > 1000
 
 
+def test_the_figure_is_replaced_whole_never_written_in_place(tmp_path):
+    """The run's end and `python -m ftrain.plot` both write training.png: a reader (a
+    viewer, a web page) opened mid-write saw half a PNG. It is written beside and renamed."""
+    _damaged(tmp_path)
+    old = plot_run(tmp_path)
+    old_bytes = old.read_bytes()
+    with open(old, "rb") as reader:  # open across the rewrite: keeps the whole old figure
+        plot_run(tmp_path, title="another title")
+        assert reader.read() == old_bytes
+    assert old.read_bytes() != old_bytes and old.read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir() if "training" in p.name) == ["training.png"]
+    assert old.stat().st_mode & 0o777 == 0o666 & ~_umask()
+    served = tmp_path / "served.png"  # a link to a copy served elsewhere stays a link
+    old.rename(served)
+    old.symlink_to(served)
+    plot_run(tmp_path, title="a third")
+    assert old.is_symlink() and served.read_bytes().startswith(b"\x89PNG")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 # -- truthful save records through the Session ------------------------------------------
 
 
