@@ -9,6 +9,7 @@ calls :func:`ftrain.cli.run.main` itself may also ``register_model`` a builder u
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -102,8 +103,12 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def build_model(cfg: DictConfig) -> tuple[nn.Module, Callable]:
+def build_model(cfg: DictConfig, notes: list[str] | None = None) -> tuple[nn.Module, Callable]:
     """The model (initialised from the run's init key, never global RNG) and its loss.
+
+    ``notes``, given, takes the building's warnings as ``warning: ...`` lines (a LoRA
+    target that matches nothing) for the start report, said once by the coordinator, as the
+    other start warnings are; else they stay Python warnings.
 
     Raises:
         ConfigError: no ``model._target_`` (nor a registered ``model.name``), a target that
@@ -114,15 +119,7 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, Callable]:
     try:
         model, loss_fn = _make_model(cfg.model, generator)
         if lora_enabled(cfg):  # drawn after the base weights: the base is the same either way
-            lo = cfg.model.lora
-            apply_lora(
-                model,
-                rank=int(lo.rank),
-                alpha=float(lo.alpha),
-                targets=list(lo.targets),
-                generator=generator,
-                dropout=float(lo.dropout),
-            )
+            _noted(notes, _apply_lora, model, cfg.model.lora, generator)
     except ValueError as err:  # the model's own validation of its shape, or LoRA's
         raise ConfigError(f"model config rejected: {err}") from None
     if next(model.parameters(), None) is None:  # failed at the first step, a traceback
@@ -152,6 +149,32 @@ def schedule_horizon(cfg: DictConfig, saved: int | None = None) -> int:
         return int(decay_steps)
     # a recorded 0 (a max_steps=0 start, before 2026-12-06) fixed no curve
     return int(saved) if saved else int(cfg.trainer.max_steps)
+
+
+def _apply_lora(model: nn.Module, lo: DictConfig, generator: torch.Generator) -> None:
+    apply_lora(
+        model,
+        rank=int(lo.rank),
+        alpha=float(lo.alpha),
+        targets=list(lo.targets),
+        generator=generator,
+        dropout=float(lo.dropout),
+    )
+
+
+def _noted(notes: list[str] | None, fn: Callable, *args) -> None:
+    """``fn(*args)``, its RuntimeWarnings appended to ``notes`` (when given) as lines."""
+    if notes is None:
+        fn(*args)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        fn(*args)
+    for w in caught:
+        if issubclass(w.category, RuntimeWarning):
+            notes.append(f"warning: {w.message}")
+        else:  # not ours to reword: as it came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def build_schedule(cfg: DictConfig, horizon: int, lr: float | None = None):

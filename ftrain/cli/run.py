@@ -296,7 +296,8 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_loggers(cfg.logger)  # every rank, first: a missing extra stops all before anything
     check_logger_places(cfg)  # a logger file at metrics.jsonl would set the run's records aside
     check_block_size(cfg)
-    model, loss_fn = build_model(cfg)
+    model_notes: list[str] = []  # a LoRA target matching nothing: said with the others
+    model, loss_fn = build_model(cfg, model_notes)
     train_src, val_src = same_data_on_every_rank(lambda: build_sources(cfg), world)
     if cfg.trainer.eval_every and not evaluates(cfg, val_src) and world.is_coordinator:
         print("no evaluation: data.val_fraction=0 holds out no data (trainer.eval_every unused)")
@@ -347,7 +348,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         raise
     report.schedule = schedule_line(cfg, horizon, saved if report.resumed else None)
     groups = describe_labels(cfg, state["params"])
-    report.notes += filter(None, [unused_lora_settings(cfg)])
+    report.notes += model_notes + list(filter(None, [unused_lora_settings(cfg)]))
     report.notes += unused_option_settings(cfg)
     report.notes += [groups] if groups else []
     return _Parts(

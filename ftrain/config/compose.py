@@ -301,7 +301,12 @@ _TYPE_ERRORS = (
     "is not Optional",  # trainer.max_steps=null
 )
 # Hydra's override parser on a value it cannot tokenize
-_GRAMMAR_ERRORS = ("token recognition error", "mismatched input", "extraneous input")
+_GRAMMAR_ERRORS = (
+    "token recognition error",
+    "mismatched input",
+    "extraneous input",
+    "no viable alternative",  # optim.freeze=[a.*,h.[0-1].*]: a glob's brackets unquoted
+)
 _CONTAINER_ERRORS = ("Cannot assign", "is not a ListConfig", "is not a DictConfig")
 
 
@@ -348,7 +353,8 @@ def _explain(err: Exception, overrides) -> str:
     elif any(t in msg for t in _GRAMMAR_ERRORS):  # run.dir=~/x, run.dir=/a b=c
         hint = (
             "Hydra could not read a value: quote one that holds characters of its grammar "
-            "(a space, '=', ',', brackets, '~'): \"run.dir='/data/my run'\"; a path under "
+            "(a space, '=', ',', brackets, '~'): \"run.dir='/data/my run'\", a glob in a list "
+            "'optim.freeze=[transformer.wte.*,\"transformer.h.[0-1].*\"]'; a path under "
             "your home is given in full (run.dir=$HOME/x: the shell expands $HOME)"
         )
     elif "Cannot find primary config" in msg:

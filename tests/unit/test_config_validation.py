@@ -45,6 +45,10 @@ from ftrain.config import ConfigError, load_config
         ("checkpoint.dir=", ["checkpoint.dir='' is invalid"]),
         # a value Hydra's grammar cannot read: the fix is quoting, not the key
         ("run.dir=~/tl", ["token recognition error", "quote one that holds", "$HOME/x"]),
+        (  # a freeze glob's brackets unquoted: the fix named the key, which was right
+            "optim.freeze=[transformer.wte.*,transformer.h.[0-1].*]",
+            ["no viable alternative", "quote one that holds", '"transformer.h.[0-1].*"'],
+        ),
         # quoted for Hydra, '~' was a directory named '~' under the working directory
         ("run.dir='~/tl'", ["run.dir='~/tl' is invalid", "not expanded", "./~/tl"]),
         ("checkpoint.fallback_dir='~'", ["checkpoint.fallback_dir='~' is invalid"]),

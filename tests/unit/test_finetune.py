@@ -302,3 +302,21 @@ def test_a_config_that_trains_nothing_or_an_empty_group_is_refused_at_start():
     earlier = {"all": {"params": ["*"]}, "bias": {"params": ["*.bias"]}}
     with pytest.raises(ConfigError, match=r"they go to \['all'\] first"):
         check_labels(cfg([], earlier), params)
+
+
+def test_a_lora_target_matching_nothing_is_a_start_warning_line_not_a_python_warning():
+    """`model.lora.targets=[c_attn,c_prj]` printed a raw `build.py:118: RuntimeWarning`
+    with a source line, unlike every other start warning (`[step=0] warning: ...`)."""
+    import warnings
+
+    from ftrain.cli.build import build_model
+    from ftrain.config import load_config
+
+    cfg = load_config(["model=gpt2_tiny", "model.lora.rank=4", "model.lora.targets=[c_attn,c_prj]"])
+    notes: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_model(cfg, notes)
+    assert len(notes) == 1 and notes[0].startswith("warning: LoRA targets ['c_prj'] match no")
+    with pytest.warns(RuntimeWarning, match="c_prj"):  # without a report: a Python warning
+        build_model(cfg)
