@@ -39,6 +39,7 @@ from ftrain.cli.targets import (
     resolve_loss,
 )
 from ftrain.config import ConfigError
+from ftrain.config.compose import largest_divisor
 from ftrain.data import Source
 from ftrain.data.fingerprint import cache_path
 from ftrain.data.sources import DataPathError, source_from_config
@@ -392,19 +393,15 @@ def check_batch(trainer, source: Source, world_size: int = 1) -> None:
             f"trainer.batch_size={batch} gives each of the {world_size} ranks {share} "
             f"samples, not divisible by trainer.grad_accum={accum}; use a trainer.batch_size "
             f"that is a multiple of {world_size * accum} (ranks x grad_accum), or, to keep "
-            f"this batch size (a resume), trainer.grad_accum={_largest_divisor(share, accum)}"
+            f"this batch size (a resume), trainer.grad_accum={largest_divisor(share, accum)}"
         )
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
 def _ranks_for(batch: int, accum: int, at_most: int) -> int:
     """The most ranks (up to ``at_most``) that split ``batch`` into shares ``accum``
     splits too (1 always does when ``accum`` divides ``batch``; else the fewest that fit)."""
     fits = [d for d in range(1, at_most + 1) if batch % d == 0 and (batch // d) % accum == 0]
-    return max(fits) if fits else _largest_divisor(batch, at_most)
+    return max(fits) if fits else largest_divisor(batch, at_most)
 
 
 def model_vocab(model_cfg) -> int | None:

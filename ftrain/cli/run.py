@@ -73,7 +73,11 @@ from ftrain.cli.resume import (
     val_change_note,
 )
 from ftrain.cli.session import Asked, Session, rerun_command
-from ftrain.cli.startup import same_config_on_every_rank, same_data_on_every_rank
+from ftrain.cli.startup import (
+    same_config_on_every_rank,
+    same_data_on_every_rank,
+    warmup_past_the_end,
+)
 from ftrain.cli.sweep import exit_process, hang_exit_note
 from ftrain.cli.targets import unused_option_settings
 from ftrain.compiled import AUTO_MIN_STEPS, cxx_compiler_problem, should_compile
@@ -348,7 +352,9 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
         raise
     report.schedule = schedule_line(cfg, horizon, saved if report.resumed else None)
     groups = describe_labels(cfg, state["params"])
-    report.notes += model_notes + list(filter(None, [unused_lora_settings(cfg)]))
+    report.notes += model_notes + list(
+        filter(None, [unused_lora_settings(cfg), warmup_past_the_end(cfg)])
+    )
     report.notes += unused_option_settings(cfg)
     report.notes += [groups] if groups else []
     return _Parts(

@@ -140,6 +140,22 @@ def host_rng_start(cfg: DictConfig, world: World, meta: dict | None) -> str:
     return f"host RNGs of rank {world.rank} seeded from trainer.seed ({where}step {step})"
 
 
+def warmup_past_the_end(cfg: DictConfig) -> str | None:
+    """A warning when the run ends inside its warmup (``schedule.warmup_steps`` at or past
+    ``trainer.max_steps``): it never trains at ``optim.lr``; the start line only said the
+    horizon had been stretched past the warmup."""
+    s, end = cfg.schedule, int(cfg.trainer.max_steps)
+    warmup = int(s.get("warmup_steps") or 0)
+    kind = str(s.get("_target_") or s.get("name") or "").rsplit(".", 1)[-1]
+    if kind != "warmup_cosine" or not 0 < end <= warmup:
+        return None
+    return (
+        f"warning: schedule.warmup_steps={warmup} is not below trainer.max_steps={end}: this "
+        f"run ends inside its warmup and never trains at optim.lr={cfg.optim.lr:g}; lower "
+        "schedule.warmup_steps, or train longer"
+    )
+
+
 def schedule_line(cfg: DictConfig, horizon: int, saved: int | None) -> str:
     """What the LR schedule of this start does, with the horizon it actually uses and why.
 

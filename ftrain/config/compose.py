@@ -629,10 +629,26 @@ def check_trainer(t: DictConfig) -> None:
     if t.eval_batches < 1:
         raise _bad("trainer.eval_batches", t.eval_batches, "must be >= 1 (batches per evaluation)")
     if t.batch_size % t.grad_accum:
+        fits = largest_divisor(t.batch_size, t.grad_accum)
         raise ConfigError(
-            f"trainer.batch_size={t.batch_size} must be divisible by trainer.grad_accum={t.grad_accum}"
+            f"trainer.batch_size={t.batch_size} must be divisible by trainer.grad_accum="
+            f"{t.grad_accum}: use a trainer.batch_size that is a multiple of {t.grad_accum}, or, "
+            f"to keep this batch size (a resume), trainer.grad_accum={fits}"
         )
     _check_fault_keys(t)
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` (>= 1) not above ``at_most``, for a fix to suggest; by
+    pairs up to sqrt(n) (a loop to ``at_most`` ran for hours at grad_accum=10**12), and 1
+    where a huge ``n`` has none below a million."""
+    if at_most >= n:
+        return n
+    best = 1
+    for i in range(1, min(math.isqrt(n), 10**6) + 1):
+        if n % i == 0:
+            best = max([best] + [d for d in (i, n // i) if d <= at_most])
+    return best
 
 
 MIN_HANG_TIMEOUT_S = 1.0  # below it, the watchdog's own poll and the first step's allowance
@@ -908,6 +924,17 @@ def _check_schedule(s: DictConfig) -> None:
         )
     if not 0 <= s.get("end_factor", 0) <= 1:
         raise _bad("schedule.end_factor", s.end_factor, "must be in [0, 1]")
+    warmup = s.get("warmup_steps", 0) or 0
+    kind = str(s.get("_target_") or s.get("name") or "").rsplit(".", 1)[-1]
+    if kind == "warmup_cosine" and s.decay_steps is not None and s.decay_steps <= warmup:
+        # it was quietly stretched to warmup_steps + 1, as the library refuses it
+        raise _bad(
+            "schedule.decay_steps",
+            s.decay_steps,
+            f"must be above schedule.warmup_steps={warmup} (the step the decay ends at, "
+            "counted from 0 with the warmup inside it)",
+            f"set schedule.decay_steps above {warmup}, or a smaller schedule.warmup_steps",
+        )
 
 
 # data sources that read the user's files: what data.path must name

@@ -63,6 +63,16 @@ from ftrain.config import ConfigError, load_config
         ),
         ("trainer.seed=18446744073709551616", ["trainer.seed=18446744073709551616", "2**64"]),
         ("trainer.seed=-1", ["trainer.seed=-1"]),
+        (  # the values were named, the fix was not
+            "trainer.batch_size=8 trainer.grad_accum=3",
+            ["divisible by trainer.grad_accum=3", "multiple of 3", "trainer.grad_accum=2"],
+        ),
+        ("trainer.batch_size=8 trainer.grad_accum=1000000000000", ["trainer.grad_accum=8"]),
+        (  # it was stretched to warmup_steps + 1 without a word (the library refuses it)
+            "schedule.decay_steps=5",
+            ["schedule.decay_steps=5 is invalid", "schedule.warmup_steps=10", "above 10"],
+        ),
+        ("schedule.decay_steps=3 schedule.warmup_steps=3", ["schedule.decay_steps=3"]),
         ("trainer.eval_batches=0", ["trainer.eval_batches=0", ">= 1"]),
         ("trainer.max_steps=-3", ["trainer.max_steps must be >= 0, got -3"]),  # 0 is allowed
         ("trainer.log_every=0", ["trainer.log_every must be >= 1, got 0"]),
@@ -189,3 +199,19 @@ def test_empty_names_and_mistyped_group_settings_are_named(override, needle):
     group = ["+optim.groups.top.params=[transformer.ln_f.*]"] if "groups" in override else []
     with pytest.raises(ConfigError, match=needle):
         load_config([*group, override])
+
+
+def test_a_run_that_ends_inside_its_warmup_is_warned_about():
+    """`trainer.max_steps=3` with the default 10 warmup steps trained and exited 0 with
+    only "at least schedule.warmup_steps + 1" on the start line: it never reached optim.lr."""
+    from ftrain.cli.startup import warmup_past_the_end
+
+    def warned(*overrides):
+        return warmup_past_the_end(load_config(["model=gpt2_tiny", *overrides]))
+
+    line = warned("trainer.max_steps=3")
+    assert line.startswith("warning: schedule.warmup_steps=10 is not below trainer.max_steps=3")
+    assert warned("trainer.max_steps=10") is not None
+    assert warned("trainer.max_steps=11") is None
+    assert warned("trainer.max_steps=0") is None  # nothing trains
+    assert warned("trainer.max_steps=3", "schedule=constant") is None
