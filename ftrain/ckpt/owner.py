@@ -33,9 +33,11 @@ The record. ``LOCATION/.owner.json``::
   create, so a store without conditional puts cannot overwrite another run's record
   (only two starts within one round trip could both pass there).
 
-The run removes its record when it ends (also on an error; not on SIGKILL nor on a forced
-exit: the hang watchdog's, a second Ctrl-C), only if the record is still its own (its
-``token``). On a local directory every change of the record (a claim, a take-over, a
+The run ends its claim when it ends (also on an error; not on SIGKILL nor on a forced exit:
+the hang watchdog's, a second Ctrl-C), only if the record is still its own (its ``token``):
+a location holding committed steps keeps the record, marked ``ended`` (they are that run's
+history: another ``run.dir`` resuming them is refused, pointed at ``init.from``), and an
+empty one is freed. On a local directory every change of the record (a claim, a take-over, a
 release's read-then-remove) holds an exclusive ``flock`` on the location's directory, so
 a run ending as another takes over cannot remove the new owner's record between reading
 it and removing it; an object store has no such lock (there the window is one round trip).
@@ -73,7 +75,7 @@ class CheckpointOwnerError(RunDirError):
 
 @dataclass
 class Claim:
-    """A held claim on one location; :meth:`release` removes the record if still ours."""
+    """A held claim on one location; :meth:`release` ends it if the record is still ours."""
 
     location: object  # pathlib.Path or ftrain.ckpt.objstore.ObjectRoot
     record: dict
@@ -81,16 +83,24 @@ class Claim:
     held: bool = True  # False: the record could not be written (see claim)
 
     def release(self) -> None:
-        """Remove the record if it is still this claim's. Never raises (a run ending must
-        not fail over its record; a record left behind only makes another run ask)."""
+        """End the claim if the record is still this claim's: a location that holds
+        committed steps stays claimed, its record marked ``ended`` (another ``run.dir``
+        resuming them would continue this run's history: the next job of a sweep sharing a
+        ``checkpoint.dir`` trained on from the previous job's last step); an empty one is
+        freed. Never raises (a run ending must not fail over its record; a record left
+        behind only makes another run ask)."""
         if not self.held:
             return
         try:
             with _changing(self.location, create=False):
-                if (_read(self.location) or {}).get("token") == self.record["token"]:
+                if (_read(self.location) or {}).get("token") != self.record["token"]:
+                    return  # taken over: the new owner's record
+                if _holds_steps(self.location):
+                    _write(self.location, self.record | {"ended": time.time()}, create=False)
+                else:
                     _delete(self.location)
         except (OSError, ValueError) as e:
-            log.warning("could not remove %s/%s: %s", self.location, OWNER, e)
+            log.warning("could not update %s/%s: %s", self.location, OWNER, e)
 
     def renew(self) -> None:
         """Write the record again (``run.overwrite`` moved the directory, record and all)."""
@@ -229,6 +239,15 @@ def _unwritten(location, mine: dict, take_over: bool, err: OSError) -> Claim:
 
 
 def _refusal(location, held: dict) -> str:
+    if _number(held.get("ended")) is not None:  # a finished run's steps: its history
+        return (
+            f"checkpoint location {location} holds the checkpoints of another run: "
+            f"{_describe(held)}. A run resuming them from another run.dir continues that "
+            "run's history in its directory. Give this run its own checkpoint.dir (the "
+            f"default is ${{run.dir}}/checkpoints), with init.from={held.get('run_dir')} to "
+            "start from its weights; or, to continue its checkpoints from this run.dir, set "
+            f"checkpoint.take_over=true (or remove {location}/{OWNER})"
+        )
     return (
         f"checkpoint location {location} belongs to another run: {_describe(held)}. Two runs "
         "writing one checkpoint location set aside and resume each other's steps. Give this "
@@ -239,11 +258,28 @@ def _refusal(location, held: dict) -> str:
 
 
 def _describe(held: dict) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.get("started") or 0))
+    def at(t) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(_number(t) or 0))
+
+    ended = _number(held.get("ended"))
+    when = f", ended {at(ended)}" if ended is not None else ""
     return (
         f"run.dir {held.get('run_dir')!r} (pid {held.get('pid')} on host "
-        f"{held.get('host')!r}, started {when})"
+        f"{held.get('host')!r}, started {at(held.get('started'))}{when})"
     )
+
+
+def _number(value) -> float | None:
+    """A recorded time, ``None`` unless a finite number (the record is not checksummed)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok and abs(value) < 1e11 else None
+
+
+def _holds_steps(location) -> bool:
+    """Whether a committed step is listed there (what a run resuming it would read)."""
+    from ftrain.ckpt.commit import committed_steps  # ftrain.ckpt imports this module
+
+    return bool(committed_steps(location))
 
 
 # ---- the record on a local directory or an object store ------------------------------

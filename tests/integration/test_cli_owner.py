@@ -44,7 +44,11 @@ def test_a_killed_runs_checkpoint_dir_refuses_another_run_dir_until_it_resumes(
     out = cli(run_a, *where, check=0)  # the killed run's restart
     assert "resumed from step 2" in out.stdout, out.stdout
     assert CheckpointManager(ckpt).all_steps() == [2, 4]
-    assert not (ckpt / OWNER).exists()  # released at the end
+    assert "ended" in json.loads((ckpt / OWNER).read_text())  # its steps stay its own
+    out = cli(run_b, *where, check=2)  # finished, its history is still not b's to continue
+    assert "holds the checkpoints of another run" in out.stderr, out.stderr
+    assert f"init.from={run_a.resolve()}" in out.stderr
+    assert CheckpointManager(ckpt).all_steps() == [2, 4]
 
 
 def test_run_overwrite_keeps_the_claim_with_the_checkpoint_dir(cli, tmp_path):
@@ -57,7 +61,8 @@ def test_run_overwrite_keeps_the_claim_with_the_checkpoint_dir(cli, tmp_path):
     assert "moved" in out.stdout and CheckpointManager(ckpt).all_steps() == [2]
     moved = list(ckpt.glob("overwritten-*"))  # the directory keeps its place
     assert len(moved) == 1 and CheckpointManager(moved[0]).all_steps() == [2]
-    assert not (ckpt / OWNER).exists() and not (moved[0] / OWNER).exists()
+    assert "ended" in json.loads((ckpt / OWNER).read_text())  # its steps stay claimed
+    assert not (moved[0] / OWNER).exists()
     assert [p.name for p in tmp_path.iterdir() if "overwritten" in p.name] == []
 
 

@@ -2,6 +2,7 @@
 server: train, SIGKILL mid-upload, resume from the newest committed step in the bucket,
 end bit-identical to a local run; start-up errors exit 2 with the reason."""
 
+import json
 import os
 from pathlib import Path
 
@@ -173,7 +174,8 @@ def test_a_bucket_prefix_claimed_by_another_run_dir_refuses_a_second_run(
 ):
     """Two runs with their own run.dir and one s3:// checkpoint.dir (e.g. a sweep): the
     second is refused (exit 2, the owner named, the way out given) and writes nothing;
-    with checkpoint.take_over=true it runs; a run that ends removes its record."""
+    with checkpoint.take_over=true it runs; a run that ends with steps committed keeps its
+    record, marked ended, so the next job of a sweep does not continue its history."""
     from ftrain.ckpt.location import parse_location
     from ftrain.ckpt.owner import OWNER, claim
 
@@ -190,7 +192,10 @@ def test_a_bucket_prefix_claimed_by_another_run_dir_refuses_a_second_run(
     cli(tmp_path / "mine", "trainer.max_steps=2", *SAVES, f"checkpoint.dir={url}",
         "checkpoint.take_over=true", check=0)  # fmt: skip
     assert CheckpointManager(url).all_steps() == [2]
-    assert f"shared/{OWNER}" not in objects(s3, bucket)  # released at the end
+    kept = json.loads(s3.get_object(Bucket=bucket, Key=f"shared/{OWNER}")["Body"].read())
+    assert kept["run_dir"] == str((tmp_path / "mine").resolve()) and "ended" in kept
+    out = cli(tmp_path / "next", "trainer.max_steps=2", *SAVES, f"checkpoint.dir={url}", check=2)
+    assert "holds the checkpoints of another run" in out.stderr  # the next job of a sweep
 
 
 def test_claims_on_an_object_store_race_and_release_like_local_ones(bucket, tmp_path):

@@ -1,7 +1,8 @@
 """A checkpoint location outside run.dir is claimed for one run directory
 (``ftrain.ckpt.owner``): another run directory is refused, a restart of the same run
 passes, a take-over replaces the claim, a damaged record never blocks a start, and a run
-removes only its own record."""
+ends only its own record: freed where nothing is committed, kept (marked ended) where steps
+are."""
 
 from __future__ import annotations
 
@@ -76,6 +77,32 @@ def test_release_removes_only_its_own_record(tmp_path):
     b.release()
     assert not (ckpt / OWNER).exists()
     claim(ckpt, tmp_path / "run-c")  # free again
+
+
+def test_a_finished_runs_steps_stay_claimed_and_the_refusal_names_init_from(tmp_path):
+    """The record was removed at every run's end: another run.dir pointed at a finished
+    run's checkpoints resumed its last step and committed into its directory (the next job
+    of a sweep sharing checkpoint.dir trained on from the previous job's state)."""
+    from ftrain.ckpt import CheckpointManager
+    from tests.unit.test_ckpt_manager import make_state
+
+    ckpt = tmp_path / "shared"
+    a = claim(ckpt, tmp_path / "run-a")
+    with CheckpointManager(ckpt, async_save=False) as mgr:
+        mgr.save(make_state(5))
+    a.release()
+    kept = json.loads((ckpt / OWNER).read_text())
+    assert kept["token"] == a.record["token"] and kept["ended"] >= kept["started"]
+    with pytest.raises(CheckpointOwnerError) as err:
+        claim(ckpt, tmp_path / "run-b")
+    msg = str(err.value)
+    assert "holds the checkpoints of another run" in msg and ", ended 20" in msg
+    assert f"init.from={(tmp_path / 'run-a').resolve()}" in msg
+    assert "checkpoint.take_over=true" in msg
+    again = claim(ckpt, tmp_path / "run-a")  # its own restart (more steps) passes
+    assert "ended" not in json.loads((ckpt / OWNER).read_text())
+    again.release()
+    claim(ckpt, tmp_path / "run-b", take_over=True)  # continuing it, said so
 
 
 def test_of_two_starts_at_once_exactly_one_claims(tmp_path):
