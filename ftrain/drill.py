@@ -78,7 +78,19 @@ class DrillFailed(Exception):
     """A scenario did not hold; the message says what was seen."""
 
 
+class _Usage(SystemExit):
+    """A setting the drill cannot run with: the message on stderr, exit 2 (as ftrain's own
+    bad settings; exit 1 is a drill that ran and failed)."""
+
+    def __init__(self, message: str) -> None:
+        print(message, file=sys.stderr)
+        super().__init__(2)
+
+
 def _parse(argv: list[str]) -> Plan:
+    if any(a in ("-h", "--help") for a in argv):  # it went to Hydra as an override
+        print(__doc__)
+        raise SystemExit(0)
     opts, rest, root, only = dict(_DEFAULTS), [], None, ()
     for arg in argv:
         key, eq, value = arg.partition("=")
@@ -88,29 +100,31 @@ def _parse(argv: list[str]) -> Plan:
             only = _chosen(value)
         elif key in opts and eq:
             if not value.isdigit():
-                raise SystemExit(f"{key}={value!r} must be a positive integer")
+                raise _Usage(f"{key}={value!r} must be a positive integer")
             opts[key] = int(value)
         else:
             rest.append(arg)
     steps, commit = opts["drill.steps"], opts["drill.commit_every"]
     kill, nproc = opts["drill.kill_at"], opts["dist.nproc"]
     if not 0 < commit < kill < 2 * commit <= steps:
-        raise SystemExit(
+        raise _Usage(
             f"need 0 < drill.commit_every < drill.kill_at < 2 * drill.commit_every <= drill.steps, "
             f"got steps={steps} commit_every={commit} kill_at={kill}"
         )
     if nproc < 2:
-        raise SystemExit(f"dist.nproc={nproc}: the drill kills one rank of several; use >= 2")
+        raise _Usage(f"dist.nproc={nproc}: the drill kills one rank of several; use >= 2")
     if root is not None and Path(root).is_dir() and any(Path(root).iterdir()):
-        raise SystemExit(
+        raise _Usage(
             f"drill.dir={root} is not empty: an earlier drill's runs there would be resumed "
             "(a reference that trains nothing passes) and their heartbeats name processes "
             "long gone; use a new or empty directory"
         )
-    # made only once the options hold: a refused drill leaves no temporary directory
-    where = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="ftrain-drill-"))
-    plan = Plan(steps, commit, kill, nproc, where, rest, keep=root is not None, only=only)
+    plan = Plan(
+        steps, commit, kill, nproc, Path(root or "."), rest, keep=root is not None, only=only
+    )
     _check_overrides(plan)
+    if root is None:  # made only once everything holds: a refused drill leaves none behind
+        plan.root = Path(tempfile.mkdtemp(prefix="ftrain-drill-"))
     return plan
 
 
@@ -120,7 +134,7 @@ def _chosen(value: str) -> tuple[str, ...]:
     names = {n.strip() for n in value.split(",") if n.strip()}
     unknown = sorted(names - set(known))
     if unknown or not names:
-        raise SystemExit(
+        raise _Usage(
             f"drill.only={value!r}: {', '.join(unknown) or 'no scenario named'}; "
             f"choose from {', '.join(known)} (comma-separated)"
         )
@@ -134,7 +148,7 @@ def _check_overrides(plan: Plan) -> None:
     try:
         load_config(_overrides(plan, plan.root / "check"))
     except ConfigError as err:
-        raise SystemExit(f"ftrain.drill: {err}") from None
+        raise _Usage(f"ftrain.drill: {err}") from None
 
 
 def _overrides(plan: Plan, run_dir: Path, *extra: str) -> list[str]:

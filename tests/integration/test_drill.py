@@ -10,8 +10,8 @@ import time
 import pytest
 
 
-def _drill(*args, timeout=1500):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _drill(*args, timeout=1500, env=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     cmd = [sys.executable, "-m", "ftrain.drill", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -62,16 +62,27 @@ def test_the_drill_passes_with_a_sharded_state(tmp_path):
 
 
 def test_bad_drill_settings_and_overrides_are_clear_errors(tmp_path):
-    bad = _drill("drill.steps=6", "drill.commit_every=4", "drill.kill_at=6", timeout=120)
-    assert bad.returncode != 0 and "drill.commit_every < drill.kill_at" in bad.stderr
-    typo = _drill(f"drill.dir={tmp_path}", "trainer.max_step=3", timeout=120)
-    assert typo.returncode != 0 and "trainer.max_step" in typo.stderr
-    one = _drill("dist.nproc=1", timeout=120)
-    assert one.returncode != 0 and "use >= 2" in one.stderr
-    typo = _drill("drill.only=machin,kill", timeout=120)
-    assert typo.returncode != 0 and "drill.only='machin,kill': machin; choose from" in typo.stderr
-    empty = _drill("drill.only=,", timeout=120)
-    assert empty.returncode != 0 and "no scenario named" in empty.stderr
+    """Exit 2, as ftrain's own bad settings (they were exit 1, a failed drill's code), and
+    no temporary directory left behind; `--help` prints the usage (it went to Hydra)."""
+    env_tmp = tmp_path / "tmp"
+    env_tmp.mkdir()
+
+    def drill(*args):
+        return _drill(*args, timeout=120, env={"TMPDIR": str(env_tmp)})
+
+    bad = drill("drill.steps=6", "drill.commit_every=4", "drill.kill_at=6")
+    assert bad.returncode == 2 and "drill.commit_every < drill.kill_at" in bad.stderr
+    typo = drill("trainer.max_step=3")
+    assert typo.returncode == 2 and "trainer.max_step" in typo.stderr
+    one = drill("dist.nproc=1")
+    assert one.returncode == 2 and "use >= 2" in one.stderr
+    typo = drill("drill.only=machin,kill")
+    assert typo.returncode == 2 and "drill.only='machin,kill': machin; choose from" in typo.stderr
+    empty = drill("drill.only=,")
+    assert empty.returncode == 2 and "no scenario named" in empty.stderr
+    assert list(env_tmp.glob("ftrain-drill-*")) == []  # the refused drills made none
+    usage = drill("--help")
+    assert usage.returncode == 0 and "Scenarios" in usage.stdout and "drill.kill_at" in usage.stdout
 
 
 @pytest.mark.slow
