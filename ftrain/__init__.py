@@ -28,7 +28,12 @@ The command line: ``python -m ftrain +recipe=gpt2``; ``python -m ftrain.ckpt``;
 ``python -m ftrain.eval RUN``.
 """
 
-# first, before torch: `python -m ftrain` keeps a stop signal that comes while torch imports
+# first, before anything opens a file: a closed stdin/stdout/stderr gets /dev/null, or the
+# next file opened takes its number (torch's and C code's stderr went into the run lock)
+from ftrain import _stdio  # noqa: F401  (reopens on import)
+
+# isort: split
+# before torch: `python -m ftrain` keeps a stop signal that comes while torch imports
 from ftrain import _early_signals  # noqa: F401  (installs on import; the CLI takes them)
 
 # isort: split

@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftrain._stdio import printable_streams
 from ftrain.faults import inject_dir
 
 __all__ = ["main"]
@@ -89,7 +90,7 @@ class _Usage(SystemExit):
 
 def _parse(argv: list[str]) -> Plan:
     if any(a in ("-h", "--help") for a in argv):  # it went to Hydra as an override
-        print(__doc__)
+        print(__doc__ or "python -m ftrain.drill: see docs/distributed.md")  # -OO strips it
         raise SystemExit(0)
     opts, rest, root, only = dict(_DEFAULTS), [], None, ()
     for arg in argv:
@@ -546,4 +547,5 @@ def _drill(plan: Plan) -> int:
 
 
 if __name__ == "__main__":
+    printable_streams()
     sys.exit(main())

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from ftrain._stdio import printable_streams
 from ftrain.metrics import read_records
 
 __all__ = ["NothingToPlot", "commit_steps", "main", "plot_run", "segments", "smooth"]
@@ -299,7 +300,7 @@ def _print_path(path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ftrain.plot", description=__doc__.splitlines()[0]
+        prog="python -m ftrain.plot", description=(__doc__ or "draw a run's curves").splitlines()[0]
     )
     parser.add_argument("run_dir")
     parser.add_argument(
@@ -319,4 +320,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    printable_streams()
     sys.exit(main())

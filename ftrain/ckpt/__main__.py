@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ftrain._memory import said_out_of_memory
+from ftrain._stdio import printable_streams
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CheckpointFormatError, CheckpointReadError, CorruptCheckpointError
@@ -526,7 +527,7 @@ def _main(argv: list[str]) -> int:
             return cmd_export(argv[1:]) if argv[0] == "export" else cmd_diff(argv[1:])
         except _TOOL_ERRORS as e:
             return _failed(e)
-    p = argparse.ArgumentParser(prog="python -m ftrain.ckpt", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ftrain.ckpt", description=_FIRST_DOC_LINE)
     p.add_argument("command", choices=["list", "show", "verify", "diff", "advise", "export"])
     p.add_argument("directory", help="a checkpoint directory or URL (s3://bucket/prefix)")
     p.add_argument("steps", type=int, nargs="*")
@@ -619,9 +620,14 @@ def _check_step_count(p: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
         )
 
 
+# `python -OO` strips docstrings (``__doc__`` is None: the tool failed before its work)
+_FIRST_DOC_LINE = (__doc__ or "inspect checkpoints").splitlines()[0]
+
+
 def _main_to_a_pipe() -> int:
     """:func:`main`, quiet when its reader goes away (``... | head``): the rest of the
     output is dropped with exit 1, as ``cat`` does, instead of a BrokenPipeError traceback."""
+    printable_streams()  # a run directory named `ü` under PYTHONIOENCODING=ascii
     try:
         status = main()
         sys.stdout.flush()

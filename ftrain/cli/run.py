@@ -23,6 +23,7 @@ from torch import nn
 
 from ftrain import _early_signals
 from ftrain._memory import out_of_memory, said_out_of_memory
+from ftrain._stdio import printable_streams
 from ftrain.ckpt import (
     CheckpointFormatError,
     CheckpointLocationError,
@@ -185,6 +186,7 @@ def _main(argv: list[str] | None) -> int:
 def console_main() -> None:
     """The ``ftrain`` console script and ``python -m ftrain`` (``ftrain -sc install=bash``
     completes ``ftrain ...``): :func:`main`, then the process ends."""
+    printable_streams()  # a run directory named `ü` under PYTHONIOENCODING=ascii
     code = main()
     # the process ends now (threads joined, atexit, the interpreter's teardown: most of a
     # second): a signal there is noted, never a kill (143) of a finished run. Here, not in
