@@ -183,9 +183,18 @@ def acquire(run_dir: str | os.PathLike, argv: list[str] | None = None) -> RunLoc
     path = Path(run_dir) / LOCK_NAME
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # the umask decides the mode: a hard-coded 0o644 kept the teammates of a group-shared
+        # run directory (umask 002, setgid) from resuming it ("Permission denied")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as err:
-        raise _disk_or_dir_error(f"cannot create the run lock {path}", err, "") from None
+        verb = "open" if os.path.lexists(path) else "create"
+        fix = (
+            f" (another user's run lock: make it writable to this user, e.g. chmod g+w {path} "
+            "for a group, or run as its owner)"
+            if verb == "open" and isinstance(err, PermissionError)
+            else ""
+        )
+        raise _disk_or_dir_error(f"cannot {verb} the run lock {path}", err, fix) from None
     try:
         return _take(fd, path, argv)
     except BaseException:

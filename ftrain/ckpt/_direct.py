@@ -82,7 +82,7 @@ def write_direct(path: Path, parts: list, *, durable: bool = False) -> int | Non
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o666)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

@@ -92,7 +92,7 @@ def write_chunk(
     crc = 0
     for part in parts:
         crc = crc32c.crc32c(part, value=crc)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         write_all(fd, [*parts, crc.to_bytes(4, "little")])
         if durable:

@@ -219,7 +219,7 @@ def _try_begin(root: Path, step: int) -> Staging | None:
     """One try of :func:`begin`; ``None`` if a sweeper removed the lock before the flock."""
     name = f"{step_dirname(step)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     lock_path = root / f".{name}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -461,7 +461,7 @@ def write_json(path: Path, doc: dict, *, durable: bool = True) -> tuple[int, int
         ``(crc32c, length)`` of the bytes written (the manifest records them).
     """
     data = json_bytes(doc)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
         write_all(fd, [data])
         if durable:

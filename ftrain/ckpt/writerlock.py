@@ -53,7 +53,7 @@ class WriterLock:
         try:
             if create:
                 directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError:
             return
         try:

@@ -167,3 +167,23 @@ def test_a_full_disk_under_the_run_dir_is_its_state_not_the_config(tmpfs, inodes
     if not inodes:  # a full inode table still lets the lock's existing block be written
         with pytest.raises(runlock.RunDirDiskError, match="cannot write the run lock"):
             runlock.acquire(run_dir)
+
+
+def test_lock_and_checkpoint_files_take_the_umask_mode_so_a_group_can_resume(tmp_path):
+    """A group-shared run directory (umask 002): the run lock and the writer lock were
+    0o644 whatever the umask, so a teammate's resume failed with "cannot create the run
+    lock: Permission denied" (the file existed; chmod g+w was the fix)."""
+    from ftrain.ckpt import CheckpointManager
+    from tests.unit.test_ckpt_manager import make_state
+
+    old = os.umask(0o002)
+    try:
+        lock = runlock.acquire(tmp_path / "run")
+        with CheckpointManager(tmp_path / "run" / "checkpoints", async_save=False) as mgr:
+            mgr.save(make_state(1))
+        lock.release()
+    finally:
+        os.umask(old)
+    made = [tmp_path / "run" / ".lock", tmp_path / "run" / "checkpoints" / ".writer.lock"]
+    made += [p for p in (tmp_path / "run" / "checkpoints").rglob("c*") if p.is_file()]
+    assert len(made) > 2 and {oct(p.stat().st_mode & 0o777) for p in made} == {"0o664"}
