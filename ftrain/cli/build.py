@@ -41,7 +41,7 @@ from ftrain.cli.targets import (
 from ftrain.config import ConfigError
 from ftrain.config.compose import largest_divisor
 from ftrain.data import Source
-from ftrain.data.fingerprint import cache_path
+from ftrain.data.fingerprint import NoCacheDirError, cache_path
 from ftrain.data.sources import DataPathError, source_from_config
 from ftrain.lora import apply_lora
 
@@ -102,6 +102,19 @@ def pick_device(name: str) -> torch.device:
             f"trainer.device={name!r} but no CUDA device is available; use trainer.device=cpu"
         )
     return device
+
+
+def check_cache_home(cfg: DictConfig) -> None:
+    """A data cache directory can be named (HOME unset with a uid that has no home was a
+    ``RuntimeError`` traceback from ``Path.home()`` at the data's first hash).
+
+    Raises:
+        ConfigError: naming FTRAIN_CACHE_DIR and data.cache_dir.
+    """
+    try:
+        cache_path(cfg.data.get("cache_dir"))
+    except NoCacheDirError as err:
+        raise ConfigError(str(err)) from None
 
 
 def build_model(cfg: DictConfig, notes: list[str] | None = None) -> tuple[nn.Module, Callable]:

@@ -41,6 +41,7 @@ from ftrain.cli.build import (
     build_tx,
     check_batch,
     check_block_size,
+    check_cache_home,
     check_checkpoint_paths,
     check_vocab,
     eval_repeat_note,
@@ -302,6 +303,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     check_loggers(cfg.logger)  # every rank, first: a missing extra stops all before anything
     check_logger_places(cfg)  # a logger file at metrics.jsonl would set the run's records aside
     check_block_size(cfg)
+    check_cache_home(cfg)
     model_notes: list[str] = []  # a LoRA target matching nothing: said with the others
     model, loss_fn = build_model(cfg, model_notes)
     train_src, val_src = same_data_on_every_rank(lambda: build_sources(cfg), world)

@@ -78,8 +78,23 @@ def cache_path(override: str | os.PathLike | None = None) -> Path:
         path = Path(os.environ["FTRAIN_CACHE_DIR"])
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")
-        path = (Path(xdg) if xdg else Path.home() / ".cache") / "ftrain"
+        path = (Path(xdg) if xdg else _home() / ".cache") / "ftrain"
     return path.expanduser()
+
+
+class NoCacheDirError(RuntimeError):
+    """No cache directory is set and there is no home directory to put one in."""
+
+
+def _home() -> Path:
+    try:
+        return Path.home()
+    except (RuntimeError, KeyError):  # HOME unset and a uid without a passwd entry
+        raise NoCacheDirError(
+            f"no data cache directory: HOME is unset and uid {os.getuid()} has no home "
+            "directory (a container run with an arbitrary --user); set FTRAIN_CACHE_DIR "
+            "(or data.cache_dir, or HOME) to a writable directory"
+        ) from None
 
 
 def _opened(path: Path, fd: int | None):

@@ -152,3 +152,24 @@ def test_a_sweep_never_removes_a_live_writers_temporary_file(tmp_path):
         assert tmp.exists() and not dead.exists()
         tmp.replace(target)
     assert target.read_bytes() == b"half written"
+
+
+def test_no_home_directory_is_one_line_naming_the_cache_settings(monkeypatch):
+    """`docker run --user 12345` with no HOME: Path.home() raised a RuntimeError traceback
+    at the data's first hash."""
+    from pathlib import Path
+
+    from ftrain.cli.build import check_cache_home
+    from ftrain.config import ConfigError, load_config
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    for var in ("HOME", "FTRAIN_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(ConfigError, match="set FTRAIN_CACHE_DIR .or data.cache_dir"):
+        check_cache_home(load_config([]))
+    check_cache_home(load_config(["data.cache_dir=/tmp/x"]))  # named: nothing to find
+    monkeypatch.setenv("FTRAIN_CACHE_DIR", "/tmp/y")
+    check_cache_home(load_config([]))
