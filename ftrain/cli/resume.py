@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 from tensordict import TensorDictBase
 
@@ -573,7 +574,22 @@ _RUN_METADATA = {
     "layout": str,
     "schedule_horizon": int,
     "step_compiled": bool,  # what trainer.compile=auto chose at the run's first start
+    "cpu_threads": int,
 }
+
+
+def _thread_change(meta: dict) -> list[str]:
+    """The CPU thread count since the checkpoint, said as a change: torch's CPU reductions
+    split their work by thread, so a requeue on a node with another core count resumed to
+    other bits (~1e-8) than an unbroken run, without a word."""
+    saved, now = meta.get("cpu_threads"), torch.get_num_threads()
+    if saved is None or saved == now:
+        return []
+    return [
+        f"CPU threads {saved} -> {now} (torch's CPU reductions split by thread: on CPU the run "
+        f"differs from an unbroken one in the last bits; OMP_NUM_THREADS={saved} keeps it "
+        "bit-identical)"
+    ]
 
 
 def check_run_metadata(attrs: dict) -> None:
@@ -861,6 +877,7 @@ def start_state(
         changes.append(
             f"data fingerprint {meta.get('data_fingerprint')} -> {data_fp} (data.allow_changed=true)"
         )
+    changes += _thread_change(meta)
     skipped = skipped_newer(cfg, manager, step)
     left = [] if cfg.resume == "latest" else [s for s in manager.all_steps() if s > step]
     saved_world = meta.get("world_size")
@@ -979,6 +996,8 @@ def checkpoint_metadata(
         "val_fingerprint": val_fp,
         "data": data_desc,
         "world_size": world.size,
+        # torch's CPU kernels split reductions by thread: another count resumes to other bits
+        "cpu_threads": torch.get_num_threads(),
         # every store holds global shapes; "rows:N" = written by N ranks, each its own rows
         "layout": "replicated" if cfg.dist.shard == "none" else f"rows:{world.size}",
     }

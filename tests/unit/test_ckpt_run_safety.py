@@ -128,3 +128,20 @@ def test_host_rngs_are_seeded_from_trainer_seed_per_rank_when_nothing_was_record
     assert draws(5, 1)[1] != a and draws(6, 0)[1] != a  # per rank, per seed
     said, _ = draws(5, 1, {"step": 40, "host_rng": {"0": {}}})
     assert "none recorded for this rank" in said
+
+
+def test_a_resume_on_another_cpu_thread_count_says_it_is_not_bit_identical(monkeypatch):
+    """A requeue on a node with another core count resumed to other bits (torch's CPU
+    reductions split by thread) without a word; now it is an accepted change, with the fix."""
+    import torch
+
+    from ftrain.cli import resume
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    (said,) = resume._thread_change({"cpu_threads": 1})
+    assert said.startswith("CPU threads 1 -> 2") and "OMP_NUM_THREADS=1" in said
+    assert resume._thread_change({"cpu_threads": 2}) == []
+    assert resume._thread_change({}) == []  # a step written before it was recorded
+    resume.check_run_metadata({"cpu_threads": 4})
+    with pytest.raises(resume.CorruptCheckpointError, match="cpu_threads"):
+        resume.check_run_metadata({"cpu_threads": "4"})
