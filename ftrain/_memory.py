@@ -13,7 +13,7 @@ import errno
 import sys
 import traceback
 
-__all__ = ["MEMORY_RETRY", "out_of_memory", "said_out_of_memory"]
+__all__ = ["MEMORY_RETRY", "out_of_memory", "said_out_of_memory", "threads_note"]
 
 # what a read-only tool says after it
 MEMORY_RETRY = (
@@ -66,5 +66,16 @@ def said_out_of_memory(prog: str, err: BaseException, fix: str = MEMORY_RETRY) -
     said = out_of_memory(err)
     if said is None:
         return False
-    print(f"{prog}: {said}. {fix}", file=sys.stderr)
+    print(f"{prog}: {said}. {fix}{threads_note(said)}", file=sys.stderr)
     return True
+
+
+def threads_note(said: str) -> str:
+    """For a thread that could not start: the other limit it meets (a user's process count
+    counts threads), which "more memory" alone does not name."""
+    if not said.startswith("out of threads"):
+        return ""
+    return (
+        ". A thread that cannot start may be the process limit too: raise `ulimit -u` (or a "
+        "container's pids limit)"
+    )

@@ -22,7 +22,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain import _early_signals
-from ftrain._memory import out_of_memory, said_out_of_memory
+from ftrain._memory import out_of_memory, said_out_of_memory, threads_note
 from ftrain._stdio import printable_streams
 from ftrain.ckpt import (
     CheckpointFormatError,
@@ -703,9 +703,11 @@ def _watchdog(cfg: DictConfig, session: Session) -> Watchdog | None:
 def _save_failed(err: CheckpointSaveError, manager: CheckpointManager, asked: Asked) -> int:
     """A checkpoint that did not commit stops the run (a week of training must not go on
     unsaved): one message, where a re-run resumes, exit 1 (no traceback)."""
+    short = out_of_memory(err)
     fix = (
         "the memory shortage (a higher memory or address-space limit, fewer other processes)"
-        if out_of_memory(err)
+        + threads_note(short)
+        if short
         else "the cause (disk, permissions, the object store)"
     )
     return _stopped(err, manager, fix, asked)

@@ -37,5 +37,6 @@ def test_a_save_that_ran_out_of_memory_says_so_not_the_disk(tmp_path, capsys):
     assert run._save_failed(failed, manager, Asked()) == 1
     err = capsys.readouterr().err
     assert "fix the memory shortage" in err and "disk, permissions" not in err
+    assert "ulimit -u" in err  # a thread that cannot start meets the process limit too
     run._save_failed(CheckpointSaveError("[step=4] save failed: ENOSPC"), manager, Asked())
     assert "fix the cause (disk, permissions, the object store)" in capsys.readouterr().err
