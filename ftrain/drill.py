@@ -86,6 +86,10 @@ class _Usage(SystemExit):
     def __init__(self, message: str) -> None:
         print(message, file=sys.stderr)
         super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _parse(argv: list[str]) -> Plan:

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftrain import _json
+from ftrain._umask import plain_file_mode
 from ftrain.ckpt.format import CorruptCheckpointError, read_bytes_nofollow
 from ftrain.runlock import RunDirError
 
@@ -99,7 +100,7 @@ class Claim:
                     _write(self.location, self.record | {"ended": time.time()}, create=False)
                 else:
                     _delete(self.location)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a newer-format step, a store's own error
             log.warning("could not update %s/%s: %s", self.location, OWNER, e)
 
     def renew(self) -> None:
@@ -153,6 +154,13 @@ def _claim_held(location, mine: dict, take_over: bool) -> Claim:
     other = held is not None and held.get("run_dir") != mine["run_dir"]
     if other and _moved_here(location, held, mine):
         log.warning("%s: its run directory moved here from %r", location, held["run_dir"])
+    elif other and _ended_inside(location, held, mine):
+        log.warning(
+            "%s: the checkpoints of a run that ended under run.dir %r, inside this run.dir "
+            "(moved or copied here): continuing them",
+            location,
+            held["run_dir"],
+        )
     elif other and not take_over:
         raise CheckpointOwnerError(_refusal(location, held))
     elif other:
@@ -201,6 +209,15 @@ def _moved_here(location, held: dict, mine: dict) -> bool:
     with contextlib.suppress(OSError):  # the same directory under another path (a bind mount)
         return os.path.samefile(theirs, mine["run_dir"])
     return False
+
+
+def _ended_inside(location, held: dict, mine: dict) -> bool:
+    """A finished run's record in a location inside this ``run.dir``: the run directory
+    was moved or copied here, from any host (a copy is its own history in its own place;
+    only a location shared by two run directories mixes two)."""
+    if not isinstance(location, Path) or _number(held.get("ended")) is None:
+        return False
+    return location.resolve().is_relative_to(mine["run_dir"])
 
 
 def _held(location) -> dict | None:
@@ -276,10 +293,18 @@ def _number(value) -> float | None:
 
 
 def _holds_steps(location) -> bool:
-    """Whether a committed step is listed there (what a run resuming it would read)."""
-    from ftrain.ckpt.commit import committed_steps  # ftrain.ckpt imports this module
+    """Whether a step is committed there (what a run resuming it would read): locally any
+    ``step_*`` directory with a marker, without reading one (the run's end read every
+    marker and manifest); on an object store its listing."""
+    from ftrain.ckpt import commit  # ftrain.ckpt imports this module
 
-    return bool(committed_steps(location))
+    if not isinstance(location, Path):
+        return bool(commit.committed_steps(location))
+    with os.scandir(location) as entries:
+        return any(
+            commit.STEP_DIR.match(e.name) and os.path.lexists(os.path.join(e.path, commit.MARKER))
+            for e in entries
+        )
 
 
 # ---- the record on a local directory or an object store ------------------------------
@@ -299,6 +324,9 @@ def _write(location, record: dict, *, create: bool) -> bool:
     # the writer's pid in the name: a kill's leftover is swept (ftrain.ckpt.commit.sweep_stale)
     fd, tmp = tempfile.mkstemp(prefix=f".owner.{os.getpid()}-", dir=location)
     try:
+        # mkstemp's 0600: a record that outlives its run must be readable to a teammate
+        # resuming a group-shared run directory (it read as "writing failed")
+        os.fchmod(fd, plain_file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
             f.flush()

@@ -232,3 +232,46 @@ def test_a_release_racing_a_take_over_leaves_the_new_owners_record(tmp_path, mon
     assert json.loads((ckpt / OWNER).read_text())["token"] == got["b"].record["token"]
     with pytest.raises(CheckpointOwnerError, match="belongs to another run"):
         claim(ckpt, tmp_path / "run-c")
+
+
+def test_a_finished_runs_copied_or_moved_directory_continues_from_any_host(tmp_path, caplog):
+    """A finished run's record stays; a copy of its run directory (`cp -r runs/a runs/b`, a
+    move to a node where the old path is not seen) holds it inside the new run.dir: that
+    copy is its own history in its own place, continued with a warning."""
+    import os
+    import shutil
+
+    from ftrain.ckpt import CheckpointManager
+    from tests.unit.test_ckpt_manager import make_state
+
+    old = os.umask(0o002)
+    try:
+        a = claim(tmp_path / "a" / "checkpoints", tmp_path / "a")
+        with CheckpointManager(tmp_path / "a" / "checkpoints", async_save=False) as mgr:
+            mgr.save(make_state(3))
+        a.release()
+    finally:
+        os.umask(old)
+    record = tmp_path / "a" / "checkpoints" / OWNER
+    assert oct(record.stat().st_mode & 0o777) == "0o664"  # a teammate reads it (was 0600)
+    held = json.loads(record.read_text())
+    record.write_text(json.dumps(held | {"host": "another-node"}))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with caplog.at_level("WARNING"):
+        claim(tmp_path / "b" / "checkpoints", tmp_path / "b")
+    assert "moved or copied here" in caplog.text
+    with pytest.raises(CheckpointOwnerError):  # a third run.dir pointed at a's: refused
+        claim(tmp_path / "a" / "checkpoints", tmp_path / "c")
+
+
+def test_ending_a_claim_never_raises(tmp_path, monkeypatch):
+    """A step of a newer format (a RuntimeError from the listing) raised out of the end of
+    the claim, a traceback after the start's own one-line refusal."""
+    c = claim(tmp_path / "ck", tmp_path / "run")
+
+    def newer(*args, **kwargs):
+        raise RuntimeError("step 10 was written by a newer ftrain")
+
+    monkeypatch.setattr("ftrain.ckpt.owner._holds_steps", newer)
+    c.release()  # no raise; the record stays for the next start to decide
+    assert (tmp_path / "ck" / OWNER).exists()

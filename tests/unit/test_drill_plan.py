@@ -13,8 +13,9 @@ def test_a_non_empty_drill_dir_is_refused(tmp_path):
     """An earlier drill's runs there were resumed (a reference that trained nothing
     passed) and their stale heartbeats named pids the drill then SIGKILLed."""
     (tmp_path / "reference").mkdir()
-    with pytest.raises(SystemExit, match="is not empty: an earlier drill's runs"):
+    with pytest.raises(SystemExit, match="is not empty: an earlier drill's runs") as refused:
         drill._parse([f"drill.dir={tmp_path}"])
+    assert refused.value.code == 2
 
 
 def test_only_a_descendant_of_the_launcher_is_killed():
