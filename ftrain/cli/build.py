@@ -105,16 +105,22 @@ def pick_device(name: str) -> torch.device:
 
 
 def check_cache_home(cfg: DictConfig) -> None:
-    """A data cache directory can be named (HOME unset with a uid that has no home was a
-    ``RuntimeError`` traceback from ``Path.home()`` at the data's first hash).
+    """A data cache directory can be named where the data source keeps its tokens there
+    (HOME unset with a uid that has no home was a ``RuntimeError`` traceback from
+    ``Path.home()`` at the corpus' first read; a custom source never used the cache).
 
     Raises:
         ConfigError: naming FTRAIN_CACHE_DIR and data.cache_dir.
     """
+    if cfg.data.get("name") not in _CACHED_SOURCES:  # a token file is hashed uncached
+        return
     try:
         cache_path(cfg.data.get("cache_dir"))
     except NoCacheDirError as err:
         raise ConfigError(str(err)) from None
+
+
+_CACHED_SOURCES = ("stdlib", "text")  # sources whose tokens live in the data cache
 
 
 def build_model(cfg: DictConfig, notes: list[str] | None = None) -> tuple[nn.Module, Callable]:

@@ -82,8 +82,9 @@ def cache_path(override: str | os.PathLike | None = None) -> Path:
     return path.expanduser()
 
 
-class NoCacheDirError(RuntimeError):
-    """No cache directory is set and there is no home directory to put one in."""
+class NoCacheDirError(OSError):
+    """No cache directory is set and there is no home directory to put one in (an
+    ``OSError``, as an unwritable one is: a token file's hash is then computed uncached)."""
 
 
 def _home() -> Path:
@@ -242,10 +243,8 @@ def file_digest(
     st = path.stat() if fd is None else os.fstat(fd)
     try:
         entry_file = _entry_path(path, cache_dir(cache))
-    except OSError as e:  # a read-only HOME or cache volume: hashed, not cached
-        log.warning(
-            "fingerprint cache %s unusable (%s); hashing %s in full", cache_path(cache), e, path
-        )
+    except OSError as e:  # a read-only HOME or cache volume, or none: hashed, not cached
+        log.warning("fingerprint cache unusable (%s); hashing %s in full", e, path)
         return _full_digest(path, fd)
     try:
         entry = _json.loads(entry_file.read_text())

@@ -22,6 +22,7 @@ from typing import Any
 
 from ftrain import _json
 from ftrain.data.fingerprint import (
+    NoCacheDirError,
     _probe_digest,
     _write_json_atomic,
     cache_dir,
@@ -191,6 +192,8 @@ def tokenize_corpus(
     try:
         folder = cache_dir(cache) / "corpus"
         folder.mkdir(parents=True, exist_ok=True)
+    except NoCacheDirError as err:  # none to name (no HOME): the error says what to set
+        raise DataPathError(str(err)) from None
     except OSError as err:
         raise DataPathError(
             f"the text corpus cache {cache_path(cache) / 'corpus'} cannot be created ({err}); "

@@ -171,5 +171,6 @@ def test_no_home_directory_is_one_line_naming_the_cache_settings(monkeypatch):
     with pytest.raises(ConfigError, match="set FTRAIN_CACHE_DIR .or data.cache_dir"):
         check_cache_home(load_config([]))
     check_cache_home(load_config(["data.cache_dir=/tmp/x"]))  # named: nothing to find
+    check_cache_home(load_config(["data=tokens", "data.path=/x"]))  # hashed uncached instead
     monkeypatch.setenv("FTRAIN_CACHE_DIR", "/tmp/y")
     check_cache_home(load_config([]))
