@@ -1113,14 +1113,15 @@ class CheckpointManager:
                 rng_states = hostrng.for_rank(attrs, self.rank) if host_rng else None
             except CorruptCheckpointError as e:
                 i += 1
-                if protocol.step_vanished(path) and relists < _RELISTS:
+                if protocol.step_vanished(path):
                     # another process's retention or go-back took it: list again (a newer
                     # step may be committed by now), never call it corrupt
-                    relists += 1
-                    problems.append(f"{path}: deleted while it was read (a live run)")
-                    log.info("[step=%d] %s was deleted while it was read: listing again", s, path)
-                    tried = cands[:i]
-                    cands = tried + [c for c in self._candidates(step, copy) if c not in tried]
+                    problems.append(f"{path}: deleted or set aside while it was read (a live run)")
+                    log.info("[step=%d] %s went away while it was read: listing again", s, path)
+                    if relists < _RELISTS:
+                        relists += 1
+                        tried = cands[:i]
+                        cands = tried + [c for c in self._candidates(step, copy) if c not in tried]
                     continue
                 problems.append(f"{path}: {e}")
                 msg = f"[step={s}] checkpoint {path} is corrupt ({e}){_next_try(cands[i:], s)}"
@@ -1146,8 +1147,8 @@ class CheckpointManager:
                     self._remember_restored(s, path, manifest, out)
             return out
         head = "no checkpoint verifies"
-        if relists == len(problems):
-            head = "every step tried was deleted while it was read (a live run's retention)"
+        if all(p.endswith("while it was read (a live run)") for p in problems):
+            head = "every step tried was deleted or set aside while it was read (a live run)"
         err = CheckpointNotFoundError(f"{head}:\n  " + "\n  ".join(problems))
         err.problems = problems  # "path: why" of each candidate, for a caller's report
         raise err

@@ -933,7 +933,9 @@ def _check_schedule(s: DictConfig) -> None:
             s.decay_steps,
             f"must be above schedule.warmup_steps={warmup} (the step the decay ends at, "
             "counted from 0 with the warmup inside it)",
-            f"set schedule.decay_steps above {warmup}, or a smaller schedule.warmup_steps",
+            f"set schedule.decay_steps above {warmup}, or a smaller schedule.warmup_steps "
+            f"(resuming a run that set it: schedule.decay_steps={warmup + 1} is the curve it "
+            "trained on, a change a resume accepts)",
         )
 
 

@@ -25,16 +25,26 @@ def _ftrain(cache_dir, *args, closed=(), env=None, flags=()):
     )  # fmt: skip
 
 
-def test_a_run_with_stdout_or_stderr_closed_trains_and_keeps_the_lock_clean(cache_dir, tmp_path):
+def test_a_run_with_stdout_or_stderr_closed_trains(cache_dir, tmp_path):
     """`>&-`: sys.stdout was None and the progress line an AttributeError at step 1 of
-    every start; `2>&-`: the run lock took descriptor 2, so C code's stderr went into it."""
+    every start."""
     steps = ("trainer.max_steps=2", "checkpoint.every_steps=2")
     for name, closed in (("out", (1,)), ("err", (2,))):
         run = tmp_path / name
         done = _ftrain(cache_dir, "ftrain", f"run.dir={run}", *TINY, *steps, closed=closed)
         assert done.returncode == 0, (done.stdout, done.stderr)
         assert CheckpointManager(run / "checkpoints").all_steps() == [2]
-        assert (run / ".lock").read_bytes() == b""  # the lock holds a record or nothing
+
+
+def test_import_ftrain_gives_a_closed_stderr_dev_null_before_any_file_takes_it(tmp_path):
+    """`2>&-`: the next file opened took descriptor 2 (the run lock), and what C code wrote
+    to stderr went into it."""
+    probe = "import os, ftrain; print(os.readlink('/proc/self/fd/2'))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True, timeout=120,
+        preexec_fn=lambda: os.close(2),
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == os.devnull, done.stdout
 
 
 def test_a_name_the_console_cannot_encode_is_escaped_not_a_traceback(cache_dir, tmp_path):

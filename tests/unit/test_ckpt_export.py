@@ -653,7 +653,7 @@ def test_diff_and_show_pick_again_when_retention_deletes_the_newest_mid_read(
     assert rc == 0 and "CORRUPT" not in out, out
     assert ("0 of " in out) if cmd == "diff" else (protocol.step_dirname(4) in out), out
     later = iter([5])  # a named step deleted mid-read: gone, not corrupt
-    with pytest.raises(SystemExit, match="step 4 was deleted while it was read"):
+    with pytest.raises(SystemExit, match="step 4 was deleted or set aside while it was read"):
         tool.main(["show", str(tmp_path / "ck"), "4"])
     live.close()
 

@@ -544,7 +544,7 @@ def test_a_named_step_deleted_while_a_reader_restores_it_says_so(tmp_path):
         return real(path, *args)
 
     reader._read = retention_meanwhile
-    with pytest.raises(CheckpointNotFoundError, match="deleted while it was read"):
+    with pytest.raises(CheckpointNotFoundError, match="deleted or set aside while it was read"):
         reader.restore(2)
     run.close()
 
@@ -580,6 +580,9 @@ def test_verify_lists_again_when_every_step_it_listed_went_away(tmp_path, monkey
     monkeypatch.setattr(cli, "verify_tree", every_step_deleted)
     assert cli.main(["verify", str(tmp_path)]) == 1
     assert "verified no step" in capsys.readouterr().out
+    saved(tmp_path, 7).close()
+    assert cli.main(["verify", str(tmp_path), "7"]) == 1  # the step named went away: not ok
+    assert "gone step 7" in capsys.readouterr().out
 
 
 def test_verify_says_a_step_a_resume_set_aside_was_set_aside(tmp_path, monkeypatch, capsys):

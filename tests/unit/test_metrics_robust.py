@@ -147,8 +147,10 @@ def test_the_figure_is_replaced_whole_never_written_in_place(tmp_path):
     served = tmp_path / "served.png"  # a link to a copy served elsewhere stays a link
     old.rename(served)
     old.symlink_to(served)
+    before = served.read_bytes()
     plot_run(tmp_path, title="a third")
-    assert old.is_symlink() and served.read_bytes().startswith(b"\x89PNG")
+    assert old.is_symlink() and served.read_bytes() != before  # its target was redrawn
+    assert served.read_bytes().startswith(b"\x89PNG")
 
 
 def _umask() -> int:
