@@ -212,7 +212,12 @@ def cmd_verify(root: Path, args: list[int]) -> int:
     for path, why in invalid.items() if not args else ():
         print(f"{'BAD ' if path in invalid.damaged else 'left'} {path.name}: {why}")
     if not verified and not bad:  # a monitoring job must not read "ok" for nothing checked
-        print("verified no step: each was deleted or set aside while it was read; run again")
+        why = (
+            "each was deleted or set aside while it was read; run again"
+            if tried
+            else ("none is committed here yet")
+        )
+        print(f"verified no step: {why}")
         return 1
     return 1 if bad else 0
 
