@@ -15,8 +15,9 @@ from tests.integration.conftest import cache_dir  # noqa: F401 - the shared fixt
 
 CI_KILLS = 12
 LONG_KILLS = 100
-
-_reports: list[str] = []
+# The key of a report line in a test's ``user_properties``: they travel with the test's
+# reports, so the summary sees them also when the tests ran in pytest-xdist workers.
+_REPORT_KEY = "chaos"
 
 
 def pytest_addoption(parser):
@@ -57,13 +58,26 @@ def chaos_seed(pytestconfig) -> int:
 
 
 @pytest.fixture
-def chaos_report():
+def chaos_report(request):
     """``add(line)``: a line for the terminal summary (shown whether the test passed or not)."""
-    return _reports.append
+    return lambda line: request.node.user_properties.append((_REPORT_KEY, line))
+
+
+def _report_lines(terminalreporter) -> list[str]:
+    """Each test's lines once: from its teardown report, which carries all of them."""
+    return [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "teardown"
+        for key, value in getattr(report, "user_properties", ())
+        if key == _REPORT_KEY
+    ]
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _reports:
+    lines = _report_lines(terminalreporter)
+    if lines:
         terminalreporter.section("chaos")
-        for line in _reports:
+        for line in lines:
             terminalreporter.write_line(line)
