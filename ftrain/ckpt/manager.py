@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import operator
 import os
@@ -733,7 +734,7 @@ class CheckpointManager:
                     "this location: give each its own checkpoint directory"
                 ) from e
             except OSError as e:
-                errors.append(f"{root}: {e}")
+                errors.append(f"{root}: {e}{_limit_hint(e)}")
                 if i + 1 < len(self._dirs):
                     msg = f"[step={step}] {what} to {root} failed ({e}); saving to fallback {self._dirs[i + 1]}"
                     log.warning(msg)
@@ -1233,6 +1234,17 @@ class CheckpointManager:
             if exc is None:
                 raise
             log.exception("a checkpoint save failed while handling another exception")
+
+
+def _limit_hint(err: OSError) -> str:
+    """What ``File too large`` means here: a shell's ``ulimit -f`` (Python ignores the
+    SIGXFSZ that would have killed the process) or the file system's largest file."""
+    if err.errno != errno.EFBIG:
+        return ""
+    return (
+        " (a file passed this process's file size limit: raise or remove `ulimit -f` in "
+        "the job's shell, or use a file system that holds files this large)"
+    )
 
 
 def _journal_dirs(moves: list[tuple[int, object, str]]) -> dict[object, list[str]]:

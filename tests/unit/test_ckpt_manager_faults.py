@@ -936,3 +936,22 @@ def test_a_clock_jump_does_not_age_or_rejuvenate_this_managers_steps(tmp_path, m
     m.save(make_state(6), force=True)
     assert m.all_steps() == [1, 2, 3, 4, 5, 6]
     m.close()
+
+
+def test_a_file_size_limit_is_named_with_its_fix_and_the_step_saves_once_it_is_raised(tmp_path):
+    """``ulimit -f`` in a job's shell: Python ignores SIGXFSZ, so a chunk write fails with
+    a bare ``File too large``, which read like a disk fault."""
+    import resource
+
+    m = CheckpointManager(tmp_path, async_save=False)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
+    try:
+        with pytest.raises(CheckpointSaveError, match=r"File too large \(.*`ulimit -f`"):
+            m.save(make_state(7), force=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert m.all_steps() == [], "nothing half-written is listed"
+    assert m.save(make_state(7), force=True), "the same step saves once the limit is raised"
+    m.close()
+    assert same(CheckpointManager(tmp_path).restore(7), make_state(7))
