@@ -9,6 +9,9 @@ standard library.
 - Text a stream cannot encode (``PYTHONIOENCODING=ascii``, a C locale, with a run
   directory named ``ü``) is written escaped (``\\xfc``) instead of raising
   ``UnicodeEncodeError`` out of a resume, an export or a listing.
+- A tool whose standard output goes away (``... | head``) or cannot be written (``>
+  /dev/full``, a full disk) ends with exit 1: silently for a reader that left, as ``cat``
+  does, else one line on stderr; before, a 15-line traceback (:func:`run_tool`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import contextlib
 import errno
 import os
 import sys
+from collections.abc import Callable
 
-__all__ = ["printable_streams", "reopen_closed_descriptors"]
+__all__ = ["printable_streams", "reopen_closed_descriptors", "run_tool"]
 
 
 def reopen_closed_descriptors() -> None:
@@ -46,6 +50,61 @@ def printable_streams() -> None:
             continue
         with contextlib.suppress(AttributeError, ValueError, OSError):
             stream.reconfigure(errors="backslashreplace")
+
+
+class _OutputGone(Exception):
+    """Standard output could not be written (the ``OSError`` is the cause)."""
+
+
+class _Guarded:
+    """A stream whose write and flush errors are :class:`_OutputGone`, told apart from an
+    ``OSError`` of the tool's own work (an unreadable checkpoint file) by type."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def _guard(self, name: str, *args):
+        try:
+            return getattr(self._stream, name)(*args)
+        except OSError as err:
+            raise _OutputGone() from err
+
+    def write(self, data):
+        return self._guard("write", data)
+
+    def writelines(self, lines):
+        return self._guard("writelines", lines)
+
+    def flush(self):
+        return self._guard("flush")
+
+    @property
+    def buffer(self):  # bytes written straight to it (a path printed as its bytes)
+        return _Guarded(self._stream.buffer)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def run_tool(main: Callable[[], int], name: str) -> int:
+    """``main()`` of the command ``name`` with :func:`printable_streams`, and its exit
+    status; 1 if its standard output went away or could not be written."""
+    printable_streams()
+    stdout = sys.stdout
+    sys.stdout = _Guarded(stdout)
+    try:
+        status = main()
+        sys.stdout.flush()
+        return status
+    except _OutputGone as gone:
+        # what is still buffered would fail again at exit: let it go to /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        err = gone.__cause__
+        if not isinstance(err, BrokenPipeError):  # a reader that left is no error to report
+            print(f"{name}: cannot write the output: {err.strerror or err}", file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout = stdout
 
 
 reopen_closed_descriptors()  # on import: ``import ftrain`` does it before torch's import

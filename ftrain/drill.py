@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftrain._stdio import printable_streams
+from ftrain._stdio import run_tool
 from ftrain.faults import inject_dir
 
 __all__ = ["main"]
@@ -551,5 +551,4 @@ def _drill(plan: Plan) -> int:
 
 
 if __name__ == "__main__":
-    printable_streams()
-    sys.exit(main())
+    sys.exit(run_tool(main, "ftrain.drill"))

@@ -5,11 +5,10 @@ The implementation is :mod:`ftrain.cli.evaluate` (read it for what may be overri
 
 import sys
 
-from ftrain._stdio import printable_streams
+from ftrain._stdio import run_tool
 from ftrain.cli.evaluate import evaluate_run, main
 
 __all__ = ["evaluate_run", "main"]
 
 if __name__ == "__main__":
-    printable_streams()
-    sys.exit(main())
+    sys.exit(run_tool(main, "ftrain.eval"))

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from ftrain._stdio import printable_streams
+from ftrain._stdio import run_tool
 from ftrain.metrics import read_records
 
 __all__ = ["NothingToPlot", "commit_steps", "main", "plot_run", "segments", "smooth"]
@@ -320,5 +320,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    printable_streams()
-    sys.exit(main())
+    sys.exit(run_tool(main, "ftrain.plot"))

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ftrain._memory import said_out_of_memory
-from ftrain._stdio import printable_streams
+from ftrain._stdio import run_tool
 from ftrain.ckpt import advice_report, advisor
 from ftrain.ckpt import commit as protocol
 from ftrain.ckpt.format import CheckpointFormatError, CheckpointReadError, CorruptCheckpointError
@@ -629,18 +629,5 @@ def _check_step_count(p: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
 _FIRST_DOC_LINE = (__doc__ or "inspect checkpoints").splitlines()[0]
 
 
-def _main_to_a_pipe() -> int:
-    """:func:`main`, quiet when its reader goes away (``... | head``): the rest of the
-    output is dropped with exit 1, as ``cat`` does, instead of a BrokenPipeError traceback."""
-    printable_streams()  # a run directory named `ü` under PYTHONIOENCODING=ascii
-    try:
-        status = main()
-        sys.stdout.flush()
-        return status
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 1
-
-
 if __name__ == "__main__":
-    sys.exit(_main_to_a_pipe())
+    sys.exit(run_tool(main, "ftrain.ckpt"))

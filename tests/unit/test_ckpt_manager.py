@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 import subprocess
 import sys
@@ -342,6 +343,33 @@ def test_cli_output_to_a_reader_that_stops_early_is_not_a_traceback(tmp_path):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("command", ["list", "show", "verify"])
+def test_cli_output_to_a_full_disk_is_one_line_not_a_traceback(tmp_path, command):
+    """``python -m ftrain.ckpt list DIR > /dev/full``: a 15-line ``OSError`` traceback."""
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(TensorDict({"step": torch.tensor(1), "w": torch.zeros(3)}, []))
+    cmd = [sys.executable, "-m", "ftrain.ckpt", command, str(tmp_path)]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == "ftrain.ckpt: cannot write the output: No space left on device\n"
+
+
+def test_a_tools_own_os_error_is_not_taken_for_its_output_going_away(capsys):
+    """Only writes to stdout are "cannot write the output"; an ``OSError`` of the tool's
+    own work still reaches its handlers (and the caller) as itself."""
+    from ftrain._stdio import run_tool
+
+    def reads_a_file():
+        print("a first line")
+        raise PermissionError(13, "Permission denied", "chunk")
+
+    with pytest.raises(PermissionError):
+        run_tool(reads_a_file, "tool")
+    assert "cannot write" not in capsys.readouterr().err
 
 
 def test_hostrng_capture_restore_json_roundtrip():
