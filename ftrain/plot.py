@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ftrain._stdio import run_tool
 from ftrain.metrics import read_records
+from ftrain.metrics.history import commits_on_line
 
 __all__ = ["NothingToPlot", "commit_steps", "main", "plot_run", "segments", "smooth"]
 
@@ -98,8 +99,10 @@ def _has_step(r: dict) -> bool:
 
 
 def commit_steps(records: list[dict]) -> list[int]:
-    """Steps whose checkpoint is known to have committed (``save_started`` alone is not)."""
-    return [r["step"] for r in records if r.get("kind") == "committed" and _has_step(r)]
+    """Steps whose checkpoint is known to have committed (``save_started`` alone is not),
+    in the history the run continues: a go-back's first save moved the later steps aside,
+    and their lines are not drawn (:func:`~ftrain.metrics.history.commits_on_line`)."""
+    return commits_on_line(records)
 
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as metrics.jsonl writes

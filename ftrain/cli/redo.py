@@ -22,7 +22,7 @@ from array import array
 from pathlib import Path
 
 from ftrain import _json
-from ftrain.metrics.history import STEP_RUN, read_history
+from ftrain.metrics.history import SETS_ASIDE, STEP_RUN, commits_on_line, read_history
 
 __all__ = ["eval_owed", "last_run_ended", "reached_steps", "recorded_commits", "redo_range"]
 
@@ -40,11 +40,6 @@ _REACHED = frozenset(
         "end",
     }
 )
-
-
-# records of a save whose write has begun: the manager sets the history a go-back leaves
-# aside as the write starts (CheckpointManager._set_aside_old_history)
-_SETS_ASIDE = frozenset({"save_started", "committed"})
 
 
 def redo_range(
@@ -70,7 +65,7 @@ def reached_steps(run_dir: Path) -> array:
         kind, s = r.get("kind"), r.get("step")
         if kind in ("start", "resume"):  # a new process: an uncommitted go-back never took
             going_back = (r["from_step"], r.get("time"), len(steps)) if _explicit(r) else None
-        elif kind in _SETS_ASIDE and going_back is not None:  # the old history moved aside
+        elif kind in SETS_ASIDE and going_back is not None:  # the old history moved aside
             frm, branched, before = going_back
             steps = array("q", (x for x in steps[:before] if x <= frm)) + steps[before:]
             going_back = None
@@ -85,24 +80,9 @@ def reached_steps(run_dir: Path) -> array:
 
 
 def recorded_commits(run_dir: Path) -> list[int]:
-    """Steps the records show committed in the history being continued: a process that
-    resumed from step S (by any ``resume=``) and began a save has moved the steps after S
-    it found aside (the manager's branch point), so the commits recorded before it beyond
-    S are another history's; a fresh start's first save abandons all earlier ones."""
-    steps: list[int] = []
-    branch = None  # (from_step, steps recorded before it) of a process not yet saving
-    for r in read_history(run_dir):
-        kind, s = r.get("kind"), r.get("step")
-        if kind in ("start", "resume"):
-            frm = r.get("from_step")
-            branch = (frm if _is_step(frm) else -1, len(steps))
-        elif kind in _SETS_ASIDE and branch is not None:
-            frm, before = branch
-            steps = [x for x in steps[:before] if x <= frm] + steps[before:]
-            branch = None
-        if kind == "committed" and _is_step(s):
-            steps.append(s)
-    return steps
+    """Steps the records show committed in the history being continued
+    (:func:`~ftrain.metrics.history.commits_on_line`)."""
+    return commits_on_line(read_history(run_dir))
 
 
 def _explicit(record: dict) -> bool:

@@ -18,17 +18,22 @@ from __future__ import annotations
 import logging
 import os
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftrain.metrics.jsonl import parse_line
 
-__all__ = ["STEP_RUN", "forget_history", "read_history"]
+__all__ = ["SETS_ASIDE", "STEP_RUN", "commits_on_line", "forget_history", "read_history"]
 
 log = logging.getLogger(__name__)
 
 # ``kind`` of the stand-in for consecutive step records (no writer uses it: not a name)
 STEP_RUN = "(steps)"
+
+# records of a save whose write has begun: the manager sets the history a go-back leaves
+# aside as the write starts (CheckpointManager._set_aside_old_history)
+SETS_ASIDE = frozenset({"save_started", "committed"})
 
 # bytes before the parsed end compared at the next call: a rewrite of the file shows there
 _PROBE = 64
@@ -157,3 +162,33 @@ def _stand_in(record: dict) -> dict | None:
 
 def _is_step(value: object) -> bool:
     return type(value) is int and 0 <= value < 2**63
+
+
+def commits_on_line(records: Iterable[dict]) -> list[int]:
+    """Steps ``records`` (of ``metrics.jsonl``, in order) show committed in the history the
+    latest process continued: a process that resumed from step S (by any ``resume=``) and
+    began a save has moved the steps after S it found aside (the manager's branch point),
+    so the commits recorded before it beyond S are another history's; a fresh start's first
+    save abandons all earlier ones. A go-back that never began a save abandoned nothing.
+
+    Example:
+        >>> commits_on_line([
+        ...     {"kind": "committed", "step": 20}, {"kind": "committed", "step": 30},
+        ...     {"kind": "resume", "from_step": 10}, {"kind": "committed", "step": 20},
+        ... ])
+        [20]
+    """
+    steps: list[int] = []
+    branch = None  # (from_step, steps recorded before it) of a process not yet saving
+    for r in records:
+        kind, s = r.get("kind"), r.get("step")
+        if kind in ("start", "resume"):
+            frm = r.get("from_step")
+            branch = (frm if _is_step(frm) else -1, len(steps))
+        elif kind in SETS_ASIDE and branch is not None:
+            frm, before = branch
+            steps = [x for x in steps[:before] if x <= frm] + steps[before:]
+            branch = None
+        if kind == "committed" and _is_step(s):
+            steps.append(s)
+    return steps

@@ -107,6 +107,25 @@ class _Broken:
         raise OSError(28, "No space left on device")
 
 
+def test_plot_marks_only_the_commits_of_the_history_the_run_continues():
+    """After ``resume=10`` went back and saved, the old history's step 20 and 30 were moved
+    aside, yet the plot drew "checkpoint committed" lines at them; a go-back that never
+    saved moved nothing, and a plain re-run continues the old history (30 stays)."""
+    first = [{"kind": "start", "from_step": None}]
+    first += [{"kind": "committed", "step": s} for s in (10, 20, 30)]
+    back = [{"kind": "resume", "from_step": 10, "reason": "resume=10"}]
+    saved = [{"kind": "save_started", "step": 15}, {"kind": "committed", "step": 15}]
+    assert commit_steps(first + back + saved) == [10, 15]
+    assert commit_steps(first + back) == [10, 20, 30]
+    again = [{"kind": "resume", "from_step": 30, "reason": "resume=latest"}]
+    assert commit_steps(first + back + again + [{"kind": "committed", "step": 40}]) == [
+        10,
+        20,
+        30,
+        40,
+    ]
+
+
 def test_plot_survives_damage_and_marks_commits_only(tmp_path):
     _damaged(tmp_path)
     with open(tmp_path / "metrics.jsonl", "a") as f:
