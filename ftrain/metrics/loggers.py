@@ -271,15 +271,45 @@ def _say_id_left_behind(root: Path, run_dir: Path) -> None:
 
 def _run_id(path: Path, *, fresh: bool) -> str:
     """This run directory's wandb run id: read from ``path`` on a resume, else made and
-    written there (a fresh start is a new wandb run, also in a reused directory)."""
+    written there (a fresh start is a new wandb run, also in a reused directory).
+
+    The file also holds the run directory's inode: a copy of the directory (``cp -r``,
+    another inode) is its own history, and continuing the original's W&B run from it
+    interleaved two histories in one run. A copy gets a new id, said in one line; a move
+    or rename keeps the inode, and an id file without one (ftrain before 2026-12-07, or
+    written by hand) is taken as it is."""
+    inode = os.stat(path.parent.parent).st_ino  # RUN_DIR/wandb/ftrain-run-id
     if not fresh:
-        with contextlib.suppress(FileNotFoundError):
-            existing = path.read_text().strip()
-            if existing:
-                return existing
+        existing, made_in = _read_run_id(path)
+        if existing and made_in in (None, inode):
+            _write_run_id(path, existing, inode)
+            return existing
+        if existing:
+            print(
+                f"ftrain: wandb: {path.parent.parent} is a copy of the run directory that "
+                f"made W&B run {existing}: a new W&B run starts, so the two histories stay "
+                f"apart; to continue {existing} from here instead, write {existing} alone "
+                f"into {path} before resuming",
+                flush=True,
+            )
     new = secrets.token_hex(4)
-    path.write_text(new + "\n")
+    _write_run_id(path, new, inode)
     return new
+
+
+def _read_run_id(path: Path) -> tuple[str, int | None]:
+    """``(id, inode of the run directory that made it)``; ``("", None)`` without a file."""
+    try:
+        lines = path.read_text().split()
+    except FileNotFoundError:
+        return "", None
+    made_in = next((x.removeprefix("dir_inode=") for x in lines[1:2] if "=" in x), "")
+    return (lines[0] if lines else ""), int(made_in) if made_in.isdigit() else None
+
+
+def _write_run_id(path: Path, run_id: str, inode: int) -> None:
+    if _read_run_id(path) != (run_id, inode):
+        path.write_text(f"{run_id}\ndir_inode={inode}\n")
 
 
 def _wandb_mode(mode: str | None) -> str:

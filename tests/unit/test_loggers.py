@@ -309,7 +309,7 @@ def test_wandb_offline_run_holds_the_values_and_a_resume_continues_the_same_run(
     # Each run directory holds ``run-<id>.wandb``; the directory name may carry wandb's
     # ``-N`` suffix when both runs started in the same second, so it is not the id.
     logs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    run_id = (tmp_path / "wandb" / "ftrain-run-id").read_text().strip()
+    run_id = (tmp_path / "wandb" / "ftrain-run-id").read_text().split()[0]
     ids = [Path(log).stem.removeprefix("run-") for log in logs]
     assert ids == [run_id, run_id], f"one run id, resumed: {logs}"
     rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in _wandb_history(tmp_path)]
@@ -320,7 +320,40 @@ def test_wandb_offline_run_holds_the_values_and_a_resume_continues_the_same_run(
         {"step": 2, "train/loss": 3.4, "train/lr": 1e-3},
     ]
     build_loggers({"wandb": WANDB}, RunInfo(tmp_path, "r")).close()  # a fresh start
-    assert (tmp_path / "wandb" / "ftrain-run-id").read_text().strip() != run_id, "a new run"
+    assert (tmp_path / "wandb" / "ftrain-run-id").read_text().split()[0] != run_id, "a new run"
+
+
+def test_a_copied_run_directory_starts_its_own_wandb_run_and_a_moved_one_continues(
+    tmp_path, monkeypatch, capsys
+):
+    """``cp -a runs/base runs/ext`` then resuming ext logged into base's W&B run: two
+    histories interleaved in one run once both went on. A move keeps the directory's inode
+    and its W&B run; an id file of an older ftrain (the id alone) is taken as before."""
+    import shutil
+
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'ftrain[wandb]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    def resume(run_dir):
+        logger = build_loggers({"wandb": WANDB}, RunInfo(run_dir, "r", start_step=2, resumed=True))
+        run_id = logger.loggers["wandb"].run.id
+        logger.close()
+        return run_id
+
+    build_loggers({"wandb": WANDB}, RunInfo(tmp_path / "base", "r")).close()
+    base_id = (tmp_path / "base" / "wandb" / "ftrain-run-id").read_text().split()[0]
+    shutil.copytree(tmp_path / "base", tmp_path / "copy")
+    capsys.readouterr()
+    assert resume(tmp_path / "copy") != base_id
+    assert f"is a copy of the run directory that made W&B run {base_id}" in capsys.readouterr().out
+    copy_id = (tmp_path / "copy" / "wandb" / "ftrain-run-id").read_text().split()[0]
+    assert resume(tmp_path / "copy") == copy_id, "the copy's own run from then on"
+    (tmp_path / "base").rename(tmp_path / "moved")
+    assert resume(tmp_path / "moved") == base_id
+    (tmp_path / "moved" / "wandb" / "ftrain-run-id").write_text(f"{copy_id}\n")  # by hand
+    assert resume(tmp_path / "moved") == copy_id
+    assert "is a copy" not in capsys.readouterr().out
 
 
 def test_two_runs_sharing_a_wandb_dir_each_resume_their_own_wandb_run(tmp_path, monkeypatch):
@@ -334,7 +367,7 @@ def test_two_runs_sharing_a_wandb_dir_each_resume_their_own_wandb_run(tmp_path, 
     ids = {}
     for name in ("a", "b"):
         build_loggers({"wandb": shared}, RunInfo(tmp_path / name, name)).close()
-        ids[name] = (tmp_path / name / "wandb" / "ftrain-run-id").read_text().strip()
+        ids[name] = (tmp_path / name / "wandb" / "ftrain-run-id").read_text().split()[0]
     assert ids["a"] != ids["b"]
     again = build_loggers(
         {"wandb": shared}, RunInfo(tmp_path / "a", "a", start_step=2, resumed=True)
