@@ -142,6 +142,14 @@ class RunLock:
         os.close(self.fd)  # closing the only descriptor releases the flock
         self.fd = None
 
+    def earlier_runs(self) -> list[Path]:
+        """The run directories whose checkpoint locations this start took over
+        (``checkpoint.take_over``, a moved run): the steps they reached past the restored
+        step ran before, and the resume report counts them as redone."""
+        mine = Path(self.path).parent.resolve()
+        held = (c.taken_from.get("run_dir") for c in self.claims if c.taken_from)
+        return [Path(d) for d in dict.fromkeys(held) if isinstance(d, str) and Path(d) != mine]
+
     def __enter__(self) -> RunLock:
         return self
 

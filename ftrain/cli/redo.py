@@ -43,13 +43,19 @@ _REACHED = frozenset(
 
 
 def redo_range(
-    run_dir: Path, step: int, also: list[int] = (), until: int | None = None
+    run_dir: Path,
+    step: int,
+    also: list[int] = (),
+    until: int | None = None,
+    earlier_runs: list[Path] = (),
 ) -> tuple[int, int] | None:
     """``(first, last)`` of the steps after ``step`` that ran before and this run redoes:
-    by the run records and heartbeat (:func:`reached_steps`), plus ``also`` (committed
-    steps that were skipped or left behind), up to ``until`` (``trainer.max_steps``);
-    ``None``: none."""
-    beyond = [s for s in [*reached_steps(run_dir), *also] if s > step]
+    by the run records and heartbeat (:func:`reached_steps`) of ``run_dir`` and of the
+    ``earlier_runs`` whose checkpoints this run took over, plus ``also`` (committed steps
+    that were skipped or left behind), up to ``until`` (``trainer.max_steps``); ``None``:
+    none."""
+    reached = [reached_steps(d) for d in (run_dir, *earlier_runs)]
+    beyond = [s for s in [*(s for steps in reached for s in steps), *also] if s > step]
     last = min(max(beyond), until) if beyond and until is not None else max(beyond, default=0)
     return (step + 1, last) if last > step else None
 

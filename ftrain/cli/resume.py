@@ -836,10 +836,12 @@ def start_state(
     tx,
     data_fp: str,
     sharder=None,
+    earlier_runs: list[Path] = (),
 ):
     """Restore (or not) per ``cfg.resume``; returns ``(state, report, metadata_of_checkpoint)``.
     With a ``sharder`` (``dist.shard``) each rank reads only its rows of the sharded leaves,
-    which come back as DTensors."""
+    which come back as DTensors. ``earlier_runs``: the run directories whose checkpoint
+    locations this start took over (their reached steps are redone too)."""
     from ftrain.data import check_fingerprint
 
     t0 = time.perf_counter()
@@ -888,7 +890,9 @@ def start_state(
         next_lr=float(learning_rate_metrics(state["opt"])["lr"]),
         epoch=int(state["data"]["epoch"]),
         position=int(state["data"]["position"]),
-        redo=redo_range(Path(cfg.run.dir), step, [*skipped, *left], cfg.trainer.max_steps),
+        redo=redo_range(
+            Path(cfg.run.dir), step, [*skipped, *left], cfg.trainer.max_steps, earlier_runs
+        ),
         fingerprints={"config_hash": meta.get("config_hash"), "data": meta.get("data_fingerprint")},
         changes=changes,
         restore_s=restore_s,

@@ -226,7 +226,7 @@ def _train_from_config(cfg: DictConfig, early: StopFlag) -> int:
         try:
             same_config_on_every_rank(cfg, world)  # before any rank acts on its own config
             lock = claim_run_dir(cfg, world)  # before anything is built or moved
-            parts = _setup(cfg, device, world)
+            parts = _setup(cfg, device, world, lock.earlier_runs())
         except _STARTUP_ERRORS as err:
             print(f"ftrain: cannot start: {err}", file=sys.stderr)
             return EXIT_ERROR if isinstance(err, RunDirDiskError) else EXIT_CONFIG
@@ -298,8 +298,9 @@ class _Parts:
     asked: Asked  # resume and run.overwrite as the command gave them
 
 
-def _setup(cfg: DictConfig, device, world: World) -> _Parts:
-    """Everything that can refuse to start: config-derived parts, data, resume decision."""
+def _setup(cfg: DictConfig, device, world: World, earlier_runs: list[Path]) -> _Parts:
+    """Everything that can refuse to start: config-derived parts, data, resume decision
+    (``earlier_runs``: run directories whose checkpoints this start took over)."""
     check_loggers(cfg.logger)  # every rank, first: a missing extra stops all before anything
     check_logger_places(cfg)  # a logger file at metrics.jsonl would set the run's records aside
     check_block_size(cfg)
@@ -334,7 +335,7 @@ def _setup(cfg: DictConfig, device, world: World) -> _Parts:
     sharder = Sharder(full=shard == "full") if shard != "none" else None
     try:
         state, report, meta = start_state(
-            cfg, manager, fresh, world, tx, train_src.fingerprint, sharder=sharder
+            cfg, manager, fresh, world, tx, train_src.fingerprint, sharder, earlier_runs
         )
         report.notes += val_change_note(meta, _val_fp(val_src))
         report.notes += eval_change_note(meta, cfg) if evaluates(cfg, val_src) else []

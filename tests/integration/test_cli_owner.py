@@ -18,21 +18,27 @@ from .conftest import TINY
 SAVES = ("checkpoint.every_steps=2", "checkpoint.async_save=false")
 
 
-def test_a_killed_runs_checkpoint_dir_refuses_another_run_dir_until_it_resumes(
-    cli, cache_dir, tmp_path
-):
+def _killed_at(phase: str, count: int, run_dir, overrides, cache_dir) -> None:
+    """Run the CLI in ``run_dir`` until it SIGKILLs itself at the ``count``-th ``phase`` of
+    the commit protocol (:mod:`ftrain.faults`)."""
     from ftrain.faults import inject_dir
 
-    ckpt, run_a, run_b = tmp_path / "shared-ckpt", tmp_path / "a", tmp_path / "b"
-    where = (f"checkpoint.dir={ckpt}", "trainer.max_steps=4", *SAVES)
-    arm = tmp_path / "arm.json"
-    arm.write_text(json.dumps({"id": "k", "phase": "renamed", "count": 1, "rank": 0}))
+    arm = run_dir.parent / f"arm-{run_dir.name}.json"
+    arm.write_text(json.dumps({"id": "k", "phase": phase, "count": count, "rank": 0}))
     path = os.pathsep.join(filter(None, [str(inject_dir()), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, FTRAIN_CACHE_DIR=cache_dir, PYTHONPATH=path)
     env["FTRAIN_CHAOS_ARM"] = str(arm)
-    cmd = [sys.executable, "-m", "ftrain", f"run.dir={run_a}", *TINY, *where]
+    cmd = [sys.executable, "-m", "ftrain", f"run.dir={run_dir}", *TINY, *overrides]
     killed = subprocess.run(cmd, env=env, capture_output=True, timeout=240)
-    assert killed.returncode == -9 and arm.with_name("arm.json.fired").exists(), killed
+    assert killed.returncode == -9 and arm.with_name(arm.name + ".fired").exists(), killed
+
+
+def test_a_killed_runs_checkpoint_dir_refuses_another_run_dir_until_it_resumes(
+    cli, cache_dir, tmp_path
+):
+    ckpt, run_a, run_b = tmp_path / "shared-ckpt", tmp_path / "a", tmp_path / "b"
+    where = (f"checkpoint.dir={ckpt}", "trainer.max_steps=4", *SAVES)
+    _killed_at("renamed", 1, run_a, where, cache_dir)
     assert json.loads((ckpt / OWNER).read_text())["run_dir"] == str(run_a.resolve())
     before = sorted(p.name for p in ckpt.iterdir())
 
@@ -49,6 +55,19 @@ def test_a_killed_runs_checkpoint_dir_refuses_another_run_dir_until_it_resumes(
     assert "holds the checkpoints of another run" in out.stderr, out.stderr
     assert f"init.from={run_a.resolve()}" in out.stderr
     assert CheckpointManager(ckpt).all_steps() == [2, 4]
+
+
+def test_a_take_over_counts_the_steps_the_previous_run_reached_as_redone(cli, cache_dir, tmp_path):
+    """Run b taking over killed run a's checkpoints retrained steps a had run past its
+    newest commit, and said nothing of it (``"redo": null``): only b's records were read."""
+    ckpt, run_a, run_b = tmp_path / "shared-ckpt", tmp_path / "a", tmp_path / "b"
+    where = (f"checkpoint.dir={ckpt}", "trainer.max_steps=6", *SAVES)
+    _killed_at("begun", 2, run_a, where, cache_dir)  # step 4's save began: 2 committed
+    out = cli(run_b, *where, "checkpoint.take_over=true", check=0)
+    assert "resumed from step 2" in out.stdout, out.stdout
+    assert "steps 3..4 ran before but were not committed" in out.stdout, out.stdout
+    resumes = [json.loads(x) for x in (run_b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["redo"] for r in resumes if r["kind"] == "resume"] == [[3, 4]]
 
 
 def test_run_overwrite_keeps_the_claim_with_the_checkpoint_dir(cli, tmp_path):
