@@ -287,9 +287,14 @@ def read_subtree(
             f"{moved_aside(location)}"
         )
     if step is not None and step not in steps:
+        why = "; ".join(_damage_of(invalid, lambda s: s == step))
         raise FileNotFoundError(
-            f"step {step} is not committed in {name_of(location)}; available: {sorted(steps)}"
+            f"step {step} is not committed in {name_of(location)}"
+            f"{f' ({why})' if why else ''}; available: {sorted(steps)}"
         )
+    if step is None:  # a damaged marker or manifest hid newer steps: read past them, said
+        for why in _damage_of(invalid, lambda s: s > max(steps)):
+            log.warning("%s: passed over, not committed (%s)", name_of(location), why)
     for _ in range(_RELISTS):
         try:
             return _read_first(location, steps, step, only)
@@ -304,6 +309,13 @@ def read_subtree(
         f"{name_of(location)}: the newest step was deleted while being read {_RELISTS} times "
         "(a live run's retention); try again, or name a step it keeps"
     )
+
+
+def _damage_of(invalid: list[str], which) -> list[str]:
+    """The reasons (each naming its ``step_*`` directory) of the step directories that do
+    not count whose step number ``which`` takes."""
+    numbers = (re.search(r"step_(\d+): ", why) for why in invalid)  # the name, not a parent
+    return [why for why, n in zip(invalid, numbers, strict=True) if n and which(int(n[1]))]
 
 
 _RELISTS = 5  # a run deleting the newest step on every listing is not reading's to outrun

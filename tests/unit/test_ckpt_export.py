@@ -403,6 +403,30 @@ def test_a_damaged_marker_on_the_only_step_is_named_not_never_saved(tmp_path):
         readonly.read_subtree(tmp_path / "empty")  # nothing there: nothing more to say
 
 
+def test_a_damaged_newer_step_is_named_when_asked_for_and_warned_about_when_passed(
+    tmp_path, caplog
+):
+    """A damaged marker or manifest on the newest step: export and eval went back a step
+    without a word, and asked for it said only "step 8 is not committed"."""
+    import logging
+
+    model, ck = _saved(tmp_path, step=4)
+    state = ftrain.init_state(model, ftrain.optim.sgd(0.1), seed=0)
+    state = ftrain.replace(state, step=torch.tensor(8))
+    ftrain.CheckpointManager(ck, async_save=False).save(state, force=True)
+    manifest = ck / "step_00000008" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"chunk_shape":[4', '"chunk_shape":[2', 1))
+    with pytest.raises(FileNotFoundError) as err:
+        readonly.read_subtree(ck, 8)
+    said = str(err.value)
+    assert "step 8 is not committed in" in said and "step_00000008: COMMITTED does" in said, said
+    assert said.endswith("available: [4]"), said
+    with caplog.at_level(logging.WARNING, logger="ftrain.ckpt"):
+        assert readonly.read_subtree(ck)[0] == 4
+    assert "passed over, not committed (" in caplog.text, caplog.text
+    assert "step_00000008: COMMITTED does" in caplog.text, caplog.text
+
+
 def test_a_run_directory_whose_checkpoints_went_elsewhere_names_them(tmp_path):
     """checkpoint.dir outside run.dir: the readers said only "no committed checkpoints"."""
     from ftrain.metrics import MetricsWriter
