@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, read_write
 from tensordict import TensorDictBase
 
 from ftrain.ckpt import (
@@ -76,8 +76,17 @@ SAFE_PREFIXES = (
     "data.cache_dir",
     "data.allow_changed",
     "init.",  # read on a fresh start only; a resume continues its own params
+    "trainer.seed",  # read on a fresh start only; a resume continues the saved streams
     "schedule.decay_steps",
 )
+
+# Safe keys a resume does not read at all: their change line says so (an "accepted change:
+# trainer.seed: 0 -> 7" told a user re-seeding past a bad stretch that it had worked)
+FRESH_START_ONLY = {
+    "trainer.seed": "the random streams (step keys, data order, host RNGs) continue from "
+    "the checkpoint; a fresh start (init.from=RUN:STEP in a new run.dir) takes a new seed",
+    "init.": "a resume continues its own params",
+}
 
 
 @dataclass
@@ -236,11 +245,26 @@ def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     a = {k: v(a) if callable(v) else v for k, v in ADDED_KEYS.items() if k in b} | a
     bad, safe = [], []
     for key in sorted((set(a) | set(b)) - {"resume"}):  # how a start picks its step
-        if a.get(key) != b.get(key) and not _same_place(key, a.get(key), b.get(key)):
+        if a.get(key) == b.get(key) or _lora_off_on_both(a, b, key):
+            continue
+        if not _same_place(key, a.get(key), b.get(key)):
             line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
-            (safe if key.startswith(SAFE_PREFIXES) else bad).append(line)
+            (safe if key.startswith(SAFE_PREFIXES) else bad).append(line + _no_effect(key))
     bad += _group_order_change(saved, current)
     return bad, safe
+
+
+def _no_effect(key: str) -> str:
+    why = next((w for k, w in FRESH_START_ONLY.items() if key.startswith(k)), None)
+    return f" (no effect on a resume: {why})" if why else ""
+
+
+def _lora_off_on_both(a: dict, b: dict, key: str) -> bool:
+    """A LoRA setting changed while LoRA is off (``model.lora.rank=0``) before and after:
+    no adapter exists, so nothing a step computes changed (refused as if it had)."""
+    return key.startswith("model.lora.") and a.get("model.lora.rank") == 0 == b.get(
+        "model.lora.rank"
+    )
 
 
 def _group_order_change(saved: dict, current: dict) -> list[str]:
@@ -376,7 +400,10 @@ def _refuse_newer_elsewhere(cfg: DictConfig, manager: CheckpointManager, newest:
 
 
 def _first_choice(
-    cfg: DictConfig, manager: CheckpointManager, fresh: TensorDictBase | None = None
+    cfg: DictConfig,
+    manager: CheckpointManager,
+    fresh: TensorDictBase | None = None,
+    data_fp: str | None = None,
 ) -> int | None:
     """Coordinator: :func:`_pick_step`, with the config checked on the candidate's metadata
     *before* restoring, so a changed model shape is reported as a config diff rather than
@@ -385,7 +412,7 @@ def _first_choice(
     if chosen is not None:
         meta = _candidate_metadata(manager, chosen)
         if meta is not None:
-            _check_compat(cfg, meta, lambda: _reshaped(manager, meta, fresh))
+            _check_compat(cfg, meta, lambda: _reshaped(manager, meta, fresh), data_fp)
     return chosen
 
 
@@ -429,17 +456,17 @@ def _coordinator_decides(world: World, decide, send):
     return value
 
 
-def _restore_agreed(cfg, manager, fresh, world: World, sharder=None):
+def _restore_agreed(cfg, manager, fresh, world: World, sharder=None, data_fp=None):
     """Coordinator picks and restores; the step and the copy it read are broadcast; the
     other ranks restore that copy (with a primary and a fallback location holding two
     copies of one step, every rank reads the coordinator's). A sharded state
     (``sharder``): :func:`_restore_rows_agreed`."""
     if sharder is not None:
-        return _restore_rows_agreed(cfg, manager, fresh, world, sharder)
+        return _restore_rows_agreed(cfg, manager, fresh, world, sharder, data_fp)
     restored, mmap = {}, bool(cfg.checkpoint.mmap_restore)
 
     def pick() -> list | None:
-        chosen = _first_choice(cfg, manager, fresh)
+        chosen = _first_choice(cfg, manager, fresh, data_fp)
         if chosen is None:
             return None
         step = None if chosen == _LATEST else chosen
@@ -477,7 +504,7 @@ def _restore_copy(manager, step: int, fresh, copy, mmap: bool) -> tuple:
     return state, {"ok": True}, None
 
 
-def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
+def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder, data_fp=None):
     """A sharded resume: every rank reads only its own rows (``manager.restore(rows=...)``),
     so no rank alone can vouch for a step. The coordinator lists the candidates
     (``resume=latest``: every committed step, newest first) and broadcasts them; every rank
@@ -487,7 +514,7 @@ def _restore_rows_agreed(cfg, manager, fresh, world: World, sharder):
     fails with the same message; none is left waiting in a collective."""
 
     def candidates() -> list[list] | None:
-        chosen = _first_choice(cfg, manager, fresh)
+        chosen = _first_choice(cfg, manager, fresh, data_fp)
         if chosen is None:
             return None
         copies = manager.committed_copies()  # every rank tries the same copy, in turn
@@ -751,10 +778,12 @@ def saved_horizon(cfg: DictConfig, manager: CheckpointManager) -> int | None:
     return (_checked_metadata(manager, step) or {}).get("schedule_horizon")
 
 
-def _check_compat(cfg: DictConfig, meta: dict, reshaped=None) -> list[str]:
+def _check_compat(cfg: DictConfig, meta: dict, reshaped=None, data_fp=None) -> list[str]:
     """The config's changes since the step ``meta`` describes: ``bad`` ones refused unless
     ``run.allow_config_change``, said with the state's shape changes ``reshaped()`` finds
-    (which no setting accepts: the advice to accept the change led to a 150-line refusal)."""
+    (which no setting accepts: the advice to accept the change led to a 150-line refusal).
+    ``data_fp``: the training data's fingerprint now, to name ``data.allow_changed`` in the
+    same refusal where the samples change too (``data.block_size``)."""
     saved = meta.get("config")
     if saved is None:
         return []
@@ -775,10 +804,32 @@ def _check_compat(cfg: DictConfig, meta: dict, reshaped=None) -> list[str]:
                 "one from its params where the model is unchanged"
                 if shapes
                 else f"\n  resume with the checkpoint's values, {new_run}, or accept the change "
-                "with run.allow_config_change=true"
+                f"with run.allow_config_change=true{_data_too(cfg, meta, data_fp)}"
             )
         )
     return bad + safe
+
+
+def _data_too(cfg: DictConfig, meta: dict, data_fp: str | None) -> str:
+    """The second setting a change of the samples needs (asked for one refusal later)."""
+    saved = meta.get("data_fingerprint")
+    if data_fp is None or saved in (None, data_fp) or cfg.data.allow_changed:
+        return ""
+    return (
+        f" and data.allow_changed=true (the training samples change too: data fingerprint "
+        f"{saved} -> {data_fp})"
+    )
+
+
+def _keep_saved_seed(cfg: DictConfig, meta: dict) -> None:
+    """A resume runs on the checkpoint's random streams, whatever ``trainer.seed`` says now
+    (said as a change with no effect): the seed recorded with this run's later steps, and
+    any stream seeded anew (a rank the checkpoint has no host RNGs for), are the saved one's,
+    so the records do not claim a seed the run never used."""
+    saved = ((meta.get("config") or {}).get("trainer") or {}).get("seed")
+    if type(saved) is int and saved != cfg.trainer.seed:
+        with read_write(cfg.trainer):  # this start's config, read-only once composed
+            cfg.trainer.seed = saved
 
 
 def _run_or_dir(cfg: DictConfig) -> str:
@@ -846,7 +897,7 @@ def start_state(
 
     t0 = time.perf_counter()
     try:
-        state = _restore_agreed(cfg, manager, fresh, world, sharder)
+        state = _restore_agreed(cfg, manager, fresh, world, sharder, data_fp)
     except CheckpointNotFoundError as err:
         if cfg.resume in ("latest", "none"):
             raise
@@ -871,8 +922,9 @@ def start_state(
     # next rate and the first step's lr metric are then the rate that step applies
     state = replace(state, opt=refresh_hyperparams(tx, state["opt"]))
     meta = manager.metadata(step, copy=manager.restored_copy)  # what was restored
+    changes = _check_compat(cfg, meta, data_fp=data_fp)
+    _keep_saved_seed(cfg, meta)
     host_rng = host_rng_start(cfg, world, meta)
-    changes = _check_compat(cfg, meta)
     changes += _check_retention(cfg, meta, manager)
     check_fingerprint(meta.get("data_fingerprint"), data_fp, bool(cfg.data.allow_changed))
     if meta.get("data_fingerprint") not in (None, data_fp):

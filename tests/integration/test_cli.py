@@ -179,6 +179,21 @@ def test_incompatible_config_is_refused_with_diff_and_override(cli, tmp_path):
     assert len(resumed["changes"]) == 18, "the record holds every change"
 
 
+def test_a_seed_change_on_resume_is_said_to_have_no_effect_and_not_recorded(cli, tmp_path):
+    """trainer.seed=7 on a resume: refused as changing "what a step computes", and with
+    allow_config_change accepted and recorded, though the run went on with seed 0's
+    streams (bit for bit). A block size change asked for a second flag a refusal later."""
+    run = tmp_path / "run"
+    cli(run, "trainer.max_steps=2", "checkpoint.every_steps=2", check=0)
+    refused = cli(run, "trainer.max_steps=4", "data.block_size=16", check=2)
+    assert "with run.allow_config_change=true and data.allow_changed=true" in refused.stderr
+    out = cli(run, "trainer.max_steps=4", "checkpoint.every_steps=2", "trainer.seed=7", check=0)
+    assert "accepted change: trainer.seed: 0 -> 7 (no effect on a resume: the random" in (
+        out.stdout
+    ), out.stdout
+    assert CheckpointManager(run / "checkpoints").metadata(4)["config"]["trainer"]["seed"] == 0
+
+
 def test_changed_data_is_refused_unless_allowed_and_then_recorded(cli, tmp_path):
     import sysconfig
 

@@ -104,6 +104,13 @@ def test_compat_diff_separates_safe_and_unsafe_changes():
     )
     assert compat_diff(rel, absolute) == ([], [])
     assert compat_diff(rel, to_plain(load_config(["run.dir=runs/y"])))[1]
+    # settings of LoRA while it is off before and after change nothing a step computes
+    off = to_plain(load_config(["model.lora.alpha=8", "model.lora.targets=[c_proj]"]))
+    assert compat_diff(a, off) == ([], [])
+    on = ["model.lora.rank=4"]
+    assert compat_diff(
+        to_plain(load_config(on)), to_plain(load_config([*on, "model.lora.alpha=8"]))
+    )[0]
 
 
 def test_checkpoint_incremental_and_storage_reach_the_manager(tmp_path):
