@@ -22,7 +22,13 @@ from array import array
 from pathlib import Path
 
 from ftrain import _json
-from ftrain.metrics.history import SETS_ASIDE, STEP_RUN, commits_on_line, read_history
+from ftrain.metrics.history import (
+    SETS_ASIDE,
+    STEP_RUN,
+    commits_on_line,
+    read_history,
+    went_back,
+)
 
 __all__ = ["eval_owed", "last_run_ended", "reached_steps", "recorded_commits", "redo_range"]
 
@@ -70,7 +76,7 @@ def reached_steps(run_dir: Path) -> array:
     for r in read_history(run_dir):  # not saved yet, in the process writing the records
         kind, s = r.get("kind"), r.get("step")
         if kind in ("start", "resume"):  # a new process: an uncommitted go-back never took
-            going_back = (r["from_step"], r.get("time"), len(steps)) if _explicit(r) else None
+            going_back = (r["from_step"], r.get("time"), len(steps)) if went_back(r) else None
         elif kind in SETS_ASIDE and going_back is not None:  # the old history moved aside
             frm, branched, before = going_back
             steps = array("q", (x for x in steps[:before] if x <= frm)) + steps[before:]
@@ -89,15 +95,6 @@ def recorded_commits(run_dir: Path) -> list[int]:
     """Steps the records show committed in the history being continued
     (:func:`~ftrain.metrics.history.commits_on_line`)."""
     return commits_on_line(read_history(run_dir))
-
-
-def _explicit(record: dict) -> bool:
-    """A resume to an explicit step that went back (left committed steps behind). One
-    that did not (``resume=N`` with N the newest commit) abandons nothing: the steps the
-    run reached past N are still to be redone. Records before ``went_back`` was written
-    count every explicit resume as going back."""
-    explicit = record.get("reason") != "resume=latest" and _is_step(record.get("from_step"))
-    return explicit and record.get("went_back", True) is not False
 
 
 def _is_step(value: object) -> bool:

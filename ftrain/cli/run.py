@@ -105,7 +105,7 @@ from ftrain.dist import (
 )
 from ftrain.loop import NonFiniteError, train_loop
 from ftrain.metrics import LoggerError, LoggerSet, RunInfo, build_loggers, check_loggers
-from ftrain.metrics.history import forget_history
+from ftrain.metrics.history import forget_history, replay_for
 from ftrain.optim import refresh_hyperparams
 from ftrain.runlock import RunDirDiskError, RunDirError, claim_run_dir
 from ftrain.sharding import Sharder, shard_state
@@ -464,12 +464,16 @@ def _loggers(cfg: DictConfig, world: World, report: ResumeReport) -> LoggerSet:
     the other ranks in the loop, to fail there with a collective's traceback."""
     failed, loggers = None, LoggerSet()
     if world.is_coordinator and not _nothing_to_log(cfg, report):
+        start = int(report.step) if report.resumed else 0
+        replay_from, replay = replay_for(cfg.run.dir, start) if report.resumed else (None, [])
         info = RunInfo(
             run_dir=Path(cfg.run.dir),
             name=str(cfg.run.name),
-            start_step=int(report.step) if report.resumed else 0,
+            start_step=start,
             resumed=report.resumed,
             config=to_plain(cfg),
+            replay_from=replay_from if replay else None,
+            replay=replay,
         )
         try:
             loggers = build_loggers(cfg.logger, info)

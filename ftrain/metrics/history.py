@@ -24,7 +24,15 @@ from pathlib import Path
 
 from ftrain.metrics.jsonl import parse_line
 
-__all__ = ["SETS_ASIDE", "STEP_RUN", "commits_on_line", "forget_history", "read_history"]
+__all__ = [
+    "SETS_ASIDE",
+    "STEP_RUN",
+    "commits_on_line",
+    "forget_history",
+    "read_history",
+    "replay_for",
+    "went_back",
+]
 
 log = logging.getLogger(__name__)
 
@@ -192,3 +200,88 @@ def commits_on_line(records: Iterable[dict]) -> list[int]:
         if kind == "committed" and _is_step(s):
             steps.append(s)
     return steps
+
+
+def went_back(record: dict) -> bool:
+    """A ``start``/``resume`` record of a resume to an explicit step that went back (left
+    committed steps behind). One that did not (``resume=N`` with N the newest commit)
+    abandons nothing. Records before ``went_back`` was written count every explicit resume
+    as going back."""
+    explicit = record.get("reason") != "resume=latest" and _is_step(record.get("from_step"))
+    return explicit and record.get("went_back", True) is not False
+
+
+# -- the history a logger shows ------------------------------------------------------------------
+#
+# A logger with a "which record counts" rule (TensorBoard's purge_step, the CSV's rows)
+# shows, for each step, the last record written for it. A go-back killed before its first
+# save wrote records (and purged TensorBoard past its step) for a history no checkpoint
+# kept: the run's next start continues the old newest step, and the go-back's records then
+# stood in for the committed history's (TensorBoard hid steps 16..30 of it for good). Such
+# a start is *abandoned*; the next start logs the committed history's records again from
+# the abandoned start's step on, read from metrics.jsonl.
+
+
+def _abandoned_from(records: Iterable[dict]) -> int | None:
+    """The step the latest start recorded went back to, if it was a go-back that began no
+    save (``records`` are read before the next start writes its own: that start abandons
+    it); ``None`` otherwise. An earlier abandoned go-back was made good by the start after
+    it, which wrote the history again."""
+    pending = None  # the from_step of the latest start if it is a go-back not yet saving
+    for r in records:
+        kind = r.get("kind")
+        if kind in ("start", "resume"):
+            pending = r["from_step"] if went_back(r) else None
+        elif kind in SETS_ASIDE:
+            pending = None
+    return pending
+
+
+def _line(records: Iterable[dict]) -> dict[tuple[str, int], dict]:
+    """``{(kind, step): record}`` of the step and eval records of the history the starts
+    that were not abandoned wrote: each start drops what the history held past its step
+    (a resume redoes those steps; a fresh start begins again), then adds its own."""
+    line: dict[tuple[str, int], dict] = {}
+    segment: list[dict] = []
+    drop_after, pending = None, None
+
+    def close() -> None:
+        nonlocal line
+        if pending is not None:  # abandoned: its records never count
+            return
+        if drop_after is not None:
+            line = {k: v for k, v in line.items() if k[1] <= drop_after}
+        for r in segment:
+            line[(r["kind"], r["step"])] = r
+
+    for r in records:
+        kind = r.get("kind")
+        if kind in ("start", "resume"):
+            close()
+            segment, pending = [], (r["from_step"] if went_back(r) else None)
+            frm = r.get("from_step")
+            drop_after = frm if _is_step(frm) else -1
+        elif kind in SETS_ASIDE:
+            pending = None
+        if kind in ("step", "eval") and _is_step(r.get("step")):
+            segment.append(r)
+    close()  # records are read before this start writes its own: the last is another's
+    return line
+
+
+def replay_for(run_dir: str | os.PathLike, start_step: int) -> tuple[int, list[dict]]:
+    """``(from_step, records)``: the records a logger must write again before a start from
+    ``start_step`` so that it shows the committed history: the step and eval records of
+    steps in ``(from_step, start_step]``, oldest first. Without an abandoned start below
+    ``start_step``: ``(start_step, [])`` (nothing to redo; metrics.jsonl is not read).
+    """
+    lowest = _abandoned_from(read_history(run_dir))
+    if lowest is None or lowest >= start_step:
+        return start_step, []
+    from ftrain.metrics.jsonl import read_records
+
+    line = _line(
+        r for r in read_records(run_dir) if r.get("kind") != "step" or _is_step(r.get("step"))
+    )
+    kept = [r for (_, step), r in line.items() if lowest < step <= start_step]
+    return lowest, sorted(kept, key=lambda r: (r["step"], r["kind"] != "step"))

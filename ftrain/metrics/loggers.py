@@ -19,7 +19,9 @@ before a crash are redone and logged again: :class:`TensorBoardLogger` opens its
 with ``purge_step=start + 1`` so TensorBoard discards the orphaned events of the first
 attempt, :class:`WandbLogger` logs them again on the same run (its charts use ftrain's
 ``step`` as the x axis, so a redone step is a second point at the same x) and
-:class:`CsvLogger` appends them again (the later row of a step is the one that counts).
+:class:`CsvLogger` drops its rows past the start step before appending (one row per step
+and kind). After an abandoned go-back (:attr:`RunInfo.replay`) TensorBoard and the CSV
+purge from the go-back's step and write the committed history's records again.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ class RunInfo:
         start_step: the step training starts from (0 fresh, N after a resume from step N).
         resumed: whether this start restored a checkpoint.
         config: the resolved config, plain data (for wandb's run config).
+        replay_from, replay: where an earlier start was abandoned (a go-back killed before
+            its first save wrote records for a history no checkpoint kept), the step it
+            went back to, and the ``metrics.jsonl`` records of the committed history after
+            it up to ``start_step`` (:func:`ftrain.metrics.history.replay_for`); a logger
+            that shows one record per step writes them again. ``None`` and ``[]``
+            otherwise.
     """
 
     run_dir: Path
@@ -79,6 +87,14 @@ class RunInfo:
     start_step: int = 0
     resumed: bool = False
     config: dict = field(default_factory=dict)
+    replay_from: int | None = None
+    replay: list[dict] = field(default_factory=list)
+
+    @property
+    def kept_until(self) -> int:
+        """The last step whose earlier records still stand: records past it are redone
+        by this start or written again from :attr:`replay`."""
+        return self.replay_from if self.replay_from is not None else self.start_step
 
 
 class Logger(Protocol):
@@ -103,7 +119,9 @@ class TensorBoardLogger:
     Scalars are tagged ``train/NAME`` and ``val/NAME`` at ftrain's step. On every start the
     writer gets ``purge_step=start_step + 1``: TensorBoard then drops events of earlier files
     in ``log_dir`` at or after that step — the redone steps' first attempt after a resume,
-    an old run's curves after ``resume=none``.
+    an old run's curves after ``resume=none``. After an abandoned go-back the purge starts
+    at the go-back's step instead, and the committed history's records up to the start step
+    are written again (:attr:`RunInfo.replay`): the go-back's purge had hidden them.
 
     Example:
         >>> # logger=tensorboard; then: tensorboard --logdir runs/NAME/tensorboard
@@ -125,8 +143,12 @@ class TensorBoardLogger:
         self.log_dir = Path(log_dir) if log_dir else run.run_dir / "tensorboard"
         _quiet_tensorboard_writer_threads()
         self.writer = SummaryWriter(
-            str(self.log_dir), purge_step=run.start_step + 1, flush_secs=flush_secs
+            str(self.log_dir), purge_step=run.kept_until + 1, flush_secs=flush_secs
         )
+        for r in run.replay:  # the committed history an abandoned go-back's events hid
+            self.log_metrics(r["kind"], r["step"], _numeric(r))
+        if run.replay:  # on disk now: the next start replays only if this one is abandoned
+            self.writer.flush()
 
     def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
         for name, value in values.items():
@@ -345,9 +367,12 @@ class CsvLogger:
     the metric names of ``metrics.jsonl`` (``loss``, ``lr``, ..., ``val_loss``).
 
     A metric that appears later (the first ``val_loss``) widens the header: the file is
-    rewritten once with the new column. On resume rows are appended; a step that was redone
-    appears twice and its later row counts (pandas: ``drop_duplicates(["step", "kind"],
-    keep="last")``: a step's train and eval rows share the step number).
+    rewritten once with the new column. On resume the rows past the step it resumes from
+    are dropped first (those steps are redone; after a go-back they are another history's),
+    and after an abandoned go-back the committed history's rows are written again
+    (:attr:`RunInfo.replay`): each step has one ``step`` row (and one ``eval`` row where it
+    was evaluated). Until 2026-12-07 rows were only appended, and a redone step appeared
+    twice, a go-back's abandoned future steps stayed.
     """
 
     requires = None
@@ -357,6 +382,10 @@ class CsvLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.columns = self._existing_header()
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 - held open for the run
+        if run.resumed and self.columns:
+            self._drop_rows_after(run.kept_until)
+        for r in run.replay:
+            self._write_row(r["kind"], r["step"], _numeric(r), r.get("time"))
 
     def _existing_header(self) -> list[str]:
         """The header of the file this run appends to, its torn last row (a kill, a full
@@ -419,7 +448,11 @@ class CsvLogger:
         return []
 
     def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
-        row = {"step": step, "time": round(time.time(), 3), "kind": kind, **values}
+        self._write_row(kind, step, values, time.time())
+
+    def _write_row(self, kind: str, step: int, values: Mapping[str, float], when) -> None:
+        when = round(when, 3) if isinstance(when, int | float) else ""
+        row = {"step": step, "time": when, "kind": kind, **values}
         self._begin_again_if_gone(step)
         new = [k for k in row if k not in self.columns]
         if new or not self.columns:
@@ -449,11 +482,22 @@ class CsvLogger:
         self.columns = []  # the next write widens an empty header: a new file, header first
         self._file = open(self.path, "a", newline="")  # noqa: SIM115
 
+    def _drop_rows_after(self, step: int) -> None:
+        """Rewrite the file without its rows of steps past ``step`` (if it has any)."""
+        with open(self.path, newline="") as f:
+            if all(_row_step(row) <= step for row in csv.DictReader(f)):
+                return
+        self._rewrite(self.columns, keep=lambda row: _row_step(row) <= step)
+
     def _widen(self, columns: list[str]) -> None:
         """Rewrite the file with ``columns`` as its header (old rows keep their values)."""
+        self._rewrite(columns)
+
+    def _rewrite(self, columns: list[str], keep=lambda row: True) -> None:
+        """The file again with ``columns`` as its header, its rows that ``keep`` takes."""
         self._file.close()
         with open(self.path, newline="") as f:  # cells past the header (a bad row): dropped
-            old = list(csv.DictReader(f, restkey=_EXTRA)) if self.columns else []
+            old = [r for r in csv.DictReader(f, restkey=_EXTRA) if keep(r)] if self.columns else []
         tmp = self.path.with_suffix(".csv.tmp")
         try:
             with open(tmp, "w", newline="") as f:
@@ -472,6 +516,14 @@ class CsvLogger:
 
 
 _EXTRA = "\0extra"  # DictReader's key for a row's cells past the header
+
+
+def _row_step(row: dict) -> int:
+    """A row's step; a row without a readable one (hand-edited) sorts before every step."""
+    try:
+        return int(row.get("step") or -1)
+    except ValueError:
+        return -1
 
 
 def _starts_like_ours(raw: bytes) -> bool:

@@ -23,14 +23,17 @@ def _final_state(run_dir, step):
     return CheckpointManager(Path(run_dir) / "checkpoints", async_save=False).restore(step)
 
 
-def _wait_for_step(run_dir, proc, at_least, timeout=120):
+def _wait_for_step(run_dir, proc, at_least, timeout=120, after: int = -1):
+    """Until the heartbeat names ``at_least``; ``after``: a heartbeat rewritten since that
+    ``st_mtime_ns`` (an earlier process's names a later step)."""
     beat = Path(run_dir) / "heartbeat.json"
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"run ended early:\n{proc.stdout.read()}")
         try:
-            if json.loads(beat.read_text())["step"] >= at_least:
+            fresh = beat.stat().st_mtime_ns > after
+            if fresh and json.loads(beat.read_text())["step"] >= at_least:
                 return
         except (FileNotFoundError, json.JSONDecodeError, KeyError):
             pass

@@ -21,6 +21,7 @@ from ftrain.state import first_difference
 from tests.unit.test_ckpt_commit import as_format
 
 from ..unit.test_ckpt_trust import rewrite_manifest
+from .conftest import records
 
 SAVES = ("checkpoint.every_steps=3", "checkpoint.keep_last=5", "checkpoint.async_save=false")
 
@@ -148,3 +149,37 @@ def test_a_kill_at_the_first_commit_after_going_back_does_not_resume_the_old_his
     assert mgr.all_steps() == [3, 6, 9]
     assert mgr.metadata(9)["config"]["optim"]["lr"] == 1e-3  # the new history went on
     assert sorted(mgr.set_aside_steps()) == [6, 9]  # the old 6 and 9, kept
+
+
+def test_a_go_back_killed_before_its_first_save_leaves_the_loggers_the_committed_history(
+    cli, popen_cli, tmp_path
+):
+    """``resume=4`` with another lr, SIGKILLed before it saved; the plain re-run resumes
+    step 8 (the go-back abandoned nothing). The go-back's TensorBoard file had purged steps
+    5..8 and its own steps stood in for them; in the CSV its rows counted."""
+    pytest.importorskip("tensorboard", reason="pip install 'ftrain[tensorboard]'")
+    from tests.integration.test_cli import _wait_for_step
+    from tests.unit.test_loggers import _csv_rows, _scalars
+
+    run, logs = tmp_path / "run", "logger=[jsonl,tensorboard,csv]"
+    keep = ("checkpoint.every_steps=4", "checkpoint.async_save=false", logs)
+    cli(run, "trainer.max_steps=8", *keep, check=0)
+    back = popen_cli(
+        run, "resume=4", "optim.lr=0.1", "run.allow_config_change=true", logs,
+        "trainer.max_steps=1000", "checkpoint.every_steps=1000",  # no save before the kill
+    )  # fmt: skip
+    _wait_for_step(run, back, 6, after=(run / "heartbeat.json").stat().st_mtime_ns)
+    back.kill()
+    back.communicate(timeout=60)
+    assert _manager(run).all_steps() == [4, 8], "the go-back saved nothing"
+    out = cli(run, "trainer.max_steps=10", *keep, check=0)
+    assert "resumed from step 8" in out.stdout, out.stdout
+    steps = records(run, "step")  # 1..8, the go-back's 5.., then 9 and 10
+    first = {r["step"]: r["loss"] for r in [*steps[:8], *steps[-2:]]}
+    assert sorted(first) == list(range(1, 11))
+    went_back = {r["step"]: r["loss"] for r in steps[8:-2]}
+    assert went_back.get(6) not in (None, first[6]), "another lr: step 6 on another loss"
+    shown = _scalars(run / "tensorboard", "train/loss")
+    assert shown == pytest.approx(first, rel=1e-6), "the committed history, every step"
+    rows = [(int(r[0]), float(r[2])) for r in _csv_rows(run / "metrics.csv") if r[1] == "step"]
+    assert rows == sorted(first.items()), "one row a step, the committed history's"

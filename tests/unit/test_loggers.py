@@ -68,7 +68,7 @@ def test_tensorboard_event_files_hold_the_logged_values_and_a_resume_purges_redo
     assert _scalars(log_dir, "val/loss") == {}, "val at step 4 was purged with the redo"
 
 
-def test_csv_parses_back_widens_for_val_loss_and_appends_on_resume(tmp_path):
+def test_csv_parses_back_widens_for_val_loss_and_drops_the_redone_rows_on_resume(tmp_path):
     first = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r"))
     _log(first, {1: 4.0, 2: 3.5}, val={2: 3.6})
     first.close()
@@ -80,10 +80,75 @@ def test_csv_parses_back_widens_for_val_loss_and_appends_on_resume(tmp_path):
     assert list(rows[0])[:3] == ["step", "time", "kind"]
     assert [(r["step"], r["kind"], r["loss"], r["val_loss"]) for r in rows] == [
         ("1", "step", "4.0", ""),
-        ("2", "step", "3.5", ""),
-        ("2", "eval", "", "3.6"),
-        ("2", "step", "3.4", ""),  # the redone step: its later row counts
+        ("2", "step", "3.4", ""),  # the redone step: its first attempt's rows are gone
     ]
+
+
+def _history(run_dir: Path, *parts: list[dict]) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        for part in parts:
+            for record in part:
+                f.write(json.dumps({"time": 1.0, **record}) + "\n")
+
+
+def _steps(a: int, b: int, loss) -> list[dict]:
+    return [{"kind": "step", "step": s, "loss": loss(s), "lr": 1e-3} for s in range(a, b + 1)]
+
+
+def test_a_go_back_killed_before_its_first_save_leaves_tensorboard_and_csv_the_committed_history(
+    tmp_path,
+):
+    """``resume=10`` killed at step 15 before it saved, then a plain re-run: it resumes
+    step 30 (the go-back abandoned nothing), but the go-back's TensorBoard file had purged
+    steps 11..30 and its steps 11..15 stood in for them (CSV: their rows counted)."""
+    pytest.importorskip("tensorboard", reason="pip install 'ftrain[tensorboard]'")
+    from ftrain.metrics.history import forget_history, replay_for
+
+    both = {"tensorboard": TB, "csv": CSV}
+    first = build_loggers(both, RunInfo(tmp_path, "r"))
+    _log(first, {s: 100.0 + s for s in range(1, 31)})
+    first.close()
+    back = build_loggers(both, RunInfo(tmp_path, "r", start_step=10, resumed=True))
+    _log(back, {s: 200.0 + s for s in range(11, 16)})  # killed here: no save began
+    back.close()
+    commits = [{"kind": "committed", "step": s} for s in (10, 20, 30)]
+    _history(
+        tmp_path,
+        [{"kind": "start", "step": 0, "from_step": None}], _steps(1, 30, lambda s: 100.0 + s),
+        commits, [{"kind": "resume", "step": 10, "from_step": 10, "reason": "resume=10"}],
+        _steps(11, 15, lambda s: 200.0 + s),
+    )  # fmt: skip
+    forget_history()
+    replay_from, replay = replay_for(tmp_path, 30)
+    assert replay_from == 10 and [r["step"] for r in replay] == list(range(11, 31))
+    again = RunInfo(tmp_path, "r", start_step=30, resumed=True, replay_from=10, replay=replay)
+    resumed = build_loggers(both, again)
+    _log(resumed, {31: 131.0})
+    resumed.close()
+    want = {s: 100.0 + s for s in range(1, 32)}
+    assert _scalars(tmp_path / "tensorboard", "train/loss") == pytest.approx(want, rel=1e-6)
+    rows = _csv_rows(tmp_path / "metrics.csv")
+    assert [(int(r[0]), float(r[2])) for r in rows] == list(want.items()), "one row a step"
+    _history(tmp_path, [{"kind": "resume", "step": 30, "from_step": 30, "reason": "resume=latest"}])
+    forget_history()
+    assert replay_for(tmp_path, 31) == (31, []), "made good by the start after it"
+
+
+def test_replay_follows_the_history_a_committed_go_back_began():
+    """A go-back that saved began a new history: the old steps past it are not replayed;
+    only the latest start's abandoned go-back span is, from the new history."""
+    from ftrain.metrics.history import _abandoned_from, _line
+
+    records = [
+        {"kind": "start", "from_step": None}, *_steps(1, 30, float),
+        {"kind": "resume", "from_step": 10, "reason": "resume=10"}, *_steps(11, 20, lambda s: -s),
+        {"kind": "save_started", "step": 20},
+        {"kind": "resume", "from_step": 15, "reason": "resume=15"}, *_steps(16, 17, lambda s: 0.5),
+    ]  # fmt: skip
+    assert _abandoned_from(records) == 15
+    line = _line(records)
+    assert [k[1] for k in line] == list(range(1, 21))
+    assert [line[("step", s)]["loss"] for s in (10, 11, 20)] == [10.0, -11, -20]
 
 
 def test_a_csv_removed_mid_run_begins_again_said_once(tmp_path, caplog):
