@@ -588,7 +588,9 @@ def _eval_owed(cfg: DictConfig, world: World, report: ResumeReport) -> bool:
         owed = report.resumed and eval_owed(Path(cfg.run.dir), report.step)
     owed = bool(broadcast_json(owed))
     if owed and world.is_coordinator:
-        print(f"evaluating step {report.step} first: the stop that saved it skipped its evaluation")
+        print(
+            f"[step={report.step}] evaluating step {report.step} first: the stop that saved it skipped its evaluation"
+        )
     return owed
 
 
