@@ -130,8 +130,6 @@ class TensorBoardLogger:
     requires = ("tensorboard", "tensorboard")  # (module, ftrain extra)
 
     def __init__(self, *, run: RunInfo, log_dir: str | None = None, flush_secs: float = 30) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         if (
             isinstance(flush_secs, bool)
             or not isinstance(flush_secs, int | float)
@@ -141,21 +139,40 @@ class TensorBoardLogger:
                 f"logger.tensorboard.flush_secs={flush_secs!r} is invalid: seconds > 0, e.g. 30"
             )
         self.log_dir = Path(log_dir) if log_dir else run.run_dir / "tensorboard"
+        self.log_dir.mkdir(parents=True, exist_ok=True)  # a place that cannot be: said at start
         _quiet_tensorboard_writer_threads()
-        self.writer = SummaryWriter(
-            str(self.log_dir), purge_step=run.kept_until + 1, flush_secs=flush_secs
-        )
-        for r in run.replay:  # the committed history an abandoned go-back's events hid
-            self.log_metrics(r["kind"], r["step"], _numeric(r))
-        if run.replay:  # on disk now: the next start replays only if this one is abandoned
-            self.writer.flush()
+        self._run, self._flush_secs, self._writer = run, flush_secs, None
+
+    @property
+    def writer(self):
+        """The event file's writer, opened at the first record: its purge is part of the
+        file, and a start that ends before it logs anything (a failure or a signal during
+        start-up, which writes no record of the start) must purge nothing: the next start
+        could not tell that history needs writing again."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            run = self._run
+            self._writer = SummaryWriter(
+                str(self.log_dir), purge_step=run.kept_until + 1, flush_secs=self._flush_secs
+            )
+            for r in run.replay:  # the committed history an abandoned go-back's events hid
+                self._add(r["kind"], r["step"], _numeric(r))
+            if run.replay:  # on disk now: the next start replays only if this one is abandoned
+                self._writer.flush()
+        return self._writer
 
     def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+        self.writer  # noqa: B018 - opened (and the history replayed) before this record
+        self._add(kind, step, values)
+
+    def _add(self, kind: str, step: int, values: Mapping[str, float]) -> None:
         for name, value in values.items():
-            self.writer.add_scalar(tag(kind, name), value, global_step=step)
+            self._writer.add_scalar(tag(kind, name), value, global_step=step)
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def _quiet_tensorboard_writer_threads() -> None:
@@ -382,7 +399,14 @@ class CsvLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.columns = self._existing_header()
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 - held open for the run
-        if run.resumed and self.columns:
+        # done at the first row: a start that ends before it logs anything (a failure or a
+        # signal during start-up, which writes no record of the start) changes nothing
+        self._pending: RunInfo | None = run if run.resumed else None
+
+    def _settle(self) -> None:
+        """Drop the rows past the resumed step and write the replayed history (once)."""
+        run, self._pending = self._pending, None
+        if self.columns:
             self._drop_rows_after(run.kept_until)
         for r in run.replay:
             self._write_row(r["kind"], r["step"], _numeric(r), r.get("time"))
@@ -448,6 +472,8 @@ class CsvLogger:
         return []
 
     def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+        if self._pending is not None:
+            self._settle()
         self._write_row(kind, step, values, time.time())
 
     def _write_row(self, kind: str, step: int, values: Mapping[str, float], when) -> None:

@@ -55,6 +55,9 @@ def test_tensorboard_event_files_hold_the_logged_values_and_a_resume_purges_redo
     first = build_loggers({"tensorboard": TB}, RunInfo(tmp_path, "r"))
     _log(first, {1: 4.0, 2: 3.5, 3: 3.25, 4: 3.0, 5: 2.75}, val={4: 3.1})
     first.close()
+    # a start that ended before its first record (it wrote no record of itself): no purge
+    build_loggers({"tensorboard": TB}, RunInfo(tmp_path, "r", start_step=1, resumed=True)).close()
+    assert _scalars(tmp_path / "tensorboard", "train/loss")[5] == pytest.approx(2.75)
     # a crash after step 5 with step 3 committed: steps 4..5 are redone with other values
     again = build_loggers({"tensorboard": TB}, RunInfo(tmp_path, "r", start_step=3, resumed=True))
     _log(again, {4: 2.9, 5: 2.8, 6: 2.7})
@@ -72,7 +75,10 @@ def test_csv_parses_back_widens_for_val_loss_and_drops_the_redone_rows_on_resume
     first = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r"))
     _log(first, {1: 4.0, 2: 3.5}, val={2: 3.6})
     first.close()
-    again = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r", start_step=1, resumed=True))
+    resumed = RunInfo(tmp_path, "r", start_step=1, resumed=True)
+    build_loggers({"csv": CSV}, resumed).close()  # a start that ended before its first record
+    assert len(_csv_rows(tmp_path / "metrics.csv")) == 3, "it wrote no record: nothing dropped"
+    again = build_loggers({"csv": CSV}, resumed)
     _log(again, {2: 3.4})
     again.close()
     with open(tmp_path / "metrics.csv", newline="") as f:
