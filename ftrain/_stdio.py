@@ -52,8 +52,10 @@ def printable_streams() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
-class _OutputGone(Exception):
-    """Standard output could not be written (the ``OSError`` is the cause)."""
+class _OutputGone(OSError):
+    """Standard output could not be written (the ``OSError`` is the cause). An ``OSError``
+    still, so a tool's own ``except OSError`` around a line it prints (the drill's
+    interrupt message) goes on as before; :func:`run_tool` tells it apart by type."""
 
 
 class _Guarded:
@@ -66,8 +68,10 @@ class _Guarded:
     def _guard(self, name: str, *args):
         try:
             return getattr(self._stream, name)(*args)
+        except _OutputGone:
+            raise
         except OSError as err:
-            raise _OutputGone() from err
+            raise _OutputGone(err.errno, err.strerror) from err
 
     def write(self, data):
         return self._guard("write", data)
@@ -88,23 +92,30 @@ class _Guarded:
 
 def run_tool(main: Callable[[], int], name: str) -> int:
     """``main()`` of the command ``name`` with :func:`printable_streams`, and its exit
-    status; 1 if its standard output went away or could not be written."""
+    status; 1 if its standard output went away or could not be written (a status of its
+    own that says more, say an interrupted drill's 130, is kept)."""
     printable_streams()
     stdout = sys.stdout
     sys.stdout = _Guarded(stdout)
+    status = 1
     try:
         status = main()
         sys.stdout.flush()
         return status
     except _OutputGone as gone:
-        # what is still buffered would fail again at exit: let it go to /dev/null
-        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
-        err = gone.__cause__
-        if not isinstance(err, BrokenPipeError):  # a reader that left is no error to report
-            print(f"{name}: cannot write the output: {err.strerror or err}", file=sys.stderr)
-        return 1
+        _output_gone(gone, name, stdout)
+        return status or 1
     finally:
         sys.stdout = stdout
+
+
+def _output_gone(gone: _OutputGone, name: str, stdout) -> None:
+    # what is still buffered would fail again at exit: let it go to /dev/null
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+    err = gone.__cause__
+    if not isinstance(err, BrokenPipeError):  # a reader that left is no error to report
+        with contextlib.suppress(OSError):  # stderr gone with it (a hung-up terminal)
+            print(f"{name}: cannot write the output: {err.strerror or err}", file=sys.stderr)
 
 
 reopen_closed_descriptors()  # on import: ``import ftrain`` does it before torch's import

@@ -49,6 +49,7 @@ __all__ = [
     "ResumeReport",
     "checkpoint_metadata",
     "compat_diff",
+    "keep_saved_seed",
     "move_run_aside",
     "start_state",
 ]
@@ -821,7 +822,7 @@ def _data_too(cfg: DictConfig, meta: dict, data_fp: str | None) -> str:
     )
 
 
-def _keep_saved_seed(cfg: DictConfig, meta: dict) -> None:
+def keep_saved_seed(cfg: DictConfig, meta: dict) -> None:
     """A resume runs on the checkpoint's random streams, whatever ``trainer.seed`` says now
     (said as a change with no effect): the seed recorded with this run's later steps, and
     any stream seeded anew (a rank the checkpoint has no host RNGs for), are the saved one's,
@@ -923,7 +924,7 @@ def start_state(
     state = replace(state, opt=refresh_hyperparams(tx, state["opt"]))
     meta = manager.metadata(step, copy=manager.restored_copy)  # what was restored
     changes = _check_compat(cfg, meta, data_fp=data_fp)
-    _keep_saved_seed(cfg, meta)
+    keep_saved_seed(cfg, meta)
     host_rng = host_rng_start(cfg, world, meta)
     changes += _check_retention(cfg, meta, manager)
     check_fingerprint(meta.get("data_fingerprint"), data_fp, bool(cfg.data.allow_changed))

@@ -68,6 +68,7 @@ from ftrain.cli.resume import (
     ResumeReport,
     checkpoint_metadata,
     eval_change_note,
+    keep_saved_seed,
     move_run_aside,
     saved_horizon,
     schedule_line,
@@ -316,7 +317,7 @@ def _setup(cfg: DictConfig, device, world: World, earlier_runs: list[Path]) -> _
     check_patterns(cfg, sorted(name for name, _ in model.named_parameters()))
     asked = Asked(cfg.resume, bool(cfg.run.overwrite))  # the command's, for the stop message
     # resume=N / resume=none (run.overwrite): a torchrun restart continues the first attempt
-    cfg, restart_note = continue_restarted_job(cfg, world)
+    given, (cfg, restart_note) = cfg, continue_restarted_job(cfg, world)
     early = None  # resume=none: the fresh start's checks (init.from, groups) before the move
     if cfg.resume == "none":
         tx = build_tx(cfg, schedule_horizon(cfg, None))
@@ -337,6 +338,8 @@ def _setup(cfg: DictConfig, device, world: World, earlier_runs: list[Path]) -> _
         state, report, meta = start_state(
             cfg, manager, fresh, world, tx, train_src.fingerprint, sharder, earlier_runs
         )
+        if cfg is not given:  # the run records the config it was given: the same seed
+            keep_saved_seed(given, meta)
         report.notes += val_change_note(meta, _val_fp(val_src))
         report.notes += eval_change_note(meta, cfg) if evaluates(cfg, val_src) else []
         report.notes += filter(None, [eval_repeat_note(cfg, val_src)])

@@ -223,18 +223,26 @@ def went_back(record: dict) -> bool:
 
 
 def _abandoned_from(records: Iterable[dict]) -> int | None:
-    """The step the latest start recorded went back to, if it was a go-back that began no
-    save (``records`` are read before the next start writes its own: that start abandons
-    it); ``None`` otherwise. An earlier abandoned go-back was made good by the start after
-    it, which wrote the history again."""
-    pending = None  # the from_step of the latest start if it is a go-back not yet saving
+    """The lowest step an abandoned start (a go-back that began no save; ``records`` are
+    read before the next start writes its own, so the latest go-back counts too) went back
+    to, of those no later start has made good; ``None``: none owed. A start makes them good
+    by logging: its loggers write the history again before its first record. One that
+    logged nothing (stopped or killed during start-up, or a finished run re-run, which
+    builds no loggers) leaves them owed to the next."""
+    owed, pending = None, None  # pending: the from_step of a go-back not yet saving
     for r in records:
         kind = r.get("kind")
         if kind in ("start", "resume"):
+            if pending is not None:
+                owed = pending if owed is None else min(owed, pending)
             pending = r["from_step"] if went_back(r) else None
         elif kind in SETS_ASIDE:
             pending = None
-    return pending
+        elif kind in (STEP_RUN, "step", "eval"):
+            owed = None
+    if pending is not None:
+        owed = pending if owed is None else min(owed, pending)
+    return owed
 
 
 def _line(records: Iterable[dict]) -> dict[tuple[str, int], dict]:

@@ -157,7 +157,7 @@ class TensorBoardLogger:
                 str(self.log_dir), purge_step=run.kept_until + 1, flush_secs=self._flush_secs
             )
             for r in run.replay:  # the committed history an abandoned go-back's events hid
-                self._add(r["kind"], r["step"], _numeric(r))
+                self._add(r["kind"], r["step"], replayed_values(r))
             if run.replay:  # on disk now: the next start replays only if this one is abandoned
                 self._writer.flush()
         return self._writer
@@ -312,43 +312,57 @@ def _run_id(path: Path, *, fresh: bool) -> str:
     """This run directory's wandb run id: read from ``path`` on a resume, else made and
     written there (a fresh start is a new wandb run, also in a reused directory).
 
-    The file also holds the run directory's inode: a copy of the directory (``cp -r``,
-    another inode) is its own history, and continuing the original's W&B run from it
-    interleaved two histories in one run. A copy gets a new id, said in one line; a move
-    or rename keeps the inode, and an id file without one (ftrain before 2026-12-07, or
-    written by hand) is taken as it is."""
-    inode = os.stat(path.parent.parent).st_ino  # RUN_DIR/wandb/ftrain-run-id
+    The file also holds where the run directory was (its resolved path and inode): a copy
+    of it elsewhere (``cp -r runs/a runs/b``: another path *and* another inode) is its own
+    history, and continuing the original's W&B run from it interleaved two histories in one
+    run. A copy gets a new id, said in one line. The same path with another inode (a
+    restore onto another node, a FUSE mount whose inodes change per mount) and a move or
+    rename on one file system (the same inode) keep the id; so does an id file without
+    them (ftrain before 2026-12-07, or written by hand). A move across file systems reads
+    as a copy: the line says how to continue the old W&B run."""
+    run_dir = path.parent.parent  # RUN_DIR/wandb/ftrain-run-id
+    here = (str(run_dir.resolve()), os.stat(run_dir).st_ino)
     if not fresh:
-        existing, made_in = _read_run_id(path)
-        if existing and made_in in (None, inode):
-            _write_run_id(path, existing, inode)
+        existing, made_at = _read_run_id(path)
+        copied = made_at is not None and made_at[0] != here[0] and made_at[1] != here[1]
+        if existing and not copied:
+            _write_run_id(path, existing, here)
             return existing
         if existing:
             print(
-                f"ftrain: wandb: {path.parent.parent} is a copy of the run directory that "
-                f"made W&B run {existing}: a new W&B run starts, so the two histories stay "
-                f"apart; to continue {existing} from here instead, write {existing} alone "
-                f"into {path} before resuming",
+                f"ftrain: wandb: {run_dir} is a copy of {made_at[0]} (or was moved here from "
+                f"another file system), whose W&B run is {existing}: a new W&B run starts, so "
+                f"two histories cannot share one; to continue {existing} from here instead, "
+                f"write {existing} alone into {path} before resuming",
                 flush=True,
             )
     new = secrets.token_hex(4)
-    _write_run_id(path, new, inode)
+    _write_run_id(path, new, here)
     return new
 
 
-def _read_run_id(path: Path) -> tuple[str, int | None]:
-    """``(id, inode of the run directory that made it)``; ``("", None)`` without a file."""
+_PATH_KEY, _INODE_KEY = "dir_path=", "dir_inode="
+
+
+def _read_run_id(path: Path) -> tuple[str, tuple[str, int] | None]:
+    """``(id, (path, inode) of the run directory that last used it))``; ``("", None)``
+    without a file; ``None`` for the place of an id file that does not record one."""
     try:
-        lines = path.read_text().split()
+        lines = path.read_text().splitlines()
     except FileNotFoundError:
         return "", None
-    made_in = next((x.removeprefix("dir_inode=") for x in lines[1:2] if "=" in x), "")
-    return (lines[0] if lines else ""), int(made_in) if made_in.isdigit() else None
+    run_id = lines[0].strip() if lines else ""
+    fields = {k: line.removeprefix(k) for line in lines[1:] for k in (_PATH_KEY, _INODE_KEY)
+              if line.startswith(k)}  # fmt: skip
+    inode = fields.get(_INODE_KEY, "")
+    if _PATH_KEY not in fields or not inode.isdigit():
+        return run_id, None
+    return run_id, (fields[_PATH_KEY], int(inode))
 
 
-def _write_run_id(path: Path, run_id: str, inode: int) -> None:
-    if _read_run_id(path) != (run_id, inode):
-        path.write_text(f"{run_id}\ndir_inode={inode}\n")
+def _write_run_id(path: Path, run_id: str, here: tuple[str, int]) -> None:
+    if _read_run_id(path) != (run_id, here):
+        path.write_text(f"{run_id}\n{_PATH_KEY}{here[0]}\n{_INODE_KEY}{here[1]}\n")
 
 
 def _wandb_mode(mode: str | None) -> str:
@@ -401,15 +415,16 @@ class CsvLogger:
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 - held open for the run
         # done at the first row: a start that ends before it logs anything (a failure or a
         # signal during start-up, which writes no record of the start) changes nothing
-        self._pending: RunInfo | None = run if run.resumed else None
+        self._pending: RunInfo | None = run  # a fresh start: the killed first attempt's rows
 
     def _settle(self) -> None:
-        """Drop the rows past the resumed step and write the replayed history (once)."""
+        """Drop the rows past the step this start continues from (0 on a fresh start) and
+        write the replayed history (once)."""
         run, self._pending = self._pending, None
         if self.columns:
             self._drop_rows_after(run.kept_until)
         for r in run.replay:
-            self._write_row(r["kind"], r["step"], _numeric(r), r.get("time"))
+            self._write_row(r["kind"], r["step"], replayed_values(r), r.get("time"))
 
     def _existing_header(self) -> list[str]:
         """The header of the file this run appends to, its torn last row (a kill, a full
@@ -520,16 +535,16 @@ class CsvLogger:
         self._rewrite(columns)
 
     def _rewrite(self, columns: list[str], keep=lambda row: True) -> None:
-        """The file again with ``columns`` as its header, its rows that ``keep`` takes."""
+        """The file again with ``columns`` as its header, its rows that ``keep`` takes
+        (row by row: a long run's CSV is never held in memory)."""
         self._file.close()
-        with open(self.path, newline="") as f:  # cells past the header (a bad row): dropped
-            old = [r for r in csv.DictReader(f, restkey=_EXTRA) if keep(r)] if self.columns else []
         tmp = self.path.with_suffix(".csv.tmp")
         try:
-            with open(tmp, "w", newline="") as f:
+            with open(self.path, newline="") as src, open(tmp, "w", newline="") as f:
                 w = csv.DictWriter(f, columns, restval="", extrasaction="ignore")
                 w.writeheader()
-                w.writerows(old)
+                if self.columns:  # cells past the header (a bad row): dropped
+                    w.writerows(r for r in csv.DictReader(src, restkey=_EXTRA) if keep(r))
             os.replace(tmp, self.path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -761,6 +776,14 @@ def _close_one(name: str, logger: Logger) -> None:
 
 
 _NOT_METRICS = ("step", "time", "kind")
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as metrics.jsonl writes
+
+
+def replayed_values(record: Mapping[str, Any]) -> dict[str, float]:
+    """The values a logger was given for a ``metrics.jsonl`` record: its numbers, with the
+    text the file holds for a non-finite one (``"nan"``) read back as that number."""
+    back = {k: _NONFINITE[v] for k, v in record.items() if isinstance(v, str) and v in _NONFINITE}
+    return _numeric({**record, **back})
 
 
 def _numeric(fields: Mapping[str, Any]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -370,6 +371,28 @@ def test_a_tools_own_os_error_is_not_taken_for_its_output_going_away(capsys):
     with pytest.raises(PermissionError):
         run_tool(reads_a_file, "tool")
     assert "cannot write" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_tools_own_status_outlives_output_that_cannot_be_written(monkeypatch, capsys):
+    """An interrupted drill's 130 (its message to a gone terminal suppressed) became 1 once
+    the output failed at the last flush."""
+    from ftrain._stdio import run_tool
+
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+
+        def interrupted():
+            with contextlib.suppress(OSError):  # as the drill does
+                print("drill interrupted (SIGHUP)", flush=True)
+            print("a line that fails only at the last flush")
+            return 130
+
+        assert run_tool(interrupted, "tool") == 130
+    with open("/dev/full", "w") as full:  # the one before now writes to /dev/null
+        monkeypatch.setattr(sys, "stdout", full)
+        assert run_tool(lambda: print("x") or 0, "tool") == 1
+    assert capsys.readouterr().err.count("tool: cannot write the output: No space left") == 2
 
 
 def test_hostrng_capture_restore_json_roundtrip():

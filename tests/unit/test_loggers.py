@@ -135,9 +135,35 @@ def test_a_go_back_killed_before_its_first_save_leaves_tensorboard_and_csv_the_c
     assert _scalars(tmp_path / "tensorboard", "train/loss") == pytest.approx(want, rel=1e-6)
     rows = _csv_rows(tmp_path / "metrics.csv")
     assert [(int(r[0]), float(r[2])) for r in rows] == list(want.items()), "one row a step"
-    _history(tmp_path, [{"kind": "resume", "step": 30, "from_step": 30, "reason": "resume=latest"}])
+    _history(
+        tmp_path,
+        [{"kind": "resume", "step": 30, "from_step": 30, "reason": "resume=latest"}],
+        _steps(31, 31, lambda s: 131.0),
+    )
     forget_history()
     assert replay_for(tmp_path, 31) == (31, []), "made good by the start after it"
+
+
+def test_an_abandoned_go_back_stays_owed_until_a_start_logs():
+    """A start that logged nothing (stopped during start-up, a finished run re-run: no
+    loggers) was taken to have written the history again, and the replay was never made."""
+    from ftrain.metrics.history import _abandoned_from
+
+    back = [
+        {"kind": "start", "from_step": None}, *_steps(1, 30, float),
+        {"kind": "resume", "from_step": 10, "reason": "resume=10"}, *_steps(11, 15, float),
+    ]  # fmt: skip
+    quiet = {"kind": "resume", "from_step": 30, "reason": "resume=latest"}
+    assert _abandoned_from([*back, quiet]) == 10
+    assert _abandoned_from([*back, quiet, {"kind": "end", "step": 30}, quiet]) == 10
+    assert _abandoned_from([*back, quiet, *_steps(31, 31, float)]) is None
+
+
+def test_a_replayed_non_finite_value_keeps_its_value():
+    from ftrain.metrics.loggers import replayed_values
+
+    values = replayed_values({"kind": "step", "step": 3, "time": 1.0, "loss": "nan", "lr": 1e-3})
+    assert values.keys() == {"loss", "lr"} and values["loss"] != values["loss"]
 
 
 def test_replay_follows_the_history_a_committed_go_back_began():
@@ -417,10 +443,16 @@ def test_a_copied_run_directory_starts_its_own_wandb_run_and_a_moved_one_continu
     shutil.copytree(tmp_path / "base", tmp_path / "copy")
     capsys.readouterr()
     assert resume(tmp_path / "copy") != base_id
-    assert f"is a copy of the run directory that made W&B run {base_id}" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"is a copy of {(tmp_path / 'base').resolve()}" in said and base_id in said, said
     copy_id = (tmp_path / "copy" / "wandb" / "ftrain-run-id").read_text().split()[0]
     assert resume(tmp_path / "copy") == copy_id, "the copy's own run from then on"
     (tmp_path / "base").rename(tmp_path / "moved")
+    assert resume(tmp_path / "moved") == base_id
+    # the same path, another inode (restored onto another node, a FUSE mount): the same run
+    shutil.copytree(tmp_path / "moved", tmp_path / "restore")
+    shutil.rmtree(tmp_path / "moved")
+    (tmp_path / "restore").rename(tmp_path / "moved")  # the copy's inode at the old path
     assert resume(tmp_path / "moved") == base_id
     (tmp_path / "moved" / "wandb" / "ftrain-run-id").write_text(f"{copy_id}\n")  # by hand
     assert resume(tmp_path / "moved") == copy_id
@@ -705,3 +737,19 @@ def test_a_failing_logger_is_named_in_one_short_line(caplog):
     (line,) = caplog.messages
     assert "logger bad failed (UnicodeDecodeError: 'utf-8' codec can't decode" in line
     assert len(line) < 300 and loggers.names == []
+
+
+def test_a_fresh_restart_drops_the_first_attempts_rows(tmp_path):
+    """A run killed before its first commit restarts fresh: the CSV kept the first
+    attempt's rows and appended again (steps 1, 1, 2, 3)."""
+    first = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r"))
+    _log(first, {1: 4.0, 2: 3.5})
+    first.close()
+    again = build_loggers({"csv": CSV}, RunInfo(tmp_path, "r"))
+    _log(again, {1: 4.5, 2: 4.0, 3: 3.0})
+    again.close()
+    assert [r[:3] for r in _csv_rows(tmp_path / "metrics.csv")] == [
+        ("1", "step", "4.5"),
+        ("2", "step", "4.0"),
+        ("3", "step", "3.0"),
+    ]
