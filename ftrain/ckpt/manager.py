@@ -332,6 +332,13 @@ class CheckpointManager:
         """Committed steps in both locations, ascending (marker-checked, not chunk-verified)."""
         return list(self._locations())
 
+    def committed_here(self, step: int) -> bool:
+        """Whether this manager's own save of ``step`` has committed (its background write
+        included), answered from memory: asking the location (a marker's HEAD request on
+        an object store, retried for minutes in an outage) every training step stalled the
+        training loop while a save was pending."""
+        return step in self._written
+
     def committed_copies(self) -> list[tuple[int, int | None]]:
         """``(step, copy)`` of every committed copy, newest step first, then newest copy
         first (primary first on a tie): ``copy`` is the seal :meth:`restore` takes (the

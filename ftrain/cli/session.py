@@ -383,9 +383,10 @@ class Session:
         return None
 
     def _seen_commits(self) -> None:
-        """Record the pending saves whose marker is in place (two stats per pending save)."""
-        seen = [s for s, t in self._pending.items() if self._marker(s, t) is not None]
-        self._committed(seen)
+        """Record the pending saves the manager has committed (asked of it, not of the
+        location: this runs at every step while a save is pending, and a store's outage
+        held each step for minutes, in an asynchronous save)."""
+        self._committed([s for s in self._pending if self.manager.committed_here(s)])
 
     def _committed(self, steps: list[int]) -> None:
         """A ``committed`` record per step: seconds from start to marker and, from the

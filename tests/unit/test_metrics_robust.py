@@ -191,14 +191,18 @@ class _FakeManager:
 
     def __init__(self, directory):
         self.directory, self.fallback_directory = directory, None
-        self.in_flight, self.error = None, None
+        self.in_flight, self.error, self.committed = None, None, set()
 
     def commit_now(self):
         if self.in_flight is not None:
             step_dir = self.directory / f"step_{self.in_flight:08d}"
             step_dir.mkdir(parents=True)
             (step_dir / "COMMITTED").write_text("{}")
+            self.committed.add(self.in_flight)
             self.in_flight = None
+
+    def committed_here(self, step):
+        return step in self.committed
 
     def wait(self):
         if self.error is not None:
@@ -244,6 +248,42 @@ def test_async_save_is_started_first_and_committed_when_known(tmp_path):
             ("save_started", 5),
             ("committed", 5),
         ]
+
+
+class _UnreachableStore:
+    """An object-store location in an outage: each request (a marker's HEAD) fails after
+    obstore's minutes of retries; counted."""
+
+    url = "s3://bucket/run"
+
+    def __init__(self, name: str = ""):
+        self.name, self.requests = name, [0]
+
+    def __truediv__(self, part: str):
+        key = _UnreachableStore(f"{self.name}/{part}")
+        key.requests = self.requests
+        return key
+
+    def stat(self):
+        self.requests[0] += 1
+        raise OSError(110, "Connection timed out")
+
+
+def test_a_pending_save_is_polled_from_the_manager_not_the_location(tmp_path):
+    """An S3 outage held an asynchronous save's training loop for minutes at every step:
+    each step boundary asked the store for the pending step's marker."""
+    mgr = _FakeManager(tmp_path / "checkpoints")
+    mgr.directory = store = _UnreachableStore()
+    mgr.commit_now = lambda: mgr.committed.add(mgr.in_flight)
+    with _session(tmp_path, mgr) as session:
+        assert session.save(_state(2), {}, force=True, reason="policy")
+        for step in (3, 4, 5):
+            session.save(_state(step), {}, force=False, reason="policy")
+        assert store.requests[0] == 0, "no request to the location while the save is pending"
+        mgr.commit_now()
+        session.save(_state(6), {}, force=False, reason="policy")
+        assert _kinds(tmp_path) == [("save_started", 2), ("committed", 2)]
+        assert store.requests[0] <= 1, "at most the marker's stats, once, at the commit"
 
 
 def test_an_old_directory_of_the_same_step_is_not_taken_for_the_commit(tmp_path):
