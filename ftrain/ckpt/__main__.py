@@ -252,11 +252,19 @@ def _gone_how(root, step: int, doing: str = "reading") -> str | None:
     invalid: dict = {}  # quietly: the first listing reported the invalid ones
     steps = protocol.committed_steps(root, on_invalid=invalid.__setitem__)
     name = protocol.step_dirname(step)
-    if step in steps or any(getattr(p, "name", None) == name for p in invalid):
+    why = next((r for p, r in invalid.items() if getattr(p, "name", None) == name), None)
+    if step in steps or (why is not None and not _deleting(root, why)):
         return None
     if step in protocol.set_aside_steps(root):
         return f"set aside while {doing} (a resume went back past it; kept, not a checkpoint)"
     return f"deleted while {doing} (a live run's retention)"
+
+
+def _deleting(root, why: str) -> bool:
+    """A step that had its marker when listed, listed again without it on an object store:
+    retention and a set-aside delete the marker first, then the rest (one request at a
+    time), so this is a delete under way, not damage (a local step leaves in one rename)."""
+    return not isinstance(root, Path) and protocol.UNFINISHED in why
 
 
 def _bits(t):

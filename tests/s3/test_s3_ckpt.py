@@ -393,6 +393,31 @@ def test_the_ckpt_tool_on_a_bucket(bucket, s3, capsys):
     assert main(["list", url]) == 0
 
 
+def test_verify_beside_retention_on_a_bucket_calls_a_step_deleted_under_it_gone(
+    bucket, s3, monkeypatch, capsys
+):
+    """Retention on a store deletes a step's marker first, then its other objects: a
+    verify reading it meanwhile listed it again marker-less and said BAD (exit 1 on every
+    retention cycle of a live run's bucket)."""
+    from ftrain.ckpt import __main__ as cli
+
+    url = f"s3://{bucket}/ck"
+    m = CheckpointManager(url, async_save=False, chunk_bytes=1024)
+    for step in (1, 2):
+        m.save(make_state(step))
+    real = cli.verify_tree
+
+    def retention_under_way(path, manifest):
+        if path.name == "step_00000001":  # the marker gone, then the first document
+            s3.delete_object(Bucket=bucket, Key="ck/step_00000001/COMMITTED")
+            s3.delete_object(Bucket=bucket, Key="ck/step_00000001/params/w/zarr.json")
+        return real(path, manifest)
+
+    monkeypatch.setattr(cli, "verify_tree", retention_under_way)
+    rc, out = cli.main(["verify", url]), capsys.readouterr().out
+    assert rc == 0 and "gone step 1: deleted while verifying" in out, out
+
+
 def test_an_s3_fallback_takes_saves_when_the_local_primary_fails(bucket, tmp_path, monkeypatch):
     from ftrain.ckpt import manager
 
