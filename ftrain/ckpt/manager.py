@@ -76,6 +76,7 @@ from ftrain.ckpt.reader import read_tree, specs_of
 from ftrain.ckpt.store import (
     DEFAULT_WORKERS,
     check_chunk_sizes,
+    check_key_lengths,
     check_path_lengths,
     groups_and_arrays,
     write_tree,
@@ -566,6 +567,8 @@ class CheckpointManager:
         check_chunk_sizes(leaves, self.chunk_bytes, self.compression, rows_only=sharded)
         if isinstance(self._dirs[0], Path):  # a fallback too long fails there, if ever used
             check_path_lengths(self._dirs[0], leaves)
+        else:
+            check_key_lengths(self._dirs[0].url, leaves)
         return leaves
 
     @property

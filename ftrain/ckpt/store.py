@@ -56,6 +56,7 @@ from ftrain.state.tree import nodes_and_leaves
 
 __all__ = [
     "check_chunk_sizes",
+    "check_key_lengths",
     "check_path_lengths",
     "groups_and_arrays",
     "merge_manifests",
@@ -133,17 +134,44 @@ def check_path_lengths(directory: Path, arrays: dict[str, torch.Tensor]) -> None
     the writer failed later (at ``wait()``, an async save) with ``ENAMETOOLONG`` naming a
     4 KB path, not the key, and the failure sent the save to the fallback directory."""
     base = len(os.fsencode(os.path.abspath(directory))) + _STEP_NAME_ROOM
+    for key, need in _needs(base, arrays):
+        if need >= _PATH_MAX:
+            raise ValueError(
+                f"leaf {key[:60]!r}... needs a path of about {need} bytes under "
+                f"{_shown(directory)}; the kernel takes at most {_PATH_MAX - 1}: shorten its "
+                "keys or nest them less (or save into a directory with a shorter path)"
+            )
+
+
+_OBJECT_KEY_MAX = 1024  # bytes in an object's key: S3, Google Cloud Storage, Azure Blob
+
+
+def check_key_lengths(url: str, arrays: dict[str, torch.Tensor]) -> None:
+    """Every chunk's object key fits the stores' 1,024 bytes under the location ``url``
+    (``s3://bucket/prefix``): past it every save failed at its first upload and went to
+    the fallback, or failed, ``checkpoint.every_steps`` of compute lost each time."""
+    from urllib.parse import urlsplit
+
+    base = len(urlsplit(url).path.strip("/").encode()) + 1 + _STEP_NAME_ROOM
+    for key, need in _needs(base, arrays):
+        if need > _OBJECT_KEY_MAX:
+            raise ValueError(
+                f"leaf {key[:60]!r}... needs an object key of about {need} bytes under "
+                f"{_shown(url)}; object stores take at most {_OBJECT_KEY_MAX}: shorten its "
+                "keys or nest them less (or use a shorter prefix)"
+            )
+
+
+def _needs(base: int, arrays: dict[str, torch.Tensor]):
+    """``(key, bytes)``: the longest name a leaf's files take, ``base`` bytes under it."""
     for key, t in arrays.items():
         first = len(str(max(t.shape[0] - 1, 0))) if t.dim() else 1  # chunks split dim 0
         chunk = 3 + first + 2 * max(t.dim() - 1, 0)  # "/c.11.0": one file name per chunk
-        need = base + len(key.encode()) + max(chunk, len("/zarr.json"))
-        if need >= _PATH_MAX:
-            shown = str(directory) if len(str(directory)) <= 80 else f"{str(directory)[:60]}..."
-            raise ValueError(
-                f"leaf {key[:60]!r}... needs a path of about {need} bytes under {shown}; "
-                f"the kernel takes at most {_PATH_MAX - 1}: shorten its keys or nest them less "
-                "(or save into a directory with a shorter path)"
-            )
+        yield key, base + len(key.encode()) + max(chunk, len("/zarr.json"))
+
+
+def _shown(where) -> str:
+    return str(where) if len(str(where)) <= 80 else f"{str(where)[:60]}..."
 
 
 def check_chunk_sizes(

@@ -29,7 +29,7 @@ from ftrain.ckpt import (
     LatestN,
 )
 from ftrain.ckpt.location import is_object_url
-from ftrain.ckpt.store import check_path_lengths, groups_and_arrays
+from ftrain.ckpt.store import check_key_lengths, check_path_lengths, groups_and_arrays
 from ftrain.cli.finetune import group_settings, labeller, lora_enabled, uses_groups
 from ftrain.cli.targets import (
     build_optimizer,
@@ -463,16 +463,20 @@ def build_manager(cfg: DictConfig) -> CheckpointManager:
 
 
 def check_checkpoint_paths(cfg: DictConfig, fresh: TensorDictBase) -> None:
-    """Every chunk of this state fits PATH_MAX under the local checkpoint directories: a
-    ``checkpoint.dir`` of ~4,000 bytes trained until its first save failed (ENAMETOOLONG,
-    the emergency save too), ``checkpoint.every_steps`` of compute lost per attempt."""
+    """Every chunk of this state fits PATH_MAX under the local checkpoint directories, and
+    an object store's 1,024-byte keys under a URL: a ``checkpoint.dir`` of ~4,000 bytes
+    trained until its first save failed (ENAMETOOLONG, the emergency save too),
+    ``checkpoint.every_steps`` of compute lost per attempt."""
     leaves = groups_and_arrays(fresh)[1]
     for key in ("dir", "fallback_dir"):
         where = cfg.checkpoint[key]
-        if not where or is_object_url(str(where)):
+        if not where:
             continue
         try:
-            check_path_lengths(Path(where), leaves)
+            if is_object_url(str(where)):  # a store's keys: 1,024 bytes
+                check_key_lengths(str(where), leaves)
+            else:
+                check_path_lengths(Path(where), leaves)
         except ValueError as err:
             raise ConfigError(f"checkpoint.{key} is too long for this state: {err}") from None
 

@@ -418,6 +418,20 @@ def test_verify_beside_retention_on_a_bucket_calls_a_step_deleted_under_it_gone(
     assert rc == 0 and "gone step 1: deleted while verifying" in out, out
 
 
+def test_a_key_past_the_stores_1024_bytes_is_refused_before_any_upload(bucket, s3):
+    """S3, GCS and Azure take keys of at most 1,024 bytes (moto takes longer ones): a
+    960-character prefix trained, and on a real store every save would have failed at its
+    first upload."""
+    from ftrain.ckpt.store import check_key_lengths
+
+    url = f"s3://{bucket}/" + "p" * 960
+    m = CheckpointManager(url, async_save=False)
+    with pytest.raises(ValueError, match=r"needs an object key of about \d+ bytes.*at most 1024"):
+        m.save(make_state(1))
+    assert not objects(s3, bucket), "nothing uploaded"
+    check_key_lengths(f"s3://{bucket}/" + "p" * 900, {"params/w": make_state(1)["params", "w"]})
+
+
 def test_an_s3_fallback_takes_saves_when_the_local_primary_fails(bucket, tmp_path, monkeypatch):
     from ftrain.ckpt import manager
 
