@@ -246,7 +246,7 @@ def compat_diff(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     a = {k: v(a) if callable(v) else v for k, v in ADDED_KEYS.items() if k in b} | a
     bad, safe = [], []
     for key in sorted((set(a) | set(b)) - {"resume"}):  # how a start picks its step
-        if a.get(key) == b.get(key) or _lora_off_on_both(a, b, key):
+        if a.get(key) == b.get(key) or _read_by_neither(a, b, key):
             continue
         if not _same_place(key, a.get(key), b.get(key)):
             line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
@@ -260,12 +260,21 @@ def _no_effect(key: str) -> str:
     return f" (no effect on a resume: {why})" if why else ""
 
 
-def _lora_off_on_both(a: dict, b: dict, key: str) -> bool:
-    """A LoRA setting changed while LoRA is off (``model.lora.rank=0``) before and after:
-    no adapter exists, so nothing a step computes changed (refused as if it had)."""
-    return key.startswith("model.lora.") and a.get("model.lora.rank") == 0 == b.get(
-        "model.lora.rank"
-    )
+def _read_by_neither(a: dict, b: dict, key: str) -> bool:
+    """A setting neither config reads, so nothing a step computes changed (refused as if it
+    had): a LoRA setting while LoRA is off (``model.lora.rank=0``) before and after, or one
+    the option both chose ignores (``optim.momentum`` under adamw, ``data.dtype`` of the
+    byte-level corpora)."""
+    from ftrain.cli.targets import unused_keys
+
+    if key.startswith("model.lora."):
+        return a.get("model.lora.rank") == 0 == b.get("model.lora.rank")
+    parts = key.split(".")
+    group, leaf = parts[0], parts[-1]
+    in_group = len(parts) == 2 or (group == "optim" and len(parts) == 4 and parts[1] == "groups")
+    target = a.get(f"{group}._target_")
+    same = isinstance(target, str) and target == b.get(f"{group}._target_")
+    return in_group and same and leaf in unused_keys(group, target)
 
 
 def _group_order_change(saved: dict, current: dict) -> list[str]:

@@ -232,6 +232,17 @@ _UNUSED_BY = {
 }
 
 
+def unused_keys(group: str, target: object) -> frozenset[str]:
+    """The settings of config group ``group`` that its built-in option ``target`` does not
+    read (``optim.momentum`` under adamw): a change of one changes nothing a step computes.
+
+    Example:
+        >>> sorted(unused_keys("optim", "ftrain.cli.targets.adamw"))
+        ['momentum', 'nesterov']
+    """
+    return frozenset(_UNUSED_BY.get((group, target), ()))
+
+
 def unused_option_settings(cfg: DictConfig) -> list[str]:
     """Warnings for settings the chosen built-in option ignores, set away from their
     default (``optim=adamw optim.momentum=0.9``, ``schedule=constant

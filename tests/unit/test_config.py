@@ -107,6 +107,11 @@ def test_compat_diff_separates_safe_and_unsafe_changes():
     # settings of LoRA while it is off before and after change nothing a step computes
     off = to_plain(load_config(["model.lora.alpha=8", "model.lora.targets=[c_proj]"]))
     assert compat_diff(a, off) == ([], [])
+    # a setting the chosen option does not read (its start-up warning says so)
+    for unread in (["optim.momentum=0.9"], ["optim.nesterov=true"]):
+        assert compat_diff(a, to_plain(load_config(unread))) == ([], []), unread
+    sgd = to_plain(load_config(["optim=sgd"]))
+    assert compat_diff(sgd, to_plain(load_config(["optim=sgd", "optim.momentum=0.5"])))[0]
     on = ["model.lora.rank=4"]
     assert compat_diff(
         to_plain(load_config(on)), to_plain(load_config([*on, "model.lora.alpha=8"]))
