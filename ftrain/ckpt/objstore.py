@@ -62,7 +62,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import obstore
@@ -513,11 +513,15 @@ class ObjectRoot:
         return manifest
 
     def abort_step(self, key: ObjectKey) -> None:
-        """Best effort: delete what a failed save uploaded (never a marker in place)."""
+        """Best effort: delete what a failed save uploaded (never a marker in place). With
+        the quick retries of :meth:`probe`: after an upload that failed in an outage, the
+        cleanup's own 3 minutes of retries held back the save to the fallback location
+        (280 s in all in a hunt); a leftover is swept at a later start."""
+        quick = self if self.probe_store is None else replace(self, store=self.probe_store)
         try:
-            objects = [m["path"] for m in self.list(key.key + "/")]
+            objects = [m["path"] for m in quick.list(key.key + "/")]
             if f"{key.key}/{protocol.MARKER}" not in objects:
-                self.delete(objects)
+                quick.delete(objects)
         except Exception as e:  # noqa: BLE001 - the original error matters more
             log.warning("could not remove the partial upload %s: %s", key, e)
 

@@ -432,6 +432,22 @@ def test_a_key_past_the_stores_1024_bytes_is_refused_before_any_upload(bucket, s
     check_key_lengths(f"s3://{bucket}/" + "p" * 900, {"params/w": make_state(1)["params", "w"]})
 
 
+def test_a_failed_uploads_cleanup_uses_the_quick_retries(bucket, s3, monkeypatch):
+    """In an outage the cleanup of a failed upload retried for minutes itself before the
+    save could go to the fallback location."""
+    from ftrain.ckpt.objstore import ObjectRoot
+
+    root = ObjectRoot.open(f"s3://{bucket}/ck")
+    s3.put_object(Bucket=bucket, Key="ck/step_00000001/params/w/c.0", Body=b"part")
+    stores, real = [], ObjectRoot.list
+    monkeypatch.setattr(
+        ObjectRoot, "list", lambda self, p: stores.append(self.store) or real(self, p)
+    )
+    root.abort_step(root / "step_00000001")
+    assert stores == [root.probe_store] and root.probe_store is not root.store
+    assert not objects(s3, bucket, "ck/step_00000001/"), "the partial upload is gone"
+
+
 def test_an_s3_fallback_takes_saves_when_the_local_primary_fails(bucket, tmp_path, monkeypatch):
     from ftrain.ckpt import manager
 
