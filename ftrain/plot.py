@@ -22,6 +22,7 @@ from pathlib import Path
 from ftrain._stdio import run_tool
 from ftrain.metrics import read_records
 from ftrain.metrics.history import commits_on_line
+from ftrain.metrics.jsonl import nonfinite_value
 
 __all__ = ["NothingToPlot", "commit_steps", "main", "plot_run", "segments", "smooth"]
 
@@ -105,15 +106,12 @@ def commit_steps(records: list[dict]) -> list[int]:
     return commits_on_line(records)
 
 
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as metrics.jsonl writes
-
-
 def _number(value) -> float | None:
     """A metric's value: a number, or the text metrics.jsonl writes for NaN and inf (a
     diverged step must show as a gap, not vanish under a line drawn over it)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         return value if abs(value) <= _DRAWABLE else math.nan  # a gap: no axis spans 1e308
-    return _NONFINITE.get(value) if isinstance(value, str) else None
+    return nonfinite_value(value)
 
 
 def _series(seg: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:

@@ -39,6 +39,16 @@ def json_safe(value):
     return value
 
 
+# what json_safe writes for a non-finite float, read back
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def nonfinite_value(value: object) -> float | None:
+    """The float a ``metrics.jsonl`` text stands for (``"nan"`` -> NaN; :func:`json_safe`
+    in reverse), else ``None``."""
+    return _NONFINITE.get(value) if isinstance(value, str) else None
+
+
 class MetricsWriter:
     """Append records to ``RUN_DIR/metrics.jsonl`` (only on the rank that writes).
 

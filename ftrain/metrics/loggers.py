@@ -776,13 +776,14 @@ def _close_one(name: str, logger: Logger) -> None:
 
 
 _NOT_METRICS = ("step", "time", "kind")
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as metrics.jsonl writes
 
 
 def replayed_values(record: Mapping[str, Any]) -> dict[str, float]:
     """The values a logger was given for a ``metrics.jsonl`` record: its numbers, with the
     text the file holds for a non-finite one (``"nan"``) read back as that number."""
-    back = {k: _NONFINITE[v] for k, v in record.items() if isinstance(v, str) and v in _NONFINITE}
+    from ftrain.metrics.jsonl import nonfinite_value
+
+    back = {k: nonfinite_value(v) for k, v in record.items() if nonfinite_value(v) is not None}
     return _numeric({**record, **back})
 
 
